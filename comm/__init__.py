@@ -1,0 +1,3 @@
+from atoll.comm.group import Group
+
+__all__ = ["Group"]

@@ -1,0 +1,119 @@
+"""Group: one process group with the collectives atoll's layers use.
+
+Every collective in atoll goes through a Group, so each call and byte is counted and a
+size-1 group costs nothing. Works over NCCL (GPU) and gloo (CPU); gloo lacks
+reduce_scatter, which is then an all_reduce followed by a local slice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+
+class Group:
+    def __init__(self, pg=None, ranks=(0,), rank: int = 0, name: str = ""):
+        self.pg = pg
+        self.ranks = tuple(ranks)  # global ranks, in group order
+        self.rank = self.ranks.index(rank)  # this process's index inside the group
+        self.size = len(self.ranks)
+        self.name = name
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()  # bytes this rank sent, per operation
+
+    @classmethod
+    def single(cls, name: str = "") -> "Group":
+        return cls(None, (0,), 0, name)
+
+    @classmethod
+    def from_torch(cls, pg=None, name: str = "") -> "Group":
+        """Wrap a process group another engine made (None: the default world group)."""
+        pg = pg if pg is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        return cls(pg, ranks, dist.get_rank(), name)
+
+    def __repr__(self):
+        return f"Group({self.name or '?'}, rank {self.rank} of {self.ranks})"
+
+    def _count(self, op: str, nbytes: int):
+        self.calls[op] += 1
+        self.bytes[op] += int(nbytes)
+
+    @property
+    def _gloo(self) -> bool:
+        return dist.get_backend(self.pg) == "gloo"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place; returns x."""
+        if self.size == 1:
+            return x
+        self._count("all_reduce", x.numel() * x.element_size())
+        dist.all_reduce(x, group=self.pg)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's x along dim, in group order."""
+        if self.size == 1:
+            return x
+        self._count("all_gather", x.numel() * x.element_size())
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.pg)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Sum over the group, then keep this rank's 1/size chunk along dim."""
+        if self.size == 1:
+            return x
+        if x.shape[dim] % self.size:
+            raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} not divisible by {self.size}")
+        self._count("reduce_scatter", x.numel() * x.element_size())
+        if self._gloo:
+            summed = x.clone()
+            dist.all_reduce(summed, group=self.pg)
+            return summed.chunk(self.size, dim=dim)[self.rank].contiguous()
+        x = x.movedim(dim, 0).contiguous()
+        out = torch.empty((x.shape[0] // self.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, group=self.pg)
+        return out.movedim(0, dim)
+
+    def all_to_all(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Rows x[sum(send_splits[:j]) : ...] go to rank j; returns rows received, in rank order."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        self._count("all_to_all", (sum(send_splits) - send_splits[self.rank]) * row)
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes=list(recv_splits),
+                               input_split_sizes=list(send_splits), group=self.pg)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x from group rank src to every rank, in place; returns x."""
+        if self.size == 1:
+            return x
+        if self.rank == src:
+            self._count("broadcast", x.numel() * x.element_size())
+        dist.broadcast(x, src=self.ranks[src], group=self.pg)
+        return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        self._count("send", x.numel() * x.element_size())
+        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.pg)
+
+    def recv(self, shape, dtype: torch.dtype, src: int, device="cpu") -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        self.calls["recv"] += 1
+        dist.recv(out, src=self.ranks[src], group=self.pg)
+        return out
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.pg)
+
+    def reset_counters(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()

@@ -1,0 +1,36 @@
+"""Errors a user can cause. The CLI prints their one line and exits 2."""
+
+
+class AtollError(Exception):
+    """Base for every error caused by user input or the environment."""
+
+
+class ConfigError(AtollError):
+    """A model config, topology or option that atoll cannot use."""
+
+
+class LayoutError(AtollError):
+    """A parallel layout that the model or the world size does not admit."""
+
+
+class CheckpointError(AtollError):
+    """A checkpoint directory or file that is missing, incomplete or corrupt."""
+
+
+class InputError(AtollError):
+    """A prompt or request that cannot be served (empty file, too long, bad JSON)."""
+
+
+class LaunchError(AtollError):
+    """Ranks could not be started, or a launcher's package is missing."""
+
+
+class RankFailure(AtollError):
+    """A rank raised or died; carries which one and why."""
+
+    def __init__(self, rank: int, cause: str, node: str | None = None):
+        where = f"rank {rank}" + (f" on {node}" if node else "")
+        super().__init__(f"{where} failed: {cause}")
+        self.rank = rank
+        self.cause = cause
+        self.node = node

@@ -1,0 +1,159 @@
+"""ModelConfig: the numbers atoll needs from a Hugging Face config.json, validated once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from atoll.errors import ConfigError
+
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+SUPPORTED = DENSE_TYPES + MOE_TYPES
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    # MoE (num_experts == 0 means dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    norm_topk_prob: bool = True
+    # MLA (DeepSeek); kv_lora_rank == 0 means ordinary multi-head / grouped-query attention
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, repr=False, compare=False, hash=False)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"top-k num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                f"num_experts={self.num_experts}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        mt = d.get("model_type")
+        if mt not in SUPPORTED:
+            arch = (d.get("architectures") or [mt])[0]
+            raise ConfigError(
+                f"unsupported architecture {arch!r} (model_type={mt!r}); "
+                f"supported model types: {', '.join(SUPPORTED)}"
+            )
+        need = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise ConfigError(f"model config lacks {', '.join(missing)}")
+        heads = d["num_attention_heads"]
+        kv = d.get("num_key_value_heads") or heads
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        eos = d.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling")
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = dict(rope_params)
+        kw = dict(
+            model_type=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d.get("intermediate_size", 0),
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", mt in ("qwen2", "qwen2_moe"))),
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", mt == "mistral") else None,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            raw=d,
+        )
+        if mt == "mixtral":
+            kw.update(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                      moe_intermediate_size=d["intermediate_size"])
+        elif mt in ("qwen2_moe", "qwen3_moe"):
+            kw.update(num_experts=d["num_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                      moe_intermediate_size=d["moe_intermediate_size"],
+                      shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0),
+                      norm_topk_prob=bool(d.get("norm_topk_prob", mt == "qwen3_moe")))
+        elif mt == "deepseek_v3":
+            kw.update(num_experts=d["n_routed_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+                      moe_intermediate_size=d["moe_intermediate_size"],
+                      shared_expert_intermediate_size=d["moe_intermediate_size"] * d.get("n_shared_experts", 1),
+                      first_k_dense_replace=d.get("first_k_dense_replace", 0),
+                      norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                      kv_lora_rank=d.get("kv_lora_rank", 0), q_lora_rank=d.get("q_lora_rank") or 0,
+                      qk_rope_head_dim=d.get("qk_rope_head_dim", 0),
+                      qk_nope_head_dim=d.get("qk_nope_head_dim", 0),
+                      v_head_dim=d.get("v_head_dim", 0),
+                      head_dim=d.get("qk_rope_head_dim", 0) + d.get("qk_nope_head_dim", 0) or head_dim)
+        try:
+            return cls(**kw)
+        except (TypeError, KeyError) as e:
+            raise ConfigError(f"model config for {mt} is incomplete: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        """From a checkpoint directory or a config.json file."""
+        p = Path(path)
+        f = p / "config.json" if p.is_dir() else p
+        if not f.exists():
+            raise ConfigError(f"no config.json at {p}")
+        try:
+            d = json.loads(f.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{f} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{f} does not hold a JSON object")
+        try:
+            return cls.from_dict(d)
+        except KeyError as e:
+            raise ConfigError(f"model config {f} lacks the field {e.args[0]!r}") from None
