@@ -16,6 +16,7 @@ COMMANDS = {
     "convert": "atoll.launch.cmd_convert",
     "plan": "atoll.launch.cmd_plan",
     "topo": "atoll.launch.cmd_topo",
+    "bench": "atoll.launch.cmd_bench",
 }
 
 

@@ -1,0 +1,136 @@
+"""Spawn one process per rank on this machine (gloo on 127.0.0.1) and collect results.
+
+The driver watches every rank: the first rank that raises or dies ends the whole job
+within seconds, and the error names the rank and the cause. Nothing waits for a
+collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+from atoll.errors import LaunchError, RankFailure
+
+_POLL_S = 0.1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, addr: str, port: int, *, backend: str = "gloo",
+                     timeout_s: float = 600.0) -> None:
+    import torch.distributed as dist
+
+    if backend == "gloo" and addr.startswith("127."):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's own sockets on loopback
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _entry(fn, rank, world_size, port, results, threads, args, kwargs):
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        if world_size > 1:
+            init_distributed(rank, world_size, "127.0.0.1", port)
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put(("ok", rank, value))
+    except BaseException as e:  # report every failure to the driver, then leave
+        from atoll.errors import AtollError
+
+        line = str(e) if isinstance(e, AtollError) else f"{type(e).__name__}: {e}"
+        results.put(("error", rank, line, traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    results.close()
+    results.join_thread()
+    os._exit(0)  # skip process-group teardown, which can block if a peer already left
+
+
+def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
+              threads: int | None = None, **kwargs) -> list:
+    """Run fn(rank, world_size, *args, **kwargs) in world_size processes; return their values.
+
+    fn must be importable (module level). Raises RankFailure naming the first rank that
+    raised or died, after ending every other rank.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs = [ctx.Process(target=_entry, daemon=True,
+                         args=(fn, r, world_size, port, results, threads, args, kwargs))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: dict[int, object] = {}
+    exited_at: dict[int, float] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while len(values) < world_size:
+            try:
+                msg = results.get(timeout=_POLL_S)
+            except queue.Empty:
+                msg = None
+            if msg is not None:
+                if msg[0] == "error":
+                    raise RankFailure(msg[1], msg[2]) from _RemoteTraceback(msg[3])
+                values[msg[1]] = msg[2]
+                continue
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if rank in values or p.exitcode is None:
+                    continue
+                if p.exitcode != 0:
+                    raise RankFailure(rank, _describe_exit(p.exitcode))
+                # exited cleanly: its result may still be in the pipe; allow a moment
+                if now - exited_at.setdefault(rank, now) > 5.0:
+                    raise RankFailure(rank, "exited without a result")
+            if deadline is not None and now > deadline:
+                missing = [r for r in range(world_size) if r not in values]
+                raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
+    finally:
+        _stop(procs)
+    return [values[r] for r in range(world_size)]
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + 3.0
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=1.0)
+
+
+class _RemoteTraceback(Exception):
+    """The failing rank's traceback, chained under RankFailure for debugging."""
+
+    def __str__(self):
+        return "\n" + self.args[0]
