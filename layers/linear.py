@@ -1,0 +1,139 @@
+"""Tensor-parallel linear layers, built already sharded.
+
+Each weight carries a `weight_loader(param, src, shard=None)` that reads only this rank's
+slice from `src`, a lazy checkpoint tensor (safetensors slice) indexed like a tensor.
+Weights follow torch's [out_features, in_features] convention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atoll.comm.group import Group
+
+
+def divide(n: int, d: int, what: str = "size") -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by {d}")
+    return n // d
+
+
+def _param(*shape, dtype=None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype or torch.get_default_dtype()), requires_grad=False)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch: parameter slice {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[:, out/tp] = x[:, in] W[out/tp, in]^T; no collective (the next RowParallel reduces)."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False, dtype=None):
+        super().__init__()
+        self.group = group
+        self.in_features = in_features
+        self.out_local = divide(out_features, group.size, "out_features")
+        self.weight = _param(self.out_local, in_features, dtype=dtype)
+        self.weight.weight_loader = self._load_rows
+        self.bias = None
+        if bias:
+            self.bias = _param(self.out_local, dtype=dtype)
+            self.bias.weight_loader = self._load_rows
+
+    def _load_rows(self, param, src, shard=None):
+        start = self.group.rank * self.out_local
+        copy_into(param.data, src[start:start + self.out_local])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [tokens, out/tp]
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one weight (gate and up): each rank holds its
+    slice of every part, concatenated: [gate/tp ; up/tp]."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], group: Group, *, bias: bool = False, dtype=None):
+        self.part_local = [divide(n, group.size, "out_features") for n in out_sizes]
+        super().__init__(in_features, sum(out_sizes), group, bias=bias, dtype=dtype)
+
+    def _load_rows(self, param, src, shard: int = 0):
+        n = self.part_local[shard]
+        offset = sum(self.part_local[:shard])
+        start = self.group.rank * n
+        copy_into(param.data[offset:offset + n], src[start:start + n])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k, v projections in one weight, split by heads. When kv_heads < tp each KV head
+    is replicated on tp/kv_heads ranks (rank r holds KV head r // (tp/kv_heads))."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, group: Group,
+                 *, bias: bool = False, dtype=None):
+        tp = group.size
+        self.head_dim = head_dim
+        self.heads_local = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.kv_local = divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_start = group.rank * self.kv_local
+        else:
+            self.kv_local = 1
+            self.kv_start = group.rank // divide(tp, num_kv_heads, "tp over num_key_value_heads")
+        self.q_size = self.heads_local * head_dim
+        self.kv_size = self.kv_local * head_dim
+        out_total = (self.heads_local + 2 * self.kv_local) * head_dim * tp
+        super().__init__(hidden, out_total, group, bias=bias, dtype=dtype)
+
+    def _load_rows(self, param, src, shard: str = "q"):
+        if shard == "q":
+            offset, n, start = 0, self.q_size, self.group.rank * self.q_size
+        else:
+            offset = self.q_size + (self.kv_size if shard == "v" else 0)
+            n, start = self.kv_size, self.kv_start * self.head_dim
+        copy_into(param.data[offset:offset + n], src[start:start + n])
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y[:, out] = sum over tp of x[:, in/tp] W[out, in/tp]^T: one all_reduce."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False, dtype=None):
+        super().__init__()
+        self.group = group
+        self.in_local = divide(in_features, group.size, "in_features")
+        self.weight = _param(out_features, self.in_local, dtype=dtype)
+        self.weight.weight_loader = self._load_cols
+        self.bias = None
+        if bias:  # added once, after the reduction
+            self.bias = _param(out_features, dtype=dtype)
+            self.bias.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
+
+    def _load_cols(self, param, src, shard=None):
+        start = self.group.rank * self.in_local
+        copy_into(param.data, src[:, start:start + self.in_local])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(F.linear(x, self.weight))  # [tokens, out]
+        return y if self.bias is None else y + self.bias
+
+
+class ReplicatedLinear(nn.Module):
+    """The full weight on every rank (routers, small projections)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype=None):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype)
+        self.weight.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
+        self.bias = None
+        if bias:
+            self.bias = _param(out_features, dtype=dtype)
+            self.bias.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)

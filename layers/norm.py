@@ -1,0 +1,21 @@
+import torch
+from torch import nn
+
+from atoll.layers.linear import _param, copy_into
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as the Llama family defines it."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype)
+        self.weight.data.fill_(1.0)
+        self.weight.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)

@@ -1,0 +1,125 @@
+"""Read a Hugging Face safetensors checkpoint one slice at a time.
+
+`Checkpoint(dir).get(name)` returns a lazy source: indexing it (`src[a:b]`, `src[:, a:b]`)
+reads only that slice from the file. Every byte handed out is counted, so a test can show
+that a rank read about 1/tp of its stage's weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from atoll.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+
+
+class Source:
+    """One checkpoint tensor, read lazily; indexing returns a torch tensor."""
+
+    def __init__(self, name: str, slice_, checkpoint: "Checkpoint"):
+        self.name = name
+        self._slice = slice_
+        self._ckpt = checkpoint
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    def __getitem__(self, index):
+        t = self._slice[index]
+        self._ckpt.bytes_read += t.numel() * t.element_size()
+        self._ckpt.tensors_read[self.name] = self._ckpt.tensors_read.get(self.name, 0) + t.numel()
+        return t
+
+
+class Checkpoint:
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        self._files: dict[str, object] = {}
+        self.weight_map = self._weight_map()
+        self.bytes_read = 0
+        self.tensors_read: dict[str, int] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.dir / INDEX
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+            for f in sorted(set(weight_map.values())):
+                if not (self.dir / f).exists():
+                    raise CheckpointError(f"shard {f} listed in {INDEX} is missing from {self.dir}")
+            return weight_map
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {self.dir}")
+        return {name: f.name for f in files for name in self._open(f.name).keys()}
+
+    def _open(self, filename: str):
+        handle = self._files.get(filename)
+        if handle is None:
+            from safetensors import safe_open
+
+            try:
+                handle = safe_open(str(self.dir / filename), framework="pt")
+            except Exception as e:  # safetensors raises its own error type for bad headers
+                raise CheckpointError(f"cannot read {self.dir / filename}: corrupt safetensors header ({e})") from None
+            self._files[filename] = handle
+        return handle
+
+    def check(self) -> None:
+        """Open every shard's header once, so bad files fail before any rank starts."""
+        for f in sorted(set(self.weight_map.values())):
+            self._open(f)
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def get(self, name: str) -> Source:
+        if name not in self.weight_map:
+            raise CheckpointError(f"checkpoint {self.dir} has no tensor {name}")
+        return Source(name, self._open(self.weight_map[name]).get_slice(name), self)
+
+    def total_bytes(self) -> int:
+        total = 0
+        for name in self.weight_map:
+            s = self._open(self.weight_map[name]).get_slice(name)
+            n = 1
+            for d in s.get_shape():
+                n *= d
+            total += n * _DTYPE_BYTES.get(s.get_dtype(), 4)
+        return total
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+
+
+def load_weights(model, ckpt: Checkpoint) -> None:
+    """Hand each checkpoint tensor that this rank holds to its parameter's weight_loader.
+
+    `model.checkpoint_targets(name)` maps a checkpoint name to (parameter name, shard id)
+    pairs; tensors of other stages map to parameters this rank lacks and are never read.
+    """
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name in ckpt.names():
+        for target, shard in model.checkpoint_targets(name):
+            param = params.get(target)
+            if param is None:
+                continue
+            try:
+                param.weight_loader(param, ckpt.get(name), shard)
+            except ValueError as e:
+                raise CheckpointError(f"tensor {name} does not fit the model config: {e}") from None
+            loaded.add((target, shard))
+    needed = {(t, s) for t, s in model.expected_shards()}
+    missing = sorted(t for t, s in needed - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt.dir} lacks tensors for {', '.join(missing[:4])}"
+                              + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))

@@ -1,0 +1,138 @@
+"""The Llama family as transformers defines it: Llama 2/3, Mistral, Qwen2 (qkv bias) and
+Qwen3 (per-head q/k RMSNorm), tied or untied embeddings. Holds this rank's pipeline stage
+only; module names mirror transformers' so checkpoint names map one to one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atoll.layers.attention import AttentionMetadata, attend, write_cache
+from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from atoll.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from atoll.layers.norm import RMSNorm
+from atoll.layers.rotary import RotaryEmbedding
+from atoll.models.config import ModelConfig
+from atoll.parallel.mesh import ParallelContext
+from atoll.parallel.pipeline import stage_layers
+
+_STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding, dtype):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, ctx.tp, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, ctx.tp, dtype=dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = rotary
+        self.sliding_window = cfg.sliding_window
+
+    def forward(self, x, meta: AttentionMetadata, k_cache, v_cache):
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(len(x), -1, self.head_dim)  # [tokens, heads/tp, head_dim]
+        k = k.view(len(x), -1, self.head_dim)  # [tokens, kv_heads/tp (>= 1), head_dim]
+        v = v.view(len(x), -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, meta.positions)
+        write_cache(k_cache, v_cache, k, v, meta)
+        out = attend(q, k_cache, v_cache, meta, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(len(x), -1))  # [tokens, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], ctx.tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, ctx.tp, dtype=dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [tokens, inter/tp] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary, dtype, mlp: nn.Module | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, ctx, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, ctx, dtype)
+
+    def forward(self, h, meta, k_cache, v_cache):
+        h = h + self.self_attn(self.input_layernorm(h), meta, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, start: int, end: int, dtype, make_mlp=None):
+        super().__init__()
+        self.start, self.end = start, end
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        if ctx.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.tp, dtype=dtype)
+        # keyed by global layer index, so parameter names match the checkpoint's
+        self.layers = nn.ModuleDict({
+            str(i): LlamaDecoderLayer(cfg, ctx, rotary, dtype, make_mlp(i) if make_mlp else None)
+            for i in range(start, end)
+        })
+        if ctx.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, dtype=torch.float32, make_mlp=None):
+        super().__init__()
+        self.config = cfg
+        self.ctx = ctx
+        start, end = stage_layers(cfg, ctx.layout.pp)[ctx.coords.pp]
+        self.model = LlamaModel(cfg, ctx, start, end, dtype, make_mlp)
+        if ctx.is_last_stage:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.tp, dtype=dtype)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.model.end - self.model.start
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """x: token ids [tokens] on the first stage, else hidden [tokens, hidden].
+        Returns hidden [tokens, hidden], or on the last stage the logits [seqs, vocab] of
+        each sequence's last token."""
+        h = self.model.embed_tokens(x) if self.ctx.is_first_stage else x
+        for j, layer in enumerate(self.model.layers.values()):
+            h = layer(h, meta, cache.k[j], cache.v[j])
+        if not self.ctx.is_last_stage:
+            return h
+        last = torch.tensor(meta.query_lens).cumsum(0) - 1
+        return self.lm_head(self.model.norm(h[last]))
+
+    def checkpoint_targets(self, name: str) -> list[tuple[str, object]]:
+        """(parameter name, shard id) pairs that read checkpoint tensor `name`."""
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _STACKED:
+            merged, shard = _STACKED[parts[-2]]
+            return [(".".join(parts[:-2] + [merged, parts[-1]]), shard)]
+        if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
+            return [(name, None), ("lm_head.weight", None)]
+        return [(name, None)]
+
+    def expected_shards(self) -> list[tuple[str, object]]:
+        out = []
+        for pname, _ in self.named_parameters():
+            parts = pname.split(".")
+            if parts[-2] == "qkv_proj":
+                out += [(pname, s) for s in ("q", "k", "v")]
+            elif parts[-2] == "gate_up_proj":
+                out += [(pname, 0), (pname, 1)]
+            else:
+                out.append((pname, None))
+        return out
