@@ -105,6 +105,7 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
                 if rank in values or p.exitcode is None:
                     continue
                 if p.exitcode != 0:
+                    _raise_reported(results)  # its own report, if it managed to send one
                     raise RankFailure(rank, _describe_exit(p.exitcode))
                 # exited cleanly: its result may still be in the pipe; allow a moment
                 if now - exited_at.setdefault(rank, now) > 5.0:
@@ -115,6 +116,16 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
     finally:
         _stop(procs)
     return [values[r] for r in range(world_size)]
+
+
+def _raise_reported(results) -> None:
+    try:
+        while True:
+            msg = results.get(timeout=0.5)
+            if msg[0] == "error":
+                raise RankFailure(msg[1], msg[2]) from _RemoteTraceback(msg[3])
+    except queue.Empty:
+        return
 
 
 def _stop(procs) -> None:

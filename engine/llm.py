@@ -1,0 +1,142 @@
+"""LLM: the library API. Validates everything a user can get wrong before any rank starts,
+then runs the ranks and returns one RequestOutput per prompt, in order."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from atoll.engine.sampling import SamplingParams
+from atoll.errors import InputError
+from atoll.models.checkpoint import Checkpoint
+from atoll.models.config import ModelConfig
+from atoll.parallel.layout import Layout
+
+
+@dataclass
+class RequestOutput:
+    id: object
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "text"}
+
+
+def resolve_layout(layout=None, tp: int | None = None, pp: int | None = None) -> Layout:
+    if layout is not None:
+        if tp not in (None, 1) or pp not in (None, 1):
+            raise InputError("give either a layout or tensor/pipeline parallel sizes, not both")
+        return layout if isinstance(layout, Layout) else Layout.parse(layout)
+    return Layout(tp=tp or 1, pp=pp or 1)
+
+
+def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[int, ...]:
+    ids = set(config.eos_token_id)
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+class LLM:
+    def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
+                 tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
+                 dtype: str = "float32", max_num_seqs: int = 32, max_model_len: int | None = None):
+        from atoll.engine.runner import DTYPES
+
+        self.model_dir = Path(model)
+        self.config = ModelConfig.load(self.model_dir)
+        self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size).validate(self.config)
+        if self.layout.dp > 1 or self.layout.ep > 1:
+            from atoll.errors import LayoutError
+
+            raise LayoutError(f"layout {self.layout}: dp and ep need a MoE model runner, not yet available")
+        Checkpoint(self.model_dir).check()
+        if dtype not in DTYPES:
+            raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        self.dtype = dtype
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.tokenizer = None
+        if (self.model_dir / "tokenizer.json").exists():
+            from atoll.engine.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer(self.model_dir)
+        self.stop_ids = default_stop_ids(self.model_dir, self.config, self.tokenizer)
+
+    def _prompt_ids(self, prompt, chat: bool) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InputError("a request needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InputError(f"{self.model_dir} has no tokenizer.json: give prompt_token_ids")
+            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InputError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} outside the vocabulary of {self.config.vocab_size}")
+        return ids
+
+    def prepare(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
+                *, chat: bool = False):
+        """Requests (token ids and params) for the workers; raises InputError for bad ones."""
+        from atoll.engine.generate import Request
+
+        if not prompts:
+            raise InputError("no prompts given")
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            ids = self._prompt_ids(prompt, chat)
+            if len(ids) + 1 > self.max_model_len:
+                raise InputError(f"prompt {i} has {len(ids)} tokens; the context is {self.max_model_len}")
+            if not p.ignore_eos:
+                p = replace(p, stop_token_ids=tuple(sorted(set(p.stop_token_ids) | set(self.stop_ids))))
+            requests.append(Request(i, ids, p))
+        return requests
+
+    def spec(self):
+        from atoll.engine.runner import RunSpec
+
+        return RunSpec(str(self.model_dir), str(self.layout), self.dtype, self.max_num_seqs, self.max_model_len)
+
+    def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
+        outs = []
+        for prompt, req, res in zip(prompts, requests, results):
+            rid = prompt.get("id", req.index) if isinstance(prompt, dict) else req.index
+            tokens, reason = res["token_ids"], res["finish_reason"]
+            text = self.tokenizer.decode(tokens) if self.tokenizer else None
+            if text is not None and req.params.stop:
+                cut = [text.find(s) for s in req.params.stop if s in text]
+                if cut:
+                    text, reason = text[: min(cut)], "stop"
+            outs.append(RequestOutput(rid, text, tokens, reason, res["metrics"]))
+        return outs
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
+                 *, chat: bool = False, timeout_s: float | None = None) -> list[RequestOutput]:
+        from atoll.engine.worker import generate_worker
+        from atoll.launch.local import run_local
+
+        requests = self.prepare(prompts, params, chat=chat)
+        results = run_local(generate_worker, self.layout.world_size, self.spec(), requests,
+                            timeout_s=timeout_s)[0]
+        return self.finish(prompts, requests, results)

@@ -1,0 +1,61 @@
+"""ModelRunner: one rank's stage of the model, its KV cache, and the step that moves
+activations between pipeline stages and hands sampled tokens to every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atoll.errors import LayoutError
+from atoll.layers.attention import AttentionMetadata, KVCache
+from atoll.models import ModelConfig, build_model
+from atoll.models.checkpoint import Checkpoint, load_weights
+from atoll.parallel.mesh import ParallelContext
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every rank needs to build its part of the model; picklable."""
+
+    model_dir: str
+    layout: str
+    dtype: str = "float32"
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+
+
+class ModelRunner:
+    def __init__(self, spec: RunSpec, ctx: ParallelContext):
+        if ctx.layout.dp > 1:
+            raise LayoutError("attention data parallel (dp > 1) needs a MoE model; use tp/pp for dense models")
+        self.spec, self.ctx = spec, ctx
+        self.dtype = DTYPES[spec.dtype]
+        self.config = ModelConfig.load(spec.model_dir)
+        self.model = build_model(self.config, ctx, dtype=self.dtype).eval()
+        self.checkpoint = Checkpoint(spec.model_dir)
+        load_weights(self.model, self.checkpoint)
+        cfg, tp = self.config, ctx.tp.size
+        kv_local = max(1, cfg.num_key_value_heads // tp)
+        self.cache = KVCache(self.model.num_local_layers, spec.max_num_seqs, kv_local,
+                             spec.max_model_len, cfg.head_dim, self.dtype)
+        self.sampler_rank = (ctx.layout.pp - 1) * ctx.layout.stage_size  # last stage, tp rank 0
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, meta: AttentionMetadata, sample_fn) -> torch.Tensor:
+        """ids: [tokens] (every rank knows them). Returns the sampled [seqs] on every rank."""
+        ctx = self.ctx
+        if ctx.is_first_stage:
+            x = ids
+        else:
+            x = ctx.pp.recv((len(ids), self.config.hidden_size), self.dtype, src=ctx.pp.rank - 1)
+        out = self.model(x, meta, self.cache)
+        if not ctx.is_last_stage:
+            ctx.pp.send(out, dst=ctx.pp.rank + 1)
+        if ctx.rank == self.sampler_rank:
+            tokens = sample_fn(out.float())
+        else:
+            tokens = torch.empty(len(meta.query_lens), dtype=torch.long)
+        return ctx.world.broadcast(tokens, src=self.sampler_rank)

@@ -1,0 +1,77 @@
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, seeded per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from atoll.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise InputError(f"max_tokens={self.max_tokens} must be at least 1")
+        if self.temperature < 0:
+            raise InputError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise InputError(f"top_k={self.top_k} must be >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SamplerState:
+    """Per-request generator, so a seed gives the same tokens whatever else is batched."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = field(default=None)
+
+    def __post_init__(self):
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            seed = self.params.seed
+            self.generator.manual_seed(seed if seed is not None else torch.seed())
+
+
+def sample_one(logits: torch.Tensor, state: SamplerState) -> int:
+    """logits: [vocab] -> token id."""
+    p = state.params
+    if p.greedy:
+        return int(logits.argmax())
+    logits = logits.float() / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cum = sorted_probs.cumsum(0)
+        drop = cum - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=state.generator))
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """logits: [seqs, vocab] -> [seqs] token ids."""
+    if all(s.params.greedy for s in states):
+        return logits.argmax(-1)
+    return torch.tensor([sample_one(row, s) for row, s in zip(logits, states)])
