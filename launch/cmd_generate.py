@@ -1,0 +1,81 @@
+"""atoll generate: run prompts through a model at a given layout."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def add_model_options(p) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="N")
+    p.add_argument("--layout", default=None, help="e.g. TP2PP2 (instead of -tp/-pp)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
+
+def add_sampling_options(p) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for prompts at a parallel layout")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt text")
+    src.add_argument("--prompts", metavar="FILE.jsonl", help='lines of {"id":..., "prompt": "..."} or prompt_token_ids')
+    p.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
+    add_model_options(p)
+    add_sampling_options(p)
+    p.set_defaults(run=run)
+
+
+def sampling_params(args):
+    from atoll.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def make_llm(args, model_dir):
+    from atoll.engine.llm import LLM
+
+    return LLM(model_dir, layout=args.layout, tensor_parallel_size=args.tensor_parallel_size,
+               pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype,
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+
+
+def run(args) -> int:
+    from atoll.engine.worker import generate_worker
+    from atoll.launch.local import run_local
+    from atoll.launch.requests import read_jsonl, write_jsonl
+    from atoll.launch.torchrun import in_torchrun, run_torchrun
+
+    llm = make_llm(args, args.model)
+    if args.prompts:
+        prompts, failures = read_jsonl(args.prompts)
+    else:
+        prompts, failures = [{"id": 0, "prompt": args.prompt}], []
+    requests = llm.prepare(prompts, sampling_params(args), chat=args.chat)
+    start = time.perf_counter()
+    if in_torchrun():
+        rank, results = run_torchrun(generate_worker, llm.layout.world_size, llm.spec(), requests)
+        if rank != 0:
+            return 0
+    else:
+        print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} local ranks)",
+              file=sys.stderr)
+        results = run_local(generate_worker, llm.layout.world_size, llm.spec(), requests)[0]
+    elapsed = time.perf_counter() - start
+    outputs = llm.finish(prompts, requests, results)
+    write_jsonl([o.to_json() for o in outputs] + failures, args.output)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"atoll: {len(outputs)} done, {len(failures)} failed, {tokens} tokens in {elapsed:.1f}s "
+          f"({tokens / elapsed:.1f} tok/s)", file=sys.stderr)
+    return 1 if failures else 0
