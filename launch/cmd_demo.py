@@ -1,0 +1,45 @@
+"""atoll demo: the real SmolLM2-135M-Instruct answering questions across 3 local ranks."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Explain in one sentence what a GPU is.",
+    "Write a short poem about the sea.",
+]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="run the bundled SmolLM2-135M model across local ranks")
+    p.add_argument("--layout", default="TP3", help="parallel layout (default TP3: 9 heads, 3 KV heads)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from atoll.engine.llm import LLM
+    from atoll.engine.sampling import SamplingParams
+    from atoll.models.gguf import demo_model_dir
+
+    console = Console(stderr=True)
+    model_dir = demo_model_dir()
+    llm = LLM(model_dir, layout=args.layout)
+    console.print(f"[bold]atoll demo[/]: SmolLM2-135M-Instruct at {llm.layout} "
+                  f"({llm.layout.world_size} local ranks, gloo on 127.0.0.1)")
+    start = time.perf_counter()
+    outs = llm.generate(QUESTIONS, SamplingParams(max_tokens=args.max_new_tokens), chat=True)
+    elapsed = time.perf_counter() - start
+    out = Console()
+    for q, o in zip(QUESTIONS, outs):
+        out.print(f"[bold cyan]Q:[/] {q}")
+        out.print(f"[bold green]A:[/] {o.text.strip()}\n")
+    tokens = sum(len(o.token_ids) for o in outs)
+    console.print(f"{len(outs)} answers, {tokens} tokens in {elapsed:.1f}s "
+                  f"(start-up and model load included) at {llm.layout}")
+    return 0
