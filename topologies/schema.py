@@ -1,0 +1,160 @@
+"""Cluster description: GPUs, nodes, NVLink islands and the links between them.
+
+Bandwidths are per GPU and per direction in GB/s (1e9 bytes/s): a data sheet's "900 GB/s
+NVLink" is bidirectional, so 450 here. A link marked `shared` is one pipe for the whole node
+(a single Ethernet port); otherwise every GPU has its own (NVLink ports, one NIC per GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from atoll.errors import ConfigError
+
+LINK_KINDS = ("nvlink", "pcie", "infiniband", "roce", "ethernet", "shm")
+
+GpuId = tuple[int, int]  # (node index, local GPU index)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_gib: float  # usable HBM as the driver reports it, GiB
+    hbm_tb_s: float  # peak HBM bandwidth, TB/s
+    bf16_tflops: float  # dense tensor-core peak
+    fp8_tflops: float = 0.0  # 0: no fp8 tensor cores; fp8 weights are upcast and run at bf16 rate
+
+    def __post_init__(self):
+        for name in ("memory_gib", "hbm_tb_s", "bf16_tflops"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"GPU {self.name!r}: {name}={v!r} must be a positive number")
+        if not isinstance(self.fp8_tflops, (int, float)) or self.fp8_tflops < 0:
+            raise ConfigError(f"GPU {self.name!r}: fp8_tflops={self.fp8_tflops!r} must be >= 0")
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
+
+    def tflops(self, dtype: str) -> float:
+        return self.fp8_tflops if dtype == "fp8" and self.fp8_tflops > 0 else self.bf16_tflops
+
+
+@dataclass(frozen=True)
+class Link:
+    kind: str
+    gb_s: float  # per direction; per GPU unless shared
+    latency_us: float  # one message, one hop, including the software that posts it
+    shared: bool = False  # one link for the whole node instead of one per GPU
+
+    def __post_init__(self):
+        if self.kind not in LINK_KINDS:
+            raise ConfigError(f"link kind {self.kind!r} is not one of {', '.join(LINK_KINDS)}")
+        if not isinstance(self.gb_s, (int, float)) or self.gb_s <= 0:
+            raise ConfigError(f"{self.kind} link: gb_s={self.gb_s!r} must be a positive number")
+        if not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
+            raise ConfigError(f"{self.kind} link: latency_us={self.latency_us!r} must be >= 0")
+
+    def per_gpu_gb_s(self, gpus_on_node: int) -> float:
+        """Bandwidth one GPU gets when all GPUs of its node use the link at once."""
+        return self.gb_s / gpus_on_node if self.shared else self.gb_s
+
+    def __str__(self) -> str:
+        share = " per node" if self.shared else " per GPU"
+        return f"{self.kind} {self.gb_s:g} GB/s{share}, {self.latency_us:g} us"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    gpus: int
+    gpu: GpuSpec
+
+    def __post_init__(self):
+        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 1:
+            raise ConfigError(f"node {self.name!r}: gpus={self.gpus!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Nodes, NVLink islands (sets of (node, gpu) that may span nodes), and three link classes:
+    inside an island, between GPUs of a node outside an island, and between nodes."""
+
+    name: str
+    nodes: tuple[Node, ...]
+    islands: tuple[tuple[GpuId, ...], ...]
+    island_link: Link
+    node_link: Link
+    network: Link
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if not self.nodes:
+            raise ConfigError(f"topology {self.name!r} has no nodes")
+        every = [(n, g) for n, node in enumerate(self.nodes) for g in range(node.gpus)]
+        seen: dict[GpuId, int] = {}
+        for i, island in enumerate(self.islands):
+            if not island:
+                raise ConfigError(f"topology {self.name!r}: island {i} is empty")
+            for gid in island:
+                n, g = gid
+                if not (0 <= n < len(self.nodes) and 0 <= g < self.nodes[n].gpus):
+                    raise ConfigError(
+                        f"topology {self.name!r}: island {i} names GPU {g} of node {n}, "
+                        f"which does not exist ({len(self.nodes)} nodes x {self.nodes[0].gpus} GPUs)"
+                    )
+                if gid in seen:
+                    raise ConfigError(
+                        f"topology {self.name!r}: GPU {g} of node {n} is in islands {seen[gid]} and {i}"
+                    )
+                seen[gid] = i
+        if len(seen) != len(every):
+            raise ConfigError(
+                f"topology {self.name!r}: islands cover {len(seen)} GPUs but the "
+                f"{len(self.nodes)} node(s) have {len(every)}"
+            )
+        object.__setattr__(self, "_island_of", seen)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.nodes[0].gpus
+
+    @property
+    def gpu(self) -> GpuSpec:
+        """The GPU of the first node; the planner assumes one GPU type per cluster."""
+        return self.nodes[0].gpu
+
+    @property
+    def island_size(self) -> int:
+        """The smallest island: the largest TP group that fits in any island."""
+        return min(len(i) for i in self.islands)
+
+    def island_of(self, gid: GpuId) -> int:
+        return self._island_of[gid]
+
+    def gpu_order(self) -> list[GpuId]:
+        """Every GPU, island by island, so consecutive ranks share an island."""
+        return [gid for island in self.islands for gid in island]
+
+    def link_between(self, a: GpuId, b: GpuId) -> Link:
+        if self.island_of(a) == self.island_of(b):
+            return self.island_link
+        if a[0] == b[0]:
+            return self.node_link
+        return self.network
+
+    def describe(self) -> str:
+        sizes = sorted({len(i) for i in self.islands})
+        g = self.gpu
+        return (
+            f"{self.name}: {self.num_nodes} node(s) x {self.gpus_per_node} {g.name} = {self.num_gpus} GPUs; "
+            f"{len(self.islands)} NVLink island(s) of {'/'.join(map(str, sizes))} GPUs"
+        )
