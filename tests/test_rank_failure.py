@@ -1,0 +1,58 @@
+"""Killing one rank mid-generation ends the whole job within seconds, naming the rank."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process table from /proc")
+def test_killing_a_rank_ends_the_job(tiny_model, tmp_path):
+    d = tiny_model("llama", num_hidden_layers=4)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [i + 1, 2]}) + "\n" for i in range(16)))
+    # a long run: 16 sequences one at a time x 250 tokens, so the kill lands mid-generation
+    cmd = [sys.executable, "-m", "atoll", "generate", "--model", str(d), "--prompts", str(prompts),
+           "--layout", "TP2PP2", "--max-new-tokens", "250", "--max-num-seqs", "1", "--output", str(tmp_path / "out.jsonl")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        while len(_children(proc.pid)) < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) == 4, f"expected 4 rank processes, found {workers}"
+        time.sleep(8)  # past model loading, into the decode loop
+        assert proc.poll() is None, "the job finished before the kill; make it longer"
+        os.kill(workers[-1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err
+    assert took < 15, f"the job took {took:.1f}s to end after the kill"
+    assert "failed: killed by SIGKILL" in err and "rank " in err, err
+    assert "Traceback" not in err
+    for pid in workers:  # no rank left behind
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
