@@ -60,6 +60,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], group: Group, *, bias: bool = False, dtype=None):
         self.part_local = [divide(n, group.size, "out_features") for n in out_sizes]
         super().__init__(in_features, sum(out_sizes), group, bias=bias, dtype=dtype)
+        for p in self.parameters():
+            p.shards = tuple(range(len(out_sizes)))
 
     def _load_rows(self, param, src, shard: int = 0):
         n = self.part_local[shard]
@@ -87,6 +89,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.kv_local * head_dim
         out_total = (self.heads_local + 2 * self.kv_local) * head_dim * tp
         super().__init__(hidden, out_total, group, bias=bias, dtype=dtype)
+        for p in self.parameters():
+            p.shards = ("q", "k", "v")
 
     def _load_rows(self, param, src, shard: str = "q"):
         if shard == "q":

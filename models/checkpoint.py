@@ -104,7 +104,9 @@ def load_weights(model, ckpt: Checkpoint) -> None:
     """Hand each checkpoint tensor that this rank holds to its parameter's weight_loader.
 
     `model.checkpoint_targets(name)` maps a checkpoint name to (parameter name, shard id)
-    pairs; tensors of other stages map to parameters this rank lacks and are never read.
+    pairs; tensors of other stages map to parameters this rank lacks and are never read. A
+    weight_loader returns False for a shard it does not hold (another rank's expert), and
+    a parameter's `shards` attribute lists the shard ids it must receive (default: one, None).
     """
     params = dict(model.named_parameters())
     loaded = set()
@@ -114,12 +116,13 @@ def load_weights(model, ckpt: Checkpoint) -> None:
             if param is None:
                 continue
             try:
-                param.weight_loader(param, ckpt.get(name), shard)
+                took = param.weight_loader(param, ckpt.get(name), shard)
             except ValueError as e:
                 raise CheckpointError(f"tensor {name} does not fit the model config: {e}") from None
-            loaded.add((target, shard))
-    needed = {(t, s) for t, s in model.expected_shards()}
-    missing = sorted(t for t, s in needed - loaded)
+            if took is not False:
+                loaded.add((target, shard))
+    needed = {(p, s) for p, param in params.items() for s in getattr(param, "shards", (None,))}
+    missing = sorted({p for p, s in needed - loaded})
     if missing:
         raise CheckpointError(f"checkpoint {ckpt.dir} lacks tensors for {', '.join(missing[:4])}"
                               + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))

@@ -38,6 +38,12 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     first_k_dense_replace: int = 0
     norm_topk_prob: bool = True
+    scoring: str = "softmax"  # router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)
+    n_group: int = 1  # DeepSeek-V3 group-limited routing: experts in n_group groups,
+    topk_group: int = 1  # tokens pick experts only from their topk_group best groups
+    routed_scaling_factor: float = 1.0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # MLA (DeepSeek); kv_lora_rank == 0 means ordinary multi-head / grouped-query attention
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -67,6 +73,12 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i has routed experts (the rest use a dense MLP)."""
+        if not self.is_moe or i in self.mlp_only_layers or i < self.first_k_dense_replace:
+            return False
+        return (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def is_mla(self) -> bool:
@@ -120,16 +132,23 @@ class ModelConfig:
             kw.update(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
                       moe_intermediate_size=d["intermediate_size"])
         elif mt in ("qwen2_moe", "qwen3_moe"):
-            kw.update(num_experts=d["num_experts"], num_experts_per_tok=d["num_experts_per_tok"],
+            experts = d.get("num_experts") or d.get("num_local_experts")  # transformers 5 renamed it
+            if experts is None:
+                raise KeyError("num_experts")
+            kw.update(num_experts=experts, num_experts_per_tok=d["num_experts_per_tok"],
                       moe_intermediate_size=d["moe_intermediate_size"],
                       shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 0),
-                      norm_topk_prob=bool(d.get("norm_topk_prob", mt == "qwen3_moe")))
+                      norm_topk_prob=bool(d.get("norm_topk_prob", mt == "qwen3_moe")),
+                      decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+                      mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
         elif mt == "deepseek_v3":
             kw.update(num_experts=d["n_routed_experts"], num_experts_per_tok=d["num_experts_per_tok"],
                       moe_intermediate_size=d["moe_intermediate_size"],
                       shared_expert_intermediate_size=d["moe_intermediate_size"] * d.get("n_shared_experts", 1),
                       first_k_dense_replace=d.get("first_k_dense_replace", 0),
                       norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                      scoring="sigmoid", n_group=d.get("n_group") or 1, topk_group=d.get("topk_group") or 1,
+                      routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
                       kv_lora_rank=d.get("kv_lora_rank", 0), q_lora_rank=d.get("q_lora_rank") or 0,
                       qk_rope_head_dim=d.get("qk_rope_head_dim", 0),
                       qk_nope_head_dim=d.get("qk_nope_head_dim", 0),

@@ -124,15 +124,3 @@ class LlamaForCausalLM(nn.Module):
         if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
             return [(name, None), ("lm_head.weight", None)]
         return [(name, None)]
-
-    def expected_shards(self) -> list[tuple[str, object]]:
-        out = []
-        for pname, _ in self.named_parameters():
-            parts = pname.split(".")
-            if parts[-2] == "qkv_proj":
-                out += [(pname, s) for s in ("q", "k", "v")]
-            elif parts[-2] == "gate_up_proj":
-                out += [(pname, 0), (pname, 1)]
-            else:
-                out.append((pname, None))
-        return out
