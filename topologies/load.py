@@ -90,9 +90,17 @@ def _islands(spec, nodes: int, gpn: int, where: str) -> list[tuple[tuple[int, in
     return [tuple(order[i:i + size]) for i in range(0, total, size)]
 
 
-def topology_from_dict(d: dict, *, nodes: int | None = None, where: str = "topology") -> Topology:
+def topology_from_dict(d: dict, *, nodes: int | None = None, gpus_per_node: int | None = None,
+                       where: str = "topology") -> Topology:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected a YAML mapping, got {type(d).__name__}")
+    if gpus_per_node is not None:  # part of a node: "4 x H200" from the dgx-h200 preset
+        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ConfigError(f"gpus_per_node={gpus_per_node!r} must be a positive integer")
+        d = dict(d)
+        if d.get("islands") == d.get("gpus_per_node"):
+            d["islands"] = gpus_per_node
+        d["gpus_per_node"] = gpus_per_node
     name = str(_need(d, "name", where, "name"))
     gpn = _need(d, "gpus_per_node", where, "gpus_per_node")
     if gpn == "auto":
@@ -119,8 +127,11 @@ def topology_from_dict(d: dict, *, nodes: int | None = None, where: str = "topol
                     notes=str(d.get("notes", "")))
 
 
-def load_topology(name_or_path: str, *, nodes: int | None = None) -> Topology:
-    """A preset name (`dgx-h200`) or a YAML file; `nodes` multiplies the node it describes."""
+def load_topology(name_or_path: str, *, nodes: int | None = None, gpus_per_node: int | None = None,
+                  network: str | None = None) -> Topology:
+    """A preset name (`dgx-h200`) or a YAML file; `nodes` multiplies the node it describes,
+    `gpus_per_node` takes part of each node, `network` ("ethernet:25", "infiniband:400",
+    kind:Gb/s) replaces the links between nodes."""
     if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
         raise ConfigError(f"nodes={nodes!r} must be at least 1")
     text = str(name_or_path)
@@ -138,4 +149,23 @@ def load_topology(name_or_path: str, *, nodes: int | None = None) -> Topology:
     except yaml.YAMLError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{where}: not valid YAML: {first}") from None
-    return topology_from_dict(data, nodes=nodes, where=where)
+    topo = topology_from_dict(data, nodes=nodes, gpus_per_node=gpus_per_node, where=where)
+    return with_network(topo, network) if network else topo
+
+
+# kind -> (one link per GPU?, latency in us): RDMA NICs come one per GPU on DGX/HGX boxes;
+# an Ethernet port is one per node, through the kernel's TCP stack (tens of us per message)
+_NETWORKS = {"infiniband": (False, 5.0), "roce": (False, 8.0), "ethernet": (True, 25.0)}
+
+
+def with_network(topology: Topology, spec: str) -> Topology:
+    """Replace the inter-node links: "ethernet:25" is one 25 Gb/s port per node."""
+    import dataclasses
+
+    kind, _, rate = spec.partition(":")
+    if kind not in _NETWORKS or not rate.replace(".", "", 1).isdigit() or float(rate) <= 0:
+        raise ConfigError(f"network {spec!r}: expected KIND:GBITS with KIND one of "
+                          f"{', '.join(_NETWORKS)}, e.g. ethernet:25 or infiniband:400")
+    shared, latency = _NETWORKS[kind]
+    link = Link(kind=kind, gb_s=float(rate) / 8, latency_us=latency, shared=shared)
+    return dataclasses.replace(topology, name=f"{topology.name}+{spec}", network=link)

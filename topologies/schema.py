@@ -154,7 +154,7 @@ class Topology:
     def describe(self) -> str:
         sizes = sorted({len(i) for i in self.islands})
         g = self.gpu
-        return (
-            f"{self.name}: {self.num_nodes} node(s) x {self.gpus_per_node} {g.name} = {self.num_gpus} GPUs; "
-            f"{len(self.islands)} NVLink island(s) of {'/'.join(map(str, sizes))} GPUs"
-        )
+        islands = (f"{len(self.islands)} NVLink island(s) of {'/'.join(map(str, sizes))} GPUs"
+                   if sizes != [1] else "no NVLink")
+        return (f"{self.name}: {self.num_nodes} node(s) x {self.gpus_per_node} {g.name} = "
+                f"{self.num_gpus} GPUs; {islands}")

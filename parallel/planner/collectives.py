@@ -1,0 +1,94 @@
+"""Time of one collective over the links a placement gives a group of ranks.
+
+A group is described by where its ranks sit: how many share an island with each other, how
+many islands it spans and whether those islands are on one node (PCIe between them) or on
+several (the network). Bandwidth is each link's per-GPU, per-direction figure times its
+efficiency (efficiency.py); latency is the link's per-message figure from the topology.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from atoll.parallel.planner.efficiency import link_efficiency
+
+
+@dataclass(frozen=True)
+class GroupLinks:
+    size: int  # ranks in the group
+    per_island: int  # ranks of the group inside one island
+    islands: int  # islands the group spans
+    island_bw: float  # bytes/s per GPU inside an island, after efficiency
+    island_lat: float  # seconds per message inside an island
+    cross_bw: float  # bytes/s per GPU between islands, after efficiency and sharing
+    cross_lat: float
+    cross_kind: str  # link kind between islands ("" if one island)
+
+    @classmethod
+    def of(cls, ranks: list[int], placement, topology) -> "GroupLinks":
+        size = len(ranks)
+        islands = {placement.island_of(r) for r in ranks}
+        nodes = {placement.node_of(r) for r in ranks}
+        il = topology.island_link
+        island_bw = il.gb_s * 1e9 * link_efficiency(il.kind)
+        cross = topology.node_link if len(nodes) == 1 else topology.network
+        # ranks of this group on one node share a link marked shared (one Ethernet port)
+        on_node = max(1, size // len(nodes))
+        cross_bw = (cross.gb_s / on_node if cross.shared else cross.gb_s) * 1e9 * link_efficiency(cross.kind)
+        return cls(size=size, per_island=max(1, size // len(islands)), islands=len(islands),
+                   island_bw=island_bw, island_lat=il.latency_us * 1e-6, cross_bw=cross_bw,
+                   cross_lat=cross.latency_us * 1e-6, cross_kind=cross.kind if len(islands) > 1 else "")
+
+    @property
+    def kind(self) -> str:
+        return self.cross_kind or "nvlink"
+
+
+def _steps(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def all_reduce(nbytes: float, g: GroupLinks) -> float:
+    """Hierarchical all-reduce: reduce-scatter/all-gather inside the island (ring bandwidth
+    2(k-1)/k), all-reduce of the 1/k shard between islands; latency of a tree (2 log2 n hops)."""
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    k, m = g.per_island, g.islands
+    t = 2 * (k - 1) / k * nbytes / g.island_bw + 2 * _steps(k) * g.island_lat
+    if m > 1:
+        t += 2 * (m - 1) / m * (nbytes / k) / g.cross_bw + 2 * _steps(m) * g.cross_lat
+    return t
+
+
+def all_gather(nbytes: float, g: GroupLinks) -> float:
+    """All-gather of a tensor of `nbytes` in total (each rank holds nbytes/size)."""
+    if g.size <= 1 or nbytes <= 0:
+        return 0.0
+    k, m = g.per_island, g.islands
+    t = (k - 1) / k * nbytes / g.island_bw + _steps(k) * g.island_lat
+    if m > 1:
+        t += (m - 1) / m * nbytes / g.cross_bw + _steps(m) * g.cross_lat
+    return t
+
+
+def all_to_all(bytes_out: float, g: GroupLinks) -> float:
+    """Each rank sends `bytes_out`, spread evenly over the group's ranks (MoE dispatch with
+    uniform routing): the share for ranks in other islands crosses the slower link, in
+    parallel with the NVLink share; one message latency of the slowest link class."""
+    if g.size <= 1 or bytes_out <= 0:
+        return 0.0
+    local = bytes_out * (g.per_island - 1) / g.size
+    remote = bytes_out * (g.size - g.per_island) / g.size
+    t_local = local / g.island_bw
+    t_remote = remote / g.cross_bw if remote else 0.0
+    lat = 2 * (g.cross_lat if g.islands > 1 else g.island_lat)  # send, then completion signal
+    return max(t_local, t_remote) + lat
+
+
+def send_recv(nbytes: float, senders: int, g: GroupLinks) -> float:
+    """A pipeline hand-off of `nbytes` split over `senders` parallel rank pairs."""
+    if nbytes <= 0:
+        return 0.0
+    bw, lat = (g.cross_bw, g.cross_lat) if g.islands > 1 else (g.island_bw, g.island_lat)
+    return nbytes / senders / bw + lat

@@ -1,0 +1,172 @@
+"""Per-step cost of a layout: roofline GEMMs and attention, TP all-reduce, MoE all-to-all,
+pipeline hand-offs; each time charged to the resource that binds it.
+
+Decode reads every weight a step touches and the KV cache it attends to, so it is bound by
+HBM bandwidth until the batch is large; prefill is bound by tensor-core FLOPs. Every op is
+max(bytes / HBM bandwidth, FLOPs / peak) with the efficiencies of efficiency.py; the
+communication of each layer is serial with its compute (no overlap assumed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from atoll.parallel.pipeline import stage_layers
+from atoll.parallel.planner import efficiency as eff
+from atoll.parallel.planner.collectives import GroupLinks, all_gather, all_reduce, all_to_all, send_recv
+from atoll.parallel.planner.shapes import Shapes
+
+WEIGHTS, EXPERTS, KV, COMPUTE = "HBM reads of weights", "HBM reads of expert weights", "HBM reads of KV cache", "compute"
+KERNELS = "kernel launch floors"
+
+
+def expected_busiest_experts(tokens: int, experts: int, top_k: int, ranks: int) -> float:
+    """Expected number of distinct experts the busiest EP rank runs for `tokens` tokens, under
+    uniform top-k routing: each rank's count is Binomial(E/ranks, p), p = 1-(1-k/E)^tokens,
+    and E[max of `ranks` draws] = sum_x (1 - F(x)^ranks)."""
+    local = experts // ranks
+    p = 1.0 - (1.0 - top_k / experts) ** tokens
+    if ranks == 1 or p >= 1.0:
+        return local * p
+    cdf, total, pmf = 0.0, 0.0, (1 - p) ** local
+    for x in range(local):
+        cdf += pmf
+        total += 1.0 - min(cdf, 1.0) ** ranks
+        pmf *= (local - x) / (x + 1) * p / (1 - p)
+    return total
+
+
+class CostModel:
+    def __init__(self, config, shapes: Shapes, topology, workload, layout, placement):
+        self.c, self.s, self.t, self.w, self.l = config, shapes, topology, workload, layout
+        gpu = topology.gpu
+        self.hbm = gpu.hbm_tb_s * 1e12 * eff.HBM_EFFICIENCY
+        self.flops = gpu.tflops(workload.dtype) * 1e12 * eff.GEMM_EFFICIENCY
+        self.attn_flops = gpu.bf16_tflops * 1e12 * eff.ATTENTION_EFFICIENCY
+        self.stages = stage_layers(config, layout.pp)
+        tp, st = layout.tp, layout.stage_size
+        self.g_tp = GroupLinks.of(list(range(tp)), placement, topology)
+        self.g_ep = GroupLinks.of(list(range(0, st, layout.moe_tp)), placement, topology)
+        self.g_pp = [GroupLinks.of(list(range(s * st, s * st + tp)) + list(range((s + 1) * st, (s + 1) * st + tp)),
+                                   placement, topology) for s in range(layout.pp - 1)]
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _op(self, out, nbytes: float, flops: float, mem_kind: str, peak: float | None = None):
+        t_mem, t_cmp = nbytes / self.hbm, flops / (peak or self.flops)
+        out[mem_kind if t_mem >= t_cmp else COMPUTE] += max(t_mem, t_cmp)
+
+    def _comm_name(self, what: str, g: GroupLinks) -> str:
+        return f"{what} over {g.kind}"
+
+    # -- one pipeline stage ----------------------------------------------------------------
+    def stage(self, stage: int, *, seqs_per_dp: int, active_dp: int, new_tokens: int, ctx: float,
+              prefill: bool) -> dict[str, float]:
+        """Seconds per category for one pass of a micro-batch through `stage`.
+        seqs_per_dp: sequences on each active DP rank; new_tokens: tokens per sequence this pass
+        (1 in decode, the prompt in prefill); ctx: tokens each sequence attends to."""
+        s, l, w = self.s, self.l, self.w
+        out: dict[str, float] = defaultdict(float)
+        wb, h, tp = w.weight_bytes, s.hidden, l.tp
+        n = seqs_per_dp * new_tokens  # tokens on one DP rank
+        n_all = n * active_dp  # tokens entering the MoE layers of the stage
+        act = n * h * 2  # bf16 activations of one DP rank, bytes
+        start, end = self.stages[stage]
+        attn_w = s.attn_sharded / tp + s.attn_replicated
+        kv_tok = s.kv_bytes_per_token_layer(tp, w.kv_bytes)
+        for layer in range(start, end):
+            self._op(out, attn_w * wb, 2 * n * attn_w, WEIGHTS)
+            if prefill:  # causal attention core: half of the n x ctx score matrix, QK and PV
+                core = 2 * 2 * seqs_per_dp * new_tokens * ctx / 2 * (s.heads / tp) * s.head_dim
+                self._op(out, 0.0, core, KV, peak=self.attn_flops)
+            else:  # every sequence reads its cache: [ctx, kv] per rank
+                core = 4 * n * ctx * (s.heads / tp) * s.attn_dim
+                self._op(out, seqs_per_dp * ctx * kv_tok, core, KV)
+            out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
+            kernels = eff.KERNELS_PER_LAYER
+            if s.dense_layers[layer]:
+                mlp = s.dense_mlp / tp
+                self._op(out, mlp * wb, 2 * n * mlp, WEIGHTS)
+                out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
+            else:
+                kernels += eff.KERNELS_PER_MOE
+                self._moe(out, n, n_all, act, wb)
+            if not prefill:
+                out[KERNELS] += kernels * eff.KERNEL_OVERHEAD_S
+        if stage == l.pp - 1:  # LM head (kept bf16), logits of the last token of each sequence
+            head = s.head / tp
+            self._op(out, head * 2, 2 * seqs_per_dp * head, WEIGHTS)
+        return dict(out)
+
+    def _moe(self, out, n: int, n_all: int, act: float, wb: int):
+        s, l = self.s, self.l
+        # routed experts: the busiest EP rank's distinct experts, each 1/moe_tp of its weights
+        busiest = expected_busiest_experts(n_all, s.experts, s.top_k, l.ep)
+        per_expert = s.expert / l.moe_tp
+        tokens_here = n_all * s.top_k / l.ep
+        self._op(out, busiest * per_expert * wb, 2 * tokens_here * per_expert, EXPERTS)
+        shared = s.shared_expert / l.tp
+        if shared:
+            self._op(out, shared * wb + s.router * 2, 2 * n * shared, WEIGHTS)
+        if l.dp == 1:
+            # attention output is replicated on the stage: each rank runs its experts on every
+            # token and one all-reduce over the stage (== the TP group) combines them
+            out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
+            return
+        # DP attention: tokens go to their experts and back (DeepEP low-latency style: one copy
+        # per selected expert, fp8 dispatch when the weights are fp8, bf16 combine)
+        per_rank = n / l.tp  # each TP rank of a DP group dispatches its slice of the tokens
+        disp = per_rank * s.top_k * s.hidden * (1 if self.w.dtype == "fp8" else 2)
+        comb = per_rank * s.top_k * s.hidden * 2
+        name = self._comm_name("all-to-all", self.g_ep)
+        out[name] += all_to_all(disp, self.g_ep) + all_to_all(comb, self.g_ep)
+        if l.tp > 1:
+            out[self._comm_name("TP all-gather", self.g_tp)] += all_gather(act, self.g_tp)
+
+    def handoff(self, stage: int, nbytes: float) -> tuple[str, float]:
+        g = self.g_pp[stage]
+        return f"PP send/recv over {g.kind}", send_recv(nbytes, self.l.tp, g)
+
+    # -- whole steps -----------------------------------------------------------------------
+    def decode(self, batch: int) -> tuple[float, dict[str, float], int]:
+        """(TPOT seconds, breakdown, micro-batches) for `batch` sequences on this replica."""
+        l, w = self.l, self.w
+        micro = min(batch, l.pp)
+        m = math.ceil(batch / micro)
+        per_dp = math.ceil(m / l.dp)
+        active = min(l.dp, m)
+        ctx = w.mean_decode_context
+        parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False)
+                 for i in range(l.pp)]
+        total: dict[str, float] = defaultdict(float)
+        for p in parts:
+            for k, v in p.items():
+                total[k] += v
+        for i in range(l.pp - 1):
+            k, v = self.handoff(i, per_dp * active * self.s.hidden * 2)
+            total[k] += v
+        chain = sum(total.values())
+        slowest = max(sum(p.values()) for p in parts)
+        tpot = max(chain, micro * slowest)
+        if tpot > chain:
+            total["pipeline: waiting for the slowest stage"] = tpot - chain
+        return tpot, dict(total), micro
+
+    def prefill(self, requests: int) -> tuple[float, float, dict[str, float]]:
+        """(time for one request to pass all stages, bottleneck-stage time per `requests`
+        requests, breakdown of the one-request pass)."""
+        l, w = self.l, self.w
+        one = [self.stage(i, seqs_per_dp=1, active_dp=1, new_tokens=w.isl, ctx=w.isl, prefill=True)
+               for i in range(l.pp)]
+        total: dict[str, float] = defaultdict(float)
+        for p in one:
+            for k, v in p.items():
+                total[k] += v
+        for i in range(l.pp - 1):
+            k, v = self.handoff(i, w.isl * self.s.hidden * 2)
+            total[k] += v
+        per_dp = math.ceil(requests / l.dp)
+        active = min(l.dp, requests)
+        many = max(sum(self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=w.isl,
+                                  ctx=w.isl, prefill=True).values()) for i in range(l.pp))
+        return sum(total.values()), many, dict(total)

@@ -1,0 +1,85 @@
+"""Memory fit of one GPU: weights of its shard, KV cache for its share of the requests,
+activations of one prefill chunk, communication buffers and a fixed reserve.
+
+The worst GPU is the one on the heaviest pipeline stage (the last holds the LM head, the
+first the embedding). Every term is arithmetic a reader can redo from the config:
+weights = parameters x bytes / shards; KV = requests x (isl + osl) x layers x bytes per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from atoll.parallel.pipeline import stage_layers
+from atoll.parallel.planner import efficiency as eff
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    weights: float  # bytes on the worst GPU
+    kv_cache: float
+    activations: float
+    buffers: float  # NCCL / all-to-all buffers
+    reserve: float
+    capacity: float
+
+    @property
+    def used(self) -> float:
+        return self.weights + self.kv_cache + self.activations + self.buffers + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.used <= self.capacity
+
+    @property
+    def shortfall(self) -> float:
+        return max(0.0, self.used - self.capacity)
+
+    @property
+    def weights_fit(self) -> bool:
+        return self.weights + self.reserve <= self.capacity
+
+    def describe(self) -> str:
+        gib = 2**30
+        text = (f"{self.used / gib:.1f}/{self.capacity / gib:.1f} GiB (weights {self.weights / gib:.1f}, "
+                f"KV {self.kv_cache / gib:.1f}, act+buf {(self.activations + self.buffers) / gib:.1f}, "
+                f"reserve {self.reserve / gib:.1f})")
+        if not self.fits:
+            text += f"; short by {self.shortfall / gib:.1f} GiB"
+        return text
+
+
+def stage_weight_params(shapes, layout, start: int, end: int, first: bool, last: bool) -> tuple[float, float]:
+    """(decoder-layer params, bf16 embedding/head params) one GPU of this stage holds."""
+    s, l = shapes, layout
+    attn = s.attn_sharded / l.tp + s.attn_replicated
+    moe = (s.experts // l.ep) * s.expert / l.moe_tp + s.shared_expert / l.tp
+    layers = sum(attn + (s.dense_mlp / l.tp if s.dense_layers[i] else moe) for i in range(start, end))
+    extra = (s.embed / l.tp if first else 0) + (s.head / l.tp if last else 0)
+    router = sum(s.router for i in range(start, end) if not s.dense_layers[i])
+    return layers, extra + router
+
+
+def memory_fit(config, shapes, topology, workload, layout, batch: int) -> MemoryFit:
+    """Per-GPU memory for `batch` concurrent requests on one replica of `layout`."""
+    s, l, w = shapes, layout, workload
+    per_dp = math.ceil(batch / l.dp)
+    worst = None
+    for i, (start, end) in enumerate(stage_layers(config, l.pp)):
+        dec, bf16 = stage_weight_params(s, l, start, end, i == 0, i == l.pp - 1)
+        weights = dec * w.weight_bytes + bf16 * 2
+        kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes)
+        if worst is None or weights + kv > worst[0] + worst[1]:
+            worst = (weights, kv)
+    chunk = min(eff.PREFILL_CHUNK_TOKENS, per_dp * w.isl)
+    inter = max(config.intermediate_size / l.tp if config.intermediate_size else 0,
+                s.top_k * config.moe_intermediate_size / l.moe_tp if config.is_moe else 0)
+    # residual, normed input, attention output, a scratch copy, the MLP's gate and up (bf16)
+    activations = chunk * (4 * s.hidden + 2 * inter) * 2
+    groups = sum(1 for size in (l.tp, l.dp, l.pp, l.ep) if size > 1)
+    buffers = groups * eff.NCCL_BUFFER_BYTES
+    if l.ep > 1 and l.dp > 1:  # all-to-all receive buffers for one chunk of dispatched tokens
+        buffers += chunk * min(s.top_k, l.ep) * s.hidden * 2
+    return MemoryFit(weights=worst[0], kv_cache=worst[1], activations=activations, buffers=buffers,
+                     reserve=eff.RESERVE_BYTES, capacity=topology.gpu.memory_bytes)

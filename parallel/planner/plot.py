@@ -1,0 +1,59 @@
+"""Pareto plot: tokens/s/GPU against tokens/s/user, recommended points marked (matplotlib)."""
+
+from __future__ import annotations
+
+from atoll.errors import ConfigError
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points no other point beats on both x and y, ordered by x."""
+    order = sorted(range(len(points)), key=lambda i: (-points[i][0], -points[i][1]))
+    front, best_y = [], float("-inf")
+    for i in order:
+        if points[i][1] > best_y:
+            front.append(i)
+            best_y = points[i][1]
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def plot_plans(plans, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'atoll[plot]'") from None
+    preds = [(plan, p) for plan in plans for p in plan.predictions if p.fits]
+    if not preds:
+        raise ConfigError("nothing to plot: no layout fits in GPU memory")
+    pts = [(p.tokens_per_s_per_user, p.tokens_per_s_per_gpu) for _, p in preds]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.scatter([x for x, _ in pts], [y for _, y in pts], s=12, c="#bbbbbb", label="layouts that fit")
+    front = pareto(pts)
+    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-o", c="#1f77b4", ms=4,
+            label="Pareto front")
+    for i in front:
+        plan, p = preds[i]
+        ax.annotate(f"{p.name} @{plan.workload.concurrency}", pts[i], fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+    for plan in plans:
+        r = plan.recommended
+        if r is not None:
+            ax.scatter([r.tokens_per_s_per_user], [r.tokens_per_s_per_gpu], marker="*", s=220, c="#d62728",
+                       zorder=5, label="recommended" if plan is plans[0] else None)
+            ax.annotate(f"{r.name} (c={plan.workload.concurrency})", (r.tokens_per_s_per_user,
+                        r.tokens_per_s_per_gpu), fontsize=8, color="#d62728", xytext=(6, -12),
+                        textcoords="offset points")
+    first = plans[0]
+    w = first.workload
+    ax.set_xlabel("tokens/s per user (1 / TPOT)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(f"{first.model} on {first.topology.describe().split(';')[0]}\n"
+                 f"isl {w.isl}, osl {w.osl}, {w.dtype}, concurrency "
+                 f"{','.join(str(p.workload.concurrency) for p in plans)}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

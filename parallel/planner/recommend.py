@@ -1,0 +1,74 @@
+"""Reasons in words and the recommendation under optional SLOs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+GIB = 2**30
+
+
+def _share(parts: dict[str, float]) -> list[tuple[str, float]]:
+    total = sum(parts.values()) or 1.0
+    return sorted(((k, v / total) for k, v in parts.items() if v > 0), key=lambda kv: -kv[1])
+
+
+def explain(p) -> str:
+    """Which resource binds this candidate: "EP16: decode bound by HBM reads of expert weights
+    (41%); all-to-all over infiniband is 18% of the step"."""
+    if not p.fits:
+        m = p.memory
+        return (f"{p.name}: does not fit, short by {m.shortfall / GIB:.1f} GiB per GPU "
+                f"(weights {m.weights / GIB:.1f} + KV {m.kv_cache / GIB:.1f} GiB of {m.capacity / GIB:.1f})")
+    d = _share(p.decode)
+    text = f"{p.name}: decode bound by {d[0][0]} ({d[0][1]:.0%})"
+    comm = [(k, v) for k, v in d[1:] if "over" in k or "pipeline" in k]
+    if comm:
+        text += f"; {comm[0][0]} is {comm[0][1]:.0%} of the step"
+    elif len(d) > 1:
+        text += f"; then {d[1][0]} ({d[1][1]:.0%})"
+    pf = _share(p.prefill)
+    text += f"; prefill bound by {pf[0][0]}"
+    return text
+
+
+def recommend(predictions, *, ttft_ms: float | None = None, tpot_ms: float | None = None):
+    """(predictions annotated and sorted best first, recommended or None, reasons)."""
+    def meets(p):
+        return (ttft_ms is None or p.ttft_s * 1e3 <= ttft_ms) and (tpot_ms is None or p.tpot_s * 1e3 <= tpot_ms)
+
+    preds = [dataclasses.replace(p, meets_slo=meets(p), reason=explain(p)) for p in predictions]
+    preds.sort(key=lambda p: (not p.fits, not p.meets_slo, -p.tokens_per_s_per_gpu, p.tpot_s))
+    fitting = [p for p in preds if p.fits]
+    ok = [p for p in fitting if p.meets_slo]
+    reasons = []
+    slo = " and ".join(x for x in (f"TTFT <= {ttft_ms:g} ms" if ttft_ms is not None else "",
+                                   f"TPOT <= {tpot_ms:g} ms" if tpot_ms is not None else "") if x)
+    if not fitting:
+        worst = min(preds, key=lambda p: p.memory.shortfall) if preds else None
+        reasons.append("no layout fits in GPU memory" +
+                       (f"; closest is {worst.name}, short by {worst.memory.shortfall / GIB:.1f} GiB per GPU"
+                        if worst else ""))
+        return preds, None, reasons
+    if not ok:
+        near = min(fitting, key=lambda p: p.tpot_s)
+        reasons.append(f"no layout meets {slo}; the fastest is {near.name} at TTFT {near.ttft_s * 1e3:.0f} ms, "
+                       f"TPOT {near.tpot_s * 1e3:.1f} ms")
+        return preds, None, reasons
+    best = ok[0]
+    among = f"{len(ok)} layouts that fit" + (f" and meet {slo}" if slo else "")
+    reasons.append(f"recommended {best.name}: highest tokens/s/GPU ({best.tokens_per_s_per_gpu:.1f}) "
+                   f"among {among}, TPOT {best.tpot_s * 1e3:.1f} ms")
+    reasons.append(best.reason)
+    if len(ok) > 1:
+        second = ok[1]
+        ratio = best.tokens_per_s_per_gpu / second.tokens_per_s_per_gpu
+        reasons.append(f"runner-up {second.reason} ({ratio:.2f}x lower tokens/s/GPU)")
+    fastest = min(ok, key=lambda p: p.tpot_s)
+    if fastest is not best:
+        reasons.append(f"lowest latency: {fastest.name} at TPOT {fastest.tpot_s * 1e3:.1f} ms "
+                       f"({fastest.tokens_per_s_per_user:.0f} tokens/s/user) but "
+                       f"{fastest.tokens_per_s_per_gpu:.1f} tokens/s/GPU")
+    misfits = [p for p in preds if not p.fits]
+    if misfits:
+        reasons.append(f"{len(misfits)} layouts do not fit, e.g. {misfits[0].reason}")
+    return preds, best, reasons

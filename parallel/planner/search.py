@@ -1,0 +1,74 @@
+"""Search: every layout the model and cluster admit, each costed and fitted.
+
+A candidate is `replicas x Layout(tp, pp, dp, ep, moe_tp)` with replicas x world = GPUs of
+the cluster. TP stays inside an NVLink island (inside a node when there is no NVLink) unless
+crossing is allowed; dense models take no DP or EP (replicas are their data parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from atoll.errors import AtollError, ConfigError
+from atoll.parallel.layout import Layout, divisors
+from atoll.parallel.placement import Placement, tp_domain_size
+from atoll.parallel.planner.cost import CostModel
+from atoll.parallel.planner.memory import memory_fit
+from atoll.parallel.planner.plan import Prediction
+
+_REPLICAS = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.+)$")
+
+
+def parse_candidate(text: str, num_gpus: int) -> tuple[Layout, int]:
+    """"TP8PP2" -> (layout, replicas filling the cluster); "2 x TP8" -> exactly 2 replicas."""
+    m = _REPLICAS.match(text)
+    layout = Layout.parse(m.group(2) if m else text)
+    replicas = int(m.group(1)) if m else max(1, num_gpus // layout.world_size)
+    if replicas * layout.world_size > num_gpus:
+        raise ConfigError(f"{text} needs {replicas * layout.world_size} GPUs; the cluster has {num_gpus}")
+    return layout, replicas
+
+
+def enumerate_layouts(config, topology, *, allow_cross_island: bool = False) -> list[tuple[Layout, int]]:
+    n = topology.num_gpus
+    max_tp = n if allow_cross_island else tp_domain_size(topology)
+    out = []
+    for world in divisors(n):
+        for pp in divisors(world):
+            if pp > config.num_hidden_layers:
+                continue
+            for tp in divisors(world // pp):
+                if tp > max_tp or (not allow_cross_island and max_tp % tp):
+                    continue
+                dp = world // pp // tp
+                if dp > 1 and not config.is_moe:
+                    continue  # for a dense model DP inside a stage is just replicas
+                for ep in (divisors(tp * dp) if config.is_moe else [1]):
+                    if ep > config.num_experts or config.is_moe and config.num_experts % ep:
+                        continue
+                    try:
+                        layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep).validate(config)
+                    except AtollError:
+                        continue
+                    out.append((layout, n // world))
+    return out
+
+
+def evaluate(config, shapes, topology, workload, layout: Layout, replicas: int, *,
+             allow_cross_island: bool = False) -> Prediction:
+    placement = Placement.build(layout, topology, allow_cross_island=allow_cross_island)
+    cost = CostModel(config, shapes, topology, workload, layout, placement)
+    conc = workload.concurrency
+    batch = math.ceil(conc / replicas)
+    tpot, decode, micro = cost.decode(batch)
+    one, many, prefill = cost.prefill(batch)
+    ttft = one + (tpot / micro if batch > 1 else 0.0)  # a new prompt waits for the running step
+    cycle = many + workload.osl * tpot  # prefill all `batch` prompts, then decode them
+    gpus = replicas * layout.world_size
+    return Prediction(
+        layout=layout, replicas=replicas, gpus=gpus, concurrency=conc,
+        memory=memory_fit(config, shapes, topology, workload, layout, batch),
+        ttft_s=ttft, tpot_s=tpot, tokens_per_s_per_gpu=conc * workload.osl / cycle / gpus,
+        tokens_per_s_per_user=1.0 / tpot, decode=decode, prefill=prefill,
+    )

@@ -1,0 +1,93 @@
+"""Parameter and KV-cache arithmetic of a ModelConfig, per layer and per rank.
+
+Counts are parameters (not bytes); the caller multiplies by the precision. Each decoder
+layer is either dense (attention + MLP) or MoE (attention + routed experts + shared expert +
+router); DeepSeek's first `first_k_dense_replace` layers are dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int
+    vocab: int
+    layers: int
+    dense_layers: tuple[bool, ...]  # per layer: True if dense MLP, False if MoE
+    attn_sharded: int  # attention params split over TP (q/k/v/o; MLA's q_b, kv_b, o)
+    attn_replicated: int  # attention params every TP rank holds whole (MLA's q_a, kv_a)
+    dense_mlp: int  # gate+up+down of a dense layer
+    expert: int  # one routed expert
+    experts: int
+    top_k: int
+    shared_expert: int
+    router: int
+    embed: int
+    head: int
+    kv_heads: int  # 0 for MLA
+    head_dim: int
+    heads: int
+    kv_latent: int  # MLA: kv_lora_rank + qk_rope_head_dim; 0 otherwise
+    attn_dim: int  # per-head dim of the attention core (MLA absorbed: kv_lora + rope)
+
+    @property
+    def total_params(self) -> int:
+        attn = self.attn_sharded + self.attn_replicated
+        moe = self.experts * self.expert + self.shared_expert + self.router
+        per_layer = sum(attn + (self.dense_mlp if d else moe) for d in self.dense_layers)
+        return per_layer + self.embed + self.head
+
+    @property
+    def active_params(self) -> int:
+        attn = self.attn_sharded + self.attn_replicated
+        moe = self.top_k * self.expert + self.shared_expert + self.router
+        per_layer = sum(attn + (self.dense_mlp if d else moe) for d in self.dense_layers)
+        return per_layer + self.embed + self.head
+
+    def kv_bytes_per_token_layer(self, tp: int, kv_bytes: int) -> float:
+        """KV cache of one token in one layer on one TP rank. GQA heads split over TP (a rank
+        keeps at least one: tp > kv_heads replicates them); MLA's latent is not split: every
+        TP rank holds the whole (kv_lora_rank + rope) vector."""
+        if self.kv_latent:
+            return self.kv_latent * kv_bytes
+        return 2 * max(self.kv_heads // tp, 1) * self.head_dim * kv_bytes
+
+
+
+def shapes(config) -> Shapes:
+    c = config
+    h = c.hidden_size
+    if c.is_mla:
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        heads = c.num_attention_heads
+        if c.q_lora_rank:
+            q_rep, q_sh = h * c.q_lora_rank, c.q_lora_rank * heads * qk
+        else:
+            q_rep, q_sh = 0, h * heads * qk
+        kv_a = h * (c.kv_lora_rank + c.qk_rope_head_dim)
+        kv_b = c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+        o = heads * c.v_head_dim * h
+        attn_sh, attn_rep = q_sh + kv_b + o, q_rep + kv_a
+        latent = c.kv_lora_rank + c.qk_rope_head_dim
+        attn_dim = latent
+    else:
+        d = c.head_dim
+        attn_sh = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        attn_rep, latent, attn_dim = 0, 0, d
+    if c.is_moe:
+        dense = tuple(i < c.first_k_dense_replace for i in range(c.num_hidden_layers))
+    else:
+        dense = (True,) * c.num_hidden_layers
+    return Shapes(
+        hidden=h, vocab=c.vocab_size, layers=c.num_hidden_layers, dense_layers=dense,
+        attn_sharded=attn_sh, attn_replicated=attn_rep,
+        dense_mlp=3 * h * c.intermediate_size,
+        expert=3 * h * c.moe_intermediate_size, experts=c.num_experts, top_k=c.num_experts_per_tok,
+        shared_expert=3 * h * c.shared_expert_intermediate_size,
+        router=h * c.num_experts,
+        embed=c.vocab_size * h, head=c.vocab_size * h,
+        kv_heads=0 if c.is_mla else c.num_key_value_heads, head_dim=c.head_dim,
+        heads=c.num_attention_heads, kv_latent=latent, attn_dim=attn_dim,
+    )
