@@ -2,6 +2,8 @@
 
 from atoll.models.config import DENSE_TYPES, SUPPORTED, ModelConfig
 
+RUNNABLE = DENSE_TYPES + ("mixtral", "qwen2_moe", "qwen3_moe")
+
 
 def build_model(config: ModelConfig, ctx, *, dtype=None):
     """This rank's part of the model, parameters allocated but not loaded."""
@@ -14,8 +16,12 @@ def build_model(config: ModelConfig, ctx, *, dtype=None):
         from atoll.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM(config, ctx, dtype=dtype)
-    raise ConfigError(f"model type {config.model_type!r} is recognised but not runnable yet; "
-                      f"runnable: {', '.join(DENSE_TYPES)}")
+    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        from atoll.models.moe import MoeForCausalLM
+
+        return MoeForCausalLM(config, ctx, dtype=dtype)
+    raise ConfigError(f"model type {config.model_type!r} is recognised but not runnable yet (its MLA "
+                      f"attention is missing); runnable: {', '.join(RUNNABLE)}")
 
 
 __all__ = ["ModelConfig", "SUPPORTED", "build_model"]

@@ -5,12 +5,12 @@ only; module names mirror transformers' so checkpoint names map one to one."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atoll.layers.attention import AttentionMetadata, attend, write_cache
 from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from atoll.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from atoll.layers.linear import QKVParallelLinear, RowParallelLinear
+from atoll.layers.mlp import GatedMLP
 from atoll.layers.norm import RMSNorm
 from atoll.layers.rotary import RotaryEmbedding
 from atoll.models.config import ModelConfig
@@ -48,25 +48,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(len(x), -1))  # [tokens, hidden]
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype):
-        super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], ctx.tp, dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, ctx.tp, dtype=dtype)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [tokens, inter/tp] each
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary, dtype, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(cfg, ctx, rotary, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, ctx, dtype)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.tp, dtype=dtype)
 
     def forward(self, h, meta, k_cache, v_cache):
         h = h + self.self_attn(self.input_layernorm(h), meta, k_cache, v_cache)

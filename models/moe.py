@@ -1,0 +1,57 @@
+"""MoE families on the Llama skeleton: Mixtral, Qwen2-MoE (shared expert with a gate) and
+Qwen3-MoE (q/k norm). Attention is the Llama family's; the MLP of each MoE layer is a
+SparseMoE, dense layers (Qwen2-MoE's mlp_only_layers) keep a GatedMLP."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from atoll.layers.linear import ReplicatedLinear
+from atoll.layers.mlp import GatedMLP
+from atoll.layers.moe import SparseMoE
+from atoll.layers.router import Router
+from atoll.models.config import ModelConfig
+from atoll.models.llama import LlamaForCausalLM
+
+# per-expert checkpoint tensors -> (fused parameter, shard id part)
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PART = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
+         "w2": ("w2", "down"), "down_proj": ("w2", "down")}
+
+
+def make_router(cfg: ModelConfig, dtype) -> Router:
+    return Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, scoring=cfg.scoring,
+                  renormalize=cfg.norm_topk_prob or cfg.model_type == "mixtral", n_group=cfg.n_group,
+                  topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, dtype=dtype)
+
+
+def make_moe(cfg: ModelConfig, ctx, dtype, **dispatch_options) -> SparseMoE:
+    shared = shared_gate = None
+    if cfg.shared_expert_intermediate_size:
+        shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, ctx.tp, dtype=dtype)
+        if cfg.model_type == "qwen2_moe":
+            shared_gate = ReplicatedLinear(cfg.hidden_size, 1, dtype=dtype)
+    return SparseMoE(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, router=make_router(cfg, dtype),
+                     ctx=ctx, dtype=dtype, shared=shared, shared_gate=shared_gate, **dispatch_options)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, ctx, *, dtype=torch.float32, dispatch_options=None):
+        options = dispatch_options or {}
+
+        def make_mlp(i):
+            if cfg.is_moe_layer(i):
+                return make_moe(cfg, ctx, dtype, **options)
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.tp, dtype=dtype)
+
+        super().__init__(cfg, ctx, dtype=dtype, make_mlp=make_mlp)
+
+    def checkpoint_targets(self, name: str):
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+        m = _EXPERT.match(name)
+        if m:
+            param, part = _PART[m.group(3)]
+            return [(f"{m.group(1)}.{param}", (int(m.group(2)), part))]
+        return super().checkpoint_targets(name)
