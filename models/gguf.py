@@ -12,6 +12,8 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
+import sys
 from pathlib import Path
 
 from atoll.errors import CheckpointError, ConfigError
@@ -44,12 +46,17 @@ def demo_gguf_path() -> Path:
     return path
 
 
-def demo_model_dir(*, progress: bool = True) -> Path:
+def demo_model_dir(*, reconvert: bool = False, progress: bool = True) -> Path:
     """The converted SmolLM2 checkpoint in the cache, converting it on first use."""
     out = cache_dir() / DEMO_NAME
-    if (out / "config.json").is_file():  # only a finished conversion is ever renamed here
-        return out
-    return convert_gguf(demo_gguf_path(), out, progress=progress)
+    if (out / "config.json").is_file() and not reconvert:
+        return out  # only a finished conversion is ever renamed to this name
+    gguf_path = demo_gguf_path()
+    _require_convert_packages()
+    if progress:
+        print(f"atoll: converting {gguf_path.name} once into {out} (about a minute)",
+              file=sys.stderr)
+    return convert_gguf(gguf_path, out, overwrite=reconvert or out.exists(), progress=progress)
 
 
 def _require_convert_packages() -> None:
@@ -125,7 +132,9 @@ def _convert_into(gguf_path: Path, tmp: Path, dtype, bar) -> None:
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, config=config,
                                                      dtype=torch.float32)
         bar.update()
-    except (ValueError, KeyError, OSError) as e:
+    except (struct.error, EOFError) as e:
+        raise CheckpointError(f"{gguf_path} is truncated or corrupt: {_first_line(e)}") from e
+    except (ValueError, KeyError, IndexError, OSError) as e:  # e.g. an unsupported architecture
         raise CheckpointError(f"cannot convert {gguf_path}: {_first_line(e)}") from e
     _step(bar, "writing")
     _write_config(model, tmp, dtype, transformers.__version__)
