@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from atoll.parallel.pipeline import stage_layers
 from atoll.parallel.planner import efficiency as eff
 from atoll.parallel.planner.collectives import GroupLinks, all_gather, all_reduce, all_to_all, send_recv
-from atoll.parallel.planner.shapes import Shapes
+from atoll.parallel.planner.shapes import Shapes, stage_split
 
 WEIGHTS, EXPERTS, KV, COMPUTE = "HBM reads of weights", "HBM reads of expert weights", "HBM reads of KV cache", "compute"
 KERNELS = "kernel launch floors"
@@ -44,10 +43,10 @@ class CostModel:
         self.hbm = gpu.hbm_tb_s * 1e12 * eff.HBM_EFFICIENCY
         self.flops = gpu.tflops(workload.dtype) * 1e12 * eff.GEMM_EFFICIENCY
         self.attn_flops = gpu.bf16_tflops * 1e12 * eff.ATTENTION_EFFICIENCY
-        self.stages = stage_layers(config, layout.pp)
+        self.stages = stage_split(config, layout.pp)
         tp, st = layout.tp, layout.stage_size
         self.g_tp = GroupLinks.of(list(range(tp)), placement, topology)
-        self.g_ep = GroupLinks.of(list(range(0, st, layout.moe_tp)), placement, topology)
+        self.g_stage = GroupLinks.of(list(range(st)), placement, topology)
         self.g_pp = [GroupLinks.of(list(range(s * st, s * st + tp)) + list(range((s + 1) * st, (s + 1) * st + tp)),
                                    placement, topology) for s in range(layout.pp - 1)]
 
@@ -72,27 +71,33 @@ class CostModel:
         n_all = n * active_dp  # tokens entering the MoE layers of the stage
         act = n * h * 2  # bf16 activations of one DP rank, bytes
         start, end = self.stages[stage]
+        n_dense = sum(1 for i in range(start, end) if s.dense_layers[i])
         attn_w = s.attn_sharded / tp + s.attn_replicated
         kv_tok = s.kv_bytes_per_token_layer(tp, w.kv_bytes)
-        for layer in range(start, end):
-            self._op(out, attn_w * wb, 2 * n * attn_w, WEIGHTS)
+        for is_dense, count in ((True, n_dense), (False, end - start - n_dense)):
+            if not count:
+                continue
+            one: dict[str, float] = defaultdict(float)  # one layer of this kind; the rest repeat it
+            self._op(one, attn_w * wb, 2 * n * attn_w, WEIGHTS)
             if prefill:  # causal attention core: half of the n x ctx score matrix, QK and PV
                 core = 2 * 2 * seqs_per_dp * new_tokens * ctx / 2 * (s.heads / tp) * s.head_dim
-                self._op(out, 0.0, core, KV, peak=self.attn_flops)
+                self._op(one, 0.0, core, KV, peak=self.attn_flops)
             else:  # every sequence reads its cache: [ctx, kv] per rank
                 core = 4 * n * ctx * (s.heads / tp) * s.attn_dim
-                self._op(out, seqs_per_dp * ctx * kv_tok, core, KV)
-            out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
+                self._op(one, seqs_per_dp * ctx * kv_tok, core, KV)
+            one[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
             kernels = eff.KERNELS_PER_LAYER
-            if s.dense_layers[layer]:
+            if is_dense:
                 mlp = s.dense_mlp / tp
-                self._op(out, mlp * wb, 2 * n * mlp, WEIGHTS)
-                out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
+                self._op(one, mlp * wb, 2 * n * mlp, WEIGHTS)
+                one[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
             else:
                 kernels += eff.KERNELS_PER_MOE
-                self._moe(out, n, n_all, act, wb)
+                self._moe(one, n, n_all, act, wb)
             if not prefill:
-                out[KERNELS] += kernels * eff.KERNEL_OVERHEAD_S
+                one[KERNELS] += kernels * eff.KERNEL_OVERHEAD_S
+            for k, v in one.items():
+                out[k] += v * count
         if stage == l.pp - 1:  # LM head (kept bf16), logits of the last token of each sequence
             head = s.head / tp
             self._op(out, head * 2, 2 * seqs_per_dp * head, WEIGHTS)
@@ -113,13 +118,16 @@ class CostModel:
             # token and one all-reduce over the stage (== the TP group) combines them
             out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
             return
-        # DP attention: tokens go to their experts and back (DeepEP low-latency style: one copy
-        # per selected expert, fp8 dispatch when the weights are fp8, bf16 combine)
+        # DP attention: tokens go to the ranks holding their experts and back over the stage.
+        # A token's copies: one per selected expert (DeepEP low-latency style, no dedup) when
+        # experts are whole (ep >= top_k), one per EP group otherwise; each copy goes to all
+        # moe_tp shards of its expert. fp8 dispatch when the weights are fp8, bf16 combine.
         per_rank = n / l.tp  # each TP rank of a DP group dispatches its slice of the tokens
-        disp = per_rank * s.top_k * s.hidden * (1 if self.w.dtype == "fp8" else 2)
-        comb = per_rank * s.top_k * s.hidden * 2
-        name = self._comm_name("all-to-all", self.g_ep)
-        out[name] += all_to_all(disp, self.g_ep) + all_to_all(comb, self.g_ep)
+        copies = min(s.top_k, l.ep) * l.moe_tp
+        disp = per_rank * copies * s.hidden * (1 if self.w.dtype == "fp8" else 2)
+        comb = per_rank * copies * s.hidden * 2
+        name = self._comm_name("all-to-all", self.g_stage)
+        out[name] += all_to_all(disp, self.g_stage) + all_to_all(comb, self.g_stage)
         if l.tp > 1:
             out[self._comm_name("TP all-gather", self.g_tp)] += all_gather(act, self.g_tp)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from atoll.parallel.pipeline import stage_layers
 from atoll.parallel.planner import efficiency as eff
+from atoll.parallel.planner.shapes import stage_split
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
     s, l, w = shapes, layout, workload
     per_dp = math.ceil(batch / l.dp)
     worst = None
-    for i, (start, end) in enumerate(stage_layers(config, l.pp)):
+    for i, (start, end) in enumerate(stage_split(config, l.pp)):
         dec, bf16 = stage_weight_params(s, l, start, end, i == 0, i == l.pp - 1)
         weights = dec * w.weight_bytes + bf16 * 2
         kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes)

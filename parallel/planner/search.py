@@ -45,7 +45,7 @@ def enumerate_layouts(config, topology, *, allow_cross_island: bool = False) -> 
                 if dp > 1 and not config.is_moe:
                     continue  # for a dense model DP inside a stage is just replicas
                 for ep in (divisors(tp * dp) if config.is_moe else [1]):
-                    if ep > config.num_experts or config.is_moe and config.num_experts % ep:
+                    if config.is_moe and (ep > config.num_experts or config.num_experts % ep):
                         continue
                     try:
                         layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep).validate(config)

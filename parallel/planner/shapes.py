@@ -91,3 +91,19 @@ def shapes(config) -> Shapes:
         kv_heads=0 if c.is_mla else c.num_key_value_heads, head_dim=c.head_dim,
         heads=c.num_attention_heads, kv_latent=latent, attn_dim=attn_dim,
     )
+
+
+_SPLITS: dict[tuple, list[tuple[int, int]]] = {}
+
+
+def stage_split(config, pp: int) -> list[tuple[int, int]]:
+    """parallel.pipeline.stage_layers (the split the runtime uses), memoised: its dynamic
+    program is O(pp * layers^2) and the search asks for the same split many times."""
+    from atoll.parallel.pipeline import stage_layers
+
+    c = config
+    key = (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.moe_intermediate_size,
+           c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.vocab_size, pp)
+    if key not in _SPLITS:
+        _SPLITS[key] = stage_layers(config, pp)
+    return _SPLITS[key]

@@ -1,0 +1,105 @@
+"""`atoll plan`: predicted TTFT / TPOT / tokens per second for every layout, the memory fit,
+the recommendation and why."""
+
+from __future__ import annotations
+
+import sys
+
+from atoll.errors import ConfigError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="recommend a parallel layout for a model on a cluster",
+                              description="Search every layout (TP, PP, DP, EP, replicas), fit memory, "
+                                          "predict latency and throughput, recommend one.")
+    p.add_argument("--model", required=True,
+                   help="built-in preset (DeepSeek-V3, Llama-3.1-405B, ...) or a HF config dir/file")
+    p.add_argument("--topology", required=True, help="preset (dgx-h200, ...) or a topology YAML file")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the file's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="use only this many GPUs per node")
+    p.add_argument("--network", default=None, help="replace the inter-node link: ethernet:25, infiniband:400")
+    p.add_argument("--isl", type=int, default=1024, help="input tokens per request")
+    p.add_argument("--osl", type=int, default=256, help="output tokens per request")
+    p.add_argument("--concurrency", default="64", help="requests in flight; a list sweeps: 1,8,64,256")
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="weight precision")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV cache precision")
+    p.add_argument("--ttft-ms", type=float, default=None, help="SLO: time to first token")
+    p.add_argument("--tpot-ms", type=float, default=None, help="SLO: time per output token")
+    p.add_argument("--layouts", default=None, help="only these, comma-separated: TP8PP2,EP16,'2 x TP8'")
+    p.add_argument("--allow-cross-island", action="store_true", help="let TP groups span NVLink islands")
+    p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
+    p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="Pareto plot (needs matplotlib)")
+    p.set_defaults(run=run)
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--concurrency {text!r}: expected integers like 64 or 1,8,64") from None
+    if not values or min(values) < 1:
+        raise ConfigError(f"--concurrency {text!r}: every value must be at least 1")
+    return values
+
+
+def run(args) -> int:
+    from atoll.models.presets import resolve_model
+    from atoll.parallel.planner import Workload, plan_layouts
+    from atoll.topologies import load_topology
+
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError(f"--nodes {args.nodes}: must be at least 1")
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top}: must be at least 1")
+    topology = load_topology(args.topology, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                             network=args.network)
+    name, config = resolve_model(args.model)
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] if args.layouts else None
+    plans = []
+    for c in _concurrencies(args.concurrency):
+        workload = Workload(isl=args.isl, osl=args.osl, concurrency=c, dtype=args.dtype, kv_dtype=args.kv_dtype)
+        plan = plan_layouts(config, topology, workload, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms,
+                            layouts=layouts, allow_cross_island=args.allow_cross_island)
+        plans.append(_renamed(plan, name))
+    if args.format == "json":
+        import json
+
+        out = [p.to_dict() for p in plans]
+        json.dump(out[0] if len(out) == 1 else out, sys.stdout, indent=1)
+        print()
+    elif args.format == "csv":
+        _csv(plans)
+    else:
+        from atoll.parallel.planner.table import print_plans
+
+        print_plans(plans, top=args.top)
+    if args.plot:
+        from atoll.parallel.planner.plot import plot_plans
+
+        plot_plans(plans, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _renamed(plan, name):
+    import dataclasses
+
+    return dataclasses.replace(plan, model=name)
+
+
+def _csv(plans) -> None:
+    import csv
+
+    cols = ["concurrency", "name", "layout", "replicas", "gpus", "fits", "memory_used_gib",
+            "memory_capacity_gib", "shortfall_gib", "ttft_ms", "tpot_ms", "tokens_per_s_per_gpu",
+            "tokens_per_s_per_user", "meets_slo", "recommended", "reason"]
+    w = csv.writer(sys.stdout)
+    w.writerow(cols)
+    for plan in plans:
+        for p in plan.predictions:
+            d, m = p.to_dict(), p.to_dict()["memory_gib"]
+            w.writerow([plan.workload.concurrency, p.name, d["layout"], p.replicas, p.gpus, p.fits,
+                        f"{m['used']:.2f}", f"{m['capacity']:.2f}", f"{m['shortfall']:.2f}",
+                        f"{d['ttft_ms']:.3f}", f"{d['tpot_ms']:.4f}", f"{p.tokens_per_s_per_gpu:.3f}",
+                        f"{p.tokens_per_s_per_user:.3f}", p.meets_slo, p is plan.recommended, p.reason])
