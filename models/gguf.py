@@ -84,16 +84,19 @@ def _first_line(e: BaseException) -> str:
 def convert_gguf(gguf_path, out_dir, *, dtype=None, overwrite: bool = False,
                  progress: bool = True) -> Path:
     """Write a Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer
-    files) for a GGUF file, dequantized to `dtype` (default float32). Returns `out_dir`."""
+    files) for a GGUF file, dequantized to `dtype` (a torch dtype or its name; default
+    float32). Returns `out_dir`, which appears only once complete."""
     gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
     _check_gguf_file(gguf_path)
     if out_dir.exists() and not overwrite:
-        raise CheckpointError(f"{out_dir} already exists; remove it or pass overwrite (--force)")
+        raise CheckpointError(f"{out_dir} already exists; remove it or pass --force")
     _require_convert_packages()
     import torch
     from tqdm.auto import tqdm
 
-    dtype = torch.float32 if dtype is None else dtype
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else (dtype or torch.float32)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(f"dtype must be a floating-point torch dtype, not {dtype!r}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -200,3 +200,24 @@ def test_weights_writer_drops_tied_copies_like_save_pretrained(tiny_model, tmp_p
         for k in mine.keys():
             assert mine.get_tensor(k).dtype == torch.bfloat16
             torch.testing.assert_close(mine.get_tensor(k), theirs.get_tensor(k).to(torch.bfloat16))
+
+
+def test_dtype_must_be_floating(tmp_path, smollm2_gguf_path):
+    with pytest.raises(ConfigError, match="floating-point"):
+        gguf.convert_gguf(smollm2_gguf_path, tmp_path / "out", dtype="int8")
+
+
+def test_publish_replaces_or_yields_to_a_finished_directory(tmp_path):
+    def finished(name, marker):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(marker)
+        return d
+
+    out = finished("out", "old")
+    gguf._publish(finished(".out.partial-1", "new"), out, overwrite=True)
+    assert (out / "config.json").read_text() == "new"
+    # another process finished first: its directory stays, ours is dropped by the caller
+    gguf._publish(finished(".out.partial-2", "late"), out, overwrite=False)
+    assert (out / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.partial-2", "out"]
