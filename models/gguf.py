@@ -178,6 +178,7 @@ def _write_weights(model, path: Path, dtype) -> None:
         seen.add(ptr)
         tensors[key] = t.detach().to(dtype).contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
+    path.chmod(0o644)  # save_file makes it 0600; the cache may be read by other users' ranks
 
 
 def _write_tokenizer(tokenizer, tmp: Path, config) -> None:

@@ -126,7 +126,8 @@ def test_bad_gguf_paths_are_one_line_errors(tmp_path, capsys):
     text.write_text("not a model\n")
     with pytest.raises(CheckpointError, match="is not a GGUF file"):
         gguf.convert_gguf(text, tmp_path / "out")
-    _one_line_error(capsys, ["convert", str(tmp_path / "missing.gguf"), str(tmp_path / "out")], "no GGUF file")
+    missing = str(tmp_path / "missing.gguf")
+    _one_line_error(capsys, ["convert", missing, str(tmp_path / "out")], "no GGUF file")
     _one_line_error(capsys, ["convert", str(text), str(tmp_path / "out")], "not a GGUF file")
     assert not (tmp_path / "out").exists()
 

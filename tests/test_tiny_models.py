@@ -29,7 +29,8 @@ def test_tiny_model_is_seeded_and_overrides_apply(tiny_model, tmp_path):
 
     a = build_tiny_model("llama", tmp_path / "a")
     b = build_tiny_model("llama", tmp_path / "b")
-    with safe_open(str(a / "model.safetensors"), "pt") as fa, safe_open(str(b / "model.safetensors"), "pt") as fb:
+    with safe_open(str(a / "model.safetensors"), "pt") as fa, \
+            safe_open(str(b / "model.safetensors"), "pt") as fb:
         assert all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in fa.keys())
     tied = tiny_model("llama", tie_word_embeddings=True, num_hidden_layers=2)
     assert tied != tiny_model("llama")
