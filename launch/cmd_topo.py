@@ -86,7 +86,7 @@ def describe(topo) -> str:
     g = topo.gpu
     fp8 = f", {g.fp8_tflops:g} fp8" if g.fp8_tflops else ", no fp8"
     lines = [topo.describe(),
-             f"GPU      {g.name}: {g.memory_gib:g} GiB at {g.hbm_tb_s:g} TB/s, {g.bf16_tflops:g} TFLOPS bf16{fp8}",
+             f"GPU      {g.name}: {g.memory_gib:.1f} GiB at {g.hbm_tb_s:g} TB/s, {g.bf16_tflops:g} TFLOPS bf16{fp8}",
              f"island   {topo.island_link}",
              f"node     {topo.node_link}",
              f"network  {topo.network}"]
