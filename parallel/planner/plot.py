@@ -33,9 +33,17 @@ def plot_plans(plans, path: str) -> None:
     front = pareto(pts)
     ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "-o", c="#1f77b4", ms=4,
             label="Pareto front")
-    for i in front:
+    recommended = {id(plan.recommended) for plan in plans}
+    xmax, ymax = max(x for x, _ in pts) or 1, max(y for _, y in pts) or 1
+    labelled: list[tuple[float, float]] = []
+    for i in front:  # label front points that are not recommended and not on top of a label
         plan, p = preds[i]
-        ax.annotate(f"{p.name} @{plan.workload.concurrency}", pts[i], fontsize=7,
+        x, y = pts[i]
+        if id(p) in recommended or any(abs(x - a) < 0.04 * xmax and abs(y - b) < 0.04 * ymax
+                                       for a, b in labelled):
+            continue
+        labelled.append((x, y))
+        ax.annotate(f"{p.name} @{plan.workload.concurrency}", (x, y), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")
     for plan in plans:
         r = plan.recommended
