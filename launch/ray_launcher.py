@@ -1,0 +1,292 @@
+"""Run one Ray actor per rank across a Ray cluster and collect results.
+
+Ranks are grouped by node: by `placement.node_of(rank)` when a placement is given, else in
+consecutive chunks (`ranks_per_node`, or as many ranks as the largest node has GPUs for).
+Each group gets its own placement group with STRICT_PACK, so a group (and so every TP group
+inside it) lands on one node. One placement group for all ranks cannot say this: STRICT_PACK
+would need one node for everything, PACK may split a TP group when a node is short, SPREAD
+splits it on purpose. Each group's reservation is atomic; if they are not all ready in time,
+all are released and the error names what the cluster has.
+
+Nothing is pinned to the driver's node (no `node:IP` resources), so the driver may sit on a
+node without GPUs. Rank 0's actor picks the rendezvous address (its node IP and a free port);
+every actor pins gloo/NCCL to the interface holding its own node IP.
+
+As with run_local, the first rank that raises or whose actor dies ends the job within
+seconds: every actor is killed and RankFailure names the rank, its node and the cause.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+import traceback
+
+from atoll.errors import LaunchError, RankFailure
+
+_POLL_S = 0.2
+_GRACE_S = 2.0  # after a rank raises, how long to look for a dead actor, the likelier root cause
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise LaunchError("the Ray launcher needs Ray: pip install 'atoll[ray]'") from None
+    return ray
+
+
+class _RankActor:
+    """One rank. Made a Ray actor class by ray.remote at launch (Ray is imported lazily)."""
+
+    def where(self) -> tuple[str, str, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0 only: a socket on this node's IP, held until run() hands it to the store."""
+        import ray
+
+        from atoll.launch.net import listen_socket
+
+        ip = ray.util.get_node_ip_address()
+        self._listen = listen_socket(ip)
+        return ip, self._listen.getsockname()[1]
+
+    def run(self, fn, rank, world_size, addr, port, use_gpu, args, kwargs):
+        try:
+            import ray
+            import torch
+
+            from atoll.launch.net import pin_interface, rendezvous
+
+            torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+            backend = "gloo"
+            if use_gpu and torch.cuda.is_available():
+                backend = "nccl"
+                torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs
+            if world_size > 1:
+                pin_interface(ray.util.get_node_ip_address())
+                rendezvous(rank, world_size, addr, port, backend=backend,
+                           listen=getattr(self, "_listen", None))
+            return ("ok", fn(rank, world_size, *args, **kwargs))
+        except BaseException as e:  # report to the driver; the driver kills every actor
+            from atoll.errors import AtollError
+
+            line = str(e) if isinstance(e, AtollError) else f"{type(e).__name__}: {e}"
+            return ("error", line, traceback.format_exc())
+
+
+def node_groups(world_size: int, placement=None, ranks_per_node: int | None = None) -> list[list[int]]:
+    """Ranks grouped by node, in order of first rank: from placement.node_of, else chunks."""
+    if placement is not None and hasattr(placement, "node_of"):
+        groups: dict[object, list[int]] = {}
+        for r in range(world_size):
+            groups.setdefault(placement.node_of(r), []).append(r)
+        return list(groups.values())
+    per = max(1, min(ranks_per_node or world_size, world_size))
+    return [list(range(s, min(s + per, world_size))) for s in range(0, world_size, per)]
+
+
+def _span(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+def _check_address(address: str) -> None:
+    """Fail in seconds, with one line, when nothing listens at a host:port address."""
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        host, port = hostport, "6379"
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise LaunchError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
+
+
+def _connect(ray, address: str | None, world_size: int) -> bool:
+    """Connect or start Ray; True when this call did it (and so must shut it down)."""
+    if ray.is_initialized():
+        return False
+    opts = dict(include_dashboard=False, logging_level="warning", configure_logging=True)
+    if address is not None:
+        _check_address(address)
+        try:
+            ray.init(address=address, **opts)
+        except Exception as e:  # noqa: BLE001 - Ray raises several kinds for a bad cluster
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise LaunchError(f"cannot connect to the Ray cluster at {address}: {first}") from None
+        return True
+    # this machine only: Ray turns 127.0.0.1 into the routable IP and binds it unless it
+    # believes clusters are off, which keeps every Ray server on the loopback interface
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # inherited by GCS, raylet, workers
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    # address="local": a new instance even when RAY_ADDRESS or a running cluster is around
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size),
+             _node_ip_address="127.0.0.1", **opts)
+    return True
+
+
+def _node_names(ray) -> dict[str, str]:
+    return {n["NodeID"]: f"{n['NodeManagerAddress']} (node {n['NodeID'][:8]})"
+            for n in ray.nodes() if n.get("Alive")}
+
+
+def _check_resources(ray, groups: list[list[int]], gpus_per_rank: float) -> None:
+    """Refuse what the cluster can never hold, instead of waiting for a placement group."""
+    world = sum(len(g) for g in groups)
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    for kind, per_rank in (("GPU", gpus_per_rank), ("CPU", 1)):
+        if not per_rank:
+            continue
+        total = sum(n.get(kind, 0) for n in nodes)
+        need = world * per_rank
+        if need > total:
+            raise LaunchError(f"{world} ranks need {need:g} {kind}s but the Ray cluster has {total:g}")
+        biggest = max((n.get(kind, 0) for n in nodes), default=0)
+        g = max(groups, key=len)
+        if len(g) * per_rank > biggest:
+            raise LaunchError(f"{_span(g)} must share one node and need {len(g) * per_rank:g} {kind}s, "
+                              f"but the largest Ray node has {biggest:g}")
+
+
+def _reserve(ray, groups, gpus_per_rank: float, ready_timeout_s: float) -> list:
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {"CPU": 1, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+    pgs = [placement_group([dict(bundle) for _ in g], strategy="STRICT_PACK", name=f"atoll-{_span(g)}")
+           for g in groups]
+    ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=ready_timeout_s)
+    if len(ready) < len(pgs):
+        for pg in pgs:
+            remove_placement_group(pg)
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        raise LaunchError(f"Ray could not place {len(groups)} node group(s) of {bundle} per rank "
+                          f"within {ready_timeout_s:.0f}s; available now: {free}")
+    return pgs
+
+
+def _death_cause(err) -> str:
+    """One line from Ray's several-paragraph ActorDiedError text."""
+    text = " ".join(str(err).split())
+    pid = re.search(r"pid: (\d+)", text)
+    who = f"actor (pid {pid.group(1)})" if pid else "actor"
+    if "creation task" in text:
+        return f"{who} could not start: {text.split('creation task')[-1].strip(' .:')[:200]}"
+    why = re.search(r"The actor is dead because (.*?)\.", text)
+    detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text)
+    parts = [f"{who} died"] + ([why.group(1)] if why else []) + ([detail.group(1).strip()] if detail else [])
+    return ": ".join(parts[:2]) + (f" ({parts[2]})" if len(parts) > 2 else "")
+
+
+def run_ray(fn, world_size: int, *args, address: str | None = None, gpus_per_rank: float = 0,
+            timeout_s: float | None = None, placement=None, ranks_per_node: int | None = None,
+            ready_timeout_s: float = 60.0, **kwargs) -> list:
+    """Run fn(rank, world_size, *args, **kwargs) in one Ray actor per rank; return their values.
+
+    address: a Ray cluster ("host:port", "ray://host:port", "auto"); None starts Ray on this
+    machine only, listening on 127.0.0.1. If Ray is already initialised it is used as is.
+    Raises RankFailure naming the first rank that raised or died, after killing every actor.
+    """
+    ray = _import_ray()
+    from ray.exceptions import RayActorError
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    started = _connect(ray, address, world_size)
+    pgs, actors = [], []
+    try:
+        if placement is None and ranks_per_node is None and gpus_per_rank:
+            most = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+            ranks_per_node = max(1, int(most // gpus_per_rank))
+        groups = node_groups(world_size, placement, ranks_per_node)
+        _check_resources(ray, groups, gpus_per_rank)
+        pgs = _reserve(ray, groups, gpus_per_rank, ready_timeout_s)
+        names = _node_names(ray)
+        actor_cls = ray.remote(_RankActor)
+        slot: dict[int, tuple] = {}  # rank -> (placement group, bundle index)
+        for pg, g in zip(pgs, groups):
+            for i, r in enumerate(g):
+                slot[r] = (pg, i)
+        node_of: dict[int, str | None] = {}
+        for r in range(world_size):
+            pg, i = slot[r]
+            bundle_node = ray.util.placement_group_table(pg)["bundles_to_node_id"].get(i)
+            node_of[r] = names.get(bundle_node, bundle_node)
+            actors.append(actor_cls.options(
+                num_cpus=1, num_gpus=gpus_per_rank, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=i)).remote())
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        addr, port = _first(ray, actors[0].rendezvous.remote(), node_of, RayActorError, deadline)
+        refs = {a.run.remote(fn, r, world_size, addr, port, bool(gpus_per_rank), args, kwargs): r
+                for r, a in enumerate(actors)}
+        return _collect(ray, refs, node_of, RayActorError, deadline, timeout_s)
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        if pgs:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in pgs:
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # noqa: BLE001
+                    pass
+        if started:
+            ray.shutdown()
+
+
+def _first(ray, ref, node_of, actor_error, deadline):
+    """Rank 0's rendezvous address; its actor must start first."""
+    wait = 300.0 if deadline is None else max(1.0, deadline - time.monotonic())
+    try:
+        return ray.get(ref, timeout=wait)
+    except actor_error as e:
+        raise RankFailure(0, _death_cause(e), node=node_of.get(0)) from None
+    except ray.exceptions.GetTimeoutError:
+        raise LaunchError(f"rank 0's Ray actor did not start within {wait:.0f}s") from None
+
+
+def _collect(ray, refs: dict, node_of: dict, actor_error, deadline, timeout_s) -> list:
+    values: dict[int, object] = {}
+    pending = list(refs)
+    failure = None  # (rank, cause, traceback) of the first rank that raised
+    failed_at = 0.0
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+        for ref in ready:
+            rank = refs[ref]
+            try:
+                msg = ray.get(ref)
+            except actor_error as e:  # a dead actor is the root cause: report it first
+                raise RankFailure(rank, _death_cause(e), node=node_of.get(rank)) from None
+            if msg[0] == "ok":
+                values[rank] = msg[1]
+            elif failure is None:
+                failure, failed_at = (rank, msg[1], msg[2]), time.monotonic()
+        now = time.monotonic()
+        if failure is not None and (not pending or now - failed_at > _GRACE_S):
+            raise RankFailure(failure[0], failure[1], node=node_of.get(failure[0])) \
+                from _RemoteTraceback(failure[2])
+        if deadline is not None and now > deadline:
+            missing = [r for r in sorted(refs.values()) if r not in values]
+            raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
+    return [values[r] for r in range(len(refs))]
+
+
+class _RemoteTraceback(Exception):
+    """The failing rank's traceback, chained under RankFailure for debugging."""
+
+    def __str__(self):
+        return "\n" + self.args[0]

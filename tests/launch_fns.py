@@ -1,0 +1,122 @@
+"""Rank functions the launcher tests run (module level, so Ray and mpirun ranks import them)."""
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+
+def where() -> str:
+    """This rank's node: the Ray node id inside a Ray actor, else the host name."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    return socket.gethostname()
+
+
+def collective(rank: int, world_size: int) -> dict:
+    """A real all_reduce and all_gather over the launcher's process group."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    gathered = [torch.zeros(2) for _ in range(world_size)]
+    dist.all_gather(gathered, torch.tensor([float(rank), float(rank * rank)]))
+    return {"rank": rank, "node": where(), "pid": os.getpid(), "sum": total.item(),
+            "gathered": [g.tolist() for g in gathered],
+            "backend": dist.get_backend(), "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _mark(stamp_dir) -> None:
+    Path(stamp_dir, f"pid-{os.getpid()}").write_text(str(time.time()))
+
+
+def raise_on_rank(rank: int, world_size: int, bad: int, stamp_dir: str):
+    """Rank `bad` raises once every rank is up; the others wait in a collective forever."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    _mark(stamp_dir)
+    if rank == bad:
+        Path(stamp_dir, "failed-at").write_text(str(time.time()))
+        raise ValueError(f"bad input on rank {rank}")
+    dist.barrier()
+    time.sleep(600)
+
+
+def die_on_rank(rank: int, world_size: int, bad: int, stamp_dir: str):
+    """Rank `bad` is SIGKILLed once every rank is up; the others wait in a collective."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    _mark(stamp_dir)
+    if rank == bad:
+        time.sleep(1.0)  # let every rank write its pid
+        Path(stamp_dir, "failed-at").write_text(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    time.sleep(600)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for c in children.get(p, []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _hex_addr(field: str) -> str:
+    host, port = field.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
+    else:  # /proc/net/tcp6 stores four little-endian 32-bit words
+        ip = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return f"{ip}:{int(port, 16)}"
+
+
+def listening(root_pid: int) -> list[str]:
+    """'addr:port' of every TCP socket that root_pid or a descendant of it listens on."""
+    inodes = set()
+    for pid in _descendants(root_pid) | {root_pid}:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                out.append(_hex_addr(f[1]))
+    return sorted(out)
+
+
+def listening_after_rendezvous(rank: int, world_size: int, driver_pid: int) -> list[str] | None:
+    """Rank 0 lists what the whole job listens on, with the process group up."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    out = listening(driver_pid) if rank == 0 else None
+    dist.barrier()
+    return out
