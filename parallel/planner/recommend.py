@@ -21,7 +21,7 @@ def explain(p) -> str:
                 f"(weights {m.weights / GIB:.1f} + KV {m.kv_cache / GIB:.1f} GiB of {m.capacity / GIB:.1f})")
     d = _share(p.decode)
     text = f"{p.name}: decode bound by {d[0][0]} ({d[0][1]:.0%})"
-    comm = [(k, v) for k, v in d[1:] if "over" in k or "pipeline" in k]
+    comm = [(k, v) for k, v in d[1:] if ("over" in k or "pipeline" in k) and v >= 0.01]
     if comm:
         text += f"; {comm[0][0]} is {comm[0][1]:.0%} of the step"
     elif len(d) > 1:
