@@ -7,6 +7,7 @@ reduce_scatter, which is then an all_reduce followed by a local slice.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -84,7 +85,7 @@ class Group:
         if self.size == 1:
             return x
         x = x.contiguous()
-        row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+        row = math.prod(x.shape[1:]) * x.element_size() if x.dim() > 1 else x.element_size()
         self._count("all_to_all", (sum(send_splits) - send_splits[self.rank]) * row)
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x, output_split_sizes=list(recv_splits),

@@ -1,0 +1,249 @@
+"""Dispatcher: MoE token dispatch and combine over the ep group.
+
+    d = dispatcher.dispatch(x, topk_ids, topk_weights)  # x: [tokens, hidden], ids/weights: [tokens, k]
+    outs = [expert[e](rows) for e, rows in zip(dispatcher.local_experts, d.per_expert())]
+    y = dispatcher.combine(torch.cat(outs), d)            # [tokens, hidden]
+
+combine gives, for each token, the sum over its top-k of weight * expert output, in the
+original token order. Expert e lives on the ep rank whose contiguous block holds it; the first
+num_experts % ep ranks hold one more (routing.expert_split).
+
+Flat: count rows per expert, exchange the counts (one small all_to_all), sort the
+(token, expert) pairs by expert, so each destination's rows are contiguous and grouped by its
+local experts, one uneven all_to_all, reorder the received [source][expert] blocks to
+[expert][source]; combine runs the inverse all_to_all and the weighted sum. Within an expert
+the rows arrive in (source rank, token) order.
+
+Hierarchical (island first, as DeepEP and Tutel's 2D all-to-all do it): a token bound for any
+experts on a remote island crosses once, with its expert ids and weights, to one relay rank
+there (routing.relay_rank); each rank then runs the flat step inside its island only, over its
+own tokens and the ones relayed to it. combine reduces inside the island (weighted) and sends one
+partial sum per (token, remote island) back across. Within an expert the row order is then
+by relay, not by source.
+
+Dropless by default. With capacity_factor the rule of routing.capacity_keep applies: each expert
+keeps the first ceil(capacity_factor * pairs / num_experts) (token, expert) pairs of the step in
+(source rank, token, slot) order; dropped pairs contribute 0. Negative expert ids are ignored.
+
+`bytes` counts every byte this rank sent per link class ("intra": inside its island, "cross":
+across islands; islands=None is one island), `row_bytes` only the hidden-state rows of it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from atoll.comm.group import Group
+from atoll.comm.routing import (capacity_keep, capacity_of, check_islands, expert_major,
+                                expert_owner, expert_split, expert_starts, island_index,
+                                relay_rank, sort_by_key)
+from atoll.errors import ConfigError
+
+
+@dataclass
+class Leg:
+    """One all_to_all over the ep group, and what undoing it needs."""
+    src: torch.Tensor            # [n_send] input row each sent row copies, grouped by destination
+    weight: torch.Tensor | None  # [n_send] fp32 scale applied on the way back; None: 1
+    send_splits: list[int]
+    recv_splits: list[int]
+    regroup: torch.Tensor | None  # received rows -> expert-major; None: already are
+    n_in: int                     # input rows (tokens) of this leg
+    row_bytes: int                # bytes of one row on the way out (hidden + packed metadata)
+
+
+@dataclass
+class Dispatched:
+    rows: torch.Tensor          # [n_recv, hidden] rows for this rank's experts, grouped by expert
+    expert_counts: list[int]    # rows per local expert, in Dispatcher.local_experts order
+    legs: tuple[Leg, ...]       # the all_to_alls dispatch made, in order; combine undoes them
+    n_tokens: int
+    dropped: int = 0            # (token, expert) pairs of this rank dropped by capacity
+
+    def per_expert(self) -> list[torch.Tensor]:
+        return list(self.rows.split(self.expert_counts))
+
+
+class Dispatcher:
+    def __init__(self, group: Group, num_experts: int, *, islands=None,
+                 capacity_factor: float | None = None, hierarchical: bool = False):
+        if num_experts < 1:
+            raise ConfigError(f"num_experts={num_experts} must be at least 1")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ConfigError(f"capacity_factor={capacity_factor} must be positive")
+        self.group = group
+        self.num_experts = num_experts
+        self.split = expert_split(num_experts, group.size)
+        self.starts = expert_starts(self.split)
+        me = group.rank
+        self.local_experts = range(self.starts[me], self.starts[me] + self.split[me])
+        self.islands = [list(range(group.size))] if islands is None else check_islands(islands, group.size)
+        self.island_of = island_index(self.islands, group.size)
+        if hierarchical and len(self.islands) < 2:
+            raise ConfigError(f"hierarchical dispatch needs at least 2 islands, got {self.islands}")
+        self.hierarchical = hierarchical
+        self.capacity_factor = capacity_factor
+        self.bytes: Counter = Counter()      # all bytes sent, per link class
+        self.row_bytes: Counter = Counter()  # hidden-state rows only, per link class
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.local_experts)
+
+    def expert_owner(self, ids: torch.Tensor) -> torch.Tensor:
+        return expert_owner(ids, self.split)
+
+    def reset_counters(self) -> None:
+        self.bytes.clear()
+        self.row_bytes.clear()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+        # x: [tokens, hidden]; topk_ids, topk_weights: [tokens, k]
+        if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] \
+                or topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"dispatch wants x [tokens, hidden] and topk ids/weights [tokens, k]; got "
+                             f"{tuple(x.shape)}, {tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+        ids, w = topk_ids.long(), topk_weights.float()
+        kept, dropped = None, 0
+        if self.capacity_factor is not None:
+            ids, kept, dropped = self._drop(ids)
+        if not self.hierarchical:
+            leg, counts = self._expert_leg(ids, w, list(range(self.group.size)), kept)
+            return Dispatched(self._forward(x, leg), counts, (leg,), x.shape[0], dropped)
+        cross, x_r, ids_r, w_r = self._cross_leg(x, ids, w)
+        mine = self.island_of[self.group.rank]
+        island_ids = torch.tensor(self.island_of, device=ids.device)[self.expert_owner(ids.clamp(min=0))]
+        own = torch.where((ids >= 0) & (island_ids == mine), ids, -1)  # my tokens' experts on my island
+        leg, counts = self._expert_leg(torch.cat([own, ids_r]), torch.cat([w, w_r]), self.islands[mine])
+        rows = self._forward(torch.cat([x, x_r]), leg)  # relayed rows ride after my own tokens
+        return Dispatched(rows, counts, (cross, leg), x.shape[0], dropped)
+
+    def combine(self, expert_out: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        # expert_out: [n_recv, hidden] in d.rows order -> [tokens, hidden], expert_out's dtype
+        if expert_out.dim() != 2 or expert_out.shape[0] != d.rows.shape[0]:
+            raise ValueError(f"combine wants [{d.rows.shape[0]}, hidden] expert outputs, got "
+                             f"{tuple(expert_out.shape)}")
+        leg = d.legs[-1]
+        out = torch.zeros(leg.n_in, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+        self._backward(expert_out, leg, out)  # weighted sum per token (own and relayed) in fp32
+        if len(d.legs) == 2:  # hierarchical: relayed tokens' island sums go back across
+            part = out[d.n_tokens:].to(expert_out.dtype)
+            out = out[:d.n_tokens]
+            self._backward(part, d.legs[0], out)
+        return out.to(expert_out.dtype)
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def _count(self, splits: list[int], nbytes: int, payload: int = 0) -> None:
+        me = self.group.rank
+        for j, n in enumerate(splits):
+            if n and j != me:
+                link = "intra" if self.island_of[j] == self.island_of[me] else "cross"
+                self.bytes[link] += n * nbytes
+                self.row_bytes[link] += n * payload
+
+    def _drop(self, ids: torch.Tensor):
+        """Apply the capacity rule; returns (ids with dropped pairs set to -1, kept pairs per
+        (source rank, expert) [ep, E], pairs this rank dropped)."""
+        E, me = self.num_experts, self.group.rank
+        valid = ids.reshape(-1) >= 0
+        mine = torch.bincount(ids.reshape(-1)[valid], minlength=E)
+        self._count([1] * self.group.size, E * 8)
+        counts = self.group.all_gather(mine[None], dim=0)  # [ep, E] every rank's pairs per expert
+        cap = capacity_of(self.capacity_factor, int(counts.sum()), E)
+        keep = capacity_keep(ids, counts, me, cap)
+        before = counts.cumsum(0) - counts
+        kept = torch.minimum(counts, (cap - before).clamp(min=0))
+        dropped = int(valid.sum()) - int(kept[me].sum())
+        return torch.where(keep, ids, -1), kept, dropped
+
+    def _expert_leg(self, ids: torch.Tensor, w: torch.Tensor, peers: list[int], kept=None):
+        """Plan the all_to_all of (token, expert) pairs to the experts' ranks among `peers`.
+        ids, w: [n, k]; kept: [ep, E] pair counts when the capacity step already knows them."""
+        P, E, L, k = self.group.size, self.num_experts, self.num_local_experts, ids.shape[1]
+        me, split, st = self.group.rank, self.split, self.starts
+        order, counts = sort_by_key(ids.reshape(-1), E)  # pairs grouped by expert, token order inside
+        if kept is not None:
+            recv = kept[:, st[me]:st[me] + L]  # [ep, L] rows each source sends each local expert
+        else:  # tell each peer how many rows it gets per local expert
+            send = torch.cat([counts[st[j]:st[j] + split[j]] for j in peers])
+            inside = [j in peers for j in range(P)]
+            got = self.group.all_to_all(send, [split[j] * inside[j] for j in range(P)],
+                                        [L * inside[s] for s in range(P)])
+            self._count([split[j] * inside[j] for j in range(P)], 8)
+            recv = counts.new_zeros(P, L)
+            recv[torch.tensor(inside)] = got.view(len(peers), L)
+        host = torch.cat([counts, recv.reshape(-1)]).tolist()  # one device sync for all sizes
+        send_splits = [sum(host[st[j]:st[j] + split[j]]) for j in range(P)]
+        by_src = [host[E + s * L:E + (s + 1) * L] for s in range(P)]
+        leg = Leg(src=order // k, weight=w.reshape(-1)[order], send_splits=send_splits,
+                  recv_splits=[sum(c) for c in by_src], regroup=expert_major(recv),
+                  n_in=ids.shape[0], row_bytes=0)
+        return leg, [sum(c[e] for c in by_src) for e in range(L)]
+
+    def _forward(self, x: torch.Tensor, leg: Leg) -> torch.Tensor:
+        leg.row_bytes = x.shape[1] * x.element_size()
+        send = x[leg.src]  # [n_send, hidden] grouped by destination rank, then local expert
+        recv = self.group.all_to_all(send, leg.send_splits, leg.recv_splits)
+        self._count(leg.send_splits, leg.row_bytes, leg.row_bytes)
+        return recv if leg.regroup is None else recv[leg.regroup]
+
+    def _backward(self, y: torch.Tensor, leg: Leg, out: torch.Tensor) -> None:
+        """Undo leg: send y's rows back to where they came from and add them (scaled by the leg's
+        weights) into out [leg.n_in, hidden] fp32."""
+        if leg.regroup is not None:
+            back = torch.empty_like(y)
+            back[leg.regroup] = y
+            y = back
+        row = y.shape[1] * y.element_size()
+        y = self.group.all_to_all(y, leg.recv_splits, leg.send_splits)
+        self._count(leg.recv_splits, row, row)
+        y = y.float() if leg.weight is None else y.float() * leg.weight[:, None]
+        out.index_add_(0, leg.src, y)
+
+    def _cross_leg(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
+        """Send each token once to the relay of every remote island holding any of its experts,
+        packed with its ids on that island (others -1) and its weights. Returns (leg, relayed
+        x [n, hidden], relayed ids [n, k], relayed weights [n, k])."""
+        P, me, k, H = self.group.size, self.group.rank, ids.shape[1], x.shape[1]
+        islands, island_of = self.islands, self.island_of
+        mine = island_of[me]
+        valid = ids >= 0
+        isl = torch.tensor(island_of, device=ids.device)[self.expert_owner(ids.clamp(min=0))]
+        isl = torch.where(valid, isl, len(islands))  # [tokens, k] island of each expert
+        touched = torch.zeros(ids.shape[0], len(islands) + 1, dtype=torch.bool, device=ids.device)
+        touched.scatter_(1, isl, True)
+        touched[:, mine] = False
+        relays = [relay_rank(me, isl_ranks, islands, island_of) for isl_ranks in islands]
+        tok, dest = touched[:, :len(islands)].nonzero(as_tuple=True)  # by token, then island
+        order, counts = sort_by_key(torch.tensor(relays, device=ids.device)[dest], P)
+        tok, dest = tok[order], dest[order]
+        # row: [k int32 ids | k fp32 weights | hidden | pad to 8 bytes] so each part views in place
+        hb = H * x.element_size()
+        packed = torch.empty(tok.numel(), 8 * k + hb + (-hb % 8), dtype=torch.uint8, device=x.device)
+        packed[:, 8 * k + hb:] = 0
+        packed[:, :4 * k].view(torch.int32).copy_(torch.where(isl[tok] == dest[:, None], ids[tok], -1))
+        packed[:, 4 * k:8 * k].view(torch.float32).copy_(w[tok])
+        packed[:, 8 * k:8 * k + hb].view(x.dtype).copy_(x[tok])
+        send_splits = counts.tolist()
+        # exchange row counts with my relays and with the ranks I relay for
+        to = sorted(relays[i] for i in range(len(islands)) if i != mine)
+        frm = [s for s in range(P) if island_of[s] != mine
+               and relay_rank(s, islands[mine], islands, island_of) == me]
+        got = self.group.all_to_all(torch.tensor([send_splits[r] for r in to]),
+                                    [int(j in to) for j in range(P)], [int(s in frm) for s in range(P)])
+        self._count([int(j in to) for j in range(P)], 8)
+        recv_splits = [0] * P
+        for s, n in zip(frm, got.tolist()):
+            recv_splits[s] = n
+        recv = self.group.all_to_all(packed, send_splits, recv_splits)
+        self._count(send_splits, packed.shape[1], hb)
+        leg = Leg(src=tok, weight=None, send_splits=send_splits, recv_splits=recv_splits,
+                  regroup=None, n_in=ids.shape[0], row_bytes=packed.shape[1])
+        x_r = recv[:, 8 * k:8 * k + hb].view(x.dtype)
+        return leg, x_r, recv[:, :4 * k].view(torch.int32).long(), recv[:, 4 * k:8 * k].view(torch.float32)
