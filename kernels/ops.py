@@ -1,0 +1,119 @@
+"""The kernels' public entry points: check the inputs, then run the Triton kernel or the torch
+reference (backend.use_triton decides; ATOLL_KERNELS=torch forces the reference).
+
+    moe_align(topk_ids [T, k], experts, block_m, *, expert_offset=0) -> MoeAlignment
+    grouped_gemm(a, w [E, N_w, K], align, *, gather, silu_mul, weights) -> [max_rows, N]
+    unpermute_reduce(y [max_rows, N], align, *, weights=None) -> [T, N]
+    rms_norm(x [..., H], weight [H], eps, *, residual=None) -> [..., H]
+    rotary_(q [T, Hq, D], k [T, Hk, D], cos [T, D], sin [T, D]) -> None (in place)
+
+Triton modules are imported inside the functions, on the Triton path only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atoll.kernels import reference
+from atoll.kernels.alignment import MoeAlignment
+from atoll.kernels.backend import check, use_triton
+from atoll.kernels.configs import GemmConfig, gemm_config
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_ids(topk_ids: torch.Tensor, experts: int, block_m: int) -> None:
+    check(topk_ids.dim() == 2, f"topk_ids must be [tokens, top_k], got shape {tuple(topk_ids.shape)}")
+    check(not topk_ids.is_floating_point(), f"topk_ids must be integer, got {topk_ids.dtype}")
+    check(experts >= 1, f"experts={experts} must be at least 1")
+    check(block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m={block_m} must be a power of two")
+
+
+def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int, *, expert_offset: int = 0) -> MoeAlignment:
+    """The expert-sorted, block-padded layout of the (token, slot) pairs (see alignment.py).
+    Experts are local: global id g is local expert g - expert_offset when that is in
+    [0, experts); other ids (another rank's experts, or negative "dropped" ids) are left out."""
+    _check_ids(topk_ids, experts, block_m)
+    if use_triton(topk_ids):
+        from atoll.kernels.triton_moe_align import moe_align as run
+        return run(topk_ids, experts, block_m, expert_offset=expert_offset)
+    return reference.moe_align(topk_ids, experts, block_m, expert_offset=expert_offset)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, align: MoeAlignment, *, gather: bool = False,
+                 silu_mul: bool = False, weights: torch.Tensor | None = None,
+                 config: GemmConfig | None = None) -> torch.Tensor:
+    """Every row of the aligned layout times its expert's weight, in one launch.
+
+    a: [tokens, K] when gather (row r reads token sorted_ids[r] // top_k), else [max_rows, K]
+    in the aligned layout; w: [experts, N_w, K] in F.linear's [out, in] layout. silu_mul: w's
+    rows are [gate (N); up (N)] and the result is silu(a @ gate^T) * (a @ up^T), [max_rows, N].
+    weights: [tokens, top_k] routing weights multiplied into each row. Rows that hold no pair
+    are 0 up to align.rows and unspecified past it. config: tile sizes (default: configs.py).
+    """
+    check(a.dtype in FLOATS and w.dtype == a.dtype, f"a and w must share a float dtype, got {a.dtype} and {w.dtype}")
+    check(a.dim() == 2 and w.dim() == 3, f"a must be 2-D and w 3-D, got {a.dim()}-D and {w.dim()}-D")
+    check(a.shape[1] == w.shape[2], f"a has K={a.shape[1]} columns but w has K={w.shape[2]}")
+    check(w.shape[0] >= align.experts, f"w holds {w.shape[0]} experts, the alignment {align.experts}")
+    check(not silu_mul or w.shape[1] % 2 == 0, f"silu_mul needs an even w.shape[1], got {w.shape[1]}")
+    rows = align.tokens if gather else align.max_rows
+    check(a.shape[0] == rows, f"a has {a.shape[0]} rows, expected {rows} ({'tokens' if gather else 'max_rows'})")
+    if weights is not None:
+        check(weights.numel() == align.pairs, f"weights has {weights.numel()} entries, expected {align.pairs} (tokens*top_k)")
+    if use_triton(a, w):
+        from atoll.kernels.triton_grouped_gemm import grouped_gemm as run
+        return run(a, w, align, gather=gather, silu_mul=silu_mul, weights=weights,
+                   config=config or gemm_config(align.block_m, silu_mul=silu_mul))
+    return reference.grouped_gemm(a, w, align, gather=gather, silu_mul=silu_mul, weights=weights)
+
+
+def unpermute_reduce(y: torch.Tensor, align: MoeAlignment, *, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y: [max_rows, N] in the aligned layout -> [tokens, N], each token the sum of its local
+    slots' rows (times weights [tokens, top_k] when given), accumulated in float32."""
+    check(y.dim() == 2 and y.shape[0] == align.max_rows, f"y must be [{align.max_rows}, N], got {tuple(y.shape)}")
+    if weights is not None:
+        check(tuple(weights.shape) == (align.tokens, align.top_k),
+              f"weights must be [{align.tokens}, {align.top_k}], got {tuple(weights.shape)}")
+    if use_triton(y):
+        from atoll.kernels.triton_unpermute import unpermute_reduce as run
+        return run(y if y.stride(1) == 1 else y.contiguous(), align, weights=weights)
+    return reference.unpermute_reduce(y, align, weights=weights)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last axis, in float32, as layers/norm.py. With residual (same shape and
+    dtype as x), x + residual is normalised and also written into residual, in place."""
+    h = x.shape[-1]
+    check(weight.shape == (h,), f"weight must be [{h}], got {tuple(weight.shape)}")
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype,
+              f"residual must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(residual.shape)}, {residual.dtype}")
+    if not use_triton(x, weight):
+        return reference.rms_norm(x, weight, eps, residual=residual)
+    from atoll.kernels.triton_rms_norm import rms_norm as run
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    res2 = None
+    if residual is not None:
+        check(residual.is_contiguous(), "residual must be contiguous (it is written in place)")
+        res2 = residual.view(-1, h)
+    return run(x2, weight.contiguous(), eps, residual=res2).view(x.shape)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place by
+    cos/sin [tokens, head_dim] (RotaryEmbedding.cos_sin), the rotate_half convention."""
+    check(q.dim() == 3 and k.dim() == 3, f"q and k must be [tokens, heads, head_dim], got {q.dim()}-D and {k.dim()}-D")
+    tokens, _, dim = q.shape
+    check(k.shape[0] == tokens and k.shape[2] == dim, f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    check(q.dtype == k.dtype, f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    check(dim % 2 == 0, f"head_dim={dim} must be even")
+    check(cos.shape == (tokens, dim) and sin.shape == (tokens, dim),
+          f"cos and sin must be [{tokens}, {dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if not use_triton(q, k, cos, sin):
+        return reference.rotary_(q, k, cos, sin)
+    check(q.stride(2) == 1 and k.stride(2) == 1, "q and k need a contiguous head_dim axis for the Triton rotary")
+    from atoll.kernels.triton_rotary import rotary_ as run
+    run(q, k, cos if cos.stride(1) == 1 else cos.contiguous(), sin if sin.stride(1) == 1 else sin.contiguous())

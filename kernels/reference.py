@@ -1,0 +1,125 @@
+"""Torch references of every kernel: the CPU path, and what the Triton kernels are tested
+against. Each function here has the signature of its dispatcher in ops.py / fused_moe.py.
+
+Precision: grouped_gemm and unpermute_reduce define the kernels' math (float32 accumulation,
+float32 epilogue, one rounding to the output dtype). rms_norm and rotary_ compute exactly what
+layers/norm.py and layers/rotary.py compute. fused_moe follows transformers' MixtralExperts
+(matmuls in the input dtype) but sums the top-k contributions in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atoll.kernels.alignment import MoeAlignment, max_rows
+
+
+def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int, *, expert_offset: int = 0) -> MoeAlignment:
+    """topk_ids: [tokens, top_k] global expert ids; this rank holds experts
+    [expert_offset, expert_offset + experts)."""
+    tokens, top_k = topk_ids.shape
+    pairs = tokens * top_k
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1).long() - expert_offset
+    local = (ids >= 0) & (ids < experts)
+    key = torch.where(local, ids, torch.full_like(ids, experts))  # non-local pairs sort last
+    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(key, stable=True)[: int(local.sum())]  # local pairs, by expert then i
+    e = key[order]
+    first = counts.cumsum(0) - counts  # index in `order` of each expert's first pair
+    pos = starts[e] + torch.arange(order.numel(), device=dev) - first[e]
+
+    n_rows = max_rows(pairs, experts, block_m)
+    sorted_ids = torch.full((n_rows,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids[pos] = order.to(torch.int32)
+    position = torch.full((pairs,), -1, dtype=torch.int32, device=dev)
+    position[order] = pos.to(torch.int32)
+    used = int(padded.sum())
+    block_start = torch.arange(0, n_rows, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
+    block_expert[block_start >= used] = -1
+    rows = torch.tensor([used], dtype=torch.int32, device=dev)
+    return MoeAlignment(sorted_ids, block_expert, rows, position, block_m, top_k, experts)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, align: MoeAlignment, *, gather: bool = False,
+                 silu_mul: bool = False, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Row r of the aligned layout times its block's expert weight.
+
+    a: [tokens, K] read at row sorted_ids[r] // top_k (gather) or [max_rows, K] read at row r;
+    w: [experts, N_w, K] (F.linear layout); silu_mul: N_w = 2N as [gate; up] and the row is
+    silu(gate) * up; weights: [tokens, top_k] routing weights, multiplied into row r as
+    weights.flat[sorted_ids[r]]. Returns [max_rows, N]; rows without a pair are 0.
+    """
+    n = w.shape[1] // 2 if silu_mul else w.shape[1]
+    out = torch.zeros(align.max_rows, n, dtype=a.dtype, device=a.device)
+    rows = align.valid_rows().nonzero().squeeze(1)
+    pair = align.sorted_ids[rows].long()
+    src = a[pair // align.top_k] if gather else a[rows]
+    expert = align.block_expert[rows // align.block_m].long()
+    for e in expert.unique().tolist():
+        sel = expert == e
+        y = F.linear(src[sel].float(), w[e].float())
+        if silu_mul:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        if weights is not None:
+            y = y * weights.reshape(-1)[pair[sel]].float()[:, None]
+        out[rows[sel]] = y.to(a.dtype)
+    return out
+
+
+def unpermute_reduce(y: torch.Tensor, align: MoeAlignment, *, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y: [max_rows, N] in the aligned layout -> [tokens, N]: out[t] = sum over the slots j of
+    token t whose expert is local of (weights[t, j] *) y[position[t * top_k + j]]."""
+    pos = align.position.view(align.tokens, align.top_k).long()
+    keep = (pos >= 0).float()
+    if weights is not None:
+        keep = keep * weights.float()
+    rows = y[pos.clamp(min=0)].float()  # [tokens, top_k, N]
+    return (rows * keep[..., None]).sum(1).to(y.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x (or of x + residual, which is then written into residual)."""
+    if residual is not None:
+        x = x + residual  # rounded to the residual stream's dtype, as the model adds it
+        residual.copy_(x)
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim],
+    cos/sin: [tokens, head_dim] (cat(freqs, freqs), already scaled and cast)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    q.copy_(q * c + _rotate_half(q) * s)
+    k.copy_(k * c + _rotate_half(k) * s)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, *, expert_offset: int = 0) -> torch.Tensor:
+    """x: [tokens, hidden]; w13: [experts, 2*inter, hidden] as [gate; up]; w2: [experts,
+    hidden, inter]; topk_ids/topk_weights: [tokens, top_k] -> [tokens, hidden]."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long() - expert_offset
+    for e in ids.unique().tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue  # another rank's expert, or a dropped (negative) id
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)
