@@ -197,7 +197,6 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, gpus_per_ran
     Raises RankFailure naming the first rank that raised or died, after killing every actor.
     """
     ray = _import_ray()
-    from ray.exceptions import RayActorError
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     started = _connect(ray, address, world_size)
@@ -225,10 +224,10 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, gpus_per_ran
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i)).remote())
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        addr, port = _first(ray, actors[0].rendezvous.remote(), node_of, RayActorError, deadline)
+        addr, port = _first(ray, actors[0].rendezvous.remote(), node_of, deadline)
         refs = {a.run.remote(fn, r, world_size, addr, port, bool(gpus_per_rank), args, kwargs): r
                 for r, a in enumerate(actors)}
-        return _collect(ray, refs, node_of, RayActorError, deadline, timeout_s)
+        return _collect(ray, refs, node_of, deadline, timeout_s)
     finally:
         for a in actors:
             try:
@@ -247,18 +246,29 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, gpus_per_ran
             ray.shutdown()
 
 
-def _first(ray, ref, node_of, actor_error, deadline):
+def _ray_failure(ray, err, rank: int, node_of: dict) -> RankFailure:
+    """RankFailure for a Ray-level error: a dead actor, or a task Ray could not even start."""
+    if isinstance(err, ray.exceptions.RayActorError):
+        return RankFailure(rank, _death_cause(err), node=node_of.get(rank))
+    # RayTaskError: the task's arguments could not be loaded there (fn's module missing on
+    # that node, say); keep the inner error's first line, without Ray's wrapping
+    text = str(getattr(err, "cause", None) or err)
+    text = text.split("System error: ", 1)[-1].split("traceback:", 1)[0]
+    return RankFailure(rank, " ".join(text.split()), node=node_of.get(rank))
+
+
+def _first(ray, ref, node_of, deadline):
     """Rank 0's rendezvous address; its actor must start first."""
     wait = 300.0 if deadline is None else max(1.0, deadline - time.monotonic())
     try:
         return ray.get(ref, timeout=wait)
-    except actor_error as e:
-        raise RankFailure(0, _death_cause(e), node=node_of.get(0)) from None
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        raise _ray_failure(ray, e, 0, node_of) from None
     except ray.exceptions.GetTimeoutError:
         raise LaunchError(f"rank 0's Ray actor did not start within {wait:.0f}s") from None
 
 
-def _collect(ray, refs: dict, node_of: dict, actor_error, deadline, timeout_s) -> list:
+def _collect(ray, refs: dict, node_of: dict, deadline, timeout_s) -> list:
     values: dict[int, object] = {}
     pending = list(refs)
     failure = None  # (rank, cause, traceback) of the first rank that raised
@@ -269,8 +279,8 @@ def _collect(ray, refs: dict, node_of: dict, actor_error, deadline, timeout_s) -
             rank = refs[ref]
             try:
                 msg = ray.get(ref)
-            except actor_error as e:  # a dead actor is the root cause: report it first
-                raise RankFailure(rank, _death_cause(e), node=node_of.get(rank)) from None
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                raise _ray_failure(ray, e, rank, node_of) from None  # a dead actor: the root cause
             if msg[0] == "ok":
                 values[rank] = msg[1]
             elif failure is None:

@@ -1,0 +1,223 @@
+"""The Ray launcher on a simulated cluster: a driver node with no resources and two nodes
+with two fake GPUs each (ray.cluster_utils.Cluster, everything on 127.0.0.1)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray launcher tests need `pip install ray`")
+
+from launch_fns import collective, die_on_rank, raise_on_rank  # noqa: E402
+
+from atoll.errors import LaunchError, RankFailure  # noqa: E402
+from atoll.launch.ray_launcher import node_groups, run_ray  # noqa: E402
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head (the driver's node: no CPUs, no GPUs) + 2 nodes x (2 CPUs, 2 GPUs)."""
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    # keep every Ray server on the loopback interface (see ray_launcher._connect)
+    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    saved_const, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
+    try:
+        nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
+        # the actors import launch_fns from here, as a cluster's workers import the user's code
+        ray.init(address=c.address, logging_level="warning",
+                 runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
+        c.wait_for_nodes()
+        c.gpu_nodes = [n.node_id for n in nodes]
+        c.head_id = c.head_node.node_id
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = saved_const
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _free_gpus_back(expected: float = 4.0, within_s: float = 15.0) -> float:
+    end = time.monotonic() + within_s
+    while True:
+        free = ray.available_resources().get("GPU", 0)
+        if free == expected or time.monotonic() > end:
+            return free
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_node_groups():
+    assert node_groups(4, ranks_per_node=2) == [[0, 1], [2, 3]]
+    assert node_groups(5, ranks_per_node=2) == [[0, 1], [2, 3], [4]]
+    assert node_groups(3) == [[0, 1, 2]]
+
+    class Interleaved:  # a placement-like object: node_of(rank)
+        def node_of(self, rank):
+            return f"n{rank % 2}"
+
+    assert node_groups(4, Interleaved()) == [[0, 2], [1, 3]]
+
+
+def test_two_nodes_each_tp_pair_on_one_node(cluster):
+    out = run_ray(collective, 4, gpus_per_rank=1, timeout_s=180)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    for o in out:
+        assert o["sum"] == 1 + 2 + 3 + 4
+        assert o["gathered"] == [[0.0, 0.0], [1.0, 1.0], [2.0, 4.0], [3.0, 9.0]]
+        assert o["backend"] == "gloo"  # fake GPUs: no CUDA here
+    nodes = [o["node"] for o in out]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3], nodes
+    assert nodes[0] != nodes[2], nodes
+    assert set(nodes) == set(cluster.gpu_nodes)  # nothing on the driver's GPU-less node
+    # Ray gave each rank on a node its own (fake) GPU
+    assert out[0]["gpus"] != out[1]["gpus"] and out[2]["gpus"] != out[3]["gpus"], out
+    assert _free_gpus_back() == 4
+
+
+def test_placement_object_decides_the_nodes(cluster):
+    class Interleaved:
+        def node_of(self, rank):
+            return rank % 2
+
+    out = run_ray(collective, 4, gpus_per_rank=1, placement=Interleaved(), timeout_s=180)
+    nodes = [o["node"] for o in out]
+    assert nodes[0] == nodes[2] and nodes[1] == nodes[3] and nodes[0] != nodes[1], nodes
+    assert all(o["sum"] == 10 for o in out)
+
+
+def _assert_prompt_failure(tmp_path, exc: RankFailure, rank: int):
+    failed_at = float((tmp_path / "failed-at").read_text())
+    took = time.time() - failed_at
+    assert exc.rank == rank
+    assert exc.node and "127.0.0.1" in exc.node, exc.node
+    assert "\n" not in str(exc)
+    assert took < 15, f"the job took {took:.1f}s to end after rank {rank} failed"
+    pids = [int(p.name[4:]) for p in tmp_path.glob("pid-*")]
+    assert len(pids) == 4, pids
+    end = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], "a rank's actor outlived the job"
+    assert _free_gpus_back() == 4
+
+
+def test_a_rank_that_raises_ends_the_job(cluster, tmp_path):
+    with pytest.raises(RankFailure) as info:
+        run_ray(raise_on_rank, 4, 1, str(tmp_path), gpus_per_rank=1, timeout_s=180)
+    assert info.value.cause == "ValueError: bad input on rank 1"
+    assert str(info.value).startswith("rank 1 on 127.0.0.1 (node ")
+    _assert_prompt_failure(tmp_path, info.value, 1)
+
+
+def test_a_killed_actor_ends_the_job(cluster, tmp_path):
+    with pytest.raises(RankFailure) as info:
+        run_ray(die_on_rank, 4, 3, str(tmp_path), gpus_per_rank=1, timeout_s=180)
+    assert "died" in info.value.cause, info.value.cause
+    _assert_prompt_failure(tmp_path, info.value, 3)
+
+
+def test_more_gpus_than_the_cluster_has(cluster):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        run_ray(collective, 6, gpus_per_rank=1)
+    assert str(info.value) == "6 ranks need 6 GPUs but the Ray cluster has 4"
+    with pytest.raises(LaunchError) as info:
+        run_ray(collective, 4, gpus_per_rank=1, ranks_per_node=4)
+    assert str(info.value) == "ranks 0-3 must share one node and need 4 GPUs, but the largest Ray node has 2"
+    assert time.monotonic() - start < 10
+
+
+def test_placement_that_never_fits_times_out(cluster):
+    """Enough GPUs in total, but one GPU on each node is taken: a 2-GPU group never fits."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    hog = placement_group([{"GPU": 1}, {"GPU": 1}], strategy="STRICT_SPREAD")
+    ray.get(hog.ready(), timeout=30)
+    try:
+        start = time.monotonic()
+        with pytest.raises(LaunchError) as info:
+            run_ray(collective, 2, gpus_per_rank=1, ranks_per_node=2, ready_timeout_s=3)
+        took = time.monotonic() - start
+        assert "Ray could not place 1 node group(s)" in str(info.value)
+        assert "'GPU': 2.0" in str(info.value)  # what is free now
+        assert took < 15
+    finally:
+        remove_placement_group(hog)
+    assert _free_gpus_back() == 4  # the launcher released its partial reservation
+
+
+def test_ray_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(LaunchError) as info:
+        run_ray(collective, 2)
+    assert str(info.value) == "the Ray launcher needs Ray: pip install 'atoll[ray]'"
+
+
+def _script(*args, timeout=240):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, str(HERE / "ray_script.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stdout + proc.stderr
+    return proc.returncode, json.loads(lines[-1]), proc.stderr
+
+
+def test_unreachable_address_is_one_line():
+    import socket
+
+    with socket.socket() as s:  # a port on this machine that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    rc, out, err = _script("address", f"127.0.0.1:{port}", timeout=60)
+    assert rc == 2, err
+    assert out == {"error": f"cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused"}
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc")
+def test_local_mode_listens_on_loopback_only():
+    """No address: run_ray starts Ray on this machine; Ray's servers, the workers and the
+    rendezvous store all listen on 127.0.0.1 only."""
+    rc, out, err = _script("local")
+    assert rc == 0, err
+    addrs = out["ok"]
+    assert len(addrs) >= 4, addrs  # GCS, raylet, workers and the store at least
+    wide = [a for a in addrs if not a.rsplit(":", 1)[0] in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    assert not wide, f"listening beyond loopback: {wide}"
+
+
+def test_fn_the_cluster_cannot_import(cluster, tmp_path, monkeypatch):
+    """The driver can import fn's module but the cluster's workers cannot."""
+    (tmp_path / "only_on_driver.py").write_text("def fn(rank, world_size):\n    return rank\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from only_on_driver import fn
+
+    with pytest.raises(RankFailure) as info:
+        run_ray(fn, 2, timeout_s=120)
+    assert "No module named 'only_on_driver'" in info.value.cause, info.value.cause
+    assert "\n" not in str(info.value)
