@@ -20,6 +20,8 @@ def all_gather_rows(group: Group, x: torch.Tensor, counts: list[int] | None = No
         return x
     counts = counts or row_counts(group, x.shape[0])
     most = max(counts)
+    if most == 0:  # every rank agrees from the counts, so all skip the gather together
+        return x
     padded = x.new_zeros((most, *x.shape[1:]))
     padded[: x.shape[0]] = x
     parts = group.all_gather(padded, dim=0).split(most)

@@ -51,7 +51,7 @@ def run_requests(runner, requests: list[Request]) -> list[dict]:
     free = list(range(max_seqs))[::-1]
     active: list[Sequence] = []
     results: dict[int, dict] = {}
-    while pending or active:
+    while runner.any_work(bool(pending or active)):
         while pending and free:
             req = pending.popleft()
             active.append(Sequence(req, free.pop(), SamplerState(req.params), admitted_at=time.perf_counter()))

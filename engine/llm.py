@@ -55,10 +55,11 @@ class LLM:
         self.model_dir = Path(model)
         self.config = ModelConfig.load(self.model_dir)
         self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size).validate(self.config)
-        if self.layout.dp > 1 or self.layout.ep > 1:
+        if self.layout.dp > 1 and not self.config.is_moe:
             from atoll.errors import LayoutError
 
-            raise LayoutError(f"layout {self.layout}: dp and ep need a MoE model runner, not yet available")
+            raise LayoutError(f"layout {self.layout}: attention data parallelism (dp > 1) is for MoE "
+                              f"models; for {self.config.model_type} run replicas of a tp/pp layout")
         Checkpoint(self.model_dir).check()
         if dtype not in DTYPES:
             raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from atoll.errors import LayoutError
 from atoll.layers.attention import AttentionMetadata, KVCache
 from atoll.models import ModelConfig, build_model
 from atoll.models.checkpoint import Checkpoint, load_weights
@@ -29,8 +28,6 @@ class RunSpec:
 
 class ModelRunner:
     def __init__(self, spec: RunSpec, ctx: ParallelContext):
-        if ctx.layout.dp > 1:
-            raise LayoutError("attention data parallel (dp > 1) needs a MoE model; use tp/pp for dense models")
         self.spec, self.ctx = spec, ctx
         self.dtype = DTYPES[spec.dtype]
         self.config = ModelConfig.load(spec.model_dir)
@@ -41,7 +38,16 @@ class ModelRunner:
         kv_local = max(1, cfg.num_key_value_heads // tp)
         self.cache = KVCache(self.model.num_local_layers, spec.max_num_seqs, kv_local,
                              spec.max_model_len, cfg.head_dim, self.dtype)
-        self.sampler_rank = (ctx.layout.pp - 1) * ctx.layout.stage_size  # last stage, tp rank 0
+        lay = ctx.layout
+        # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
+        self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
+
+    def any_work(self, mine: bool) -> bool:
+        """With DP, every DP rank steps while any has work: the MoE layers need them all."""
+        if self.ctx.layout.dp == 1:
+            return mine
+        flag = torch.tensor([int(mine)])
+        return bool(self.ctx.world.all_reduce(flag).item())
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, meta: AttentionMetadata, sample_fn) -> torch.Tensor:
@@ -54,8 +60,12 @@ class ModelRunner:
         out = self.model(x, meta, self.cache)
         if not ctx.is_last_stage:
             ctx.pp.send(out, dst=ctx.pp.rank + 1)
-        if ctx.rank == self.sampler_rank:
-            tokens = sample_fn(out.float())
-        else:
-            tokens = torch.empty(len(meta.query_lens), dtype=torch.long)
-        return ctx.world.broadcast(tokens, src=self.sampler_rank)
+        seqs = len(meta.query_lens)
+        if ctx.layout.dp == 1:
+            tokens = sample_fn(out.float()) if ctx.rank == self.sampler_rank else torch.empty(seqs, dtype=torch.long)
+            return ctx.world.broadcast(tokens, src=self.sampler_rank)
+        # each DP replica samples its own sequences; one all_reduce hands every rank its row
+        table = torch.zeros(ctx.layout.dp, self.spec.max_num_seqs, dtype=torch.long)
+        if ctx.rank == self.sampler_rank and seqs:
+            table[ctx.coords.dp, :seqs] = sample_fn(out.float())
+        return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]

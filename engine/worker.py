@@ -13,5 +13,13 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank) if world_size > 1 else ParallelContext.single()
     runner = ModelRunner(spec, ctx)
-    results = run_requests(runner, requests)
-    return results if rank == 0 else None
+    mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
+    results = dict(zip((r.index for r in mine), run_requests(runner, mine)))
+    if layout.dp > 1:
+        import torch.distributed as dist
+
+        parts = [None] * world_size if rank == 0 else None
+        dist.gather_object(results if ctx.coords.tp == 0 and ctx.is_first_stage else {}, parts, dst=0)
+        if rank == 0:
+            results = {k: v for part in parts for k, v in part.items()}
+    return [results[r.index] for r in requests] if rank == 0 else None

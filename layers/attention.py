@@ -22,15 +22,17 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, slots: list[int], starts: list[int], query_lens: list[int]) -> "AttentionMetadata":
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)])
-        return cls(torch.tensor(slots), torch.tensor(starts), list(query_lens), positions)
+        positions = [torch.arange(s, s + n) for s, n in zip(starts, query_lens)]
+        positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+        return cls(torch.tensor(slots, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
+                   list(query_lens), positions)
 
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
     def token_slots(self) -> torch.Tensor:
-        return torch.repeat_interleave(self.slots, torch.tensor(self.query_lens))
+        return torch.repeat_interleave(self.slots, torch.tensor(self.query_lens, dtype=torch.long))
 
 
 class KVCache:
@@ -54,6 +56,8 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
     """q: [tokens, heads, head_dim] -> [tokens, heads, head_dim], causal over cache + new tokens."""
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     gqa = heads != kv_heads
+    if not meta.query_lens:  # an idle DP replica still runs the layer (its MoE joins the collectives)
+        return q
     if meta.is_decode:
         ctx = meta.starts + 1  # [seqs]
         length = int(ctx.max())

@@ -100,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, meta, cache.k[j], cache.v[j])
         if not self.ctx.is_last_stage:
             return h
-        last = torch.tensor(meta.query_lens).cumsum(0) - 1
+        last = torch.tensor(meta.query_lens, dtype=torch.long).cumsum(0) - 1
         return self.lm_head(self.model.norm(h[last]))
 
     def checkpoint_targets(self, name: str) -> list[tuple[str, object]]:

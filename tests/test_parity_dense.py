@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from reference import reference_tokens
+
 from atoll import LLM, SamplingParams
 
 PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8], [250]]
@@ -18,19 +20,6 @@ FAMILIES = {
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=32))),
 }
-
-
-def reference_tokens(model_dir, prompts, new_tokens):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False)
-        out.append(gen[0, len(p):].tolist())
-    return out
 
 
 @pytest.fixture(scope="module")
