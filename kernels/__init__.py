@@ -10,7 +10,7 @@ backend.interpreter()). Importing this package does not import triton.
 
 from atoll.kernels.alignment import MoeAlignment
 from atoll.kernels.backend import KernelError, interpreter, use_triton
-from atoll.kernels.fused_moe import fused_moe
+from atoll.kernels.moe import fused_moe
 from atoll.kernels.ops import grouped_gemm, moe_align, rms_norm, rotary_, unpermute_reduce
 
 __all__ = ["KernelError", "MoeAlignment", "fused_moe", "grouped_gemm", "interpreter", "moe_align",

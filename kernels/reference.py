@@ -1,5 +1,5 @@
 """Torch references of every kernel: the CPU path, and what the Triton kernels are tested
-against. Each function here has the signature of its dispatcher in ops.py / fused_moe.py.
+against. Each function here has the signature of its dispatcher in ops.py / moe.py.
 
 Precision: grouped_gemm and unpermute_reduce define the kernels' math (float32 accumulation,
 float32 epilogue, one rounding to the output dtype). rms_norm and rotary_ compute exactly what

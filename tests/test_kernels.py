@@ -1,0 +1,217 @@
+"""Kernel dispatch, rms_norm and rotary: the Triton kernels against their torch references.
+
+On a machine without a GPU the Triton path runs in Triton's interpreter. The interpreter must
+be chosen before triton is first imported in the process, so this module sets
+TRITON_INTERPRET=1 while pytest collects it (before any test runs). If something imported
+triton earlier, the in-process tests skip and test_kernels_in_fresh_process reruns this file
+in a child with the variable set from the start. On a GPU the kernels run compiled.
+"""
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede triton's first import in this process
+pytest.importorskip("triton", reason="triton is not installed (pip install triton): the kernel tests run "
+                                     "its kernels, in its interpreter on CPU")
+
+from atoll import kernels  # noqa: E402
+from atoll.kernels import backend, reference  # noqa: E402
+from atoll.kernels.backend import KernelError  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+IN_PROCESS = ON_GPU or backend.triton_interpreted() is not False
+DTYPES = [torch.float32, torch.bfloat16]
+# error bound per dtype, as a fraction of the reference's largest magnitude. float32: sums in
+# another order. bfloat16: two ulps; the kernels round once from float32 while the layer math
+# rounds after every op, and the interpreter rounds to bf16 by truncation, not to nearest.
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2**-6}
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> None:
+    tol = TOL[ref.dtype] if tol is None else tol
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    scale = ref.float().abs().max().item() or 1.0
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+
+
+class _NoReference:
+    def __getattr__(self, name):
+        raise AssertionError(f"reference.{name} ran on the forced Triton path")
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    """Kernel calls in the test take the Triton path (compiled on a GPU, interpreted on CPU);
+    the dispatchers' reference is replaced by a stub that fails if called."""
+    if not IN_PROCESS:
+        pytest.skip("triton was imported compiled before this module; test_kernels_in_fresh_process reruns it")
+    monkeypatch.setattr("atoll.kernels.ops.reference", _NoReference())
+    monkeypatch.setattr("atoll.kernels.moe.reference", _NoReference())
+    if ON_GPU:
+        monkeypatch.setenv(backend.ENV, "triton")
+        yield
+    else:
+        with backend.interpreter():
+            yield
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="triton's interpreter is usable in this process")
+@pytest.mark.timeout(600)
+def test_kernels_in_fresh_process():
+    files = [f for f in os.listdir(os.path.dirname(__file__)) if f.startswith("test_kernels")]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+                       cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=590)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+# --- dispatch ---
+
+def test_import_does_not_import_triton():
+    code = "import sys, atoll, atoll.kernels; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_auto_picks_reference_on_cpu_and_triton_on_cuda(monkeypatch):
+    monkeypatch.delenv(backend.ENV, raising=False)
+    assert not backend.use_triton(torch.ones(2))
+    fake_cuda = types.SimpleNamespace(is_cuda=True)
+    assert backend.use_triton(fake_cuda)
+    assert not backend.use_triton(fake_cuda, torch.ones(2))  # any CPU tensor: reference
+
+
+def test_env_forces_reference(monkeypatch):
+    monkeypatch.setenv(backend.ENV, "torch")
+    assert not backend.use_triton(types.SimpleNamespace(is_cuda=True))
+
+
+def test_bad_env_value_and_cpu_without_interpreter_are_clear_errors(monkeypatch):
+    monkeypatch.setenv(backend.ENV, "cuda")
+    with pytest.raises(KernelError, match="ATOLL_KERNELS='cuda' is not one of auto, torch, triton"):
+        backend.use_triton(torch.ones(1))
+    monkeypatch.setenv(backend.ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(KernelError, match="needs TRITON_INTERPRET=1"):
+        backend.use_triton(torch.ones(1))
+
+
+def test_interpreter_reloads_a_kernel_module_built_compiled(monkeypatch):
+    if not IN_PROCESS or ON_GPU:
+        pytest.skip("checks the interpreter switch on CPU")
+    import atoll.kernels.triton_rms_norm as mod
+
+    monkeypatch.setattr(mod, "INTERPRETED", False)  # as if imported without TRITON_INTERPRET
+    with backend.interpreter():
+        assert mod.INTERPRETED is True
+        assert type(mod._rms_norm_kernel).__name__ == "InterpretedFunction"
+
+
+def test_input_errors_name_the_numbers():
+    x = torch.randn(3, 8)
+    with pytest.raises(KernelError, match=r"weight must be \[8\], got \(7,\)"):
+        kernels.rms_norm(x, torch.ones(7), 1e-6)
+    with pytest.raises(KernelError, match=r"w2 must be \[experts=2, hidden=8, inter=4\], got \(2, 8, 5\)"):
+        kernels.fused_moe(x, torch.randn(2, 8, 8), torch.randn(2, 8, 5), torch.zeros(3, 1, dtype=torch.long),
+                          torch.ones(3, 1))
+
+
+# --- rms_norm ---
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (2, 3, 96)], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm(triton_path, dtype, shape, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(DEVICE, dtype)
+    res = torch.randn(shape, generator=g).to(DEVICE, dtype) if with_residual else None
+    res_ref = res.clone() if with_residual else None
+    out = kernels.rms_norm(x, weight, 1e-6, residual=res)
+    want = reference.rms_norm(x, weight, 1e-6, residual=res_ref)
+    assert_close(out, want)
+    if with_residual:
+        assert_close(res, res_ref)  # the sum x + residual, written in place
+
+
+def test_rms_norm_eps_counts(triton_path):
+    x = 1e-2 * torch.randn(4, 64).to(DEVICE)  # mean square ~1e-4: eps=1e-3 changes the result
+    weight = torch.ones(64, device=DEVICE)
+    out = kernels.rms_norm(x, weight, 1e-3)
+    assert_close(out, reference.rms_norm(x, weight, 1e-3))
+    assert not torch.allclose(out, reference.rms_norm(x, weight, 1e-6), rtol=1e-2)
+
+
+def test_rms_norm_weight_dtype_promotes_like_the_layer(triton_path):
+    x = torch.randn(5, 48).to(DEVICE, torch.bfloat16)
+    weight = torch.rand(48, device=DEVICE) + 0.5  # float32 weight on bf16 activations
+    out = kernels.rms_norm(x, weight, 1e-5)
+    assert out.dtype == torch.float32
+    assert_close(out, reference.rms_norm(x, weight, 1e-5), tol=TOL[torch.bfloat16])  # x.to(bf16) rounds first
+
+
+def test_rms_norm_reference_is_the_layer():
+    from atoll.layers.norm import RMSNorm
+
+    layer = RMSNorm(40, eps=1e-5, dtype=torch.bfloat16)
+    layer.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(6, 40, dtype=torch.bfloat16)
+    assert torch.equal(reference.rms_norm(x, layer.weight.data, 1e-5), layer(x))
+
+
+# --- rotary ---
+
+def _rope(tokens, dim, dtype):
+    from atoll.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(dim, 10000.0).to(DEVICE)
+    positions = torch.arange(3, 3 + tokens, device=DEVICE) * 7
+    return rope, positions, rope.cos_sin(positions, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 1, 16), (5, 6, 2, 64), (3, 5, 5, 24)])
+def test_rotary_in_place(triton_path, dtype, tokens, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(tokens, heads, dim, generator=g).to(DEVICE, dtype)
+    k = torch.randn(tokens, kv_heads, dim, generator=g).to(DEVICE, dtype)
+    _, _, (cos, sin) = _rope(tokens, dim, dtype)
+    q_ref, k_ref = q.clone(), k.clone()
+    reference.rotary_(q_ref, k_ref, cos, sin)
+    assert kernels.rotary_(q, k, cos, sin) is None
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_on_views_of_a_fused_qkv(triton_path, dtype):
+    """q and k as strided views of one qkv output, rotating only the rope part of each head
+    (the DeepSeek layout); the rest of qkv, v included, must not change."""
+    tokens, heads, kv_heads, dim, rope_dim = 3, 4, 2, 24, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(DEVICE, dtype)
+    before = qkv.clone()
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)[..., dim - rope_dim:]
+    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(tokens, kv_heads, dim)[..., dim - rope_dim:]
+    _, _, (cos, sin) = _rope(tokens, rope_dim, dtype)
+    q_ref, k_ref = q.clone(), k.clone()
+    reference.rotary_(q_ref, k_ref, cos, sin)
+    kernels.rotary_(q, k, cos, sin)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    untouched = torch.ones_like(qkv, dtype=torch.bool)
+    untouched.view(tokens, -1, dim)[: , : heads + kv_heads, dim - rope_dim:] = False
+    assert torch.equal(qkv[untouched], before[untouched])
+
+
+def test_rotary_reference_is_the_layer():
+    rope, positions, (cos, sin) = _rope(4, 32, torch.float32)
+    q, k = torch.randn(4, 3, 32, device=DEVICE), torch.randn(4, 1, 32, device=DEVICE)
+    want_q, want_k = rope(q, k, positions)
+    reference.rotary_(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
