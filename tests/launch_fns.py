@@ -3,19 +3,16 @@
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
 
 def where() -> str:
     """This rank's node: the Ray node id inside a Ray actor, else the host name."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except ImportError:
-        pass
+    ray = sys.modules.get("ray")  # loaded inside a Ray actor; not imported elsewhere (slow)
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
     return socket.gethostname()
 
 
