@@ -27,12 +27,16 @@ class RequestOutput:
         return {k: v for k, v in asdict(self).items() if v is not None or k == "text"}
 
 
-def resolve_layout(layout=None, tp: int | None = None, pp: int | None = None) -> Layout:
+def resolve_layout(layout=None, tp: int | None = None, pp: int | None = None,
+                   dp: int | None = None, ep: int | None = None) -> Layout:
+    """A Layout from its text ("TP2PP2") or from vLLM-style sizes (-tp, -pp, -dp, -ep)."""
     if layout is not None:
-        if tp not in (None, 1) or pp not in (None, 1):
-            raise InputError("give either a layout or tensor/pipeline parallel sizes, not both")
+        if any(v not in (None, 1) for v in (tp, pp, dp, ep)):
+            raise InputError("give either --layout or the -tp/-pp/-dp/-ep sizes, not both")
         return layout if isinstance(layout, Layout) else Layout.parse(layout)
-    return Layout(tp=tp or 1, pp=pp or 1)
+    if ep and not tp and not dp:
+        tp = ep  # as in Layout.parse: EP alone means TP attention over the same ranks
+    return Layout(tp=tp or 1, pp=pp or 1, dp=dp or 1, ep=ep or 1)
 
 
 def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[int, ...]:
@@ -49,12 +53,14 @@ def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[i
 class LLM:
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
+                 data_parallel_size: int | None = None, expert_parallel_size: int | None = None,
                  dtype: str = "float32", max_num_seqs: int = 32, max_model_len: int | None = None):
         from atoll.engine.runner import DTYPES
 
         self.model_dir = Path(model)
         self.config = ModelConfig.load(self.model_dir)
-        self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size).validate(self.config)
+        self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size,
+                                     data_parallel_size, expert_parallel_size).validate(self.config)
         if self.layout.dp > 1 and not self.config.is_moe:
             from atoll.errors import LayoutError
 

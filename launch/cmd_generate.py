@@ -9,7 +9,10 @@ import time
 def add_model_options(p) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="N")
-    p.add_argument("--layout", default=None, help="e.g. TP2PP2 (instead of -tp/-pp)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                   help="attention data parallel replicas inside a stage (MoE models)")
+    p.add_argument("--expert-parallel-size", "-ep", type=int, default=None, metavar="N")
+    p.add_argument("--layout", default=None, help="e.g. TP2PP2, DP2EP2 (instead of -tp/-pp/-dp/-ep)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -47,7 +50,8 @@ def make_llm(args, model_dir):
     from atoll.engine.llm import LLM
 
     return LLM(model_dir, layout=args.layout, tensor_parallel_size=args.tensor_parallel_size,
-               pipeline_parallel_size=args.pipeline_parallel_size, dtype=args.dtype,
+               pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
+               expert_parallel_size=args.expert_parallel_size, dtype=args.dtype,
                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
 
 

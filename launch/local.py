@@ -8,6 +8,7 @@ collective timeout.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -53,7 +54,9 @@ def _entry(fn, rank, world_size, port, results, threads, args, kwargs):
         if world_size > 1:
             init_distributed(rank, world_size, "127.0.0.1", port)
         value = fn(rank, world_size, *args, **kwargs)
-        results.put(("ok", rank, value))
+        # plain pickle copies tensors by value; the queue's own pickler would share them
+        # through file descriptors that vanish when this process exits
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException as e:  # report every failure to the driver, then leave
         from atoll.errors import AtollError
 
@@ -98,7 +101,7 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
             if msg is not None:
                 if msg[0] == "error":
                     raise RankFailure(msg[1], msg[2]) from _RemoteTraceback(msg[3])
-                values[msg[1]] = msg[2]
+                values[msg[1]] = pickle.loads(msg[2])
                 continue
             now = time.monotonic()
             for rank, p in enumerate(procs):

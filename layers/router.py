@@ -42,7 +42,7 @@ class Router(nn.Module):
         scores = F.linear(x.float(), self.weight).sigmoid()  # [tokens, experts]
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
-            grouped = choice.view(len(x), self.n_group, -1)
+            grouped = choice.view(len(x), self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
             best = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False)[1]
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)

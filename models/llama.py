@@ -21,6 +21,18 @@ _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": 
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
+def dense_targets(name: str, *, tied: bool = False) -> list[tuple[str, object]]:
+    """(parameter name, shard id) pairs that read checkpoint tensor `name`: q/k/v into qkv_proj,
+    gate/up into gate_up_proj, and with tied embeddings the embedding into lm_head too."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _STACKED:
+        merged, shard = _STACKED[parts[-2]]
+        return [(".".join(parts[:-2] + [merged, parts[-1]]), shard)]
+    if name == "model.embed_tokens.weight" and tied:
+        return [(name, None), ("lm_head.weight", None)]
+    return [(name, None)]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, rotary: RotaryEmbedding, dtype):
         super().__init__()
@@ -104,11 +116,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(h[last]))
 
     def checkpoint_targets(self, name: str) -> list[tuple[str, object]]:
-        """(parameter name, shard id) pairs that read checkpoint tensor `name`."""
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in _STACKED:
-            merged, shard = _STACKED[parts[-2]]
-            return [(".".join(parts[:-2] + [merged, parts[-1]]), shard)]
-        if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
-            return [(name, None), ("lm_head.weight", None)]
-        return [(name, None)]
+        return dense_targets(name, tied=self.config.tie_word_embeddings)

@@ -13,12 +13,22 @@ from atoll.layers.mlp import GatedMLP
 from atoll.layers.moe import SparseMoE
 from atoll.layers.router import Router
 from atoll.models.config import ModelConfig
-from atoll.models.llama import LlamaForCausalLM
+from atoll.models.llama import LlamaForCausalLM, dense_targets
 
 # per-expert checkpoint tensors -> (fused parameter, shard id part)
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _PART = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
          "w2": ("w2", "down"), "down_proj": ("w2", "down")}
+
+
+def moe_targets(name: str, *, tied: bool = False) -> list[tuple[str, object]]:
+    """As dense_targets, plus each expert's tensors into the fused w13 / w2 of its layer."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
+    m = _EXPERT.match(name)
+    if m:
+        param, part = _PART[m.group(3)]
+        return [(f"{m.group(1)}.{param}", (int(m.group(2)), part))]
+    return dense_targets(name, tied=tied)
 
 
 def make_router(cfg: ModelConfig, dtype) -> Router:
@@ -49,9 +59,4 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, ctx, dtype=dtype, make_mlp=make_mlp)
 
     def checkpoint_targets(self, name: str):
-        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
-        m = _EXPERT.match(name)
-        if m:
-            param, part = _PART[m.group(3)]
-            return [(f"{m.group(1)}.{param}", (int(m.group(2)), part))]
-        return super().checkpoint_targets(name)
+        return moe_targets(name, tied=self.config.tie_word_embeddings)
