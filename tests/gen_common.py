@@ -15,3 +15,18 @@ def generate_requests(model_dir):
 
 def tokens(results) -> list[list[int]]:
     return [list(r["token_ids"]) for r in results]
+
+
+def local_tokens(model_dir) -> list[list[int]]:
+    """The local launcher's tokens for the job; cached beside the (per-session) tiny model."""
+    import json
+    from pathlib import Path
+
+    from atoll.engine.worker import generate_worker
+    from atoll.launch.local import run_local
+
+    cache = Path(model_dir) / "launcher-test-local-tokens.json"
+    if not cache.exists():
+        spec, requests = generate_requests(model_dir)
+        cache.write_text(json.dumps(tokens(run_local(generate_worker, 4, spec, requests, timeout_s=300)[0])))
+    return json.loads(cache.read_text())

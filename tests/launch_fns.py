@@ -117,3 +117,10 @@ def listening_after_rendezvous(rank: int, world_size: int, driver_pid: int) -> l
     out = listening(driver_pid) if rank == 0 else None
     dist.barrier()
     return out
+
+
+def generate_where(rank: int, world_size: int, spec, requests):
+    """generate_worker, plus the node this rank ran on."""
+    from atoll.engine.worker import generate_worker
+
+    return where(), generate_worker(rank, world_size, spec, requests)

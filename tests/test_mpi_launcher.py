@@ -94,3 +94,17 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     assert "process rank 3" in err and "signal 9" in err, err  # mpirun names the killed rank
     assert "atoll: error: rank" not in err, err  # survivors do not blame their own peers
     assert took < 15, f"mpirun took {took:.1f}s to end after rank 3 was killed"
+
+
+@needs_mpirun
+def test_generate_tp2pp2_matches_local(tmp_path, tiny_model):
+    from gen_common import local_tokens
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    rc, lines, err = mpirun(4, tmp_path, "generate", str(model), timeout=300)
+    assert rc == 0, err
+    by_rank = {ln["rank"]: ln["value"] for ln in lines}
+    assert sorted(by_rank) == [0, 1, 2, 3], lines
+    assert [by_rank[r] is None for r in range(4)] == [False, True, True, True]
+    assert all(len(t) == 8 for t in by_rank[0])
+    assert by_rank[0] == local_tokens(model)

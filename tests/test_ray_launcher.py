@@ -221,3 +221,20 @@ def test_fn_the_cluster_cannot_import(cluster, tmp_path, monkeypatch):
         run_ray(fn, 2, timeout_s=120)
     assert "No module named 'only_on_driver'" in info.value.cause, info.value.cause
     assert "\n" not in str(info.value)
+
+
+def test_generate_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
+    """The engine's worker through Ray: each TP pair on one node, the two pipeline stages on
+    different nodes, the same greedy tokens as the local launcher."""
+    from gen_common import generate_requests, local_tokens, tokens
+    from launch_fns import generate_where
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    spec, requests = generate_requests(model)
+    out = run_ray(generate_where, 4, spec, requests, gpus_per_rank=1, timeout_s=240)
+    nodes = [node for node, _ in out]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes
+    assert [res is None for _, res in out] == [False, True, True, True]
+    got = tokens(out[0][1])
+    assert all(len(t) == 8 for t in got), got
+    assert got == local_tokens(model)
