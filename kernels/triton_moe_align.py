@@ -24,6 +24,7 @@ INTERPRETED = interpreting()  # TRITON_INTERPRET at import: it decides what @tri
 
 FILL = 1024     # rows of sorted_ids one program fills per step
 TILE_P = 16     # chunks the offsets kernel reads per step
+B_STEP = 32     # blocks the scatter kernel maps to experts per step ([B_STEP, E_P2] compare)
 
 
 @triton.jit
@@ -40,8 +41,11 @@ def _count_kernel(ids_ptr, counts_ptr, sorted_ptr, pairs, experts, expert_offset
     p = tl.program_id(0)
     offs = p * BLOCK + tl.arange(0, BLOCK)
     e, valid = _local_expert(ids_ptr, offs, pairs, experts, expert_offset)
-    hist = tl.histogram(tl.where(valid, e, 0), E_P2, mask=valid)  # [E_P2]
-    tl.store(counts_ptr + p * E_P2 + tl.arange(0, E_P2), hist)
+    # non-local pairs go to bin `experts` (E_P2 > experts always), which is then zeroed;
+    # tl.histogram's mask argument is newer than the triton versions atoll supports
+    lanes = tl.arange(0, E_P2)
+    hist = tl.histogram(tl.where(valid, e, experts), E_P2)  # [E_P2]
+    tl.store(counts_ptr + p * E_P2 + lanes, tl.where(lanes < experts, hist, 0))
     # every row starts as padding; the scatter overwrites the rows that hold a pair
     step = tl.num_programs(0) * FILL
     for r0 in range(p * FILL, n_rows, step):
@@ -75,7 +79,7 @@ def _offsets_kernel(counts_ptr, offsets_ptr, ends_ptr, rows_ptr, chunks,
 @triton.jit
 def _scatter_kernel(ids_ptr, offsets_ptr, ends_ptr, rows_ptr, sorted_ptr, position_ptr,
                     block_expert_ptr, pairs, experts, expert_offset, n_blocks,
-                    BLOCK: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+                    BLOCK: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, B_STEP: tl.constexpr):
     p = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     offs = p * BLOCK + i
@@ -89,8 +93,8 @@ def _scatter_kernel(ids_ptr, offsets_ptr, ends_ptr, rows_ptr, sorted_ptr, positi
     # block b belongs to the expert count(ends <= b * BLOCK_M); blocks past the used rows: -1
     used = tl.load(rows_ptr)
     ends = tl.load(ends_ptr + tl.arange(0, E_P2))
-    for b0 in range(p * BLOCK, n_blocks, tl.num_programs(0) * BLOCK):
-        b = b0 + i
+    for b0 in range(p * B_STEP, n_blocks, tl.num_programs(0) * B_STEP):
+        b = b0 + tl.arange(0, B_STEP)
         row = b * BLOCK_M
         owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, tl.where(row < used, owner, -1), mask=b < n_blocks)
@@ -103,7 +107,7 @@ def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int, *, expert_offs
     if not ids.is_contiguous():
         ids = ids.contiguous()
     dev = ids.device
-    e_p2 = max(16, triton.next_power_of_2(experts))
+    e_p2 = max(16, triton.next_power_of_2(experts + 1))  # + 1: the bin of non-local pairs
     chunks = max(1, triton.cdiv(pairs, ALIGN_BLOCK))
     n_rows = max_rows(pairs, experts, block_m)
     n_blocks = n_rows // block_m
@@ -120,5 +124,6 @@ def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int, *, expert_offs
                              BLOCK=ALIGN_BLOCK, E_P2=e_p2, FILL=FILL)
     _offsets_kernel[(1,)](counts, offsets, ends, rows, chunks, BLOCK_M=block_m, E_P2=e_p2, TILE_P=TILE_P)
     _scatter_kernel[(chunks,)](ids, offsets, ends, rows, sorted_ids, position, block_expert, pairs,
-                               experts, expert_offset, n_blocks, BLOCK=ALIGN_BLOCK, E_P2=e_p2, BLOCK_M=block_m)
+                               experts, expert_offset, n_blocks, BLOCK=ALIGN_BLOCK, E_P2=e_p2, BLOCK_M=block_m,
+                               B_STEP=B_STEP)
     return MoeAlignment(sorted_ids, block_expert, rows, position, block_m, top_k, experts)

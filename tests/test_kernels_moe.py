@@ -93,6 +93,20 @@ def test_moe_align_keeps_only_local_experts(triton_path):
         assert torch.equal(getattr(got, field).cpu(), getattr(want, field).cpu()), field
 
 
+def test_moe_align_loops_over_many_chunks_and_blocks(triton_path, monkeypatch):
+    """Small chunk and step sizes, so every grid-stride and tile loop of the three kernels runs
+    several times (the real sizes need far more pairs than the interpreter can take)."""
+    import atoll.kernels.triton_moe_align as mod
+
+    for name, value in (("ALIGN_BLOCK", 32), ("FILL", 16), ("B_STEP", 2), ("TILE_P", 4)):
+        monkeypatch.setattr(mod, name, value)
+    ids, _ = routing(40, 8, 12)
+    got = mod.moe_align(ids, 12, 16)  # 10 chunks in 3 tiles; 32 blocks, 20 per grid stride
+    want = reference.moe_align(ids, 12, 16)
+    for field in ("sorted_ids", "block_expert", "rows", "position"):
+        assert torch.equal(getattr(got, field).cpu(), getattr(want, field).cpu()), field
+
+
 # --- grouped_gemm, unpermute_reduce ---
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
