@@ -35,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from atoll.comm.group import Group
 from atoll.comm.routing import (capacity_keep, capacity_of, check_islands, expert_major,
@@ -46,13 +47,15 @@ from atoll.errors import ConfigError
 @dataclass
 class Leg:
     """One all_to_all over the ep group, and what undoing it needs."""
-    src: torch.Tensor            # [n_send] input row each sent row copies, grouped by destination
-    weight: torch.Tensor | None  # [n_send] fp32 scale applied on the way back; None: 1
+    src: torch.Tensor             # [n_send] input row each sent row copies, grouped by destination
     send_splits: list[int]
     recv_splits: list[int]
-    regroup: torch.Tensor | None  # received rows -> expert-major; None: already are
     n_in: int                     # input rows (tokens) of this leg
-    row_bytes: int                # bytes of one row on the way out (hidden + packed metadata)
+    regroup: torch.Tensor | None = None    # [n_recv] received rows -> expert-major; None: already
+    unregroup: torch.Tensor | None = None  # its inverse, for the way back
+    bag: tuple | None = None      # (pair rows in token order, per-token offsets, weights) for the
+    #                               weighted sum on the way back; None: plain add into src rows
+    row_bytes: int = 0            # bytes of one row on the way out (hidden + packed metadata)
 
 
 @dataclass
@@ -124,18 +127,15 @@ class Dispatcher:
         return Dispatched(rows, counts, (cross, leg), x.shape[0], dropped)
 
     def combine(self, expert_out: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        # expert_out: [n_recv, hidden] in d.rows order -> [tokens, hidden], expert_out's dtype
+        # expert_out: [n_recv, hidden] in d.rows order -> [tokens, hidden]; sums in its dtype
         if expert_out.dim() != 2 or expert_out.shape[0] != d.rows.shape[0]:
             raise ValueError(f"combine wants [{d.rows.shape[0]}, hidden] expert outputs, got "
                              f"{tuple(expert_out.shape)}")
-        leg = d.legs[-1]
-        out = torch.zeros(leg.n_in, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
-        self._backward(expert_out, leg, out)  # weighted sum per token (own and relayed) in fp32
-        if len(d.legs) == 2:  # hierarchical: relayed tokens' island sums go back across
-            part = out[d.n_tokens:].to(expert_out.dtype)
-            out = out[:d.n_tokens]
+        out = self._backward(expert_out, d.legs[-1])  # [leg.n_in, hidden] weighted sum per token
+        if len(d.legs) == 2:  # hierarchical: the relayed tokens' island sums go back across
+            part, out = out[d.n_tokens:], out[:d.n_tokens]
             self._backward(part, d.legs[0], out)
-        return out.to(expert_out.dtype)
+        return out
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -167,7 +167,8 @@ class Dispatcher:
         ids, w: [n, k]; kept: [ep, E] pair counts when the capacity step already knows them."""
         P, E, L, k = self.group.size, self.num_experts, self.num_local_experts, ids.shape[1]
         me, split, st = self.group.rank, self.split, self.starts
-        order, counts = sort_by_key(ids.reshape(-1), E)  # pairs grouped by expert, token order inside
+        flat = ids.reshape(-1)
+        order, counts = sort_by_key(flat, E)  # pairs grouped by expert, token order inside
         if kept is not None:
             recv = kept[:, st[me]:st[me] + L]  # [ep, L] rows each source sends each local expert
         else:  # tell each peer how many rows it gets per local expert
@@ -181,30 +182,40 @@ class Dispatcher:
         host = torch.cat([counts, recv.reshape(-1)]).tolist()  # one device sync for all sizes
         send_splits = [sum(host[st[j]:st[j] + split[j]]) for j in range(P)]
         by_src = [host[E + s * L:E + (s + 1) * L] for s in range(P)]
-        leg = Leg(src=order // k, weight=w.reshape(-1)[order], send_splits=send_splits,
-                  recv_splits=[sum(c) for c in by_src], regroup=expert_major(recv),
-                  n_in=ids.shape[0], row_bytes=0)
+        # combine: each token's pairs, found in the returned (sorted) rows, in token order
+        valid = flat >= 0
+        at = torch.empty_like(flat)
+        at[order] = torch.arange(order.numel(), device=flat.device)
+        per_token = valid.view(ids.shape).sum(1)
+        bag = (at[valid], per_token.cumsum(0) - per_token, w.reshape(-1)[valid])
+        regroup = expert_major(recv)
+        unregroup = None
+        if regroup is not None:
+            unregroup = torch.empty_like(regroup)
+            unregroup[regroup] = torch.arange(regroup.numel(), device=regroup.device)
+        leg = Leg(src=order // k, send_splits=send_splits, recv_splits=[sum(c) for c in by_src],
+                  n_in=ids.shape[0], regroup=regroup, unregroup=unregroup, bag=bag)
         return leg, [sum(c[e] for c in by_src) for e in range(L)]
 
     def _forward(self, x: torch.Tensor, leg: Leg) -> torch.Tensor:
         leg.row_bytes = x.shape[1] * x.element_size()
-        send = x[leg.src]  # [n_send, hidden] grouped by destination rank, then local expert
+        send = x.index_select(0, leg.src)  # [n_send, hidden] by destination rank, then local expert
         recv = self.group.all_to_all(send, leg.send_splits, leg.recv_splits)
         self._count(leg.send_splits, leg.row_bytes, leg.row_bytes)
-        return recv if leg.regroup is None else recv[leg.regroup]
+        return recv if leg.regroup is None else recv.index_select(0, leg.regroup)
 
-    def _backward(self, y: torch.Tensor, leg: Leg, out: torch.Tensor) -> None:
-        """Undo leg: send y's rows back to where they came from and add them (scaled by the leg's
-        weights) into out [leg.n_in, hidden] fp32."""
-        if leg.regroup is not None:
-            back = torch.empty_like(y)
-            back[leg.regroup] = y
-            y = back
+    def _backward(self, y: torch.Tensor, leg: Leg, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Undo leg: send y's rows back where they came from; then either the weighted sum per
+        token ([leg.n_in, hidden], y's dtype) or, without a bag, add them into out's src rows."""
+        if leg.unregroup is not None:
+            y = y.index_select(0, leg.unregroup)
         row = y.shape[1] * y.element_size()
         y = self.group.all_to_all(y, leg.recv_splits, leg.send_splits)
         self._count(leg.recv_splits, row, row)
-        y = y.float() if leg.weight is None else y.float() * leg.weight[:, None]
-        out.index_add_(0, leg.src, y)
+        if leg.bag is None:
+            return out.index_add_(0, leg.src, y.to(out.dtype))
+        rows, offsets, weights = leg.bag
+        return F.embedding_bag(rows, y, offsets, mode="sum", per_sample_weights=weights.to(y.dtype))
 
     def _cross_leg(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
         """Send each token once to the relay of every remote island holding any of its experts,
@@ -229,7 +240,7 @@ class Dispatcher:
         packed[:, 8 * k + hb:] = 0
         packed[:, :4 * k].view(torch.int32).copy_(torch.where(isl[tok] == dest[:, None], ids[tok], -1))
         packed[:, 4 * k:8 * k].view(torch.float32).copy_(w[tok])
-        packed[:, 8 * k:8 * k + hb].view(x.dtype).copy_(x[tok])
+        packed[:, 8 * k:8 * k + hb].view(x.dtype).copy_(x.index_select(0, tok))
         send_splits = counts.tolist()
         # exchange row counts with my relays and with the ranks I relay for
         to = sorted(relays[i] for i in range(len(islands)) if i != mine)
@@ -243,7 +254,7 @@ class Dispatcher:
             recv_splits[s] = n
         recv = self.group.all_to_all(packed, send_splits, recv_splits)
         self._count(send_splits, packed.shape[1], hb)
-        leg = Leg(src=tok, weight=None, send_splits=send_splits, recv_splits=recv_splits,
-                  regroup=None, n_in=ids.shape[0], row_bytes=packed.shape[1])
+        leg = Leg(src=tok, send_splits=send_splits, recv_splits=recv_splits, n_in=ids.shape[0],
+                  row_bytes=packed.shape[1])
         x_r = recv[:, 8 * k:8 * k + hb].view(x.dtype)
         return leg, x_r, recv[:, :4 * k].view(torch.int32).long(), recv[:, 4 * k:8 * k].view(torch.float32)
