@@ -124,14 +124,28 @@ def _connect(ray, address: str | None, world_size: int) -> bool:
         return True
     # this machine only: Ray turns 127.0.0.1 into the routable IP and binds it unless it
     # believes clusters are off, which keeps every Ray server on the loopback interface
-    from ray._private import ray_constants
-
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # a Ray without it: the env variable alone still reaches its servers
+        ray_constants = None
+    saved_env = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
+    saved_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # inherited by GCS, raylet, workers
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    # address="local": a new instance even when RAY_ADDRESS or a running cluster is around
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size),
-             _node_ip_address="127.0.0.1", **opts)
+    if saved_flag is not None:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        # address="local": a new instance even when RAY_ADDRESS or a running cluster is around
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size),
+                 _node_ip_address="127.0.0.1", **opts)
+    finally:  # the servers have their environment now; leave this process's as it was
+        if saved_flag is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return True
 
 
