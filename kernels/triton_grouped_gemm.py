@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from atoll.kernels.backend import interpreting
 from atoll.kernels.alignment import MoeAlignment
@@ -103,14 +104,20 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, align: MoeAlignment, *, gathe
             weights = weights.contiguous()
     num_m = align.max_rows // align.block_m
     grid = (num_m * triton.cdiv(n, config.block_n),)
-    _grouped_gemm_kernel[grid](
-        a, w, out, weights if weights is not None else out, align.sorted_ids, align.block_expert,
-        align.rows, n, k, align.pairs, align.max_rows,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        TOP_K=align.top_k, GATHER=gather, SILU_MUL=silu_mul, MUL_WEIGHT=weights is not None,
-        UPCAST=INTERPRETED and a.dtype != torch.float32,
-        PRECISION="ieee" if INTERPRETED else dot_precision(a.dtype), BLOCK_M=align.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    args = (a, w, out, weights if weights is not None else out, align.sorted_ids, align.block_expert,
+            align.rows, n, k, align.pairs, align.max_rows,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1))
+    meta = dict(TOP_K=align.top_k, GATHER=gather, SILU_MUL=silu_mul, MUL_WEIGHT=weights is not None,
+                UPCAST=INTERPRETED and a.dtype != torch.float32,
+                PRECISION="ieee" if INTERPRETED else dot_precision(a.dtype), BLOCK_M=align.block_m,
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                num_warps=config.num_warps)
+    # the table is sized for Hopper's shared memory; on a GPU with less, drop pipeline stages
+    for stages in range(config.num_stages, 0, -1):
+        try:
+            _grouped_gemm_kernel[grid](*args, **meta, num_stages=stages)
+            return out
+        except OutOfResources:
+            if stages == 1:
+                raise
     return out

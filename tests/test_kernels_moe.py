@@ -131,6 +131,31 @@ def test_grouped_gemms(triton_path, dtype, tokens, top_k, experts, block_m):
     assert_close(kernels.grouped_gemm(h_want, w2, align)[:used], reference.grouped_gemm(h_want, w2, align)[:used])
 
 
+def test_grouped_gemm_drops_pipeline_stages_when_shared_memory_runs_out(triton_path, monkeypatch):
+    import atoll.kernels.triton_grouped_gemm as mod
+
+    real, tried = mod._grouped_gemm_kernel, []
+
+    class SmallGpu:  # launches fail above 2 stages, as a big tile would on a GPU with less smem
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **meta):
+                tried.append(num_stages)
+                if num_stages > 2:
+                    raise mod.OutOfResources(300_000, 101_376, "shared memory")
+                return real[grid](*args, num_stages=num_stages, **meta)
+            return launch
+
+    monkeypatch.setattr(mod, "_grouped_gemm_kernel", SmallGpu())
+    ids, _ = routing(3, 2, 4)
+    w13, _ = weights_for(4, torch.float32)
+    x = tokens_for(3, torch.float32)
+    align = reference.moe_align(ids, 4, 16)
+    got = kernels.grouped_gemm(x, w13, align, gather=True, config=GemmConfig(32, 32, num_stages=4))
+    assert tried == [4, 3, 2]
+    used = int(align.rows.item())
+    assert_close(got[:used], reference.grouped_gemm(x, w13, align, gather=True)[:used])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_weights", [False, True], ids=["sum", "weighted"])
 def test_unpermute_reduce(triton_path, dtype, with_weights):
@@ -211,3 +236,28 @@ def test_fused_moe_matches_transformers_mixtral_experts(request, monkeypatch, pa
             monkeypatch.setenv("ATOLL_KERNELS", "torch")
         got = kernels.fused_moe(x, experts.gate_up_proj, experts.down_proj, ids, topk_weights, config=SMALL)
     assert_close(got, want)
+
+
+# --- atoll bench kernels ---
+
+def test_bench_without_gpu_says_so_in_one_line(capsys):
+    if DEVICE == "cuda":
+        pytest.skip("this machine has a GPU")
+    from atoll.kernels import bench
+
+    assert bench.main([]) == 0
+    assert capsys.readouterr().out.strip().count("\n") == 0
+
+
+def test_bench_smoke_runs_every_row(triton_path, tmp_path, capsys):
+    """The bench's own code, end to end on tiny shapes (its times mean nothing here)."""
+    import json
+
+    from atoll.kernels import bench
+
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    kinds = {r["kernel"].strip() for r in rows}
+    assert kinds == {"fused_moe", "moe_align", "gemm1 silu*up", "gemm2 *weight", "unpermute", "rms_norm+res", "rotary"}
+    assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows)
