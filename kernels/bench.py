@@ -37,7 +37,7 @@ ROTARY = ((32, 8, 128), (128, 1, 64))  # (heads, kv_heads, rope dim): Llama-70B-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--rows-per-expert", default="1,4,16,64", help="decode sizes, rows per expert")
-    p.add_argument("--prefill-tokens", type=int, default=4096, help="prefill tokens (default 4096)")
+    p.add_argument("--prefill-tokens", type=int, default=4096, help="prefill tokens (default 4096; 0: none)")
     p.add_argument("--sweep", action="store_true", help="also time configs.CANDIDATES for fused_moe")
     p.add_argument("--rep-ms", type=int, default=50, help="do_bench time per measurement (default 50)")
     p.add_argument("--hbm-tb-s", type=float, default=None, help="HBM TB/s (default: data sheet)")
@@ -197,7 +197,8 @@ def run(args) -> int:
         models = {"tiny": SMOKE_MODEL} if args.smoke else {m: MODELS[m] for m in args.models.split(",") if m}
         for model, shape in models.items():
             sizes = [max(1, m * shape["experts"] // shape["top_k"]) for m in per_expert]
-            for tokens in (sizes[:1] if args.smoke else sizes) + [9 if args.smoke else args.prefill_tokens]:
+            prefill = [9] if args.smoke else [args.prefill_tokens] if args.prefill_tokens > 0 else []
+            for tokens in (sizes[:1] if args.smoke else sizes) + prefill:
                 _moe(b, model, shape, tokens, dtype, args.sweep and not args.smoke)
                 if device == "cuda":
                     torch.cuda.empty_cache()
