@@ -22,6 +22,16 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """On a shared 2-core box, intra-op threads spin against other processes: one thread
+    ran this module's 16-token generations in 2 s where two took 50 s."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def from_gguf(smollm2_gguf_path):
     """The reference: transformers reading the GGUF file directly."""
