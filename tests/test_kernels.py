@@ -157,6 +157,7 @@ def test_rms_norm_weight_dtype_promotes_like_the_layer(triton_path):
 
 
 def test_rms_norm_reference_is_the_layer():
+    """On CPU (where the layer takes the torch path) the layer and the reference agree exactly."""
     from atoll.layers.norm import RMSNorm
 
     layer = RMSNorm(40, eps=1e-5, dtype=torch.bfloat16)
@@ -168,11 +169,11 @@ def test_rms_norm_reference_is_the_layer():
 
 # --- rotary ---
 
-def _rope(tokens, dim, dtype):
+def _rope(tokens, dim, dtype, device=DEVICE):
     from atoll.layers.rotary import RotaryEmbedding
 
-    rope = RotaryEmbedding(dim, 10000.0).to(DEVICE)
-    positions = torch.arange(3, 3 + tokens, device=DEVICE) * 7
+    rope = RotaryEmbedding(dim, 10000.0).to(device)
+    positions = torch.arange(3, 3 + tokens, device=device) * 7
     return rope, positions, rope.cos_sin(positions, dtype)
 
 
@@ -211,8 +212,9 @@ def test_rotary_on_views_of_a_fused_qkv(triton_path, dtype):
 
 
 def test_rotary_reference_is_the_layer():
-    rope, positions, (cos, sin) = _rope(4, 32, torch.float32)
-    q, k = torch.randn(4, 3, 32, device=DEVICE), torch.randn(4, 1, 32, device=DEVICE)
+    """On CPU (where the layer takes the torch path) the layer and the reference agree exactly."""
+    rope, positions, (cos, sin) = _rope(4, 32, torch.float32, device="cpu")
+    q, k = torch.randn(4, 3, 32), torch.randn(4, 1, 32)
     want_q, want_k = rope(q.clone(), k.clone(), positions)  # clones: the layer may rotate in place
     reference.rotary_(q, k, cos, sin)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
