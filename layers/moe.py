@@ -11,12 +11,12 @@ back over ep.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atoll.comm.dispatch import Dispatcher
 from atoll.comm.gather import all_gather_rows, row_counts
 from atoll.comm.group import Group
+from atoll.kernels import fused_moe
 from atoll.layers.linear import _param, copy_into, divide
 from atoll.layers.router import Router
 
@@ -52,14 +52,13 @@ class Experts(nn.Module):
         start = self.group.rank * self.inter_local
         copy_into(param.data[e - self.local.start], src[:, start:start + self.inter_local])
 
-    def forward(self, rows_per_expert: list[torch.Tensor]) -> torch.Tensor:
-        outs = []
-        for i, rows in enumerate(rows_per_expert):  # rows: [n_e, hidden]
-            gate, up = F.linear(rows, self.w13[i]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.w2[i]))
-        if not outs:
-            return self.w2.new_zeros(0, self.w2.shape[1])
-        return torch.cat(outs)  # [n_recv, hidden]
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows: [n_recv, hidden] grouped by local expert, counts[i] rows for expert i ->
+        [n_recv, hidden]; the routing weights are applied later, by combine."""
+        ids = torch.repeat_interleave(torch.arange(len(self.local), device=rows.device) + self.local.start,
+                                      torch.tensor(counts, device=rows.device))
+        ones = torch.ones(len(rows), 1, device=rows.device)
+        return fused_moe(rows, self.w13, self.w2, ids[:, None], ones, expert_offset=self.local.start)
 
 
 class SparseMoE(nn.Module):
@@ -103,7 +102,7 @@ class SparseMoE(nn.Module):
             xs = stage_x[start:start + chunks[ctx.ep.rank]]  # this ep rank's share
         ids, weights = self.gate(xs)
         d = self.dispatcher.dispatch(xs, ids, weights)
-        y = self.dispatcher.combine(self.experts(d.per_expert()), d)
+        y = self.dispatcher.combine(self.experts(d.rows, d.expert_counts), d)
         y = ctx.moe_tp.all_reduce(y)  # sum the moe_tp partials
         if self.direct:
             return y

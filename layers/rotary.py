@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from atoll import kernels
 from atoll.errors import ConfigError
 
 SCALING_TYPES = ("default", "linear", "llama3", "yarn")
@@ -75,11 +76,6 @@ def rope_frequencies(dim: int, base: float, scaling: dict | None, max_pos: int) 
     return inv, 1.0
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float, scaling: dict | None = None, max_pos: int = 4096):
         super().__init__()
@@ -94,5 +90,5 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
         cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        kernels.rotary_(q, k, cos, sin)  # in place: Triton on CUDA, else the torch reference
+        return q, k
