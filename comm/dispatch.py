@@ -12,7 +12,9 @@ Flat: count rows per expert, exchange the counts (one small all_to_all), sort th
 (token, expert) pairs by expert, so each destination's rows are contiguous and grouped by its
 local experts, one uneven all_to_all, reorder the received [source][expert] blocks to
 [expert][source]; combine runs the inverse all_to_all and the weighted sum. Within an expert
-the rows arrive in (source rank, token) order.
+the rows arrive in (source rank, token) order. With grouped=False the reorder (one copy of the
+rows each way) is skipped: rows stay in arrival order, source rank then local expert, for
+expert kernels that take each row's expert (Dispatched.row_experts) and write in place.
 
 Hierarchical (island first, as DeepEP and Tutel's 2D all-to-all do it): a token bound for any
 experts on a remote island crosses once, with its expert ids and weights, to one relay rank
@@ -20,6 +22,8 @@ there (routing.relay_rank); each rank then runs the flat step inside its island 
 own tokens and the ones relayed to it. combine reduces inside the island (weighted) and sends one
 partial sum per (token, remote island) back across. Within an expert the row order is then
 by relay, not by source.
+
+combine takes the expert outputs in the order of Dispatched.rows and sums in their dtype.
 
 Dropless by default. With capacity_factor the rule of routing.capacity_keep applies: each expert
 keeps the first ceil(capacity_factor * pairs / num_experts) (token, expert) pairs of the step in
@@ -60,19 +64,39 @@ class Leg:
 
 @dataclass
 class Dispatched:
-    rows: torch.Tensor          # [n_recv, hidden] rows for this rank's experts, grouped by expert
-    expert_counts: list[int]    # rows per local expert, in Dispatcher.local_experts order
+    rows: torch.Tensor          # [n_recv, hidden] rows for this rank's experts (order: see grouped)
+    source_counts: list[list[int]]  # [ep][local experts] rows each source sent each local expert
+    grouped: bool               # True: rows expert-major; False: arrival order, source-major
     legs: tuple[Leg, ...]       # the all_to_alls dispatch made, in order; combine undoes them
     n_tokens: int
     dropped: int = 0            # (token, expert) pairs of this rank dropped by capacity
 
+    @property
+    def expert_counts(self) -> list[int]:
+        """Rows per local expert, in Dispatcher.local_experts order."""
+        return [sum(col) for col in zip(*self.source_counts)]
+
+    def row_experts(self) -> torch.Tensor:
+        """[n_recv] local expert index (0-based) of each row of rows."""
+        which = torch.arange(len(self.source_counts[0]), device=self.rows.device)
+        if self.grouped:
+            sizes = self.expert_counts
+        else:  # blocks: source rank, then local expert
+            sizes, which = sum(self.source_counts, []), which.repeat(len(self.source_counts))
+        return torch.repeat_interleave(which, torch.tensor(sizes, dtype=torch.long, device=which.device))
+
     def per_expert(self) -> list[torch.Tensor]:
-        return list(self.rows.split(self.expert_counts))
+        """Each local expert's rows (views when grouped; copies in arrival order)."""
+        if self.grouped:
+            return list(self.rows.split(self.expert_counts))
+        blocks = self.rows.split(sum(self.source_counts, []))
+        n_local = len(self.source_counts[0])
+        return [torch.cat(blocks[e::n_local]) for e in range(n_local)]
 
 
 class Dispatcher:
     def __init__(self, group: Group, num_experts: int, *, islands=None,
-                 capacity_factor: float | None = None, hierarchical: bool = False):
+                 capacity_factor: float | None = None, hierarchical: bool = False, grouped: bool = True):
         if num_experts < 1:
             raise ConfigError(f"num_experts={num_experts} must be at least 1")
         if capacity_factor is not None and not capacity_factor > 0:
@@ -89,6 +113,7 @@ class Dispatcher:
             raise ConfigError(f"hierarchical dispatch needs at least 2 islands, got {self.islands}")
         self.hierarchical = hierarchical
         self.capacity_factor = capacity_factor
+        self.grouped = grouped
         self.bytes: Counter = Counter()      # all bytes sent, per link class
         self.row_bytes: Counter = Counter()  # hidden-state rows only, per link class
 
@@ -117,14 +142,14 @@ class Dispatcher:
             ids, kept, dropped = self._drop(ids)
         if not self.hierarchical:
             leg, counts = self._expert_leg(ids, w, list(range(self.group.size)), kept)
-            return Dispatched(self._forward(x, leg), counts, (leg,), x.shape[0], dropped)
+            return Dispatched(self._forward(x, leg), counts, self.grouped, (leg,), x.shape[0], dropped)
         cross, x_r, ids_r, w_r = self._cross_leg(x, ids, w)
         mine = self.island_of[self.group.rank]
         island_ids = torch.tensor(self.island_of, device=ids.device)[self.expert_owner(ids.clamp(min=0))]
         own = torch.where((ids >= 0) & (island_ids == mine), ids, -1)  # my tokens' experts on my island
         leg, counts = self._expert_leg(torch.cat([own, ids_r]), torch.cat([w, w_r]), self.islands[mine])
         rows = self._forward(torch.cat([x, x_r]), leg)  # relayed rows ride after my own tokens
-        return Dispatched(rows, counts, (cross, leg), x.shape[0], dropped)
+        return Dispatched(rows, counts, self.grouped, (cross, leg), x.shape[0], dropped)
 
     def combine(self, expert_out: torch.Tensor, d: Dispatched) -> torch.Tensor:
         # expert_out: [n_recv, hidden] in d.rows order -> [tokens, hidden]; sums in its dtype
@@ -178,7 +203,7 @@ class Dispatcher:
                                         [L * inside[s] for s in range(P)])
             self._count([split[j] * inside[j] for j in range(P)], 8)
             recv = counts.new_zeros(P, L)
-            recv[torch.tensor(inside)] = got.view(len(peers), L)
+            recv[torch.tensor(inside, device=recv.device)] = got.view(len(peers), L)
         host = torch.cat([counts, recv.reshape(-1)]).tolist()  # one device sync for all sizes
         send_splits = [sum(host[st[j]:st[j] + split[j]]) for j in range(P)]
         by_src = [host[E + s * L:E + (s + 1) * L] for s in range(P)]
@@ -188,14 +213,14 @@ class Dispatcher:
         at[order] = torch.arange(order.numel(), device=flat.device)
         per_token = valid.view(ids.shape).sum(1)
         bag = (at[valid], per_token.cumsum(0) - per_token, w.reshape(-1)[valid])
-        regroup = expert_major(recv)
+        regroup = expert_major(recv) if self.grouped else None
         unregroup = None
         if regroup is not None:
             unregroup = torch.empty_like(regroup)
             unregroup[regroup] = torch.arange(regroup.numel(), device=regroup.device)
         leg = Leg(src=order // k, send_splits=send_splits, recv_splits=[sum(c) for c in by_src],
                   n_in=ids.shape[0], regroup=regroup, unregroup=unregroup, bag=bag)
-        return leg, [sum(c[e] for c in by_src) for e in range(L)]
+        return leg, by_src
 
     def _forward(self, x: torch.Tensor, leg: Leg) -> torch.Tensor:
         leg.row_bytes = x.shape[1] * x.element_size()
@@ -246,7 +271,7 @@ class Dispatcher:
         to = sorted(relays[i] for i in range(len(islands)) if i != mine)
         frm = [s for s in range(P) if island_of[s] != mine
                and relay_rank(s, islands[mine], islands, island_of) == me]
-        got = self.group.all_to_all(torch.tensor([send_splits[r] for r in to]),
+        got = self.group.all_to_all(torch.tensor([send_splits[r] for r in to], device=ids.device),
                                     [int(j in to) for j in range(P)], [int(s in frm) for s in range(P)])
         self._count([int(j in to) for j in range(P)], 8)
         recv_splits = [0] * P

@@ -125,11 +125,11 @@ def min_rows(ids: torch.Tensor, split: list[int], island_of: list[int], me: int)
     hit = torch.zeros(ids.shape[0], ep + 1, dtype=torch.bool, device=ids.device)
     hit.scatter_(1, torch.where(valid, owner, ep), True)
     hit = hit[:, :ep].float()  # [tokens, ep] ranks each token must reach
-    member = torch.zeros(ep, max(island_of) + 1)
+    member = torch.zeros(ep, max(island_of) + 1, device=ids.device)
     member[torch.arange(ep), torch.tensor(island_of)] = 1.0
     per_island = hit @ member  # [tokens, islands] distinct ranks hit on each island
     mine = island_of[me]
-    remote = torch.ones(per_island.shape[1], dtype=torch.bool)
+    remote = torch.ones(per_island.shape[1], dtype=torch.bool, device=ids.device)
     remote[mine] = False
     cross = int((per_island[:, remote] > 0).sum())
     intra = int(per_island[:, mine].sum() - hit[:, me].sum()) \

@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hierarchical", action="store_true", help="island-first dispatch")
     p.add_argument("--islands", type=int, default=None,
                    help="simulated islands over the ep ranks (default 1; 2 with --hierarchical)")
+    p.add_argument("--arrival-order", action="store_true",
+                   help="leave rows in arrival order (Dispatcher grouped=False): no expert-major copy")
     p.add_argument("--capacity-factor", type=float, default=None, help="drop beyond this capacity")
     p.add_argument("--iters", type=int, default=30, help="timed iterations (default 30)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
@@ -58,7 +60,7 @@ def check(args) -> dict:
         raise ConfigError("--hierarchical needs --islands 2 or more")
     if args.capacity_factor is not None and not args.capacity_factor > 0:
         raise ConfigError(f"--capacity-factor {args.capacity_factor} must be positive")
-    keys = ("tokens", "hidden", "experts", "topk", "ep", "hierarchical", "islands",
+    keys = ("tokens", "hidden", "experts", "topk", "ep", "hierarchical", "islands", "arrival_order",
             "capacity_factor", "iters", "warmup", "seed")
     return {k: getattr(args, k) for k in keys}
 
@@ -99,7 +101,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     w = torch.randn(T, k, generator=gen).softmax(dim=1)
     islands = island_sets(world, cfg["islands"])
     kw = dict(islands=islands, capacity_factor=cfg["capacity_factor"])
-    disp = Dispatcher(g, E, hierarchical=cfg["hierarchical"], **kw)
+    disp = Dispatcher(g, E, hierarchical=cfg["hierarchical"], grouped=not cfg["arrival_order"], **kw)
 
     def bytes_of(d_: Dispatcher) -> tuple:
         d = d_.dispatch(x, ids, w)
@@ -133,18 +135,19 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         dd = disp.dispatch(x, ids, w)
         disp.combine(dd.rows, dd)
 
-    times = []
+    times = []  # per iteration: [dispatcher wall, bare wall, dispatcher cpu, bare cpu]
     for i in range(cfg["warmup"] + cfg["iters"]):
-        pair = []
+        wall, cpu = {}, {}
         for fn in ((run_disp, run_bare) if i % 2 else (run_bare, run_disp)):
             g.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            pair.append(time.perf_counter() - t0)
+            wall[fn], cpu[fn] = time.perf_counter() - t0, time.process_time() - c0
         if i >= cfg["warmup"]:
-            times.append(pair if i % 2 else pair[::-1])  # [dispatcher, bare]
-    # an iteration lasts as long as its slowest rank
-    slowest = g.all_gather(torch.tensor(times, dtype=torch.float64)[None], dim=0).amax(dim=0)
+            times.append([wall[run_disp], wall[run_bare], cpu[run_disp], cpu[run_bare]])
+    every = g.all_gather(torch.tensor(times, dtype=torch.float64)[None], dim=0)  # [ep, iters, 4]
+    slowest = every[..., :2].amax(dim=0)  # an iteration lasts as long as its slowest rank
+    cpu_all = every[..., 2:].sum(dim=0)   # CPU seconds of all ranks (all threads) together
 
     totals = torch.tensor([[sent.get(c, 0), rows.get(c, 0), least[c], flat.get(c, 0), hier.get(c, 0)]
                            for c in ("intra", "cross")], dtype=torch.float64)
@@ -154,14 +157,16 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     load = g.all_reduce(load)
     if rank:
         return {}
-    disp_s = statistics.median(slowest[:, 0].tolist())
-    bare_s = statistics.median(slowest[:, 1].tolist())
+    disp_s, bare_s = (statistics.median(slowest[:, j].tolist()) for j in (0, 1))
+    disp_c, bare_c = (statistics.median(cpu_all[:, j].tolist()) for j in (0, 1))
     hb = H * x.element_size()
     link = {c: {"sent": int(totals[i, 0]), "rows": int(totals[i, 1]), "min": int(2 * totals[i, 2] * hb)}
             for i, c in enumerate(("intra", "cross"))}
     out = {"config": cfg | {"islands": islands, "dtype": str(x.dtype).removeprefix("torch.")},
            "dispatch_combine_ms": round(disp_s * 1e3, 3), "all_to_all_ms": round(bare_s * 1e3, 3),
            "ratio": round(disp_s / bare_s, 4), "bytes": link,
+           "cpu_ms": {"dispatch_combine": round(disp_c * 1e3, 3), "all_to_all": round(bare_c * 1e3, 3),
+                      "ratio": round(disp_c / bare_c, 4)},
            "load_imbalance": round(float(load.max() / load.mean()), 4) if load.sum() else None}
     if cfg["islands"] > 1:
         f, h = int(totals[1, 3]), int(totals[1, 4])
@@ -179,7 +184,7 @@ def render(r: dict) -> None:
 
     c = r["config"]
     console = Console()
-    mode = "hierarchical" if c["hierarchical"] else "flat"
+    mode = ("hierarchical" if c["hierarchical"] else "flat") + (", arrival order" if c["arrival_order"] else "")
     title = (f"dispatch {mode}: {c['tokens']} tokens/rank x hidden {c['hidden']} ({c['dtype']}), "
              f"{c['experts']} experts top-{c['topk']}, ep={c['ep']}, islands {c['islands']}")
     t = Table(title=title)
@@ -188,6 +193,9 @@ def render(r: dict) -> None:
     t.add_row("dispatch + combine (median of slowest rank)", f"{r['dispatch_combine_ms']:.2f} ms")
     t.add_row("bare all_to_all, same payload splits", f"{r['all_to_all_ms']:.2f} ms")
     t.add_row("ratio", f"{r['ratio']:.2f}")
+    cpu = r["cpu_ms"]
+    t.add_row("CPU time, all ranks: dispatcher / bare (ratio)",
+              f"{cpu['dispatch_combine']:.1f} / {cpu['all_to_all']:.1f} ms ({cpu['ratio']:.2f})")
     for link, b in r["bytes"].items():
         t.add_row(f"{link}-island bytes: rows / all / minimum",
                   f"{_mb(b['rows'])} / {_mb(b['sent'])} / {_mb(b['min'])}")

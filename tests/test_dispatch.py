@@ -82,24 +82,35 @@ def _check_cases(rank, world, g):
         for cf in CAPACITY:
             kept = kept_pairs([e[1] for e in every], E, cf)
             # flat reads islands only for its byte counters: one layout is enough there
-            for hier, islands in [(False, ISLANDS[world][0])] + [(True, i) for i in ISLANDS[world]]:
-                what = f"rank {rank} case {ci} {case} capacity={cf} hierarchical={hier} islands={islands}"
+            first = ISLANDS[world][0]
+            runs = [(False, first, True), (False, first, False), (True, first, False)] \
+                + [(True, i, True) for i in ISLANDS[world]]
+            for hier, islands, grouped in runs:
+                what = (f"rank {rank} case {ci} {case} capacity={cf} hierarchical={hier} "
+                        f"islands={islands} grouped={grouped}")
                 try:
-                    n_dropped += _check_one(rank, world, g, every, kept, E, k, tokens, cf, hier, islands)
+                    n_dropped += _check_one(rank, world, g, every, kept, E, k, tokens, cf, hier, islands,
+                                            grouped)
                 except AssertionError as e:
                     failures.append(f"{what}: {e}")
                 n_checked += 1
     return failures, n_dropped, n_checked
 
 
-def _check_one(rank, world, g, every, kept, E, k, tokens, cf, hier, islands):
+def _check_one(rank, world, g, every, kept, E, k, tokens, cf, hier, islands, grouped):
     x, ids, w = every[rank]
-    disp = Dispatcher(g, E, islands=islands, capacity_factor=cf, hierarchical=hier)
+    disp = Dispatcher(g, E, islands=islands, capacity_factor=cf, hierarchical=hier, grouped=grouped)
     d = disp.dispatch(x, ids, w)
     # sender-identifying: every received row is exactly the row some kept pair sent
     mine = [e for e in range(E) if owner(e, E, world) == rank]
     assert list(disp.local_experts) == mine, f"local experts {list(disp.local_experts)}"
     assert d.expert_counts == [len(r) for r in d.per_expert()]
+    which = d.row_experts()
+    assert which.shape == (d.rows.shape[0],)
+    for i, rows in enumerate(d.per_expert()):
+        assert torch.equal(d.rows[which == i], rows), f"row_experts disagrees for local expert {i}"
+    if not grouped and not hier:  # arrival order: source rank, then local expert, then token
+        assert torch.equal(d.rows[:, 0].floor() // 1000, torch.sort(d.rows[:, 0].floor() // 1000).values)
     for e, got in zip(mine, d.per_expert()):
         want = [every[s][0][t] for s in range(world) for t in range(tokens[s])
                 for j in range(k) if every[s][1][t, j] == e and kept[s, t, j]]
@@ -117,7 +128,9 @@ def _check_one(rank, world, g, every, kept, E, k, tokens, cf, hier, islands):
     return d.dropped
 
 
-EXPERT_RUNS = {2: [(None, False), (0.5, True)], 4: [(None, False), (None, True), (0.5, False), (0.5, True)]}
+EXPERT_RUNS = {2: [(None, False, True), (0.5, True, True), (None, False, False)],
+               4: [(None, False, True), (None, True, True), (0.5, False, True), (0.5, True, True),
+                   (0.5, True, False)]}
 REAL_E, REAL_TOKENS = 6, [7, 0, 10, 4]
 
 
@@ -125,15 +138,21 @@ def expert_weights():
     return torch.randn(REAL_E, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(5))
 
 
-def _real_experts(rank, world, g, cf, hier):
+def _real_experts(rank, world, g, cf, hier, grouped):
     """Each expert a different linear map; returns this rank's x, ids, w and combined output."""
     islands = [[0, 1], [2, 3]] if world == 4 else [[0], [1]]
-    disp = Dispatcher(g, REAL_E, islands=islands, capacity_factor=cf, hierarchical=hier)
+    disp = Dispatcher(g, REAL_E, islands=islands, capacity_factor=cf, hierarchical=hier, grouped=grouped)
     x, ids, w = routing(9, rank, REAL_TOKENS[rank], REAL_E, 2, skew=True)
     d = disp.dispatch(x, ids, w)
     weights = expert_weights()
-    outs = [rows @ weights[e].T for e, rows in zip(disp.local_experts, d.per_expert())]
-    y = disp.combine(torch.cat(outs) if outs else d.rows.clone(), d)
+    if grouped:
+        outs = [rows @ weights[e].T for e, rows in zip(disp.local_experts, d.per_expert())]
+        y = disp.combine(torch.cat(outs) if outs else d.rows.clone(), d)
+    else:  # arrival order: each row through its own expert, written in place
+        which, out = d.row_experts(), torch.empty_like(d.rows)
+        for i, e in enumerate(disp.local_experts):
+            out[which == i] = d.rows[which == i] @ weights[e].T
+        y = disp.combine(out, d)
     return [t.numpy() for t in (x, ids, w, y)]  # tensors would travel as shared-memory fds
 
 
@@ -170,7 +189,7 @@ def test_invariant_and_senders(ep):
     out = [r["cases"] for r in suite(ep)]
     failures = [f for fails, _, _ in out for f in fails]
     assert not failures, "\n".join(failures[:10])
-    assert out[0][2] == len(CASES[ep]) * len(CAPACITY) * (1 + len(ISLANDS[ep]))
+    assert out[0][2] == len(CASES[ep]) * len(CAPACITY) * (3 + len(ISLANDS[ep]))
     assert sum(n for _, n, _ in out) > 0  # the capacity cases really dropped pairs
 
 
@@ -178,8 +197,8 @@ def test_invariant_and_senders(ep):
 @pytest.mark.parametrize("ep", [2, 4])
 def test_real_experts_match_one_process(ep):
     weights = expert_weights()
-    for cf, hier in EXPERT_RUNS[ep]:
-        out = [[torch.from_numpy(a) for a in r["real"][cf, hier]] for r in suite(ep)]
+    for cf, hier, grouped in EXPERT_RUNS[ep]:
+        out = [[torch.from_numpy(a) for a in r["real"][cf, hier, grouped]] for r in suite(ep)]
         kept = kept_pairs([o[1] for o in out], REAL_E, cf)
         for src, (x, ids, w, y) in enumerate(out):
             ref = torch.zeros_like(x)  # one process, token by token
@@ -188,7 +207,7 @@ def test_real_experts_match_one_process(ep):
                     if kept[src, t, j]:
                         ref[t] += w[t, j] * (weights[ids[t, j]] @ x[t])
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5,
-                                       msg=f"rank {src} capacity={cf} hierarchical={hier}")
+                                       msg=f"rank {src} capacity={cf} hierarchical={hier} grouped={grouped}")
 
 
 @pytest.mark.timeout(120)
