@@ -4,7 +4,8 @@ mpirun starts the processes; mpi4py gives each its rank and the world size, and 
 broadcasts the rendezvous address (its own address and a port it already listens on).
 When every rank is on one host the rendezvous stays on 127.0.0.1; across hosts rank 0 uses
 its address on the route to the other hosts, and each rank pins gloo/NCCL to the interface
-holding its own address on the route to rank 0.
+holding its own address on the route to rank 0. ATOLL_MASTER_ADDR overrides rank 0's choice;
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, when set, win over the interface atoll picks.
 
 A rank whose fn raises prints one line to stderr and aborts the MPI job (MPI_Abort), so
 mpirun ends every rank at once instead of leaving them blocked in a collective.
