@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", metavar="FILE.jsonl", help='lines of {"id":..., "prompt": "..."} or prompt_token_ids')
     p.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
+    p.add_argument("--launcher", default="auto", choices=["auto", "local", "torchrun", "ray", "mpi"],
+                   help="auto: torchrun or mpirun if launched by one, else local processes")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start Ray here)")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(run=run)
@@ -57,9 +60,8 @@ def make_llm(args, model_dir):
 
 def run(args) -> int:
     from atoll.engine.worker import generate_worker
-    from atoll.launch.local import run_local
+    from atoll.launch.launchers import detect, launch
     from atoll.launch.requests import read_jsonl, write_jsonl
-    from atoll.launch.torchrun import in_torchrun, run_torchrun
 
     llm = make_llm(args, args.model)
     if args.prompts:
@@ -68,14 +70,14 @@ def run(args) -> int:
         prompts, failures = [{"id": 0, "prompt": args.prompt}], []
     requests = llm.prepare(prompts, sampling_params(args), chat=args.chat)
     start = time.perf_counter()
-    if in_torchrun():
-        rank, results = run_torchrun(generate_worker, llm.layout.world_size, llm.spec(), requests)
-        if rank != 0:
-            return 0
-    else:
-        print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} local ranks)",
+    launcher = detect() if args.launcher == "auto" else args.launcher
+    if launcher in ("local", "ray"):
+        print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} ranks, {launcher})",
               file=sys.stderr)
-        results = run_local(generate_worker, llm.layout.world_size, llm.spec(), requests)[0]
+    reports, results = launch(generate_worker, llm.layout.world_size, llm.spec(), requests,
+                              launcher=launcher, ray_address=args.ray_address)
+    if not reports:
+        return 0
     elapsed = time.perf_counter() - start
     outputs = llm.finish(prompts, requests, results)
     write_jsonl([o.to_json() for o in outputs] + failures, args.output)

@@ -1,0 +1,48 @@
+"""Pick a launcher by name and run one function on every rank; the caller gets rank 0's value.
+
+local: spawned processes here. ray: one actor per rank on a Ray cluster. torchrun / mpi:
+this process is already one rank among many (launched by torchrun or mpirun).
+"""
+
+from __future__ import annotations
+
+from atoll.errors import InputError
+
+LAUNCHERS = ("auto", "local", "torchrun", "ray", "mpi")
+
+
+def detect() -> str:
+    from atoll.launch.mpi_launcher import in_mpi
+    from atoll.launch.torchrun import in_torchrun
+
+    if in_torchrun():
+        return "torchrun"
+    if in_mpi():
+        return "mpi"
+    return "local"
+
+
+def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str | None = None,
+           gpus_per_rank: float = 0, placement=None) -> tuple[bool, object]:
+    """(this process reports, rank 0's value). Under torchrun/mpi only rank 0 reports."""
+    if launcher not in LAUNCHERS:
+        raise InputError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
+    name = detect() if launcher == "auto" else launcher
+    if name == "local":
+        from atoll.launch.local import run_local
+
+        return True, run_local(fn, world_size, *args)[0]
+    if name == "ray":
+        from atoll.launch.ray_launcher import run_ray
+
+        return True, run_ray(fn, world_size, *args, address=ray_address, gpus_per_rank=gpus_per_rank,
+                             placement=placement)[0]
+    if name == "torchrun":
+        from atoll.launch.torchrun import run_torchrun
+
+        rank, value = run_torchrun(fn, world_size, *args)
+    else:
+        from atoll.launch.mpi_launcher import run_mpi
+
+        rank, value = run_mpi(fn, world_size, *args)
+    return rank == 0, value
