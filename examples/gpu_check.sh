@@ -6,7 +6,8 @@
 #   TRITON_INTERPRET=1 bash examples/gpu_check.sh     # no GPU: the same steps in Triton's interpreter
 #
 # Steps (each under its own time limit; a failed or timed-out step is reported and the rest run):
-#   1. the kernel tests (tests/test_kernels*.py): compiled on the GPU, against the torch references
+#   1. the kernel tests (tests/test_kernels*.py): compiled on the GPU, against the torch references,
+#      and a tiny MoE model's greedy tokens with the kernels on vs off
 #   2. atoll bench kernels: each kernel vs its reference vs the HBM/compute floor, decode and prefill
 #   3. a config sweep for fused_moe at two decode sizes, to check the table in kernels/configs.py
 #   4. MARKED: single-GPU `atoll bench` of a random-weight MoE model with kernels off and on;
@@ -48,7 +49,7 @@ log "$(python -c "import sys, torch; import importlib.metadata as m; print('pyth
 [ "$MODE" = gpu ] && log "$(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader 2>&1)"
 
 # 1. kernel tests: on the GPU the kernels compile; without one they run in the interpreter
-step "kernel tests" 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py
+step "kernel tests" 270 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_model.py
 
 # 2. the kernel bench
 if [ "$MODE" = gpu ]; then

@@ -1,0 +1,43 @@
+"""A tiny MoE model generates the same greedy tokens with the Triton kernels forced on as with
+the torch references (kernels off). Without a GPU the kernels run in Triton's interpreter: the
+ranks are fresh processes, so setting the two variables before LLM.generate spawns them is
+enough (no in-process triton state is involved)."""
+
+import pytest
+import torch
+
+from atoll import LLM, SamplingParams
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+PROMPTS = [[5, 7, 9, 11, 13], [42, 1, 2]]
+NEW = 6
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["TP1", "EP2"])
+def test_moe_model_tokens_do_not_change_with_the_kernels_on(tiny_model, monkeypatch, layout):
+    # 5 experts: EP2 splits them 3 + 2, so fused_moe's expert_offset is exercised
+    model_dir = tiny_model("mixtral", num_local_experts=5)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    monkeypatch.setenv("ATOLL_KERNELS", "torch")
+    off = [o.token_ids for o in LLM(model_dir, layout=layout).generate(PROMPTS, params)]
+    monkeypatch.setenv("ATOLL_KERNELS", "triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    on = [o.token_ids for o in LLM(model_dir, layout=layout).generate(PROMPTS, params)]
+    assert on == off
+    assert all(len(t) == NEW for t in on)
+
+
+def test_the_model_does_call_the_kernels(tiny_model, monkeypatch):
+    """Guards the test above against passing vacuously: with Triton forced on CPU but no
+    interpreter, the model's first kernel call must refuse."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    from atoll.errors import AtollError
+
+    monkeypatch.setenv("ATOLL_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(AtollError, match="needs TRITON_INTERPRET=1"):
+        LLM(tiny_model("mixtral", num_local_experts=5), layout="TP1").generate(PROMPTS, SamplingParams(max_tokens=2))
