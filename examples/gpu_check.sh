@@ -20,6 +20,7 @@ RESULTS=${1:-gpu_check.txt}
 : > "$RESULTS"
 FAILED=0
 START=$SECONDS
+BUDGET=${BUDGET:-585}  # seconds for the whole script; a step that might pass it is skipped
 
 log() { echo "$*" | tee -a "$RESULTS"; }
 
@@ -27,6 +28,10 @@ step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2
   shift 2
   log ""
+  if (( SECONDS - START + limit > BUDGET )); then
+    log "=== $name: SKIPPED (its ${limit} s limit would pass the ${BUDGET} s budget)"
+    return
+  fi
   log "=== $name (limit ${limit} s): $*"
   local t0=$SECONDS
   timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$RESULTS"
@@ -49,11 +54,11 @@ log "$(python -c "import sys, torch; import importlib.metadata as m; print('pyth
 [ "$MODE" = gpu ] && log "$(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader 2>&1)"
 
 # 1. kernel tests: on the GPU the kernels compile; without one they run in the interpreter
-step "kernel tests" 270 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_model.py
+step "kernel tests" 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_model.py
 
 # 2. the kernel bench
 if [ "$MODE" = gpu ]; then
-  step "bench kernels" 210 "${BENCH[@]}" --rep-ms 40
+  step "bench kernels" 180 "${BENCH[@]}" --rep-ms 40
 else
   step "bench kernels (no GPU: one line)" 60 "${BENCH[@]}"
   step "bench kernels --smoke (interpreter; times mean nothing)" 120 "${BENCH[@]}" --smoke
@@ -61,7 +66,7 @@ fi
 
 # 3. does the config table hold up? time the candidate tiles at two decode sizes
 if [ "$MODE" = gpu ]; then
-  step "config sweep" 70 "${BENCH[@]}" --models deepseek-v3 --rows-per-expert 1,16 --prefill-tokens 0 --sweep --rep-ms 20
+  step "config sweep" 60 "${BENCH[@]}" --models deepseek-v3 --rows-per-expert 1,16 --prefill-tokens 0 --sweep --rep-ms 20
 fi
 
 # 4. ---- MARKED STEP: the model bench with kernels off and on -------------------------------
@@ -71,7 +76,7 @@ fi
 MODEL_BENCH_ARGS=${MODEL_BENCH_ARGS:---model Mixtral-8x7B-v0.1 --random-weights --layers 2}
 if [ "$MODE" = gpu ] && atoll bench --help 2>/dev/null | grep -q -- "--model"; then
   for kernels in torch auto; do
-    ATOLL_KERNELS=$kernels step "model bench, ATOLL_KERNELS=$kernels" 60 atoll bench $MODEL_BENCH_ARGS
+    ATOLL_KERNELS=$kernels step "model bench, ATOLL_KERNELS=$kernels" 45 atoll bench $MODEL_BENCH_ARGS
   done
 else
   log ""

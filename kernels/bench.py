@@ -120,21 +120,19 @@ def _moe(b: Bench, name, shape, tokens, dtype, sweep):
           bytes_=hit * inter * h * el + rows * (inter + h) * el, flops=2 * pairs * inter * h)
     b.add("  unpermute", case, lambda: ops.unpermute_reduce(y, align),
           ref=lambda: reference.unpermute_reduce(y, align), bytes_=(pairs + tokens) * h * el)
-    if sweep:
-        table_us = fused["us"]
-        best = (table_us, cfg)
-        for cand in CANDIDATES:
-            if not cfg.block_m // 2 <= cand.block_m <= max(2 * cfg.block_m, 16):
-                continue
+    if sweep:  # the table's entry against the other tiles of the same block_m
+        best = (fused["us"], cfg)
+        for cand in (c for c in CANDIDATES if c.block_m == cfg.block_m and c != cfg):
             try:
                 t = b.timer(lambda: fused_moe(x, w13, w2, ids, wts, config=cand))
             except Exception as err:  # a tile that does not fit this GPU (shared memory)
-                print(f"  sweep: {cand} failed: {type(err).__name__}")
+                print(f"  sweep {cand}: {type(err).__name__}", flush=True)
                 continue
+            print(f"  sweep {t:10.1f} us  {cand}", flush=True)
             best = min(best, (t, cand), key=lambda r: r[0])
-        print(f"  sweep {case}: table {table_us:.1f} us, best {best[0]:.1f} us "
-              f"({table_us / best[0]:.2f}x) with {best[1]}", flush=True)
-        b.rows.append(dict(kernel="sweep", case=case, table_us=table_us, best_us=best[0], best=repr(best[1])))
+        print(f"  sweep {case}: table {fused['us']:.1f} us, best {best[0]:.1f} us "
+              f"({fused['us'] / best[0]:.2f}x) with {best[1]}", flush=True)
+        b.rows.append(dict(kernel="sweep", case=case, table_us=fused["us"], best_us=best[0], best=repr(best[1])))
     del x, w13, w2, hh, y
 
 

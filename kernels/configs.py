@@ -14,8 +14,8 @@ experts 8-256, top-k 2-8):
 
 Starting points follow the pattern of vLLM's tuned H100/H200 bf16 tables for the same
 experts/widths (BLOCK_M 16 until tens of rows per expert, 64-128 for prefill; BLOCK_K 128
-when memory bound). `atoll bench kernels --sweep` times CANDIDATES on the device and prints the
-winner per shape, which is how an entry here gets changed. Gemm 1 (gate/up, two accumulators
+when memory bound). `atoll bench kernels --sweep` times the CANDIDATES of the same block_m on
+the device and prints the winner per shape, which is how an entry here gets changed. Gemm 1 (gate/up, two accumulators
 because of the fused SiLU-and-multiply) keeps BLOCK_N at half of gemm 2's.
 """
 
@@ -51,7 +51,7 @@ MOE_TABLE: tuple[tuple[float, MoeConfig], ...] = (
     (math.inf, MoeConfig(128, GemmConfig(128, 64, 8, 8, 3), GemmConfig(256, 64, 8, 8, 3))),
 )
 
-# alternatives `atoll bench kernels --sweep` times against the table's entry
+# alternatives `atoll bench kernels --sweep` times against the table's entry of the same block_m
 CANDIDATES: tuple[MoeConfig, ...] = tuple(
     MoeConfig(bm, GemmConfig(bn, bk, g, w, s), GemmConfig(2 * bn, bk, g, w, s))
     for bm in (16, 32, 64, 128)
