@@ -205,6 +205,14 @@ def test_fused_moe_expert_parallel_halves_add_up(triton_path, dtype):
     assert_close((parts[0].float() + parts[1].float()).to(dtype), whole, tol=2 * MOE_TOL[dtype])
 
 
+def test_fused_moe_rank_whose_experts_get_no_tokens_gives_zeros(triton_path):
+    ids, topk_weights = routing(5, 2, 4)  # experts 0-2 only; this rank holds 4-7
+    w13, w2 = weights_for(4, torch.float32)
+    x = tokens_for(5, torch.float32)
+    got = kernels.fused_moe(x, w13, w2, ids, topk_weights, expert_offset=4, config=SMALL)
+    assert torch.equal(got, torch.zeros_like(x))
+
+
 def test_fused_moe_default_config_and_no_tokens(triton_path):
     ids, topk_weights = routing(6, 2, 4)
     w13, w2 = weights_for(4, torch.float32)
