@@ -14,7 +14,6 @@ import signal
 import socket
 import time
 import traceback
-from datetime import timedelta
 
 from atoll.errors import LaunchError, RankFailure
 
@@ -29,12 +28,17 @@ def free_port() -> int:
 
 def init_distributed(rank: int, world_size: int, addr: str, port: int, *, backend: str = "gloo",
                      timeout_s: float = 600.0) -> None:
-    import torch.distributed as dist
+    """Join the process group; rank 0 serves the rendezvous store on addr:port only."""
+    from atoll.launch.net import pin_interface, rendezvous
 
-    if backend == "gloo" and addr.startswith("127."):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's own sockets on loopback
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    pin_interface(addr)  # gloo's own sockets on the same interface (lo for 127.0.0.1)
+    listen = None
+    if rank == 0:
+        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listen.bind((addr, port))
+        listen.listen(1024)
+    rendezvous(rank, world_size, addr, port, backend=backend, listen=listen, timeout_s=timeout_s)
 
 
 def _describe_exit(code: int) -> str:

@@ -62,3 +62,36 @@ def _fail_on_rank_one(rank, world):
 def test_failure_names_the_rank():
     with pytest.raises(RankFailure, match="rank 1 failed: ValueError: boom on purpose"):
         run_local(_fail_on_rank_one, 3, timeout_s=50)
+
+
+def _listening_addresses(rank, world):
+    """Local addresses of this process's listening TCP sockets (Linux /proc)."""
+    import os
+    from pathlib import Path
+
+    Group.from_torch().barrier()
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                found.append(f[1].split(":")[0])
+    return found
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/net/tcp"), reason="reads /proc/net")
+def test_ranks_listen_on_loopback_only():
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+    addresses = run_local(_listening_addresses, 2, timeout_s=50)
+    assert addresses[0], "rank 0 serves the rendezvous store, so it must listen somewhere"
+    for rank, found in enumerate(addresses):
+        assert set(found) <= loopback, f"rank {rank} listens on {found}"
