@@ -166,11 +166,6 @@ def run(args) -> int:
     from atoll.kernels import backend
     from atoll.topologies.discover import gpu_spec_for
 
-    if not args.smoke and not torch.cuda.is_available():
-        print("atoll bench kernels: needs a CUDA GPU (the Triton kernels run only there); nothing measured")
-        return 0
-    if not args.smoke and not backend.triton_available():
-        raise backend.KernelError("atoll bench kernels needs triton: pip install triton")
     unknown = [m for m in args.models.split(",") if m and m not in MODELS]
     if unknown:
         raise backend.KernelError(f"--models: unknown {', '.join(unknown)}; known: {', '.join(MODELS)}")
@@ -178,6 +173,11 @@ def run(args) -> int:
         per_expert = [int(m) for m in args.rows_per_expert.split(",")]
     except ValueError:
         raise backend.KernelError(f"--rows-per-expert {args.rows_per_expert!r} must be integers, comma separated") from None
+    if not args.smoke and not torch.cuda.is_available():
+        print("atoll bench kernels: needs a CUDA GPU (the Triton kernels run only there); nothing measured")
+        return 0
+    if not args.smoke and not backend.triton_available():
+        raise backend.KernelError("atoll bench kernels needs triton: pip install triton")
     device = "cpu" if args.smoke else "cuda"
     name = "H200 (smoke: CPU interpreter, times mean nothing)" if args.smoke else torch.cuda.get_device_name()
     spec = gpu_spec_for("H200" if args.smoke else name)
