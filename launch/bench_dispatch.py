@@ -5,7 +5,9 @@ experts) and, interleaved in the same run, bare `all_to_all_single` calls with e
 splits and row widths the dispatcher's payload all_to_alls used (forward and back, every leg);
 the order of the two alternates. An iteration's time is the slowest rank's; the ratio is of the
 medians. So the ratio is the dispatcher's own cost on top of moving its rows: the count
-exchange, the permutations, metadata and the weighted sum.
+exchange, the permutations, metadata and the weighted sum. CPU seconds of all ranks are
+reported per side too: with more ranks than free cores, wall time also measures the scheduler,
+CPU time only the work.
 
 Bytes are summed over ranks for one dispatch + combine, per link class (islands are simulated
 here: --islands N splits the ep ranks into N contiguous sets), against the minimum any
@@ -116,10 +118,9 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     least = min_rows(kept, disp.split, disp.island_of, rank)
 
     # the bare baseline: the same payload all_to_alls, out and back, on preallocated buffers
-    bare = []
+    bare, hb = [], H * x.element_size()
     for leg in d.legs:
         n_out, n_in = sum(leg.send_splits), sum(leg.recv_splits)
-        hb = H * x.element_size()
         bare.append((torch.zeros(n_out, leg.row_bytes, dtype=torch.uint8),
                      torch.empty(n_in, leg.row_bytes, dtype=torch.uint8), leg.recv_splits, leg.send_splits))
         bare.append((torch.zeros(n_in, hb, dtype=torch.uint8),
@@ -153,13 +154,13 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
                            for c in ("intra", "cross")], dtype=torch.float64)
     totals = g.all_reduce(totals)
     load = torch.zeros(E, dtype=torch.float64)  # [E] rows each expert received
-    load[disp.local_experts.start:disp.local_experts.stop] = torch.tensor(d.expert_counts, dtype=torch.float64)
+    mine = disp.local_experts
+    load[mine.start:mine.stop] = torch.tensor(d.expert_counts, dtype=torch.float64)
     load = g.all_reduce(load)
     if rank:
         return {}
     disp_s, bare_s = (statistics.median(slowest[:, j].tolist()) for j in (0, 1))
     disp_c, bare_c = (statistics.median(cpu_all[:, j].tolist()) for j in (0, 1))
-    hb = H * x.element_size()
     link = {c: {"sent": int(totals[i, 0]), "rows": int(totals[i, 1]), "min": int(2 * totals[i, 2] * hb)}
             for i, c in enumerate(("intra", "cross"))}
     out = {"config": cfg | {"islands": islands, "dtype": str(x.dtype).removeprefix("torch.")},
@@ -184,7 +185,8 @@ def render(r: dict) -> None:
 
     c = r["config"]
     console = Console()
-    mode = ("hierarchical" if c["hierarchical"] else "flat") + (", arrival order" if c["arrival_order"] else "")
+    mode = "hierarchical" if c["hierarchical"] else "flat"
+    mode += ", arrival order" if c["arrival_order"] else ""
     title = (f"dispatch {mode}: {c['tokens']} tokens/rank x hidden {c['hidden']} ({c['dtype']}), "
              f"{c['experts']} experts top-{c['topk']}, ep={c['ep']}, islands {c['islands']}")
     t = Table(title=title)
