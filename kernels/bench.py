@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from contextlib import nullcontext
 
@@ -210,7 +211,13 @@ def run(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m atoll.kernels.bench", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    from atoll.errors import AtollError
+
+    try:
+        return run(p.parse_args(argv))
+    except AtollError as e:  # one line and exit 2, as the atoll CLI does
+        print(f"atoll: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
