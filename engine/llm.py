@@ -54,7 +54,9 @@ class LLM:
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, expert_parallel_size: int | None = None,
-                 dtype: str = "float32", max_num_seqs: int = 32, max_model_len: int | None = None):
+                 dtype: str = "float32", max_num_seqs: int = 32, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None, block_size: int = 16,
+                 kv_cache_gb: float | None = None, num_blocks: int | None = None):
         from atoll.engine.runner import DTYPES
 
         self.model_dir = Path(model)
@@ -73,12 +75,33 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
+        if max_num_seqs < 1 or block_size < 1:
+            raise InputError(f"max_num_seqs={max_num_seqs} and block_size={block_size} must be at least 1")
+        self.max_num_batched_tokens = max_num_batched_tokens or max(2048, self.max_model_len)
+        if self.max_num_batched_tokens < 1:
+            raise InputError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1")
+        self.block_size = block_size
+        self.num_blocks = self._size_cache(kv_cache_gb, num_blocks)
         self.tokenizer = None
         if (self.model_dir / "tokenizer.json").exists():
             from atoll.engine.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer(self.model_dir)
         self.stop_ids = default_stop_ids(self.model_dir, self.config, self.tokenizer)
+
+    def _size_cache(self, kv_cache_gb, num_blocks) -> int:
+        from atoll.engine.blocks import size_pool
+        from atoll.engine.runner import DTYPES
+        from atoll.parallel.pipeline import stage_layers
+
+        cfg, lay = self.config, self.layout
+        layers = max(end - start for start, end in stage_layers(cfg, lay.pp))
+        kv_local = max(1, cfg.num_key_value_heads // lay.tp)
+        itemsize = DTYPES[self.dtype].itemsize
+        per_block = 2 * layers * kv_local * self.block_size * cfg.head_dim * itemsize
+        return size_pool(bytes_per_block=per_block, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                         max_model_len=self.max_model_len, ranks_here=lay.world_size,
+                         kv_cache_gb=kv_cache_gb, num_blocks=num_blocks)
 
     def _prompt_ids(self, prompt, chat: bool) -> list[int]:
         if isinstance(prompt, dict):
@@ -123,7 +146,8 @@ class LLM:
     def spec(self):
         from atoll.engine.runner import RunSpec
 
-        return RunSpec(str(self.model_dir), str(self.layout), self.dtype, self.max_num_seqs, self.max_model_len)
+        return RunSpec(str(self.model_dir), str(self.layout), self.dtype, self.max_num_seqs, self.max_model_len,
+                       self.max_num_batched_tokens, self.block_size, self.num_blocks)
 
     def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
         outs = []

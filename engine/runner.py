@@ -24,6 +24,14 @@ class RunSpec:
     dtype: str = "float32"
     max_num_seqs: int = 32
     max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_blocks: int = 0  # 0: enough for max_num_seqs sequences of max_model_len
+
+    def __post_init__(self):
+        if self.num_blocks == 0:
+            per_seq = -(-self.max_model_len // self.block_size)
+            object.__setattr__(self, "num_blocks", self.max_num_seqs * per_seq)
 
 
 class ModelRunner:
@@ -36,8 +44,8 @@ class ModelRunner:
         load_weights(self.model, self.checkpoint)
         cfg, tp = self.config, ctx.tp.size
         kv_local = max(1, cfg.num_key_value_heads // tp)
-        self.cache = KVCache(self.model.num_local_layers, spec.max_num_seqs, kv_local,
-                             spec.max_model_len, cfg.head_dim, self.dtype)
+        self.cache = KVCache(self.model.num_local_layers, spec.num_blocks, kv_local, spec.block_size,
+                             cfg.head_dim, self.dtype)
         lay = ctx.layout
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp

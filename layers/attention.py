@@ -1,8 +1,9 @@
-"""Attention over a per-sequence KV cache, for flat batches that mix prefill and decode.
+"""Attention over a paged KV cache, for flat batches that mix prefill and decode.
 
 Tokens of all sequences in a step are concatenated: q is [tokens, heads/tp, head_dim].
-The cache holds, per layer, k and v of shape [slots, kv_heads/tp, max_len, head_dim];
-each sequence owns one slot.
+The cache holds, per layer, k and v of shape [blocks, kv_heads/tp, block_size, head_dim];
+a sequence's block table lists the blocks holding its positions 0, bs, 2*bs, ...
+A contiguous cache is the special case of one block of max_len per sequence.
 """
 
 from __future__ import annotations
@@ -15,41 +16,65 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
-    slots: torch.Tensor  # [seqs] cache slot of each sequence
+    block_tables: torch.Tensor  # [seqs, max blocks] block ids, padded with 0
     starts: torch.Tensor  # [seqs] tokens already in the cache before this step
     query_lens: list[int]  # new tokens per sequence, summing to the step's tokens
     positions: torch.Tensor  # [tokens] position of each token
+    block_size: int
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], query_lens: list[int]) -> "AttentionMetadata":
+    def build(cls, block_tables: list[list[int]], starts: list[int], query_lens: list[int],
+              block_size: int) -> "AttentionMetadata":
         positions = [torch.arange(s, s + n) for s, n in zip(starts, query_lens)]
         positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
-        return cls(torch.tensor(slots, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-                   list(query_lens), positions)
+        width = max((len(t) for t in block_tables), default=0)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.long)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return cls(tables, torch.tensor(starts, dtype=torch.long), list(query_lens), positions, block_size)
+
+    @classmethod
+    def contiguous(cls, slots: list[int], starts: list[int], query_lens: list[int], max_len: int):
+        """One block of max_len per sequence: slot i is block i."""
+        return cls.build([[s] for s in slots], starts, query_lens, max_len)
 
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
 
-    def token_slots(self) -> torch.Tensor:
-        return torch.repeat_interleave(self.slots, torch.tensor(self.query_lens, dtype=torch.long))
+    def token_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) in the cache of every token of the step."""
+        seq = torch.repeat_interleave(torch.arange(len(self.query_lens)),
+                                      torch.tensor(self.query_lens, dtype=torch.long))
+        return self.block_tables[seq, self.positions // self.block_size], self.positions % self.block_size
 
 
 class KVCache:
-    """Contiguous per-slot cache for one stage's layers."""
+    """One stage's paged cache: per layer k and v of [blocks, kv_heads, block_size, head_dim]."""
 
-    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype):
-        shape = (slots, kv_heads, max_len, head_dim)
+    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype):
+        shape = (num_blocks, kv_heads, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.max_len = max_len
+        self.block_size = block_size
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
 def write_cache(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
-    """k, v: [tokens, kv_heads, head_dim] stored at each token's slot and position."""
-    slot = meta.token_slots()
-    k_cache[slot, :, meta.positions] = k
-    v_cache[slot, :, meta.positions] = v
+    """k, v: [tokens, kv_heads, head_dim] stored at each token's block and offset."""
+    block, offset = meta.token_blocks()
+    k_cache[block, :, offset] = k
+    v_cache[block, :, offset] = v
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[seqs, blocks] tables -> [seqs, kv_heads, blocks*block_size, head_dim]."""
+    x = cache[tables]  # [seqs, blocks, kv_heads, block_size, head_dim]
+    s, b, h, bs, d = x.shape
+    return x.permute(0, 2, 1, 3, 4).reshape(s, h, b * bs, d)
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int | None = None) -> torch.Tensor:
@@ -60,21 +85,22 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
         return q
     if meta.is_decode:
         ctx = meta.starts + 1  # [seqs]
-        length = int(ctx.max())
-        k = k_cache[meta.slots, :, :length]  # [seqs, kv_heads, length, head_dim]
-        v = v_cache[meta.slots, :, :length]
-        keys = torch.arange(length)
+        blocks = -(-int(ctx.max()) // meta.block_size)
+        k = _gather(k_cache, meta.block_tables[:, :blocks])  # [seqs, kv_heads, length, head_dim]
+        v = _gather(v_cache, meta.block_tables[:, :blocks])
+        keys = torch.arange(k.shape[2])
         mask = keys[None, :] < ctx[:, None]
         if sliding_window:
             mask &= keys[None, :] > (ctx[:, None] - 1 - sliding_window)
         out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :], enable_gqa=gqa)
         return out[:, :, 0]
     outs, offset = [], 0
-    for slot, start, n in zip(meta.slots.tolist(), meta.starts.tolist(), meta.query_lens):
+    for i, (start, n) in enumerate(zip(meta.starts.tolist(), meta.query_lens)):
         length = start + n
+        blocks = -(-length // meta.block_size)
         qs = q[offset:offset + n].transpose(0, 1)[None]  # [1, heads, n, head_dim]
-        k = k_cache[slot, :, :length][None]
-        v = v_cache[slot, :, :length][None]
+        k = _gather(k_cache, meta.block_tables[i:i + 1, :blocks])[:, :, :length]
+        v = _gather(v_cache, meta.block_tables[i:i + 1, :blocks])[:, :, :length]
         pos = torch.arange(start, length)[:, None]
         keys = torch.arange(length)[None, :]
         mask = keys <= pos

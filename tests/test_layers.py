@@ -103,7 +103,7 @@ def test_attention_prefill_then_decode_equals_full_causal():
     # prefill the first 4 tokens, then decode two single tokens
     outs = []
     for start, count in [(0, 4), (4, 1), (5, 1)]:
-        meta = AttentionMetadata.build([0], [start], [count])
+        meta = AttentionMetadata.contiguous([0], [start], [count], 16)
         sl = slice(start, start + count)
         write_cache(kc, vc, k[sl], v[sl], meta)
         outs.append(attend(q[sl], kc, vc, meta))

@@ -1,0 +1,104 @@
+"""The engine on real ranks: paged cache, late arrivals, preemption, a thousand requests."""
+
+import resource
+
+import pytest
+import torch
+from reference import reference_tokens
+
+from atoll import LLM, SamplingParams
+from atoll.engine.generate import run_requests
+from atoll.engine.runner import ModelRunner, RunSpec
+from atoll.engine.worker import generate_worker
+from atoll.launch.local import run_local
+from atoll.layers.attention import AttentionMetadata
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
+
+PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8], [250], [17, 18, 19, 20, 21, 22]]
+NEW = 12
+
+
+def _logits(model_dir, block_size):
+    spec = RunSpec(str(model_dir), "TP1", max_model_len=64, block_size=block_size, max_num_seqs=3)
+    runner = ModelRunner(spec, ParallelContext.single())
+    prompts = [list(p) for p in PROMPTS[:3]]
+    per_seq = -(-64 // block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(3)]
+    if block_size < 64:
+        tables = [t[::-1] for t in tables]  # blocks out of order: reads must follow the table
+    outs = []
+    with torch.inference_mode():
+        meta = AttentionMetadata.build(tables, [0, 0, 0], [len(p) for p in prompts], block_size)
+        logits = runner.model(torch.tensor(sum(prompts, [])), meta, runner.cache)
+        for _ in range(4):
+            outs.append(logits)
+            nxt = logits.argmax(-1)
+            meta = AttentionMetadata.build(tables, [len(p) for p in prompts], [1, 1, 1], block_size)
+            for p, t in zip(prompts, nxt.tolist()):
+                p.append(t)
+            logits = runner.model(nxt, meta, runner.cache)
+    return torch.stack(outs)
+
+
+def test_paged_cache_gives_the_contiguous_logits(tiny_model):
+    d = tiny_model("llama")
+    contiguous = _logits(d, 64)  # one 64-token block per sequence
+    paged = _logits(d, 4)
+    # the padded key lengths differ, so reductions differ in the last bits only
+    torch.testing.assert_close(paged, contiguous, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model_and_reference(tiny_model):
+    d = tiny_model("llama", num_hidden_layers=4)
+    return d, reference_tokens(d, PROMPTS, NEW)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout,num_blocks", [("TP2", None), ("PP2", None), ("TP2PP2", None),
+                                               ("TP2", 6)])  # 6 blocks of 4: forces preemption
+def test_late_arrivals_match_transformers(model_and_reference, layout, num_blocks):
+    model_dir, expected = model_and_reference
+    llm = LLM(model_dir, layout=layout, block_size=4, num_blocks=num_blocks, max_model_len=24,
+              max_num_batched_tokens=8)
+    requests = llm.prepare(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    for r, step in zip(requests, [0, 0, 3, 7, 12]):
+        r.arrival_step = step
+    results = run_local(generate_worker, llm.layout.world_size, llm.spec(), requests, timeout_s=250)[0]
+    assert [r["token_ids"] for r in results] == expected
+    if num_blocks:
+        assert sum(r["metrics"]["preemptions"] for r in results) > 0
+
+
+def _thousand(rank, world, spec, requests):
+    ctx = ParallelContext.create(Layout.parse(spec.layout), rank)
+    runner = ModelRunner(spec, ctx)
+    first = run_requests(runner, requests[:100])
+    rss_100 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rest = run_requests(runner, requests)
+    rss_all = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return first, rest, rss_100, rss_all
+
+
+@pytest.mark.timeout(400)
+def test_thousand_requests_at_tp2(tiny_model):
+    import random
+
+    rng = random.Random(0)
+    llm = LLM(tiny_model("llama"), layout="TP2", max_num_seqs=16, block_size=8, max_model_len=64)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 30))] for _ in range(1000)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True) for _ in prompts]
+    requests = llm.prepare(prompts, params)
+    first, results, rss_100, rss_all = run_local(_thousand, 2, llm.spec(), requests, timeout_s=380)[0]
+    assert len(results) == 1000
+    for p, r in zip(params, results):
+        assert len(r["token_ids"]) == p.max_tokens and r["finish_reason"] == "length"
+    assert [r["token_ids"] for r in results[:100]] == [r["token_ids"] for r in first]
+    # the cache is allocated once: 10x the requests may not grow the peak by more than 10%
+    assert rss_all <= rss_100 * 1.10, (rss_100, rss_all)
+    # admitted in order, so request i waits at most for the waves ahead of it
+    queued = [r["metrics"]["queued_steps"] for r in results]
+    waves = [i // 16 for i in range(1000)]
+    bound = max(waves) * (1 + 10 + 1) + 40  # a wave needs at most its prefill step and 10 tokens
+    assert max(queued) <= bound
