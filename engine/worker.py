@@ -8,13 +8,19 @@ from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext
 
 
-def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Request]):
-    """Build this rank's stage, run every request; rank 0 returns the results, others None."""
+def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Request], progress=None):
+    """Build this rank's stage, run every request; rank 0 returns the results, others None.
+    `progress`, if given, receives (requests done, tokens made) from rank 0 after each step
+    (a multiprocessing queue from the local launcher, or any object with put())."""
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank) if world_size > 1 else ParallelContext.single()
     runner = ModelRunner(spec, ctx)
     mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
-    results = dict(zip((r.index for r in mine), run_requests(runner, mine)))
+    report = None
+    if progress is not None and rank == 0:
+        def report(done, tokens):  # replica 0's counts, scaled to all replicas
+            progress.put((done * layout.dp, tokens * layout.dp))
+    results = dict(zip((r.index for r in mine), run_requests(runner, mine, report)))
     if layout.dp > 1:
         import torch.distributed as dist
 

@@ -16,6 +16,10 @@ def add_model_options(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens computed per step")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per rank (default: from free memory)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks per rank (instead of --kv-cache-gb)")
 
 
 def add_sampling_options(p) -> None:
@@ -37,6 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--launcher", default="auto", choices=["auto", "local", "torchrun", "ray", "mpi"],
                    help="auto: torchrun or mpirun if launched by one, else local processes")
     p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start Ray here)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(run=run)
@@ -55,11 +60,14 @@ def make_llm(args, model_dir):
     return LLM(model_dir, layout=args.layout, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
                expert_parallel_size=args.expert_parallel_size, dtype=args.dtype,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+               kv_cache_gb=args.kv_cache_gb, num_blocks=args.num_blocks)
 
 
 def run(args) -> int:
     from atoll.engine.worker import generate_worker
+    from atoll.errors import RankFailure
     from atoll.launch.launchers import detect, launch
     from atoll.launch.requests import read_jsonl, write_jsonl
 
@@ -74,8 +82,17 @@ def run(args) -> int:
     if launcher in ("local", "ray"):
         print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} ranks, {launcher})",
               file=sys.stderr)
-    reports, results = launch(generate_worker, llm.layout.world_size, llm.spec(), requests,
-                              launcher=launcher, ray_address=args.ray_address)
+    bar, progress = _progress(launcher, len(requests), enabled=not args.no_progress)
+    try:
+        reports, results = launch(generate_worker, llm.layout.world_size, llm.spec(), requests,
+                                  launcher=launcher, ray_address=args.ray_address, progress=progress)
+    except RankFailure as e:
+        # nothing is lost silently: every request is listed, failed, with the cause
+        write_jsonl([{"id": _rid(p, i), "error": str(e)} for i, p in enumerate(prompts)] + failures, args.output)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
     if not reports:
         return 0
     elapsed = time.perf_counter() - start
@@ -85,3 +102,28 @@ def run(args) -> int:
     print(f"atoll: {len(outputs)} done, {len(failures)} failed, {tokens} tokens in {elapsed:.1f}s "
           f"({tokens / elapsed:.1f} tok/s)", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _rid(prompt, index):
+    return prompt.get("id", index) if isinstance(prompt, dict) else index
+
+
+def _progress(launcher: str, total: int, *, enabled: bool):
+    """(bar, what the workers get): a queue for local ranks, the bar itself for rank 0 of
+    torchrun/mpirun, nothing for Ray (its actors cannot reach the driver's queue)."""
+    import os
+
+    from atoll.launch.progress import ProgressBar
+
+    if not enabled or launcher == "ray":
+        return None, None
+    if launcher == "local":
+        import multiprocessing as mp
+
+        channel = mp.get_context("spawn").Queue()
+        bar = ProgressBar(total, channel=channel)
+        return bar, channel
+    if os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) != "0":
+        return None, None
+    bar = ProgressBar(total)
+    return bar, bar

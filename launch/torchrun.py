@@ -11,7 +11,7 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_torchrun(fn, world_size: int, *args):
+def run_torchrun(fn, world_size: int, *args, **kwargs):
     """Join the process group torchrun prepared and run fn(rank, world_size, *args) here."""
     import torch
     import torch.distributed as dist
@@ -23,7 +23,7 @@ def run_torchrun(fn, world_size: int, *args):
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
     try:
-        return rank, fn(rank, world, *args)
+        return rank, fn(rank, world, *args, **kwargs)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

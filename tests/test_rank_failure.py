@@ -54,5 +54,8 @@ def test_killing_a_rank_ends_the_job(tiny_model, tmp_path):
     assert took < 15, f"the job took {took:.1f}s to end after the kill"
     assert "failed: killed by SIGKILL" in err and "rank " in err, err
     assert "Traceback" not in err
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(16))  # every request listed, as failed
+    assert all("killed by SIGKILL" in r["error"] for r in rows)
     for pid in workers:  # no rank left behind
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
