@@ -11,7 +11,7 @@
 #   2. atoll bench kernels: each kernel vs its reference vs the HBM/compute floor, decode and prefill
 #   3. a config sweep for fused_moe at two decode sizes, to check the table in kernels/configs.py
 #   4. MARKED: single-GPU `atoll bench` of a random-weight MoE model with kernels off and on;
-#      runs only once `atoll bench --help` shows the model bench (its --model option)
+#      runs only when `atoll bench --help` shows the model bench (its --model, --output-len)
 # Without a GPU, step 2 prints its one line (needs a GPU) and then runs --smoke; 3 is skipped.
 # Exit status: the number of failed steps (0: all passed).
 set -uo pipefail
@@ -54,11 +54,11 @@ log "$(python -c "import sys, torch; import importlib.metadata as m; print('pyth
 [ "$MODE" = gpu ] && log "$(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader 2>&1)"
 
 # 1. kernel tests: on the GPU the kernels compile; without one they run in the interpreter
-step "kernel tests" 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_model.py
+step "kernel tests" 210 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_model.py
 
 # 2. the kernel bench
 if [ "$MODE" = gpu ]; then
-  step "bench kernels" 180 "${BENCH[@]}" --rep-ms 40
+  step "bench kernels" 160 "${BENCH[@]}" --rep-ms 40
 else
   step "bench kernels (no GPU: one line)" 60 "${BENCH[@]}"
   step "bench kernels --smoke (interpreter; times mean nothing)" 120 "${BENCH[@]}" --smoke
@@ -66,21 +66,33 @@ fi
 
 # 3. does the config table hold up? time the candidate tiles at two decode sizes
 if [ "$MODE" = gpu ]; then
-  step "config sweep" 60 "${BENCH[@]}" --models deepseek-v3 --rows-per-expert 1,16 --prefill-tokens 0 --sweep --rep-ms 20
+  step "config sweep" 50 "${BENCH[@]}" --models deepseek-v3 --rows-per-expert 1,16 --prefill-tokens 0 --sweep --rep-ms 20
 fi
 
 # 4. ---- MARKED STEP: the model bench with kernels off and on -------------------------------
-# Needs the single-GPU model bench (plain `atoll bench`, an MoE model with random weights). It
-# runs only when `atoll bench --help` shows its --model option; adjust MODEL_BENCH_ARGS to the
-# options that bench has once it exists.
-MODEL_BENCH_ARGS=${MODEL_BENCH_ARGS:---model Mixtral-8x7B-v0.1 --random-weights --layers 2}
-if [ "$MODE" = gpu ] && atoll bench --help 2>/dev/null | grep -q -- "--model"; then
+# Plain `atoll bench` (launch/bench_model.py) on a random-weight MoE checkpoint built here
+# (Qwen3-MoE shaped, 4 layers, 32 experts, top-4), once with ATOLL_KERNELS=torch and once with
+# the kernels (auto). Runs only when `atoll bench --help` shows that bench's --model and
+# --output-len; edit MODEL_BENCH_ARGS if its options change.
+MOE_DIR=${TMPDIR:-/tmp}/atoll-gpu-check-moe
+MODEL_BENCH_ARGS=${MODEL_BENCH_ARGS:---batch 16 --input-len 128 --output-len 32 --rounds 2}
+if [ "$MODE" = gpu ] && atoll bench --help 2>/dev/null | grep -q -- "--output-len"; then
+  step "build a random-weight MoE checkpoint" 40 python -c "
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+cfg = AutoConfig.for_model('qwen3_moe', vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+    moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+    head_dim=64, num_experts=32, num_experts_per_tok=4, decoder_sparse_step=1, norm_topk_prob=True,
+    max_position_embeddings=1024, tie_word_embeddings=False)
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[1])
+print('saved', sys.argv[1])" "$MOE_DIR"
   for kernels in torch auto; do
-    ATOLL_KERNELS=$kernels step "model bench, ATOLL_KERNELS=$kernels" 45 atoll bench $MODEL_BENCH_ARGS
+    ATOLL_KERNELS=$kernels step "model bench, ATOLL_KERNELS=$kernels" 70 atoll bench --model "$MOE_DIR" $MODEL_BENCH_ARGS
   done
 else
   log ""
-  log "=== model bench: SKIPPED ($([ "$MODE" = gpu ] && echo "atoll bench has no --model yet" || echo "needs a GPU"))"
+  log "=== model bench: SKIPPED ($([ "$MODE" = gpu ] && echo "atoll bench has no model bench yet" || echo "needs a GPU"))"
 fi
 
 log ""
