@@ -9,6 +9,10 @@ exchange, the permutations, metadata and the weighted sum. CPU seconds of all ra
 reported per side too: with more ranks than free cores, wall time also measures the scheduler,
 CPU time only the work.
 
+Each rank asks glibc to keep freed memory (mallopt), as PyTorch's caching allocator does on GPU:
+with glibc's defaults a freed 16 MiB buffer often goes back to the OS and the next one costs
+~4000 page faults, more than the copy into it. --return-memory keeps glibc's defaults.
+
 Bytes are summed over ranks for one dispatch + combine, per link class (islands are simulated
 here: --islands N splits the ep ranks into N contiguous sets), against the minimum any
 dispatcher needs (routing.min_rows, both directions).
@@ -41,6 +45,8 @@ def add_parser(sub) -> None:
     p.add_argument("--iters", type=int, default=30, help="timed iterations (default 30)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    p.add_argument("--return-memory", action="store_true",
+                   help="leave glibc's malloc defaults (freed buffers go back to the OS)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run)
 
@@ -63,7 +69,7 @@ def check(args) -> dict:
     if args.capacity_factor is not None and not args.capacity_factor > 0:
         raise ConfigError(f"--capacity-factor {args.capacity_factor} must be positive")
     keys = ("tokens", "hidden", "experts", "topk", "ep", "hierarchical", "islands", "arrival_order",
-            "capacity_factor", "iters", "warmup", "seed")
+            "capacity_factor", "iters", "warmup", "seed", "return_memory")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -87,7 +93,22 @@ def island_sets(ep: int, n: int) -> list[list[int]]:
     return [list(range(s, s + m)) for s, m in zip(expert_starts(sizes), sizes)]
 
 
+def keep_freed_memory() -> bool:
+    """glibc: serve buffers up to 32 MiB from the heap and never trim it. False elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
+                    and libc.mallopt(m_top_pad, 64 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
 def _rank(rank: int, world: int, cfg: dict) -> dict:
+    kept_memory = not cfg["return_memory"] and keep_freed_memory()
     import torch
     import torch.distributed as dist
 
@@ -163,7 +184,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     disp_c, bare_c = (statistics.median(cpu_all[:, j].tolist()) for j in (0, 1))
     link = {c: {"sent": int(totals[i, 0]), "rows": int(totals[i, 1]), "min": int(2 * totals[i, 2] * hb)}
             for i, c in enumerate(("intra", "cross"))}
-    out = {"config": cfg | {"islands": islands, "dtype": str(x.dtype).removeprefix("torch.")},
+    out = {"config": cfg | {"islands": islands, "dtype": str(x.dtype).removeprefix("torch."),
+                            "malloc_keeps_memory": kept_memory},
            "dispatch_combine_ms": round(disp_s * 1e3, 3), "all_to_all_ms": round(bare_s * 1e3, 3),
            "ratio": round(disp_s / bare_s, 4), "bytes": link,
            "cpu_ms": {"dispatch_combine": round(disp_c * 1e3, 3), "all_to_all": round(bare_c * 1e3, 3),

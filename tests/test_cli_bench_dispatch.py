@@ -44,7 +44,6 @@ def test_json_hierarchical_reaches_the_cross_island_minimum(capsys):
 
 
 @pytest.mark.parametrize("argv,line", [
-    ([], "name a benchmark"),
     (["dispatch", "--topk", "5", "--experts", "4"], "--topk 5 is larger than --experts 4"),
     (["dispatch", "--ep", "1"], "--ep 1: the bench needs at least 2 ranks"),
     (["dispatch", "--ep", "4", "--islands", "5"], "--islands 5 must be between 1 and --ep 4"),
