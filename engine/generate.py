@@ -23,10 +23,14 @@ class Request:
     arrival_step: int = 0  # the step at which it joins (tests use it to model late arrivals)
 
 
-def finish_reason(seq: Sequence, max_len: int) -> str | None:
+def finish_reason(seq: Sequence, max_len: int, decode=None) -> str | None:
     p = seq.request.params
     if seq.output[-1] in p.stop_token_ids:
         return "stop"
+    if p.stop and decode is not None:  # every rank decodes the same tokens, so all agree
+        text = decode(seq.output[-64:])  # a stop string ends within the last few tokens
+        if any(stop in text for stop in p.stop):
+            return "stop"
     if len(seq.output) >= p.max_tokens or len(seq.tokens) >= max_len:
         return "length"
     return None
@@ -41,6 +45,7 @@ def run_requests(runner, requests: list[Request], progress=None) -> list[dict]:
     arrivals = sorted(requests, key=lambda r: (r.arrival_step, r.index))
     results: dict[int, dict] = {}
     step, produced, started = 0, 0, {}
+    decode = _decoder(spec.model_dir) if any(r.params.stop for r in requests) else None
     while runner.any_work(bool(arrivals or sched.has_work())):
         while arrivals and arrivals[0].arrival_step <= step:
             req = arrivals.pop(0)
@@ -62,7 +67,7 @@ def run_requests(runner, requests: list[Request], progress=None) -> list[dict]:
             produced += 1
             if len(seq.output) == 1:
                 seq.first_token_at = now
-            reason = finish_reason(seq, spec.max_model_len)
+            reason = finish_reason(seq, spec.max_model_len, decode)
             if reason is not None:
                 sched.finish(seq)
                 results[seq.request.index] = _result(seq, reason, started[seq.request.index], now, step)
@@ -70,6 +75,12 @@ def run_requests(runner, requests: list[Request], progress=None) -> list[dict]:
         if progress is not None:
             progress(len(results), produced)
     return [results[r.index] for r in requests]
+
+
+def _decoder(model_dir: str):
+    from atoll.engine.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir).decode
 
 
 def _result(seq: Sequence, reason: str, started: float, now: float, step: int) -> dict:

@@ -28,6 +28,8 @@ def add_sampling_options(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a request when its text contains TEXT (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
 
 
@@ -51,7 +53,7 @@ def sampling_params(args):
     from atoll.engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
 
 
 def make_llm(args, model_dir):

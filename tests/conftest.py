@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# On a machine without CUDA any triton import must be the interpreter, so tests can force
+# the kernel path; triton fixes this at its first import (transformers may import it).
+if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # --- tiny random models (transformers configs, seeded weights, safetensors in float32) ---
 
