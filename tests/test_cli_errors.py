@@ -69,3 +69,27 @@ def test_corrupt_safetensors_header(capsys, tiny_model, tmp_path):
 
 def test_missing_model_dir(capsys, tmp_path):
     _fails(capsys, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"], "no config.json")
+
+
+def test_ep_not_dividing_the_stage(capsys, tiny_model):
+    _fails(capsys, ["generate", "--model", str(tiny_model("mixtral")), "--prompt", "x", "-tp", "2", "-ep", "4"],
+           "ep=4 does not divide the stage's tp*dp=2 ranks")
+
+
+def test_moe_tp_inconsistent(capsys, tiny_model):
+    _fails(capsys, ["generate", "--model", str(tiny_model("mixtral")), "--prompt", "x", "--layout", "TP4EP2MOETP4"],
+           "ep*moe_tp=2*4=8 must equal tp*dp=4*1=4")
+
+
+def test_ep_on_a_dense_model(capsys, tiny_model):
+    _fails(capsys, ["generate", "--model", str(tiny_model("llama")), "--prompt", "x", "--layout", "EP2"],
+           "uses expert parallelism but llama is a dense model")
+
+
+def test_top_k_larger_than_experts(capsys, tiny_model, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model("mixtral"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_experts_per_tok"] = cfg["num_local_experts"] + 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    _fails(capsys, ["generate", "--model", str(d), "--prompt", "x"], "must be between 1 and num_experts=4")
