@@ -73,8 +73,9 @@ def kept_pairs(ids_by_rank, E, cf):
 
 
 def _check_cases(rank, world, g):
-    """Run every case on this rank; returns (failures, pairs dropped, cases checked)."""
-    failures, n_dropped, n_checked = [], 0, 0
+    """Run every case on this rank; returns (failures, (pairs dropped, experts that received
+    nothing), cases checked)."""
+    failures, n_dropped, n_checked = [], [0, 0], 0
     for ci, case in enumerate(CASES[world]):
         E, k, tokens = case["E"], case["k"], case["tokens"]
         skew = case.get("skew", False)
@@ -89,8 +90,9 @@ def _check_cases(rank, world, g):
                 what = (f"rank {rank} case {ci} {case} capacity={cf} hierarchical={hier} "
                         f"islands={islands} grouped={grouped}")
                 try:
-                    n_dropped += _check_one(rank, world, g, every, kept, E, k, tokens, cf, hier, islands,
-                                            grouped)
+                    d = _check_one(rank, world, g, every, kept, E, k, tokens, cf, hier, islands, grouped)
+                    n_dropped[0] += d.dropped
+                    n_dropped[1] += d.expert_counts.count(0)
                 except AssertionError as e:
                     failures.append(f"{what}: {e}")
                 n_checked += 1
@@ -125,7 +127,7 @@ def _check_one(rank, world, g, every, kept, E, k, tokens, cf, hier, islands, gro
     assert y.shape == x.shape
     torch.testing.assert_close(y, x * (w * keep).sum(1, keepdim=True), rtol=1e-6, atol=1e-4)
     assert d.dropped == int((~keep).sum()), f"dropped {d.dropped}"
-    return d.dropped
+    return d
 
 
 EXPERT_RUNS = {2: [(None, False, True), (0.5, True, True), (None, False, False)],
@@ -190,7 +192,8 @@ def test_invariant_and_senders(ep):
     failures = [f for fails, _, _ in out for f in fails]
     assert not failures, "\n".join(failures[:10])
     assert out[0][2] == len(CASES[ep]) * len(CAPACITY) * (3 + len(ISLANDS[ep]))
-    assert sum(n for _, n, _ in out) > 0  # the capacity cases really dropped pairs
+    assert sum(n[0] for _, n, _ in out) > 0  # the capacity cases really dropped pairs
+    assert sum(n[1] for _, n, _ in out) > 0  # and some experts received no rows
 
 
 @pytest.mark.timeout(120)
