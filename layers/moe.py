@@ -52,13 +52,11 @@ class Experts(nn.Module):
         start = self.group.rank * self.inter_local
         copy_into(param.data[e - self.local.start], src[:, start:start + self.inter_local])
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows: [n_recv, hidden] grouped by local expert, counts[i] rows for expert i ->
+    def forward(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """rows: [n_recv, hidden] in any order, local_ids: [n_recv] each row's local expert ->
         [n_recv, hidden]; the routing weights are applied later, by combine."""
-        ids = torch.repeat_interleave(torch.arange(len(self.local), device=rows.device) + self.local.start,
-                                      torch.tensor(counts, device=rows.device))
         ones = torch.ones(len(rows), 1, device=rows.device)
-        return fused_moe(rows, self.w13, self.w2, ids[:, None], ones, expert_offset=self.local.start)
+        return fused_moe(rows, self.w13, self.w2, local_ids[:, None], ones)
 
 
 class SparseMoE(nn.Module):
@@ -75,7 +73,8 @@ class SparseMoE(nn.Module):
             setattr(self, self.shared_name, shared)  # named as in the checkpoint
         self.shared_expert_gate = shared_gate
         self.gate = router
-        self.dispatcher = Dispatcher(ctx.ep, router.num_experts, islands=islands,
+        # arrival order: the experts take each row's expert id, so rows need no sort by expert
+        self.dispatcher = Dispatcher(ctx.ep, router.num_experts, islands=islands, grouped=False,
                                      hierarchical=hierarchical, capacity_factor=capacity_factor)
         self.experts = Experts(self.dispatcher.local_experts, hidden, inter, ctx.moe_tp, dtype=dtype)
         self.direct = ctx.layout.tp == ctx.layout.moe_tp
@@ -102,7 +101,7 @@ class SparseMoE(nn.Module):
             xs = stage_x[start:start + chunks[ctx.ep.rank]]  # this ep rank's share
         ids, weights = self.gate(xs)
         d = self.dispatcher.dispatch(xs, ids, weights)
-        y = self.dispatcher.combine(self.experts(d.rows, d.expert_counts), d)
+        y = self.dispatcher.combine(self.experts(d.rows, d.row_experts()), d)
         y = ctx.moe_tp.all_reduce(y)  # sum the moe_tp partials
         if self.direct:
             return y
