@@ -22,3 +22,18 @@ def reference_tokens(model_dir, prompts, new_tokens):
                 tokens.append(int(res.logits[0, -1].argmax()))
             out.append(tokens)
     return out
+
+
+def reference_cache(tiny_model, families: dict, prompts, new_tokens):
+    """name -> (model dir, reference tokens), each built once: families maps a name to
+    (tiny model kind, config overrides)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            kind, overrides = families[name]
+            d = tiny_model(kind, **overrides)
+            cache[name] = (d, reference_tokens(d, prompts, new_tokens))
+        return cache[name]
+
+    return get

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from reference import reference_tokens
+from reference import reference_cache, reference_tokens
 
 from atoll import LLM, SamplingParams
 
@@ -24,16 +24,7 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def references(tiny_model):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            kind, overrides = FAMILIES[name]
-            d = tiny_model(kind, **overrides)
-            cache[name] = (d, reference_tokens(d, PROMPTS, NEW))
-        return cache[name]
-
-    return get
+    return reference_cache(tiny_model, FAMILIES, PROMPTS, NEW)
 
 
 @pytest.mark.timeout(300)
