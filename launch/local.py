@@ -18,6 +18,7 @@ import traceback
 from atoll.errors import LaunchError, RankFailure
 
 _POLL_S = 0.1
+_HOST = socket.gethostname()  # every local rank runs on this node
 
 
 def free_port() -> int:
@@ -104,7 +105,8 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
                 msg = None
             if msg is not None:
                 if msg[0] == "error":
-                    raise RankFailure(msg[1], msg[2]) from _RemoteTraceback(msg[3])
+                    _raise_dead(procs, exclude=msg[1])  # a killed peer is the cause, not the symptom
+                    raise RankFailure(msg[1], msg[2], node=_HOST) from _RemoteTraceback(msg[3])
                 values[msg[1]] = pickle.loads(msg[2])
                 continue
             now = time.monotonic()
@@ -113,10 +115,10 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
                     continue
                 if p.exitcode != 0:
                     _raise_reported(results)  # its own report, if it managed to send one
-                    raise RankFailure(rank, _describe_exit(p.exitcode))
+                    raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
                 # exited cleanly: its result may still be in the pipe; allow a moment
                 if now - exited_at.setdefault(rank, now) > 5.0:
-                    raise RankFailure(rank, "exited without a result")
+                    raise RankFailure(rank, "exited without a result", node=_HOST)
             if deadline is not None and now > deadline:
                 missing = [r for r in range(world_size) if r not in values]
                 raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
@@ -125,12 +127,25 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
     return [values[r] for r in range(world_size)]
 
 
+def _raise_dead(procs, exclude: int, grace_s: float = 2.0) -> None:
+    """When a rank reports an error, wait briefly for a peer that died without a word (its
+    neighbours' errors, such as a reset connection, follow from that death)."""
+    end = time.monotonic() + grace_s
+    while True:
+        for rank, p in enumerate(procs):
+            if rank != exclude and p.exitcode is not None and p.exitcode < 0:
+                raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
+        if time.monotonic() > end:
+            return
+        time.sleep(_POLL_S)
+
+
 def _raise_reported(results) -> None:
     try:
         while True:
             msg = results.get(timeout=0.5)
             if msg[0] == "error":
-                raise RankFailure(msg[1], msg[2]) from _RemoteTraceback(msg[3])
+                raise RankFailure(msg[1], msg[2], node=_HOST) from _RemoteTraceback(msg[3])
     except queue.Empty:
         return
 
