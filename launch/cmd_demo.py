@@ -29,7 +29,7 @@ def run(args) -> int:
 
     console = Console(stderr=True)
     model_dir = demo_model_dir()
-    llm = LLM(model_dir, layout=args.layout)
+    llm = LLM(model_dir, layout=args.layout, max_model_len=1024, max_num_seqs=8)  # a small cache suffices
     console.print(f"[bold]atoll demo[/]: SmolLM2-135M-Instruct at {llm.layout} "
                   f"({llm.layout.world_size} local ranks, gloo on 127.0.0.1)")
     start = time.perf_counter()
