@@ -2,8 +2,8 @@
 
 Each benchmark is a module in BENCHES with `add_parser(subparsers)` that adds its own parser and
 `set_defaults(run=...)`; `atoll bench NAME --help` lists its options. Plain `atoll bench` (no
-name) is kept for the model throughput bench: give the `bench` parser its options and replace
-`run` below when that exists.
+name) is the model bench (launch/bench_model.py, also `atoll bench model`): its options are the
+`bench` parser's own, so `atoll bench --batch 1` works.
 """
 
 from __future__ import annotations
@@ -11,26 +11,25 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from atoll.errors import InputError
+from atoll.launch import bench_model
 
 # benchmark name -> module (imports heavy packages lazily inside its run())
 BENCHES = {
+    "model": "atoll.launch.bench_model",
     "dispatch": "atoll.launch.bench_dispatch",
+    "kernels": "atoll.kernels.bench",
 }
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks (atoll bench dispatch ...)",
+        "bench", help="benchmarks (atoll bench [model options] | atoll bench dispatch ...)",
         description="Benchmarks that time atoll against a baseline in the same run and print "
-                    "the ratio. Name one: " + ", ".join(BENCHES) + ".",
+                    "the ratio. With no name: the model bench (atoll vs transformers, decode vs "
+                    "bandwidth floor). Named: " + ", ".join(BENCHES) + ".",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.set_defaults(run=run)
-    benches = p.add_subparsers(dest="bench", metavar="BENCH")
+    bench_model.add_arguments(p)
+    p.set_defaults(run=bench_model.run)
+    benches = p.add_subparsers(dest="bench", metavar="[BENCH]", required=False)
     for module in BENCHES.values():
         importlib.import_module(module).add_parser(benches)
-
-
-def run(args) -> int:
-    """`atoll bench` with no benchmark named."""
-    raise InputError("name a benchmark: atoll bench {" + ",".join(BENCHES) + "} ...")

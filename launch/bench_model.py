@@ -1,0 +1,281 @@
+"""atoll bench: atoll's generate loop against transformers' `generate` on the same model, and
+atoll's decode step against the memory-bandwidth floor of this machine, in one run.
+
+A fixed batch of equal-length random-token prompts (no padding) generates exactly
+--output-len tokens per sequence on both sides: atoll with ignore_eos, transformers greedy
+with min_new_tokens = max_new_tokens, both float32. The ranks are spawned once; inside them
+the runner and the transformers model are built, then every round times atoll's
+`run_requests`, transformers' `generate` (on rank 0, the other ranks wait at a barrier) and a
+large tensor copy, alternating which side goes first. Warm-up rounds are untimed. Figures are
+medians over the timed rounds; the ratio's range over rounds is shown as its spread.
+
+vs transformers = atoll tokens/s / transformers tokens/s, tokens/s = batch x output-len /
+end-to-end time (prefill + decode). Threads: each atoll rank gets --threads (default: cores
+/ ranks), transformers and the copy get --threads x ranks, so both sides use the same count.
+
+of bandwidth floor = floor / atoll's decode step, floor = weight bytes a decode step reads /
+copy bandwidth. Weight bytes: every parameter of every rank except the embedding table, of
+which only the batch's rows are read (the LM head is counted, tied or not); the KV cache is
+not counted. Copy bandwidth: `dst.copy_(src)` of --copy-mib MiB, counting read + write
+(2 x the tensor's bytes per copy, as STREAM's Copy does). A read-only bandwidth (summing
+both tensors, which together outsize the last-level cache) is reported beside it, with the
+fraction it gives, since weights are only read. A decode step is the time between
+a sequence's first and last token over the tokens in between (TPOT), loop overhead included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+from atoll.errors import ConfigError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, SmolLM2-135M)")
+    p.add_argument("--layout", default="TP1", help="atoll layout (default TP1)")
+    p.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per sequence (default 64)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per atoll rank (default cores / ranks)")
+    p.add_argument("--copy-mib", type=int, default=256, help="tensor copied to measure bandwidth (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("model", help="atoll vs transformers generate, decode vs bandwidth floor (the default)",
+                       description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def check(args) -> dict:
+    """The options as a plain dict for the ranks; one clear line for each bad one."""
+    for name in ("batch", "input_len", "rounds", "copy_mib"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
+    if args.output_len < 2:
+        raise ConfigError(f"--output-len {args.output_len}: a decode step needs at least 2 output tokens")
+    if args.warmup < 0 or (args.threads is not None and args.threads < 1):
+        raise ConfigError("--warmup must be >= 0 and --threads >= 1")
+    return {k: getattr(args, k) for k in ("batch", "input_len", "output_len", "rounds", "warmup",
+                                           "copy_mib", "seed")}
+
+
+def run(args) -> int:
+    import torch
+
+    from atoll.engine.llm import LLM
+    from atoll.engine.sampling import SamplingParams
+    from atoll.launch.local import run_local
+
+    cfg = check(args)
+    if args.model is None:
+        from atoll.models.gguf import demo_model_dir
+
+        args.model = str(demo_model_dir(progress=not args.json))
+    B, L, N = cfg["batch"], cfg["input_len"], cfg["output_len"]
+    llm = LLM(args.model, layout=args.layout, max_num_seqs=B, max_model_len=L + N)
+    if llm.max_model_len < L + N:
+        raise ConfigError(f"--input-len + --output-len = {L + N} exceeds the model's context "
+                          f"{llm.config.max_position_embeddings}")
+    if llm.layout.dp > 1:
+        raise ConfigError(f"layout {llm.layout}: the model bench runs layouts without dp")
+    world = llm.layout.world_size
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    prompts = torch.randint(0, llm.config.vocab_size, (B, L), generator=gen).tolist()
+    requests = llm.prepare(prompts, SamplingParams(max_tokens=N, ignore_eos=True))
+    cfg |= {"model": str(args.model), "layout": str(llm.layout), "dtype": llm.dtype,
+            "threads": {"atoll_per_rank": threads, "ranks": world, "transformers": threads * world}}
+    load = os.getloadavg()[0]
+    result = run_local(_rank, world, cfg, llm.spec(), requests, threads=threads, timeout_s=3600)[0]
+    result["load_avg_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        render(result)
+    return 0
+
+
+def decode_weight_bytes(model, batch: int) -> int:
+    """Parameter bytes one decode step of `batch` sequences reads on this rank."""
+    from atoll.layers.embedding import VocabParallelEmbedding
+
+    embed = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
+    total = 0
+    for p in model.parameters():
+        if id(p) in embed:
+            total += min(batch, p.shape[0]) * p[0].numel() * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _time_atoll(runner, requests) -> dict:
+    from atoll.engine.generate import run_requests
+
+    t0 = time.perf_counter()
+    results = run_requests(runner, requests)
+    total = time.perf_counter() - t0
+    return {"total_s": total, "tokens": [len(r["token_ids"]) for r in results],
+            "prefill_s": statistics.median(r["metrics"]["ttft_s"] for r in results),
+            "decode_step_s": statistics.median(r["metrics"]["tpot_s"] for r in results),
+            "token_ids": [r["token_ids"] for r in results]}
+
+
+def _time_transformers(model, input_ids, n: int) -> dict:
+    import torch
+    from transformers import LogitsProcessorList
+
+    stamps = []
+
+    def stamp(ids, scores):  # called once per generated token, after its forward
+        stamps.append(time.perf_counter())
+        return scores
+
+    eos = model.generation_config.eos_token_id
+    pad = eos[0] if isinstance(eos, list) else eos
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n, pad_token_id=pad,
+                             logits_processor=LogitsProcessorList([stamp]))
+    end = time.perf_counter()
+    new = out[:, input_ids.shape[1]:]
+    return {"total_s": end - t0, "tokens": [int(new.shape[1])] * len(new),
+            "prefill_s": stamps[0] - t0, "decode_step_s": (end - stamps[0]) / (n - 1),
+            "token_ids": new.tolist()}
+
+
+def _time_memory(src, dst, times: int = 3) -> tuple[float, float]:
+    """Median seconds of dst.copy_(src), and of reading both (src.sum(), dst.sum())."""
+    dst.copy_(src)
+    copy, read = [], []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t1 = time.perf_counter()
+        src.sum(), dst.sum()
+        copy.append(t1 - t0)
+        read.append(time.perf_counter() - t1)
+    return statistics.median(copy), statistics.median(read)
+
+
+def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
+    import torch
+
+    from atoll.engine.runner import DTYPES, ModelRunner
+    from atoll.parallel.layout import Layout
+    from atoll.parallel.mesh import ParallelContext
+
+    ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
+    runner = ModelRunner(spec, ctx)
+    weight_bytes = ctx.world.all_reduce(
+        torch.tensor([decode_weight_bytes(runner.model, cfg["batch"])], dtype=torch.float64))
+    own_threads, all_threads = torch.get_num_threads(), cfg["threads"]["transformers"]
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+        hf = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=DTYPES[spec.dtype]).eval()
+        input_ids = torch.tensor([r.prompt_token_ids for r in requests])
+        src = torch.ones(cfg["copy_mib"] * 2**20 // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+
+    def baseline():  # rank 0 alone, with every thread of the job; the others wait
+        if rank == 0:
+            torch.set_num_threads(all_threads)
+            res = _time_transformers(hf, input_ids, cfg["output_len"]), *_time_memory(src, dst)
+            torch.set_num_threads(own_threads)
+        ctx.world.barrier()
+        return res if rank == 0 else None
+
+    rounds = []
+    for i in range(cfg["warmup"] + cfg["rounds"]):
+        ctx.world.barrier()
+        if i % 2:
+            base = baseline()
+            mine = _time_atoll(runner, requests)
+        else:
+            mine = _time_atoll(runner, requests)
+            base = baseline()
+        if i >= cfg["warmup"]:
+            rounds.append((mine, *base) if rank == 0 else None)
+    return summarize(cfg, rounds, float(weight_bytes)) if rank == 0 else None
+
+
+def sig(x: float, digits: int = 5) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def summarize(cfg: dict, rounds: list, weight_bytes: float) -> dict:
+    med = statistics.median
+
+    def side(k: int) -> dict:
+        runs = [r[k] for r in rounds]
+        total, tokens = med(r["total_s"] for r in runs), sum(runs[0]["tokens"])
+        return {"total_s": sig(total), "output_tokens": tokens,
+                "tokens_per_s": sig(tokens / total),
+                "prefill_s": sig(med(r["prefill_s"] for r in runs)),
+                "decode_step_s": sig(med(r["decode_step_s"] for r in runs))}
+
+    atoll, hf = side(0), side(1)
+    ratios = [r[1]["total_s"] / r[0]["total_s"] for r in rounds]
+    two = 2 * cfg["copy_mib"] * 2**20
+    bandwidth = two / med(r[2] for r in rounds)  # copy: read + write bytes per second
+    read_bandwidth = two / med(r[3] for r in rounds)  # reading both tensors
+    floor = weight_bytes / bandwidth
+    last = rounds[-1]
+    same = sum(a == b for a, b in zip(last[0]["token_ids"], last[1]["token_ids"]))
+    return {"config": cfg, "atoll": atoll, "transformers": hf,
+            "vs_transformers": sig(atoll["tokens_per_s"] / hf["tokens_per_s"]),
+            "vs_transformers_range": [sig(min(ratios)), sig(max(ratios))],
+            "decode_weight_bytes": int(weight_bytes), "copy_bandwidth_gb_s": sig(bandwidth / 1e9),
+            "floor_step_s": sig(floor),
+            "of_bandwidth_floor": sig(floor / atoll["decode_step_s"]),
+            "transformers_of_bandwidth_floor": sig(floor / hf["decode_step_s"]),
+            "read_bandwidth_gb_s": sig(read_bandwidth / 1e9),
+            "of_read_bandwidth_floor": sig(weight_bytes / read_bandwidth / atoll["decode_step_s"]),
+            "same_greedy_sequences": same}
+
+
+def render(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c, a, h = r["config"], r["atoll"], r["transformers"]
+    th = c["threads"]
+    title = (f"{os.path.basename(c['model'].rstrip('/'))} {c['layout']} {c['dtype']}: batch {c['batch']}, "
+             f"{c['input_len']} in, {c['output_len']} out; median of {c['rounds']} rounds")
+    t = Table(title=title)
+    for col in ("measure", "atoll", "transformers"):
+        t.add_column(col, justify="left" if col == "measure" else "right")
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    t.add_row("threads", f"{th['ranks']} x {th['atoll_per_rank']}", str(th["transformers"]))
+    t.add_row("end to end (prefill + decode)", ms(a["total_s"]), ms(h["total_s"]))
+    t.add_row("output tokens", str(a["output_tokens"]), str(h["output_tokens"]))
+    t.add_row("tokens/s", f"{a['tokens_per_s']:.1f}", f"{h['tokens_per_s']:.1f}")
+    t.add_row("prefill (time to first token)", ms(a["prefill_s"]), ms(h["prefill_s"]))
+    t.add_row("decode step", ms(a["decode_step_s"]), ms(h["decode_step_s"]))
+    t.add_row("bandwidth floor / decode step", f"{r['of_bandwidth_floor']:.2f}",
+              f"{r['transformers_of_bandwidth_floor']:.2f}")
+    t.add_row("weights read per decode step", f"{r['decode_weight_bytes'] / 2**20:.1f} MiB", "")
+    t.add_row("copy bandwidth (read + write)", f"{r['copy_bandwidth_gb_s']:.2f} GB/s", "")
+    t.add_row("floor step (weights / bandwidth)", ms(r["floor_step_s"]), "")
+    t.add_row("read bandwidth (sum of both tensors)", f"{r['read_bandwidth_gb_s']:.2f} GB/s", "")
+    t.add_row("read-bandwidth floor / decode step", f"{r['of_read_bandwidth_floor']:.2f}", "")
+    lo, hi = r["vs_transformers_range"]
+    t.add_row("ratio over rounds (min - max)", f"{lo:.2f} - {hi:.2f}", "")
+    t.add_row("same greedy tokens (last round)", f"{r['same_greedy_sequences']}/{c['batch']} sequences", "")
+    t.add_row("load average 1 min (start, end)", ", ".join(map(str, r["load_avg_1m"])), "")
+    Console().print(t)
+    print(f"vs transformers: {r['vs_transformers']:.2f}x")
+    print(f"of bandwidth floor: {r['of_bandwidth_floor']:.2f}")

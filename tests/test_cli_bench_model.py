@@ -1,0 +1,57 @@
+"""atoll bench (the model bench): a smoke run on a tiny random model, JSON fields consistent."""
+
+import json
+
+import pytest
+
+from atoll.launch.cli import main
+
+
+def run_cli(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+@pytest.mark.timeout(120)
+def test_json_smoke_on_a_tiny_model(capsys, tiny_model):
+    model = tiny_model("llama")
+    code, out, err = run_cli(capsys, "--model", str(model), "--batch", "2", "--input-len", "8",
+                             "--output-len", "4", "--rounds", "2", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    a, h = r["atoll"], r["transformers"]
+    assert a["output_tokens"] == h["output_tokens"] == 2 * 4
+    for side in (a, h):
+        assert side["total_s"] > 0 and side["prefill_s"] > 0 and side["decode_step_s"] > 0
+        assert side["tokens_per_s"] == pytest.approx(side["output_tokens"] / side["total_s"], rel=1e-3)
+    assert r["vs_transformers"] == pytest.approx(a["tokens_per_s"] / h["tokens_per_s"], rel=1e-3)
+    lo, hi = r["vs_transformers_range"]
+    assert 0 < lo * 0.999 <= r["vs_transformers"] <= hi * 1.001  # a ratio of medians lies in the range
+    assert r["decode_weight_bytes"] > 0 and r["copy_bandwidth_gb_s"] > 0 and r["floor_step_s"] > 0
+    assert r["of_bandwidth_floor"] == pytest.approx(r["floor_step_s"] / a["decode_step_s"], rel=1e-2)
+    c = r["config"]
+    assert (c["batch"], c["input_len"], c["output_len"], c["layout"]) == (2, 8, 4, "TP1")
+    assert c["threads"]["transformers"] == c["threads"]["atoll_per_rank"] * c["threads"]["ranks"]
+
+
+@pytest.mark.timeout(120)
+def test_table_prints_both_figures(capsys, tiny_model):
+    code, out, err = run_cli(capsys, "model", "--model", str(tiny_model("llama")), "--batch", "1",
+                             "--input-len", "4", "--output-len", "2", "--rounds", "1", "--warmup", "0")
+    assert code == 0, err
+    assert "vs transformers: " in out and "of bandwidth floor: " in out
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("vs transformers: ") and lines[-2].endswith("x")
+    assert lines[-1].startswith("of bandwidth floor: ")
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--output-len", "1"], "--output-len 1: a decode step needs at least 2 output tokens"),
+    (["--batch", "0"], "--batch 0 must be positive"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, line):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert line in err and len(err.strip().splitlines()) == 1, err
