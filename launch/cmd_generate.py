@@ -69,7 +69,7 @@ def make_llm(args, model_dir):
 
 def run(args) -> int:
     from atoll.engine.worker import generate_worker
-    from atoll.errors import RankFailure
+    from atoll.errors import AtollError
     from atoll.launch.launchers import detect, launch
     from atoll.launch.requests import read_jsonl, write_jsonl
 
@@ -88,7 +88,7 @@ def run(args) -> int:
     try:
         reports, results = launch(generate_worker, llm.layout.world_size, llm.spec(), requests,
                                   launcher=launcher, ray_address=args.ray_address, progress=progress)
-    except RankFailure as e:
+    except AtollError as e:
         # nothing is lost silently: every request is listed, failed, with the cause
         write_jsonl([{"id": _rid(p, i), "error": str(e)} for i, p in enumerate(prompts)] + failures, args.output)
         raise
