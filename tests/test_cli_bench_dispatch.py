@@ -3,18 +3,15 @@
 import json
 import re
 
+import cli
 import pytest
 
-from atoll.launch.cli import main
 
 SMALL = ["--tokens", "48", "--hidden", "16", "--experts", "6", "--topk", "3", "--iters", "3", "--warmup", "1"]
 
 
 def run_cli(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        main(["bench", *argv])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
+    return cli.run_cli(capsys, "bench", *argv)
 
 
 @pytest.mark.timeout(120)

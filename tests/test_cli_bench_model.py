@@ -2,16 +2,13 @@
 
 import json
 
+import cli
 import pytest
 
-from atoll.launch.cli import main
 
 
 def run_cli(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        main(["bench", *argv])
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
+    return cli.run_cli(capsys, "bench", *argv)
 
 
 @pytest.mark.timeout(120)
