@@ -8,7 +8,7 @@ A contiguous cache is the special case of one block of max_len per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence, summing to the step's tokens
     positions: torch.Tensor  # [tokens] position of each token
     block_size: int
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per step, shared by all layers
 
     @classmethod
     def build(cls, block_tables: list[list[int]], starts: list[int], query_lens: list[int],
@@ -44,9 +45,25 @@ class AttentionMetadata:
 
     def token_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) in the cache of every token of the step."""
-        seq = torch.repeat_interleave(torch.arange(len(self.query_lens)),
-                                      torch.tensor(self.query_lens, dtype=torch.long))
-        return self.block_tables[seq, self.positions // self.block_size], self.positions % self.block_size
+        if "blocks" not in self._memo:
+            seq = torch.repeat_interleave(torch.arange(len(self.query_lens)),
+                                          torch.tensor(self.query_lens, dtype=torch.long))
+            self._memo["blocks"] = (self.block_tables[seq, self.positions // self.block_size],
+                                    self.positions % self.block_size)
+        return self._memo["blocks"]
+
+    def decode_keys(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables cut to the longest context, key mask [seqs, keys]) of a decode step."""
+        key = ("decode", sliding_window)
+        if key not in self._memo:
+            ctx = self.starts + 1  # [seqs]
+            blocks = -(-int(ctx.max()) // self.block_size)
+            keys = torch.arange(blocks * self.block_size)
+            mask = keys[None, :] < ctx[:, None]
+            if sliding_window:
+                mask &= keys[None, :] > (ctx[:, None] - 1 - sliding_window)
+            self._memo[key] = (self.block_tables[:, :blocks], mask[:, None, None, :])
+        return self._memo[key]
 
 
 class KVCache:
@@ -84,15 +101,10 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
     if not meta.query_lens:  # an idle DP replica still runs the layer (its MoE joins the collectives)
         return q
     if meta.is_decode:
-        ctx = meta.starts + 1  # [seqs]
-        blocks = -(-int(ctx.max()) // meta.block_size)
-        k = _gather(k_cache, meta.block_tables[:, :blocks])  # [seqs, kv_heads, length, head_dim]
-        v = _gather(v_cache, meta.block_tables[:, :blocks])
-        keys = torch.arange(k.shape[2])
-        mask = keys[None, :] < ctx[:, None]
-        if sliding_window:
-            mask &= keys[None, :] > (ctx[:, None] - 1 - sliding_window)
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :], enable_gqa=gqa)
+        tables, mask = meta.decode_keys(sliding_window)
+        k = _gather(k_cache, tables)  # [seqs, kv_heads, length, head_dim]
+        v = _gather(v_cache, tables)
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=gqa)
         return out[:, :, 0]
     outs, offset = [], 0
     for i, (start, n) in enumerate(zip(meta.starts.tolist(), meta.query_lens)):

@@ -81,6 +81,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv, self.attention_scaling = rope_frequencies(head_dim, base, scaling, max_pos)
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._memo = None  # (positions, dtype, cos, sin) of the step the layers are in
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [tokens, dim/2]
@@ -89,6 +90,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        kernels.rotary_(q, k, cos, sin)  # in place: Triton on CUDA, else the torch reference
+        memo = self._memo
+        if memo is None or memo[0] is not positions or memo[1] != q.dtype:  # once per step
+            memo = self._memo = (positions, q.dtype, *self.cos_sin(positions, q.dtype))
+        kernels.rotary_(q, k, memo[2], memo[3])  # in place: Triton on CUDA, else the torch reference
         return q, k
