@@ -114,7 +114,8 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
                 if rank in values or p.exitcode is None:
                     continue
                 if p.exitcode != 0:
-                    _raise_reported(results)  # its own report, if it managed to send one
+                    if p.exitcode > 0:  # it may have reported its own error; a signal sends none
+                        _raise_reported(results)
                     raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
                 # exited cleanly: its result may still be in the pipe; allow a moment
                 if now - exited_at.setdefault(rank, now) > 5.0:
