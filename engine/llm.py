@@ -92,11 +92,12 @@ class LLM:
     def _size_cache(self, kv_cache_gb, num_blocks) -> int:
         from atoll.engine.blocks import size_pool
         from atoll.engine.runner import DTYPES
+        from atoll.layers.linear import kv_heads_per_rank
         from atoll.parallel.pipeline import stage_layers
 
         cfg, lay = self.config, self.layout
         layers = max(end - start for start, end in stage_layers(cfg, lay.pp))
-        kv_local = max(1, cfg.num_key_value_heads // lay.tp)
+        kv_local = kv_heads_per_rank(cfg.num_key_value_heads, lay.tp)
         itemsize = DTYPES[self.dtype].itemsize
         per_block = 2 * layers * kv_local * self.block_size * cfg.head_dim * itemsize
         return size_pool(bytes_per_block=per_block, block_size=self.block_size, max_num_seqs=self.max_num_seqs,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from atoll.layers.attention import AttentionMetadata, KVCache
+from atoll.layers.linear import kv_heads_per_rank
 from atoll.models import ModelConfig, build_model
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.parallel.mesh import ParallelContext
@@ -43,7 +44,7 @@ class ModelRunner:
         self.checkpoint = Checkpoint(spec.model_dir)
         load_weights(self.model, self.checkpoint)
         cfg, tp = self.config, ctx.tp.size
-        kv_local = max(1, cfg.num_key_value_heads // tp)
+        kv_local = kv_heads_per_rank(cfg.num_key_value_heads, tp)
         self.cache = KVCache(self.model.num_local_layers, spec.num_blocks, kv_local, spec.block_size,
                              cfg.head_dim, self.dtype)
         lay = ctx.layout

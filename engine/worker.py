@@ -16,10 +16,7 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
     ctx = ParallelContext.create(layout, rank) if world_size > 1 else ParallelContext.single()
     runner = ModelRunner(spec, ctx)
     mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
-    report = None
-    if progress is not None and rank == 0:
-        def report(done, tokens):  # replica 0's counts, scaled to all replicas
-            progress.put((done * layout.dp, tokens * layout.dp))
+    report = _scaled_reporter(progress, layout.dp) if progress is not None and rank == 0 else None
     results = dict(zip((r.index for r in mine), run_requests(runner, mine, report)))
     if layout.dp > 1:
         import torch.distributed as dist
@@ -29,3 +26,8 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
         if rank == 0:
             results = {k: v for part in parts for k, v in part.items()}
     return [results[r.index] for r in requests] if rank == 0 else None
+
+
+def _scaled_reporter(progress, dp: int):
+    """Replica 0's counts, scaled to all dp replicas."""
+    return lambda done, tokens: progress.put((done * dp, tokens * dp))

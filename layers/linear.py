@@ -20,6 +20,11 @@ def divide(n: int, d: int, what: str = "size") -> int:
     return n // d
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads each rank holds: a 1/tp share, or one replicated head when kv_heads < tp."""
+    return max(1, num_kv_heads // tp)
+
+
 def _param(*shape, dtype=None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype or torch.get_default_dtype()), requires_grad=False)
 
@@ -79,11 +84,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp = group.size
         self.head_dim = head_dim
         self.heads_local = divide(num_heads, tp, "num_attention_heads")
+        self.kv_local = kv_heads_per_rank(num_kv_heads, tp)
         if num_kv_heads >= tp:
-            self.kv_local = divide(num_kv_heads, tp, "num_key_value_heads")
+            divide(num_kv_heads, tp, "num_key_value_heads")
             self.kv_start = group.rank * self.kv_local
         else:
-            self.kv_local = 1
             self.kv_start = group.rank // divide(tp, num_kv_heads, "tp over num_key_value_heads")
         self.q_size = self.heads_local * head_dim
         self.kv_size = self.kv_local * head_dim
