@@ -105,6 +105,12 @@ class Group:
         self._count("send", x.numel() * x.element_size())
         dist.send(x.contiguous(), dst=self.ranks[dst], group=self.pg)
 
+    def isend(self, x: torch.Tensor, dst: int):
+        """Starts sending x; returns the work to wait() on. x must stay unchanged until then."""
+        self._count("send", x.numel() * x.element_size())
+        x = x.contiguous()
+        return _Sending(dist.isend(x, dst=self.ranks[dst], group=self.pg), x)
+
     def recv(self, shape, dtype: torch.dtype, src: int, device="cpu") -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=device)
         self.calls["recv"] += 1
@@ -118,3 +124,14 @@ class Group:
     def reset_counters(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+
+
+class _Sending:
+    """An isend's work and the tensor it reads, kept alive until wait()."""
+
+    def __init__(self, work, tensor: torch.Tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.tensor = None

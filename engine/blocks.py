@@ -5,11 +5,12 @@ from __future__ import annotations
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, first: int = 0):
+        """Blocks first .. first + num_blocks - 1 of the cache."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._free = list(range(first + num_blocks - 1, first - 1, -1))  # pop() hands out first, first + 1, ...
 
     @property
     def num_free(self) -> int:

@@ -1,18 +1,17 @@
-"""The generation loop every rank of a replica runs in lock step: the scheduler picks this
-step's chunks, the runner computes them, sequences that reached their last token take the
-sampled token, finished sequences free their blocks."""
+"""The generation loop every rank of a replica runs in lock step, one tick at a time: a lane's
+scheduler picks the chunks of the micro-batch entering the pipeline, the runner moves every
+micro-batch in flight one stage on, and when one leaves the last stage its sequences that
+reached their last token take the sampled token and finished sequences free their blocks."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
-import torch
-
-from atoll.engine.blocks import BlockPool
-from atoll.engine.sampling import SamplerState, SamplingParams, sample
-from atoll.engine.scheduler import Scheduler, Sequence
-from atoll.layers.attention import AttentionMetadata
+from atoll.engine.lanes import Lanes, MicroBatch
+from atoll.engine.sampling import SamplerState, SamplingParams
+from atoll.engine.scheduler import Sequence
 
 
 @dataclass
@@ -36,45 +35,63 @@ def finish_reason(seq: Sequence, max_len: int, decode=None) -> str | None:
     return None
 
 
-def run_requests(runner, requests: list[Request], progress=None) -> list[dict]:
-    """Drive `runner.step` until every request is done; one result per request, in order.
-    `progress(done, tokens)` is called after each step when given."""
+def run_requests(runner, requests: list[Request], progress=None, *, pipelined: bool = True) -> list[dict]:
+    """Drive `runner.tick` until every request is done; one result per request, in order.
+    `progress(done, tokens)` is called after each tick when given. Under PP, `pipelined`
+    keeps a micro-batch in every stage (see engine.lanes); False sends one at a time."""
     spec = runner.spec
-    pool = BlockPool(spec.num_blocks, spec.block_size)
-    sched = Scheduler(pool, max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens)
-    arrivals = sorted(requests, key=lambda r: (r.arrival_step, r.index))
+    depth = runner.ctx.layout.pp
+    lanes = Lanes(num_blocks=spec.num_blocks, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
+                  max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
+                  depth=depth, pipelined=pipelined)
+    arrivals = deque(sorted(requests, key=lambda r: (r.arrival_step, r.index)))
+    inflight: deque[MicroBatch | None] = deque()  # inflight[s]: the micro-batch at stage s
     results: dict[int, dict] = {}
-    step, produced, started = 0, 0, {}
+    tick, produced, started = 0, 0, {}
     decode = _decoder(spec.model_dir) if any(r.params.stop for r in requests) else None
-    while runner.any_work(bool(arrivals or sched.has_work())):
-        while arrivals and arrivals[0].arrival_step <= step:
-            req = arrivals.pop(0)
-            sched.add(Sequence(req, SamplerState(req.params), arrived_step=step))
+    runner.start_run()
+    while True:
+        while arrivals and arrivals[0].arrival_step <= tick:
+            req = arrivals.popleft()
+            lanes.add(Sequence(req, SamplerState(req.params), arrived_step=tick))
             started[req.index] = time.perf_counter()
-        chunks = sched.schedule(step)
-        meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],
-                                       [c.count for c in chunks], spec.block_size)
-        ids = torch.tensor([t for c in chunks for t in c.seq.tokens[c.start:c.start + c.count]], dtype=torch.long)
-        samplers = [c.seq.state for c in chunks]
-        tokens = runner.step(ids, meta, lambda logits: sample(logits, samplers)).tolist()
-        now = time.perf_counter()
-        for c, token in zip(chunks, tokens):
-            seq = c.seq
-            seq.cached = c.start + c.count
-            if not c.samples:
-                continue  # a prefill chunk short of the last prompt token
-            seq.output.append(token)
-            produced += 1
-            if len(seq.output) == 1:
-                seq.first_token_at = now
-            reason = finish_reason(seq, spec.max_model_len, decode)
-            if reason is not None:
-                sched.finish(seq)
-                results[seq.request.index] = _result(seq, reason, started[seq.request.index], now, step)
-        step += 1
+        lane = lanes.at(tick)
+        chunks = lane.schedule(tick) if lane is not None else []
+        mb = MicroBatch.of(chunks, spec.block_size) if chunks else None
+        busy = bool(arrivals or lanes.has_work() or any(b is not None for b in inflight))
+        go, mb = runner.agree(busy, mb)
+        if not go:
+            break
+        inflight.appendleft(mb)
+        tokens = runner.tick(inflight)
+        if len(inflight) == depth and (done := inflight.pop()) is not None:
+            produced += _apply(done, tokens.tolist(), lanes, results, started, spec.max_model_len, decode, tick)
+        tick += 1
         if progress is not None:
             progress(len(results), produced)
+    runner.end_run()
     return [results[r.index] for r in requests]
+
+
+def _apply(mb: MicroBatch, tokens: list[int], lanes: Lanes, results: dict, started: dict,
+           max_len: int, decode, tick: int) -> int:
+    """The micro-batch's chunks are in the cache; sampling ones take their token. Returns
+    the tokens produced."""
+    now, produced = time.perf_counter(), 0
+    for c, token in zip(mb.chunks, tokens):
+        seq = c.seq
+        seq.cached = c.start + c.count
+        if not c.samples:
+            continue  # a prefill chunk short of the last prompt token
+        seq.output.append(token)
+        produced += 1
+        if len(seq.output) == 1:
+            seq.first_token_at = now
+        reason = finish_reason(seq, max_len, decode)
+        if reason is not None:
+            lanes.finish(seq)
+            results[seq.request.index] = _result(seq, reason, started[seq.request.index], now, tick)
+    return produced
 
 
 def _decoder(model_dir: str):

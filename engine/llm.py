@@ -100,7 +100,9 @@ class LLM:
         kv_local = kv_heads_per_rank(cfg.num_key_value_heads, lay.tp)
         itemsize = DTYPES[self.dtype].itemsize
         per_block = 2 * layers * kv_local * self.block_size * cfg.head_dim * itemsize
-        return size_pool(bytes_per_block=per_block, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+        # pipelined decode keeps pp micro-batches of max_num_seqs in flight (engine.lanes)
+        return size_pool(bytes_per_block=per_block, block_size=self.block_size,
+                         max_num_seqs=self.max_num_seqs * lay.pp,
                          max_model_len=self.max_model_len, ranks_here=lay.world_size,
                          kv_cache_gb=kv_cache_gb, num_blocks=num_blocks)
 

@@ -1,8 +1,9 @@
-"""ModelRunner: one rank's stage of the model, its KV cache, and the step that moves
-activations between pipeline stages and hands sampled tokens to every rank."""
+"""ModelRunner: one rank's stage of the model, its KV cache, and the tick that moves the
+micro-batches in flight one stage on and hands sampled tokens to every rank."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +28,14 @@ class RunSpec:
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    num_blocks: int = 0  # 0: enough for max_num_seqs sequences of max_model_len
+    num_blocks: int = 0  # 0: enough for max_num_seqs sequences of max_model_len per pipeline lane
 
     def __post_init__(self):
         if self.num_blocks == 0:
+            from atoll.parallel.layout import Layout
+
             per_seq = -(-self.max_model_len // self.block_size)
-            object.__setattr__(self, "num_blocks", self.max_num_seqs * per_seq)
+            object.__setattr__(self, "num_blocks", self.max_num_seqs * per_seq * Layout.parse(self.layout).pp)
 
 
 class ModelRunner:
@@ -50,31 +53,70 @@ class ModelRunner:
         lay = ctx.layout
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
+        self._sending = None  # the isend of the last activations, until it completes
+        self.stats: dict = {}
 
-    def any_work(self, mine: bool) -> bool:
-        """With DP, every DP rank steps while any has work: the MoE layers need them all."""
+    def agree(self, busy: bool, mb):
+        """With DP every replica ticks while any is busy and runs a micro-batch slot when any
+        has one (the MoE layers need every replica): an empty one stands in. Returns (go, mb)."""
         if self.ctx.layout.dp == 1:
-            return mine
-        flag = torch.tensor([int(mine)])
-        return bool(self.ctx.world.all_reduce(flag).item())
+            return busy, mb
+        flags = self.ctx.world.all_reduce(torch.tensor([int(busy), int(mb is not None)]))
+        if flags[1] and mb is None:
+            from atoll.engine.lanes import MicroBatch
+
+            mb = MicroBatch.of([], self.spec.block_size)
+        return bool(flags[0]), mb
+
+    def start_run(self) -> None:
+        self.stats = {"busy_s": 0.0, "ticks": 0, "worked": 0, "started": time.perf_counter()}
+
+    def end_run(self) -> None:
+        """Waits for the last activations sent. Stats: ticks, worked (ticks this stage computed
+        in), busy_s (time computing, not waiting for activations or tokens), wall_s, busy."""
+        self._wait_send()
+        st = self.stats
+        st["wall_s"] = time.perf_counter() - st.pop("started")
+        st["busy"] = st["busy_s"] / st["wall_s"] if st["wall_s"] else 0.0
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, meta: AttentionMetadata, sample_fn) -> torch.Tensor:
-        """ids: [tokens] (every rank knows them). Returns the sampled [seqs] on every rank."""
-        ctx = self.ctx
-        if ctx.is_first_stage:
-            x = ids
-        else:
-            x = ctx.pp.recv((len(ids), self.config.hidden_size), self.dtype, src=ctx.pp.rank - 1)
-        out = self.model(x, meta, self.cache)
-        if not ctx.is_last_stage:
-            ctx.pp.send(out, dst=ctx.pp.rank + 1)
-        seqs = len(meta.query_lens)
+    def tick(self, inflight) -> torch.Tensor | None:
+        """inflight[s]: the micro-batch at stage s (None: none). This rank's stage computes its
+        one, taking the activations from the previous stage and sending its output on without
+        waiting; when inflight[pp - 1] leaves the last stage, every rank gets its sampled tokens."""
+        ctx, pp = self.ctx, self.ctx.layout.pp
+        stage = ctx.pp.rank
+        mb = inflight[stage] if stage < len(inflight) else None
+        out = None
+        self.stats["ticks"] += 1
+        if mb is not None:
+            if ctx.is_first_stage:
+                x = mb.ids
+            else:
+                x = ctx.pp.recv((len(mb.ids), self.config.hidden_size), self.dtype, src=stage - 1)
+            t0 = time.perf_counter()
+            self.stats["worked"] += 1
+            out = self.model(x, mb.meta, self.cache)
+            if not ctx.is_last_stage:
+                self._wait_send()
+                self._sending = ctx.pp.isend(out, dst=stage + 1)
+            elif ctx.rank == self.sampler_rank and mb.chunks:
+                out = mb.sample(out.float())
+            self.stats["busy_s"] += time.perf_counter() - t0
+        done = inflight[pp - 1] if len(inflight) == pp else None
+        if done is None:
+            return None
+        seqs = len(done.chunks)
         if ctx.layout.dp == 1:
-            tokens = sample_fn(out.float()) if ctx.rank == self.sampler_rank else torch.empty(seqs, dtype=torch.long)
+            tokens = out if ctx.rank == self.sampler_rank else torch.empty(seqs, dtype=torch.long)
             return ctx.world.broadcast(tokens, src=self.sampler_rank)
         # each DP replica samples its own sequences; one all_reduce hands every rank its row
         table = torch.zeros(ctx.layout.dp, self.spec.max_num_seqs, dtype=torch.long)
         if ctx.rank == self.sampler_rank and seqs:
-            table[ctx.coords.dp, :seqs] = sample_fn(out.float())
+            table[ctx.coords.dp, :seqs] = out
         return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]
+
+    def _wait_send(self) -> None:
+        if self._sending is not None:
+            self._sending.wait()
+            self._sending = None

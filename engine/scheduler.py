@@ -16,7 +16,7 @@ from atoll.engine.blocks import BlockPool
 from atoll.engine.sampling import SamplerState
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: compared by identity
 class Sequence:
     request: object  # engine.generate.Request
     state: SamplerState
@@ -27,6 +27,7 @@ class Sequence:
     first_scheduled_step: int | None = None
     first_token_at: float | None = None
     preemptions: int = 0
+    lane: int = 0  # which scheduler holds it under pipelined decode
 
     @property
     def tokens(self) -> list[int]:

@@ -1,0 +1,83 @@
+"""Lanes and micro-batches: how pipelined decode keeps every stage busy.
+
+Under PP the requests are split between lanes, each a `Scheduler` with its own share of the
+KV blocks. Tick t schedules lane t mod pp and feeds its micro-batch to the first stage,
+while stage s works on the micro-batch that entered at tick t - s. With pp lanes a micro-
+batch enters every tick, so every stage works every tick; with one lane (`pipelined=False`)
+a micro-batch enters every pp-th tick and each stage idles pp - 1 ticks of every pp.
+max_num_seqs bounds each micro-batch, as in vLLM: pp lanes keep up to pp x max_num_seqs
+sequences running, each stage reading its weights once per tick for max_num_seqs of them.
+
+A lane is scheduled again only after its last micro-batch has left the last stage and its
+tokens are known, so a sequence is never scheduled, grown or preempted while in flight.
+Every rank of a replica runs the same lanes on the same tokens, so all agree on every
+micro-batch without communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atoll.engine.blocks import BlockPool
+from atoll.engine.sampling import sample
+from atoll.engine.scheduler import Scheduled, Scheduler, Sequence
+from atoll.layers.attention import AttentionMetadata
+
+
+@dataclass
+class MicroBatch:
+    chunks: list[Scheduled]
+    ids: torch.Tensor  # [tokens] every chunk's new tokens, concatenated
+    meta: AttentionMetadata
+
+    @classmethod
+    def of(cls, chunks: list[Scheduled], block_size: int) -> "MicroBatch":
+        meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],
+                                       [c.count for c in chunks], block_size)
+        ids = [t for c in chunks for t in c.seq.tokens[c.start:c.start + c.count]]
+        return cls(chunks, torch.tensor(ids, dtype=torch.long), meta)
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [seqs, vocab] -> [seqs] tokens; -1 for a prefill chunk short of its last
+        prompt token, which draws nothing (a seeded sampler's stream does not depend on how
+        the prompt was chunked)."""
+        rows = [i for i, c in enumerate(self.chunks) if c.samples]
+        out = torch.full((len(self.chunks),), -1, dtype=torch.long)
+        if rows:
+            out[rows] = sample(logits[rows], [self.chunks[i].seq.state for i in rows])
+        return out
+
+
+class Lanes:
+    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, depth: int, pipelined: bool = True):
+        """depth: pipeline stages. Lanes: depth when pipelined, but no more than the blocks allow
+        while each lane still holds one max_model_len sequence; else one."""
+        per_seq = -(-max_model_len // block_size)
+        count = max(1, min(depth if pipelined else 1, num_blocks // per_seq))
+        share = num_blocks // count
+        self.depth = depth
+        self.schedulers = [Scheduler(BlockPool(share, block_size, first=i * share), max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens) for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.schedulers)
+
+    def add(self, seq: Sequence) -> None:
+        """To the lane with the fewest unfinished sequences (the first of those on a tie)."""
+        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+        seq.lane = loads.index(min(loads))
+        self.schedulers[seq.lane].add(seq)
+
+    def at(self, tick: int) -> Scheduler | None:
+        """The lane whose micro-batch enters the pipeline at this tick, if any."""
+        slot = tick % self.depth
+        return self.schedulers[slot] if slot < len(self.schedulers) else None
+
+    def has_work(self) -> bool:
+        return any(s.has_work() for s in self.schedulers)
+
+    def finish(self, seq: Sequence) -> None:
+        self.schedulers[seq.lane].finish(seq)
