@@ -49,15 +49,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, meta: AttentionMetadata, k_cache, v_cache):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(len(x), -1, self.head_dim)  # [tokens, heads/tp, head_dim]
-        k = k.view(len(x), -1, self.head_dim)  # [tokens, kv_heads/tp (>= 1), head_dim]
-        v = v.view(len(x), -1, self.head_dim)
+        d = self.head_dim  # head counts spelled out: a replica's micro-batch may have no tokens
+        q = q.view(len(x), q.shape[-1] // d, d)  # [tokens, heads/tp, head_dim]
+        k = k.view(len(x), k.shape[-1] // d, d)  # [tokens, kv_heads/tp (>= 1), head_dim]
+        v = v.view(len(x), v.shape[-1] // d, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, meta.positions)
         write_cache(k_cache, v_cache, k, v, meta)
         out = attend(q, k_cache, v_cache, meta, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(len(x), -1))  # [tokens, hidden]
+        return self.o_proj(out.flatten(1))  # [tokens, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -8,7 +8,7 @@ from atoll import LLM, SamplingParams
 PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8]]
 NEW = 16
 # EP2 is TP2EP2 (TP attention, moe_tp 1); TP4EP2 has moe_tp 2; DP2 puts pure TP experts over DP ranks
-LAYOUTS = ["EP2", "EP4", "TP2", "DP2EP2", "EP2PP2", "TP4EP2", "DP2"]
+LAYOUTS = ["EP2", "EP4", "TP2", "DP2EP2", "EP2PP2", "TP4EP2", "DP2", "DP2PP2"]
 # 5 experts: they do not divide evenly over 2 or 4 ranks
 FAMILIES = {
     "mixtral": ("mixtral", dict(num_local_experts=5)),
