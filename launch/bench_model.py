@@ -117,13 +117,17 @@ def decode_weight_bytes(model, batch: int) -> int:
     return total
 
 
-def _time_atoll(runner, requests) -> dict:
+def _time_atoll(runner, requests, pipelined: bool = True) -> dict:
+    import torch
+
     from atoll.engine.generate import run_requests
 
     t0 = time.perf_counter()
-    results = run_requests(runner, requests)
+    results = run_requests(runner, requests, pipelined=pipelined)
     total = time.perf_counter() - t0
-    return {"total_s": total, "tokens": [len(r["token_ids"]) for r in results],
+    # each rank's share of the run spent computing; the rest waits for activations or tokens
+    busy = runner.ctx.world.all_gather(torch.tensor([runner.stats["busy"]], dtype=torch.float64), dim=0)
+    return {"total_s": total, "busy": busy.tolist(), "tokens": [len(r["token_ids"]) for r in results],
             "prefill_s": statistics.median(r["metrics"]["ttft_s"] for r in results),
             "decode_step_s": statistics.median(r["metrics"]["tpot_s"] for r in results),
             "token_ids": [r["token_ids"] for r in results]}
@@ -198,7 +202,7 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
         ctx.world.barrier()
         return res if rank == 0 else None
 
-    rounds = []
+    rounds, pipeline = [], []
     for i in range(cfg["warmup"] + cfg["rounds"]):
         ctx.world.barrier()
         if i % 2:
@@ -207,9 +211,17 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
         else:
             mine = _time_atoll(runner, requests)
             base = baseline()
-        if i >= cfg["warmup"]:
-            rounds.append((mine, *base) if rank == 0 else None)
-    return summarize(cfg, rounds, float(weight_bytes)) if rank == 0 else None
+        # under PP, the same requests again with one micro-batch in flight at a time
+        one = _time_atoll(runner, requests, pipelined=False) if ctx.layout.pp > 1 else None
+        if i >= cfg["warmup"] and rank == 0:
+            rounds.append((mine, *base))
+            pipeline.append((mine, one))
+    if rank != 0:
+        return None
+    result = summarize(cfg, rounds, float(weight_bytes))
+    if ctx.layout.pp > 1:
+        result["pipeline"] = summarize_pipeline(pipeline, ctx.layout)
+    return result
 
 
 def sig(x: float, digits: int = 5) -> float:
@@ -247,6 +259,27 @@ def summarize(cfg: dict, rounds: list, weight_bytes: float) -> dict:
             "same_greedy_sequences": same}
 
 
+def summarize_pipeline(rounds: list, layout) -> dict:
+    """Pipelined (pp lanes) against one micro-batch at a time; busy: per stage, the mean over
+    its ranks of the fraction of the run spent computing (the rest is the bubble)."""
+    med = statistics.median
+
+    def stage_busy(runs) -> list[float]:
+        per_rank = [med(r["busy"][k] for r in runs) for k in range(layout.world_size)]
+        size = layout.stage_size
+        return [sig(statistics.mean(per_rank[s * size:(s + 1) * size]), 3) for s in range(layout.pp)]
+
+    piped, one = [r[0] for r in rounds], [r[1] for r in rounds]
+    tokens = sum(piped[0]["tokens"])
+    busy, busy_one = stage_busy(piped), stage_busy(one)
+    return {"tokens_per_s": sig(tokens / med(r["total_s"] for r in piped)),
+            "one_at_a_time_tokens_per_s": sig(tokens / med(r["total_s"] for r in one)),
+            "vs_one_at_a_time": sig(med(b["total_s"] for b in one) / med(a["total_s"] for a in piped)),
+            "stage_busy": busy, "bubble": sig(1 - statistics.mean(busy), 3),
+            "one_at_a_time_stage_busy": busy_one, "one_at_a_time_bubble": sig(1 - statistics.mean(busy_one), 3),
+            "same_tokens": piped[-1]["token_ids"] == one[-1]["token_ids"]}
+
+
 def render(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -276,6 +309,15 @@ def render(r: dict) -> None:
     t.add_row("ratio over rounds (min - max)", f"{lo:.2f} - {hi:.2f}", "")
     t.add_row("same greedy tokens (last round)", f"{r['same_greedy_sequences']}/{c['batch']} sequences", "")
     t.add_row("load average 1 min (start, end)", ", ".join(map(str, r["load_avg_1m"])), "")
+    if "pipeline" in r:
+        p = r["pipeline"]
+        t.add_row("tokens/s, one micro-batch at a time", f"{p['one_at_a_time_tokens_per_s']:.1f}", "")
+        t.add_row("stage busy, pipelined", " / ".join(f"{b:.2f}" for b in p["stage_busy"]), "")
+        t.add_row("stage busy, one at a time", " / ".join(f"{b:.2f}" for b in p["one_at_a_time_stage_busy"]), "")
     Console().print(t)
+    if "pipeline" in r:
+        p = r["pipeline"]
+        print(f"pipelined vs one micro-batch at a time: {p['vs_one_at_a_time']:.2f}x "
+              f"(bubble {p['bubble']:.2f} vs {p['one_at_a_time_bubble']:.2f}, same tokens: {p['same_tokens']})")
     print(f"vs transformers: {r['vs_transformers']:.2f}x")
     print(f"of bandwidth floor: {r['of_bandwidth_floor']:.2f}")

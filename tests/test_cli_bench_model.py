@@ -44,6 +44,22 @@ def test_table_prints_both_figures(capsys, tiny_model):
     assert lines[-1].startswith("of bandwidth floor: ")
 
 
+@pytest.mark.timeout(200)
+def test_pp_measures_the_bubble_against_one_micro_batch_at_a_time(capsys, tiny_model):
+    code, out, err = run_cli(capsys, "--model", str(tiny_model("llama", num_hidden_layers=4)), "--layout", "PP2",
+                             "--batch", "8", "--input-len", "4", "--output-len", "6", "--rounds", "1",
+                             "--warmup", "0", "--json")
+    assert code == 0, err
+    p = json.loads(out)["pipeline"]
+    assert p["same_tokens"] is True
+    assert len(p["stage_busy"]) == len(p["one_at_a_time_stage_busy"]) == 2
+    assert all(0 < b <= 1 for b in p["stage_busy"] + p["one_at_a_time_stage_busy"])
+    assert p["bubble"] == pytest.approx(1 - sum(p["stage_busy"]) / 2, abs=2e-3)
+    # one micro-batch at a time leaves each of the two stages idle about half the run
+    assert p["one_at_a_time_bubble"] > 0.3
+    assert p["vs_one_at_a_time"] == pytest.approx(p["tokens_per_s"] / p["one_at_a_time_tokens_per_s"], rel=1e-3)
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--output-len", "1"], "--output-len 1: a decode step needs at least 2 output tokens"),
     (["--batch", "0"], "--batch 0 must be positive"),
