@@ -54,6 +54,7 @@ class ModelRunner:
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
         self._sending = None  # the isend of the last activations, until it completes
+        self.packer = _packer(self.model)
         self.stats: dict = {}
 
     def agree(self, busy: bool, mb):
@@ -96,6 +97,8 @@ class ModelRunner:
                 x = ctx.pp.recv((len(mb.ids), self.config.hidden_size), self.dtype, src=stage - 1)
             t0 = time.perf_counter()
             self.stats["worked"] += 1
+            if self.packer is not None and mb.meta.is_decode:
+                self.packer.observe(len(mb.ids))
             out = self.model(x, mb.meta, self.cache)
             if not ctx.is_last_stage:
                 self._wait_send()
@@ -120,3 +123,16 @@ class ModelRunner:
         if self._sending is not None:
             self._sending.wait()
             self._sending = None
+
+
+def _packer(model):
+    """MKL-packed decode weights for a CPU float32 model (layers.packed), else None."""
+    from atoll.layers import packed
+    from atoll.layers.embedding import ParallelLMHead
+    from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+    kinds = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)
+    weights = [m.weight for m in model.modules() if isinstance(m, kinds)]
+    if not packed.available() or not weights or weights[0].device.type != "cpu":
+        return None
+    return packed.Packer(weights)

@@ -96,17 +96,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     return weight * xf.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+def _joined(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q and k as one [tokens, heads + kv_heads, head_dim] view) when k's heads follow q's
+    in memory, as the QKV projection's split leaves them; else (q, k)."""
+    tokens, heads, dim = q.shape
+    if (q.stride()[1:] == k.stride()[1:] == (dim, 1) and k.shape[2] == dim
+            and (tokens == 1 or q.stride(0) == k.stride(0))
+            and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()):
+        return (q.as_strided((tokens, heads + k.shape[1], dim), q.stride()),)
+    return q, k
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place: q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim],
-    cos/sin: [tokens, head_dim] (cat(freqs, freqs), already scaled and cast)."""
-    c, s = cos[:, None, :], sin[:, None, :]
-    q.copy_(q * c + _rotate_half(q) * s)
-    k.copy_(k * c + _rotate_half(k) * s)
+    cos/sin: [tokens, head_dim] (cat(freqs, freqs), already scaled and cast).
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) written as
+    roll(x) * cat(-sin1, sin2): the same products and sums, bit for bit, in fewer ops."""
+    half = q.shape[-1] // 2
+    c = cos[:, None, :]
+    s = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+    for x in _joined(q, k):
+        x.copy_(x * c + x.roll(half, dims=-1) * s)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

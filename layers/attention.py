@@ -67,10 +67,11 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """One stage's paged cache: per layer k and v of [blocks, kv_heads, block_size, head_dim]."""
+    """One stage's paged cache: per layer k and v of [blocks, block_size, kv_heads, head_dim]
+    (a block's tokens side by side, so gathered blocks are one sequence's keys in order)."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype):
-        shape = (num_blocks, kv_heads, block_size, head_dim)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.block_size = block_size
@@ -83,20 +84,22 @@ class KVCache:
 def write_cache(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
     """k, v: [tokens, kv_heads, head_dim] stored at each token's block and offset."""
     block, offset = meta.token_blocks()
-    k_cache[block, :, offset] = k
-    v_cache[block, :, offset] = v
+    k_cache[block, offset] = k
+    v_cache[block, offset] = v
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[seqs, blocks] tables -> [seqs, kv_heads, blocks*block_size, head_dim]."""
-    x = cache[tables]  # [seqs, blocks, kv_heads, block_size, head_dim]
-    s, b, h, bs, d = x.shape
-    return x.permute(0, 2, 1, 3, 4).reshape(s, h, b * bs, d)
+    """[seqs, blocks] tables -> [seqs, kv_heads, blocks*block_size, head_dim], a view of one
+    copy (index_select: a fraction of advanced indexing's cost)."""
+    s, b = tables.shape
+    _, bs, h, d = cache.shape
+    x = cache.index_select(0, tables.reshape(-1))  # [seqs*blocks, block_size, kv_heads, head_dim]
+    return x.view(s, b * bs, h, d).transpose(1, 2)
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim] -> [tokens, heads, head_dim], causal over cache + new tokens."""
-    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
     gqa = heads != kv_heads
     if not meta.query_lens:  # an idle DP replica still runs the layer (its MoE joins the collectives)
         return q

@@ -9,6 +9,7 @@ from torch import nn
 
 from atoll.comm.group import Group
 from atoll.layers.linear import _param
+from atoll.layers.packed import linear
 
 
 class _VocabShard(nn.Module):
@@ -43,5 +44,5 @@ class VocabParallelEmbedding(_VocabShard):
 
 class ParallelLMHead(_VocabShard):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight)  # [tokens, vocab/tp (padded)]
+        logits = linear(x, self.weight)  # [tokens, vocab/tp (padded)]
         return self.group.all_gather(logits, dim=-1)[..., : self.vocab_size]  # [tokens, vocab]

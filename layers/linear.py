@@ -8,10 +8,10 @@ Weights follow torch's [out_features, in_features] convention.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atoll.comm.group import Group
+from atoll.layers.packed import linear
 
 
 def divide(n: int, d: int, what: str = "size") -> int:
@@ -55,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data, src[start:start + self.out_local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [tokens, out/tp]
+        return linear(x, self.weight, self.bias)  # [tokens, out/tp]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -128,7 +128,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, src[:, start:start + self.in_local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))  # [tokens, out]
+        y = self.group.all_reduce(linear(x, self.weight))  # [tokens, out]
         return y if self.bias is None else y + self.bias
 
 
@@ -145,4 +145,4 @@ class ReplicatedLinear(nn.Module):
             self.bias.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

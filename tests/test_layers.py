@@ -99,7 +99,7 @@ def test_attention_prefill_then_decode_equals_full_causal():
     g = torch.Generator().manual_seed(0)
     heads, kv, d, n = 4, 2, 8, 6
     q, k, v = (torch.randn(n, h, d, generator=g) for h in (heads, kv, kv))
-    kc, vc = torch.zeros(1, kv, 16, d), torch.zeros(1, kv, 16, d)
+    kc, vc = torch.zeros(1, 16, kv, d), torch.zeros(1, 16, kv, d)
     # prefill the first 4 tokens, then decode two single tokens
     outs = []
     for start, count in [(0, 4), (4, 1), (5, 1)]:
