@@ -3,6 +3,7 @@ micro-batches in flight one stage on and hands sampled tokens to every rank."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ class ModelRunner:
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
         self._sending = None  # the isend of the last activations, until it completes
-        self.packer = _packer(self.model)
+        self.packer = _packer(self.model, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.layout.world_size)))
         self.stats: dict = {}
 
     def agree(self, busy: bool, mb):
@@ -125,8 +126,11 @@ class ModelRunner:
             self._sending = None
 
 
-def _packer(model):
-    """MKL-packed decode weights for a CPU float32 model (layers.packed), else None."""
+def _packer(model, ranks_here: int):
+    """MKL-packed decode weights for a CPU float32 model (layers.packed), or None: also when
+    the second copy of the weights would take more than a quarter of this machine's free
+    memory, shared by its ranks."""
+    from atoll.engine.blocks import available_memory
     from atoll.layers import packed
     from atoll.layers.embedding import ParallelLMHead
     from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -134,5 +138,8 @@ def _packer(model):
     kinds = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)
     weights = [m.weight for m in model.modules() if isinstance(m, kinds)]
     if not packed.available() or not weights or weights[0].device.type != "cpu":
+        return None
+    extra = sum(w.numel() * w.element_size() for w in weights)
+    if extra * ranks_here > available_memory() // 4:
         return None
     return packed.Packer(weights)

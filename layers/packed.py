@@ -5,7 +5,8 @@ few rows of a decode step that repacking costs as much as the product itself. `P
 one packed copy of every linear weight for the batch size decode runs at (MKL's packed
 product is used only for exactly that many rows, and gives bit for bit what F.linear gives),
 and repacks when decode has run at another size for a few steps in a row. The price is one
-more copy of the weights in memory. ATOLL_MKL_PACK=0 turns it off.
+more copy of the weights in memory: the runner packs only when that copy fits in a quarter
+of the free memory its machine's ranks share. ATOLL_MKL_PACK=0 turns it off.
 """
 
 from __future__ import annotations
