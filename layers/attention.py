@@ -1,7 +1,7 @@
 """Attention over a paged KV cache, for flat batches that mix prefill and decode.
 
 Tokens of all sequences in a step are concatenated: q is [tokens, heads/tp, head_dim].
-The cache holds, per layer, k and v of shape [blocks, kv_heads/tp, block_size, head_dim];
+The cache holds, per layer, k and v of shape [blocks, block_size, kv_heads/tp, head_dim];
 a sequence's block table lists the blocks holding its positions 0, bs, 2*bs, ...
 A contiguous cache is the special case of one block of max_len per sequence.
 """
