@@ -82,6 +82,7 @@ class LLM:
             raise InputError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1")
         self.block_size = block_size
         self.num_blocks = self._size_cache(kv_cache_gb, num_blocks)
+        self._check_lanes()
         self.tokenizer = None
         if (self.model_dir / "tokenizer.json").exists():
             from atoll.engine.tokenizer import Tokenizer
@@ -105,6 +106,18 @@ class LLM:
                          max_num_seqs=self.max_num_seqs * lay.pp,
                          max_model_len=self.max_model_len, ranks_here=lay.world_size,
                          kv_cache_gb=kv_cache_gb, num_blocks=num_blocks)
+
+    def _check_lanes(self) -> None:
+        """Pipelined decode wants room for one max-length sequence per stage (engine.lanes)."""
+        pp, per_seq = self.layout.pp, -(-self.max_model_len // self.block_size)
+        lanes = min(pp, self.num_blocks // per_seq)
+        if lanes < pp:
+            import warnings
+
+            warnings.warn(f"the KV cache holds {self.num_blocks * self.block_size} tokens per replica, room for "
+                          f"{lanes} max_model_len={self.max_model_len} sequences: {lanes} of {pp} pipeline stages "
+                          f"get a micro-batch each step; raise --kv-cache-gb or --num-blocks, or lower "
+                          f"--max-model-len", stacklevel=3)
 
     def _prompt_ids(self, prompt, chat: bool) -> list[int]:
         if isinstance(prompt, dict):

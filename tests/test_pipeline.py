@@ -57,3 +57,9 @@ def test_lanes_split_the_blocks_and_fall_back_to_one():
     one = Lanes(num_blocks=12, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                 max_model_len=32, depth=2)
     assert len(one) == 1 and one.at(0) is one.schedulers[0] and one.at(1) is None
+
+
+def test_a_cache_too_small_for_every_stage_warns(tiny_model):
+    d = tiny_model("llama", num_hidden_layers=6)
+    with pytest.warns(UserWarning, match="1 of 2 pipeline stages get a micro-batch"):
+        LLM(d, layout="PP2", block_size=4, max_model_len=32, num_blocks=12)
