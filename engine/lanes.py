@@ -50,13 +50,19 @@ class MicroBatch:
         return out
 
 
+def lane_count(*, num_blocks: int, block_size: int, max_model_len: int, depth: int, pipelined: bool = True) -> int:
+    """depth lanes when pipelined, but no more than the blocks allow while each lane still
+    holds one max_model_len sequence; at least one."""
+    per_seq = -(-max_model_len // block_size)
+    return max(1, min(depth if pipelined else 1, num_blocks // per_seq))
+
+
 class Lanes:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, depth: int, pipelined: bool = True):
-        """depth: pipeline stages. Lanes: depth when pipelined, but no more than the blocks allow
-        while each lane still holds one max_model_len sequence; else one."""
-        per_seq = -(-max_model_len // block_size)
-        count = max(1, min(depth if pipelined else 1, num_blocks // per_seq))
+        """depth: pipeline stages; as many lanes as `lane_count` gives."""
+        count = lane_count(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                           depth=depth, pipelined=pipelined)
         share = num_blocks // count
         self.depth = depth
         self.schedulers = [Scheduler(BlockPool(share, block_size, first=i * share), max_num_seqs=max_num_seqs,

@@ -109,8 +109,11 @@ class LLM:
 
     def _check_lanes(self) -> None:
         """Pipelined decode wants room for one max-length sequence per stage (engine.lanes)."""
-        pp, per_seq = self.layout.pp, -(-self.max_model_len // self.block_size)
-        lanes = min(pp, self.num_blocks // per_seq)
+        from atoll.engine.lanes import lane_count
+
+        pp = self.layout.pp
+        lanes = lane_count(num_blocks=self.num_blocks, block_size=self.block_size,
+                           max_model_len=self.max_model_len, depth=pp)
         if lanes < pp:
             import warnings
 

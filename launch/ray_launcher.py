@@ -18,6 +18,7 @@ seconds: every actor is killed and RankFailure names the rank, its node and the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -109,6 +110,33 @@ def _check_address(address: str) -> None:
         raise LaunchError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
+@contextlib.contextmanager
+def loopback_only():
+    """While Ray starts on this machine, keep every Ray server on the loopback interface: Ray
+    turns 127.0.0.1 into the routable IP and binds it unless it believes clusters are off.
+    The servers keep their environment; this process's is restored on leaving."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # a Ray without it: the env variable alone still reaches its servers
+        ray_constants = None
+    saved_env = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
+    saved_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # inherited by GCS, raylet, workers
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if saved_flag is not None:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved_flag is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _connect(ray, address: str | None, world_size: int) -> bool:
     """Connect or start Ray; True when this call did it (and so must shut it down)."""
     if ray.is_initialized():
@@ -122,30 +150,10 @@ def _connect(ray, address: str | None, world_size: int) -> bool:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise LaunchError(f"cannot connect to the Ray cluster at {address}: {first}") from None
         return True
-    # this machine only: Ray turns 127.0.0.1 into the routable IP and binds it unless it
-    # believes clusters are off, which keeps every Ray server on the loopback interface
-    try:
-        from ray._private import ray_constants
-    except ImportError:  # a Ray without it: the env variable alone still reaches its servers
-        ray_constants = None
-    saved_env = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
-    saved_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # inherited by GCS, raylet, workers
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if saved_flag is not None:
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
+    with loopback_only():
         # address="local": a new instance even when RAY_ADDRESS or a running cluster is around
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size),
                  _node_ip_address="127.0.0.1", **opts)
-    finally:  # the servers have their environment now; leave this process's as it was
-        if saved_flag is not None:
-            ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return True
 
 

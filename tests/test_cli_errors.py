@@ -20,14 +20,29 @@ def _fails(capsys, argv, pattern):
     return lines[0]
 
 
-def test_tp_not_dividing_heads(capsys, tiny_model):
-    _fails(capsys, ["generate", "--model", str(tiny_model("llama")), "--prompt", "x", "-tp", "3"],
-           "tp=3 does not divide num_attention_heads=4")
+# (model, layout options, the error): checked against the model before any rank starts
+LAYOUT_ERRORS = [
+    ("llama", ["-tp", "3"], "tp=3 does not divide num_attention_heads=4"),
+    ("llama", ["--layout", "TP2PP9"], "pp=9 exceeds num_hidden_layers"),
+    ("mixtral", ["-tp", "2", "-ep", "4"], "ep=4 does not divide the stage's tp*dp=2 ranks"),
+    ("mixtral", ["--layout", "TP4EP2MOETP4"], "ep*moe_tp=2*4=8 must equal tp*dp=4*1=4"),
+    ("llama", ["--layout", "EP2"], "uses expert parallelism but llama is a dense model"),
+]
 
 
-def test_too_many_stages(capsys, tiny_model):
-    _fails(capsys, ["generate", "--model", str(tiny_model("llama")), "--prompt", "x", "--layout", "TP2PP9"],
-           "pp=9 exceeds num_hidden_layers")
+@pytest.mark.parametrize("kind,options,error", LAYOUT_ERRORS)
+def test_layout_the_model_cannot_take(capsys, tiny_model, kind, options, error):
+    _fails(capsys, ["generate", "--model", str(tiny_model(kind)), "--prompt", "x", *options], error)
+
+
+def _edited_copy(tiny_model, tmp_path, kind: str, edit) -> str:
+    """A copy of a tiny model whose config.json went through edit(cfg)."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model(kind), d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
 
 
 def test_missing_shard_file(capsys, tiny_model, tmp_path):
@@ -38,12 +53,9 @@ def test_missing_shard_file(capsys, tiny_model, tmp_path):
 
 
 def test_unsupported_architecture(capsys, tiny_model, tmp_path):
-    d = tmp_path / "m"
-    shutil.copytree(tiny_model("llama"), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    (d / "config.json").write_text(json.dumps(cfg))
-    line = _fails(capsys, ["generate", "--model", str(d), "--prompt", "x"], "unsupported architecture 'GPT2LMHeadModel'")
+    d = _edited_copy(tiny_model, tmp_path, "llama",
+                     lambda cfg: cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]))
+    line = _fails(capsys, ["generate", "--model", d, "--prompt", "x"], "unsupported architecture 'GPT2LMHeadModel'")
     assert "llama" in line and "qwen3" in line
 
 
@@ -71,25 +83,7 @@ def test_missing_model_dir(capsys, tmp_path):
     _fails(capsys, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"], "no config.json")
 
 
-def test_ep_not_dividing_the_stage(capsys, tiny_model):
-    _fails(capsys, ["generate", "--model", str(tiny_model("mixtral")), "--prompt", "x", "-tp", "2", "-ep", "4"],
-           "ep=4 does not divide the stage's tp*dp=2 ranks")
-
-
-def test_moe_tp_inconsistent(capsys, tiny_model):
-    _fails(capsys, ["generate", "--model", str(tiny_model("mixtral")), "--prompt", "x", "--layout", "TP4EP2MOETP4"],
-           "ep*moe_tp=2*4=8 must equal tp*dp=4*1=4")
-
-
-def test_ep_on_a_dense_model(capsys, tiny_model):
-    _fails(capsys, ["generate", "--model", str(tiny_model("llama")), "--prompt", "x", "--layout", "EP2"],
-           "uses expert parallelism but llama is a dense model")
-
-
 def test_top_k_larger_than_experts(capsys, tiny_model, tmp_path):
-    d = tmp_path / "m"
-    shutil.copytree(tiny_model("mixtral"), d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["num_experts_per_tok"] = cfg["num_local_experts"] + 1
-    (d / "config.json").write_text(json.dumps(cfg))
-    _fails(capsys, ["generate", "--model", str(d), "--prompt", "x"], "must be between 1 and num_experts=4")
+    d = _edited_copy(tiny_model, tmp_path, "mixtral",
+                     lambda cfg: cfg.update(num_experts_per_tok=cfg["num_local_experts"] + 1))
+    _fails(capsys, ["generate", "--model", d, "--prompt", "x"], "must be between 1 and num_experts=4")

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray", reason="the Ray launcher tests need `pip instal
 from launch_fns import collective, die_on_rank, raise_on_rank  # noqa: E402
 
 from atoll.errors import LaunchError, RankFailure  # noqa: E402
-from atoll.launch.ray_launcher import node_groups, run_ray  # noqa: E402
+from atoll.launch.ray_launcher import loopback_only, node_groups, run_ray  # noqa: E402
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(300)
@@ -24,32 +24,22 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def cluster():
     """Head (the driver's node: no CPUs, no GPUs) + 2 nodes x (2 CPUs, 2 GPUs)."""
-    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
-    # keep every Ray server on the loopback interface (see ray_launcher._connect)
-    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED")}
-    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
-    saved_const, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
-    try:
-        nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-        # the actors import launch_fns from here, as a cluster's workers import the user's code
-        ray.init(address=c.address, logging_level="warning",
-                 runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
-        c.wait_for_nodes()
-        c.gpu_nodes = [n.node_id for n in nodes]
-        c.head_id = c.head_node.node_id
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        ray_constants.ENABLE_RAY_CLUSTER = saved_const
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with loopback_only():  # every Ray server the cluster starts stays on 127.0.0.1
+        c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
+        try:
+            nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
+            # the actors import launch_fns from here, as a cluster's workers import the user's code
+            ray.init(address=c.address, logging_level="warning",
+                     runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
+            c.wait_for_nodes()
+            c.gpu_nodes = [n.node_id for n in nodes]
+            c.head_id = c.head_node.node_id
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()
 
 
 def _free_gpus_back(expected: float = 4.0, within_s: float = 15.0) -> float:

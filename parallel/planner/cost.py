@@ -136,6 +136,18 @@ class CostModel:
         return f"PP send/recv over {g.kind}", send_recv(nbytes, self.l.tp, g)
 
     # -- whole steps -----------------------------------------------------------------------
+    def _through_stages(self, parts: list[dict[str, float]], handoff_bytes: float) -> dict[str, float]:
+        """Breakdown of one pass through every stage: each stage's parts summed by name, plus
+        the activations handed from each stage to the next."""
+        total: dict[str, float] = defaultdict(float)
+        for p in parts:
+            for k, v in p.items():
+                total[k] += v
+        for i in range(self.l.pp - 1):
+            k, v = self.handoff(i, handoff_bytes)
+            total[k] += v
+        return total
+
     def decode(self, batch: int) -> tuple[float, dict[str, float], int]:
         """(TPOT seconds, breakdown, micro-batches) for `batch` sequences on this replica."""
         l, w = self.l, self.w
@@ -146,13 +158,7 @@ class CostModel:
         ctx = w.mean_decode_context
         parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False)
                  for i in range(l.pp)]
-        total: dict[str, float] = defaultdict(float)
-        for p in parts:
-            for k, v in p.items():
-                total[k] += v
-        for i in range(l.pp - 1):
-            k, v = self.handoff(i, per_dp * active * self.s.hidden * 2)
-            total[k] += v
+        total = self._through_stages(parts, per_dp * active * self.s.hidden * 2)
         chain = sum(total.values())
         slowest = max(sum(p.values()) for p in parts)
         tpot = max(chain, micro * slowest)
@@ -166,13 +172,7 @@ class CostModel:
         l, w = self.l, self.w
         one = [self.stage(i, seqs_per_dp=1, active_dp=1, new_tokens=w.isl, ctx=w.isl, prefill=True)
                for i in range(l.pp)]
-        total: dict[str, float] = defaultdict(float)
-        for p in one:
-            for k, v in p.items():
-                total[k] += v
-        for i in range(l.pp - 1):
-            k, v = self.handoff(i, w.isl * self.s.hidden * 2)
-            total[k] += v
+        total = self._through_stages(one, w.isl * self.s.hidden * 2)
         per_dp = math.ceil(requests / l.dp)
         active = min(l.dp, requests)
         many = max(sum(self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=w.isl,

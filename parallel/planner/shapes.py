@@ -32,19 +32,21 @@ class Shapes:
     kv_latent: int  # MLA: kv_lora_rank + qk_rope_head_dim; 0 otherwise
     attn_dim: int  # per-head dim of the attention core (MLA absorbed: kv_lora + rope)
 
-    @property
-    def total_params(self) -> int:
+    def _params(self, experts: int) -> int:
+        """Parameters with `experts` routed experts per MoE layer."""
         attn = self.attn_sharded + self.attn_replicated
-        moe = self.experts * self.expert + self.shared_expert + self.router
+        moe = experts * self.expert + self.shared_expert + self.router
         per_layer = sum(attn + (self.dense_mlp if d else moe) for d in self.dense_layers)
         return per_layer + self.embed + self.head
 
     @property
+    def total_params(self) -> int:
+        return self._params(self.experts)
+
+    @property
     def active_params(self) -> int:
-        attn = self.attn_sharded + self.attn_replicated
-        moe = self.top_k * self.expert + self.shared_expert + self.router
-        per_layer = sum(attn + (self.dense_mlp if d else moe) for d in self.dense_layers)
-        return per_layer + self.embed + self.head
+        """What one token reads: top_k routed experts per MoE layer."""
+        return self._params(self.top_k)
 
     def kv_bytes_per_token_layer(self, tp: int, kv_bytes: int) -> float:
         """KV cache of one token in one layer on one TP rank. GQA heads split over TP (a rank
