@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atoll.layers.attention import AttentionMetadata, KVCache
+from atoll.layers.attention import KVCache
 from atoll.layers.linear import kv_heads_per_rank
 from atoll.models import ModelConfig, build_model
 from atoll.models.checkpoint import Checkpoint, load_weights
