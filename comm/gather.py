@@ -11,7 +11,7 @@ def row_counts(group: Group, n: int) -> list[int]:
     """Every rank's row count, in group order."""
     if group.size == 1:
         return [n]
-    return group.all_gather(torch.tensor([n], dtype=torch.long), dim=0).tolist()
+    return group.all_gather(torch.tensor([n], dtype=torch.long, device=group.device), dim=0).tolist()
 
 
 def all_gather_rows(group: Group, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:

@@ -14,9 +14,13 @@ import torch
 import torch.distributed as dist
 
 
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
 class Group:
-    def __init__(self, pg=None, ranks=(0,), rank: int = 0, name: str = ""):
+    def __init__(self, pg=None, ranks=(0,), rank: int = 0, name: str = "", device="cpu"):
         self.pg = pg
+        self.device = torch.device(device)  # where this group's own small tensors live
         self.ranks = tuple(ranks)  # global ranks, in group order
         self.rank = self.ranks.index(rank)  # this process's index inside the group
         self.size = len(self.ranks)
@@ -25,15 +29,16 @@ class Group:
         self.bytes: Counter = Counter()  # bytes this rank sent, per operation
 
     @classmethod
-    def single(cls, name: str = "") -> "Group":
-        return cls(None, (0,), 0, name)
+    def single(cls, name: str = "", device="cpu") -> "Group":
+        return cls(None, (0,), 0, name, device)
 
     @classmethod
     def from_torch(cls, pg=None, name: str = "") -> "Group":
         """Wrap a process group another engine made (None: the default world group)."""
         pg = pg if pg is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(pg)
-        return cls(pg, ranks, dist.get_rank(), name)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else "cpu"
+        return cls(pg, ranks, dist.get_rank(), name, device)
 
     def __repr__(self):
         return f"Group({self.name or '?'}, rank {self.rank} of {self.ranks})"
@@ -46,12 +51,12 @@ class Group:
     def _gloo(self) -> bool:
         return dist.get_backend(self.pg) == "gloo"
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place; returns x."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or min, max) over the group, in place; returns x."""
         if self.size == 1:
             return x
         self._count("all_reduce", x.numel() * x.element_size())
-        dist.all_reduce(x, group=self.pg)
+        dist.all_reduce(x, op=_OPS[op], group=self.pg)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -111,8 +116,8 @@ class Group:
         x = x.contiguous()
         return _Sending(dist.isend(x, dst=self.ranks[dst], group=self.pg), x)
 
-    def recv(self, shape, dtype: torch.dtype, src: int, device="cpu") -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype, device=device)
+    def recv(self, shape, dtype: torch.dtype, src: int, device=None) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device or self.device)
         self.calls["recv"] += 1
         dist.recv(out, src=self.ranks[src], group=self.pg)
         return out

@@ -126,7 +126,7 @@ def min_rows(ids: torch.Tensor, split: list[int], island_of: list[int], me: int)
     hit.scatter_(1, torch.where(valid, owner, ep), True)
     hit = hit[:, :ep].float()  # [tokens, ep] ranks each token must reach
     member = torch.zeros(ep, max(island_of) + 1, device=ids.device)
-    member[torch.arange(ep), torch.tensor(island_of)] = 1.0
+    member[torch.arange(ep, device=ids.device), torch.tensor(island_of, device=ids.device)] = 1.0
     per_island = hit @ member  # [tokens, islands] distinct ranks hit on each island
     mine = island_of[me]
     remote = torch.ones(per_island.shape[1], dtype=torch.bool, device=ids.device)

@@ -41,7 +41,7 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
     keeps a micro-batch in every stage (see engine.lanes); False sends one at a time."""
     spec = runner.spec
     depth = runner.ctx.layout.pp
-    lanes = Lanes(num_blocks=spec.num_blocks, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
+    lanes = Lanes(num_blocks=runner.num_blocks, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
                   max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
                   depth=depth, pipelined=pipelined)
     arrivals = deque(sorted(requests, key=lambda r: (r.arrival_step, r.index)))
@@ -53,11 +53,11 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
     while True:
         while arrivals and arrivals[0].arrival_step <= tick:
             req = arrivals.popleft()
-            lanes.add(Sequence(req, SamplerState(req.params), arrived_step=tick))
+            lanes.add(Sequence(req, SamplerState(req.params, runner.device), arrived_step=tick))
             started[req.index] = time.perf_counter()
         lane = lanes.at(tick)
         chunks = lane.schedule(tick) if lane is not None else []
-        mb = MicroBatch.of(chunks, spec.block_size) if chunks else None
+        mb = MicroBatch.of(chunks, spec.block_size, device=runner.device) if chunks else None
         busy = bool(arrivals or lanes.has_work() or any(b is not None for b in inflight))
         go, mb = runner.agree(busy, mb)
         if not go:

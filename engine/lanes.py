@@ -33,20 +33,21 @@ class MicroBatch:
     meta: AttentionMetadata
 
     @classmethod
-    def of(cls, chunks: list[Scheduled], block_size: int) -> "MicroBatch":
+    def of(cls, chunks: list[Scheduled], block_size: int, *, device="cpu") -> "MicroBatch":
         meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],
-                                       [c.count for c in chunks], block_size)
+                                       [c.count for c in chunks], block_size, device=device)
         ids = [t for c in chunks for t in c.seq.tokens[c.start:c.start + c.count]]
-        return cls(chunks, torch.tensor(ids, dtype=torch.long), meta)
+        return cls(chunks, torch.tensor(ids, dtype=torch.long, device=device), meta)
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [seqs, vocab] -> [seqs] tokens; -1 for a prefill chunk short of its last
         prompt token, which draws nothing (a seeded sampler's stream does not depend on how
         the prompt was chunked)."""
         rows = [i for i, c in enumerate(self.chunks) if c.samples]
-        out = torch.full((len(self.chunks),), -1, dtype=torch.long)
+        out = torch.full((len(self.chunks),), -1, dtype=torch.long, device=logits.device)
         if rows:
-            out[rows] = sample(logits[rows], [self.chunks[i].seq.state for i in rows])
+            at = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            out[at] = sample(logits[at], [self.chunks[i].seq.state for i in rows])
         return out
 
 

@@ -51,14 +51,20 @@ def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[i
 
 
 class LLM:
+    """`LLM(model, layout=..., **options)`: options are EngineConfig's fields (engine/config.py:
+    device, dtype, max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
+    kv_cache_gb, num_blocks, gpu_memory_utilization), with the same defaults as the CLI."""
+
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, expert_parallel_size: int | None = None,
-                 dtype: str = "float32", max_num_seqs: int = 32, max_model_len: int | None = None,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16,
-                 kv_cache_gb: float | None = None, num_blocks: int | None = None):
-        from atoll.engine.runner import DTYPES
+                 **options):
+        from atoll.engine.config import EngineConfig
 
+        try:
+            self.options = EngineConfig(**options)
+        except TypeError as e:  # an unknown keyword
+            raise InputError(f"LLM: {e}") from None
         self.model_dir = Path(model)
         self.config = ModelConfig.load(self.model_dir)
         self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size,
@@ -69,20 +75,17 @@ class LLM:
             raise LayoutError(f"layout {self.layout}: attention data parallelism (dp > 1) is for MoE "
                               f"models; for {self.config.model_type} run replicas of a tp/pp layout")
         Checkpoint(self.model_dir).check()
-        if dtype not in DTYPES:
-            raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        self.dtype = dtype
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+        o = self.options
+        self.device, self.dtype = o.device, o.dtype
+        self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size
+        self.max_model_len = min(o.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        if max_num_seqs < 1 or block_size < 1:
-            raise InputError(f"max_num_seqs={max_num_seqs} and block_size={block_size} must be at least 1")
-        self.max_num_batched_tokens = max_num_batched_tokens or max(2048, self.max_model_len)
-        if self.max_num_batched_tokens < 1:
-            raise InputError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least 1")
-        self.block_size = block_size
-        self.num_blocks = self._size_cache(kv_cache_gb, num_blocks)
-        self._check_lanes()
+        self.max_num_batched_tokens = o.max_num_batched_tokens or max(2048, self.max_model_len)
+        if o.num_blocks is not None:
+            from atoll.engine.kv_sizing import check_fits
+
+            check_fits(o.num_blocks, block_size=o.block_size, max_model_len=self.max_model_len)
+            self._check_lanes(o.num_blocks)
         self.tokenizer = None
         if (self.model_dir / "tokenizer.json").exists():
             from atoll.engine.tokenizer import Tokenizer
@@ -90,34 +93,17 @@ class LLM:
             self.tokenizer = Tokenizer(self.model_dir)
         self.stop_ids = default_stop_ids(self.model_dir, self.config, self.tokenizer)
 
-    def _size_cache(self, kv_cache_gb, num_blocks) -> int:
-        from atoll.engine.blocks import size_pool
-        from atoll.engine.runner import DTYPES
-        from atoll.layers.linear import kv_heads_per_rank
-        from atoll.parallel.pipeline import stage_layers
-
-        cfg, lay = self.config, self.layout
-        layers = max(end - start for start, end in stage_layers(cfg, lay.pp))
-        kv_local = kv_heads_per_rank(cfg.num_key_value_heads, lay.tp)
-        itemsize = DTYPES[self.dtype].itemsize
-        per_block = 2 * layers * kv_local * self.block_size * cfg.head_dim * itemsize
-        # pipelined decode keeps pp micro-batches of max_num_seqs in flight (engine.lanes)
-        return size_pool(bytes_per_block=per_block, block_size=self.block_size,
-                         max_num_seqs=self.max_num_seqs * lay.pp,
-                         max_model_len=self.max_model_len, ranks_here=lay.world_size,
-                         kv_cache_gb=kv_cache_gb, num_blocks=num_blocks)
-
-    def _check_lanes(self) -> None:
+    def _check_lanes(self, num_blocks: int) -> None:
         """Pipelined decode wants room for one max-length sequence per stage (engine.lanes)."""
         from atoll.engine.lanes import lane_count
 
         pp = self.layout.pp
-        lanes = lane_count(num_blocks=self.num_blocks, block_size=self.block_size,
+        lanes = lane_count(num_blocks=num_blocks, block_size=self.block_size,
                            max_model_len=self.max_model_len, depth=pp)
         if lanes < pp:
             import warnings
 
-            warnings.warn(f"the KV cache holds {self.num_blocks * self.block_size} tokens per replica, room for "
+            warnings.warn(f"the KV cache holds {num_blocks * self.block_size} tokens per replica, room for "
                           f"{lanes} max_model_len={self.max_model_len} sequences: {lanes} of {pp} pipeline stages "
                           f"get a micro-batch each step; raise --kv-cache-gb or --num-blocks, or lower "
                           f"--max-model-len", stacklevel=3)
@@ -162,11 +148,22 @@ class LLM:
             requests.append(Request(i, ids, p))
         return requests
 
-    def spec(self):
+    def spec(self, requests=None):
+        """The RunSpec every rank gets. Given the requests, the context is bounded by the longest
+        one (prompt + max_tokens) and the default CPU cache by how many sequences can run at
+        once, so a short prompt does not reserve max_num_seqs x max_model_len of memory."""
         from atoll.engine.runner import RunSpec
 
-        return RunSpec(str(self.model_dir), str(self.layout), self.dtype, self.max_num_seqs, self.max_model_len,
-                       self.max_num_batched_tokens, self.block_size, self.num_blocks)
+        o, max_len, seqs = self.options, self.max_model_len, None
+        if requests:
+            need = max(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
+            max_len = min(max_len, need)
+            per_lane = -(-len(requests) // (self.layout.pp * self.layout.dp))
+            seqs = min(self.max_num_seqs, per_lane)
+        return RunSpec(str(self.model_dir), str(self.layout), dtype=o.dtype, max_num_seqs=self.max_num_seqs,
+                       max_model_len=max_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                       block_size=self.block_size, num_blocks=o.num_blocks, kv_cache_gb=o.kv_cache_gb,
+                       gpu_memory_utilization=o.gpu_memory_utilization, device=o.device, cache_seqs=seqs)
 
     def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
         outs = []
@@ -187,6 +184,7 @@ class LLM:
         from atoll.launch.local import run_local
 
         requests = self.prepare(prompts, params, chat=chat)
-        results = run_local(generate_worker, self.layout.world_size, self.spec(), requests,
-                            timeout_s=timeout_s)[0]
+        spec = self.spec(requests)
+        results = run_local(generate_worker, self.layout.world_size, spec, requests,
+                            timeout_s=timeout_s, device=spec.device)[0]
         return self.finish(prompts, requests, results)

@@ -11,6 +11,7 @@ import torch
 
 from atoll.layers.attention import KVCache
 from atoll.layers.linear import kv_heads_per_rank
+from atoll.models.cache_bytes import kv_bytes_per_block
 from atoll.models import ModelConfig, build_model
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.parallel.mesh import ParallelContext
@@ -20,37 +21,47 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What every rank needs to build its part of the model; picklable."""
+    """What every rank needs to build its part of the model; picklable. Made by LLM.spec from
+    the EngineConfig (engine/config.py holds the defaults and their meaning)."""
 
     model_dir: str
     layout: str
-    dtype: str = "float32"
+    dtype: str | None = None  # None: the checkpoint's torch_dtype on CUDA, float32 on CPU
     max_num_seqs: int = 32
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    num_blocks: int = 0  # 0: enough for max_num_seqs sequences of max_model_len per pipeline lane
+    num_blocks: int | None = None  # None: sized on the rank (engine.kv_sizing)
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    device: str = "cpu"  # what was asked for; launch.device binds each rank's own
+    cache_seqs: int | None = None  # sequences per lane the default CPU cache holds (None: max_num_seqs)
 
-    def __post_init__(self):
-        if self.num_blocks == 0:
-            from atoll.parallel.layout import Layout
 
-            per_seq = -(-self.max_model_len // self.block_size)
-            object.__setattr__(self, "num_blocks", self.max_num_seqs * per_seq * Layout.parse(self.layout).pp)
+def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """--dtype if given; else the checkpoint's dtype on CUDA (bf16 for most), float32 on CPU."""
+    if requested is not None:
+        return DTYPES[requested]
+    if device.type != "cuda":
+        return torch.float32
+    raw = config.raw.get("torch_dtype") or config.raw.get("dtype") or "float32"
+    return DTYPES.get(str(raw).removeprefix("torch."), torch.float32)
 
 
 class ModelRunner:
     def __init__(self, spec: RunSpec, ctx: ParallelContext):
         self.spec, self.ctx = spec, ctx
-        self.dtype = DTYPES[spec.dtype]
+        self.device = ctx.device
         self.config = ModelConfig.load(spec.model_dir)
-        self.model = build_model(self.config, ctx, dtype=self.dtype).eval()
+        self.dtype = resolve_dtype(spec.dtype, self.config, self.device)
+        self.model = build_model(self.config, ctx, dtype=self.dtype, device=self.device).eval()
         self.checkpoint = Checkpoint(spec.model_dir)
-        load_weights(self.model, self.checkpoint)
-        cfg, tp = self.config, ctx.tp.size
-        kv_local = kv_heads_per_rank(cfg.num_key_value_heads, tp)
-        self.cache = KVCache(self.model.num_local_layers, spec.num_blocks, kv_local, spec.block_size,
-                             cfg.head_dim, self.dtype)
+        load_weights(self.model, self.checkpoint)  # each slice goes to the device as it is read
+        self.kv_heads = kv_heads_per_rank(self.config.num_key_value_heads, ctx.tp.size)
+        self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.block_size)
+        self.num_blocks = self._size_cache()
+        self.cache = KVCache(self.model.num_local_layers, self.num_blocks, self.kv_heads, spec.block_size,
+                             self.config.head_dim, self.dtype, device=self.device)
         lay = ctx.layout
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
@@ -58,17 +69,45 @@ class ModelRunner:
         self.packer = _packer(self.model, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.layout.world_size)))
         self.stats: dict = {}
 
+    def _size_cache(self) -> int:
+        """Blocks per rank, the same on every rank (engine.kv_sizing)."""
+        from atoll.engine import kv_sizing as kv
+
+        spec = self.spec
+        blocks = kv.explicit_blocks(bytes_per_block=self.bytes_per_block, kv_cache_gb=spec.kv_cache_gb,
+                                    num_blocks=spec.num_blocks)
+        if blocks is None and self.device.type == "cuda":
+            peak = kv.profile_activation_peak(self, spec.max_num_batched_tokens)
+            free, total = torch.cuda.mem_get_info(self.device)
+            blocks = kv.budget_blocks(total=total, utilization=spec.gpu_memory_utilization,
+                                      used_after_load=total - free, activation_peak=peak,
+                                      bytes_per_block=self.bytes_per_block)
+        elif blocks is None:
+            blocks = kv.cpu_blocks(block_size=spec.block_size, max_num_seqs=spec.cache_seqs or spec.max_num_seqs,
+                                   max_model_len=spec.max_model_len, lanes=self.ctx.layout.pp)
+        if self.ctx.layout.world_size > 1:  # every rank schedules the same blocks
+            t = torch.tensor([blocks], dtype=torch.long, device=self.device)
+            blocks = int(self.ctx.world.all_reduce(t, op="min")[0])
+        kv.check_fits(blocks, block_size=spec.block_size, max_model_len=spec.max_model_len)
+        if self.ctx.rank == 0:
+            import sys
+
+            print("atoll: " + kv.summary(blocks, block_size=spec.block_size, bytes_per_block=self.bytes_per_block,
+                                         max_model_len=spec.max_model_len), file=sys.stderr, flush=True)
+        return blocks
+
     def agree(self, busy: bool, mb):
         """With DP every replica ticks while any is busy and runs a micro-batch slot when any
         has one (the MoE layers need every replica): an empty one stands in. Returns (go, mb)."""
         if self.ctx.layout.dp == 1:
             return busy, mb
-        flags = self.ctx.world.all_reduce(torch.tensor([int(busy), int(mb is not None)]))
-        if flags[1] and mb is None:
+        flags = self.ctx.world.all_reduce(torch.tensor([int(busy), int(mb is not None)], device=self.device))
+        busy, some = flags.tolist()
+        if some and mb is None:
             from atoll.engine.lanes import MicroBatch
 
-            mb = MicroBatch.of([], self.spec.block_size)
-        return bool(flags[0]), mb
+            mb = MicroBatch.of([], self.spec.block_size, device=self.device)
+        return bool(busy), mb
 
     def start_run(self) -> None:
         self.stats = {"busy_s": 0.0, "ticks": 0, "worked": 0, "started": time.perf_counter()}
@@ -95,7 +134,7 @@ class ModelRunner:
             if ctx.is_first_stage:
                 x = mb.ids
             else:
-                x = ctx.pp.recv((len(mb.ids), self.config.hidden_size), self.dtype, src=stage - 1)
+                x = ctx.pp.recv((len(mb.ids), self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
             t0 = time.perf_counter()
             self.stats["worked"] += 1
             if self.packer is not None and mb.meta.is_decode:
@@ -112,10 +151,10 @@ class ModelRunner:
             return None
         seqs = len(done.chunks)
         if ctx.layout.dp == 1:
-            tokens = out if ctx.rank == self.sampler_rank else torch.empty(seqs, dtype=torch.long)
+            tokens = out if ctx.rank == self.sampler_rank else torch.empty(seqs, dtype=torch.long, device=self.device)
             return ctx.world.broadcast(tokens, src=self.sampler_rank)
         # each DP replica samples its own sequences; one all_reduce hands every rank its row
-        table = torch.zeros(ctx.layout.dp, self.spec.max_num_seqs, dtype=torch.long)
+        table = torch.zeros(ctx.layout.dp, self.spec.max_num_seqs, dtype=torch.long, device=self.device)
         if ctx.rank == self.sampler_rank and seqs:
             table[ctx.coords.dp, :seqs] = out
         return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]

@@ -39,26 +39,28 @@ class SamplingParams:
 
 @dataclass
 class SamplerState:
-    """Per-request generator, so a seed gives the same tokens whatever else is batched."""
+    """Per-request generator on the sampling rank's device, so a seed gives the same tokens
+    whatever else is batched (on a given device: CPU and CUDA streams differ)."""
 
     params: SamplingParams
+    device: str | torch.device = "cpu"
     generator: torch.Generator | None = field(default=None)
 
     def __post_init__(self):
         if not self.params.greedy:
-            self.generator = torch.Generator()
+            self.generator = torch.Generator(device=self.device)
             seed = self.params.seed
             self.generator.manual_seed(seed if seed is not None else torch.seed())
 
 
-def sample_one(logits: torch.Tensor, state: SamplerState) -> int:
-    """logits: [vocab] -> token id."""
+def sample_one(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """logits: [vocab] -> token id, a 0-d tensor on logits' device (no host sync)."""
     p = state.params
     if p.greedy:
-        return int(logits.argmax())
+        return logits.argmax()
     logits = logits.float() / p.temperature
     if p.top_k and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
+        kth = torch.topk(logits, p.top_k).values[-1]  # a 0-d tensor: no host sync
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
@@ -67,11 +69,11 @@ def sample_one(logits: torch.Tensor, state: SamplerState) -> int:
         drop = cum - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=state.generator))
+    return torch.multinomial(probs, 1, generator=state.generator)[0]
 
 
 def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
     """logits: [seqs, vocab] -> [seqs] token ids."""
     if all(s.params.greedy for s in states):
         return logits.argmax(-1)
-    return torch.tensor([sample_one(row, s) for row, s in zip(logits, states)])
+    return torch.stack([sample_one(row, s) for row, s in zip(logits, states)])

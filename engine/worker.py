@@ -12,8 +12,11 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
     """Build this rank's stage, run every request; rank 0 returns the results, others None.
     `progress`, if given, receives (requests done, tokens made) from rank 0 after each step
     (a multiprocessing queue from the local launcher, or any object with put())."""
+    from atoll.launch.device import rank_device
+
     layout = Layout.parse(spec.layout)
-    ctx = ParallelContext.create(layout, rank) if world_size > 1 else ParallelContext.single()
+    device = rank_device()  # bound by the launcher before any tensor or process group existed
+    ctx = ParallelContext.create(layout, rank, device) if world_size > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
     mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
     report = _scaled_reporter(progress, layout.dp) if progress is not None and rank == 0 else None

@@ -1,15 +1,16 @@
 """Generate across a Ray cluster: one Ray actor per rank, each TP group inside one node.
 
-On a cluster (the driver may run on the head node without GPUs):
+On a cluster (the driver may run on the head node without GPUs; each rank reserves one GPU
+and sees all of its node's, so the ranks of a node can use NVLink):
 
     ray start --head --port=6379 --num-gpus=0                 # head node
     ray start --address=HEAD_IP:6379                          # every GPU node
-    python examples/ray_cluster.py --address HEAD_IP:6379 --gpus \
+    python examples/ray_cluster.py --address HEAD_IP:6379 --device cuda \
         --model /models/Llama-3.1-70B-Instruct --layout TP8PP2 --prompt "Why is the sea salty?"
 
 On this machine only (Ray listens on 127.0.0.1; CPU ranks, gloo):
 
-    python examples/ray_cluster.py --model DIR --layout TP2PP2 --prompt-ids 5,7,9
+    python examples/ray_cluster.py --model DIR --layout TP2PP2 --device cpu --prompt-ids 5,7,9
 
 Each --prompt (text, needs the model's tokenizer.json) or --prompt-ids (token ids) is one
 request; results print as JSON lines.
@@ -21,6 +22,7 @@ import json
 from atoll.engine.llm import LLM
 from atoll.engine.sampling import SamplingParams
 from atoll.engine.worker import generate_worker
+from atoll.launch.device import DEVICES
 from atoll.launch.ray_launcher import run_ray
 
 
@@ -29,7 +31,8 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--layout", default="TP2PP2")
     p.add_argument("--address", default=None, help="Ray cluster address; none starts Ray here")
-    p.add_argument("--gpus", action="store_true", help="one GPU per rank (else CPU ranks)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="cuda: one GPU per rank; auto: that when the cluster has a GPU per rank, else cpu")
     p.add_argument("--prompt", action="append", default=[])
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids")
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -39,7 +42,7 @@ def main() -> None:
     llm = LLM(args.model, layout=args.layout)
     requests = llm.prepare(prompts, SamplingParams(max_tokens=args.max_new_tokens))
     results = run_ray(generate_worker, llm.layout.world_size, llm.spec(), requests,
-                      address=args.address, gpus_per_rank=1 if args.gpus else 0)[0]
+                      address=args.address, device=args.device)[0]
     for out in llm.finish(prompts, requests, results):
         print(json.dumps(out.to_json()))
 

@@ -27,7 +27,7 @@ ENV = "ATOLL_KERNELS"
 MODES = ("auto", "torch", "triton")
 # the modules holding @triton.jit functions; each records INTERPRETED at import
 TRITON_MODULES = tuple(f"atoll.kernels.triton_{m}" for m in ("moe_align", "grouped_gemm", "unpermute",
-                                                              "rms_norm", "rotary"))
+                                                              "rms_norm", "rotary", "paged_attention"))
 
 
 class KernelError(AtollError):

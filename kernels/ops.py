@@ -6,6 +6,8 @@ reference (backend.use_triton decides; ATOLL_KERNELS=torch forces the reference)
     unpermute_reduce(y [max_rows, N], align, *, weights=None) -> [T, N]
     rms_norm(x [..., H], weight [H], eps, *, residual=None) -> [..., H]
     rotary_(q [T, Hq, D], k [T, Hk, D], cos [T, D], sin [T, D]) -> None (in place)
+    paged_decode_attention(q [S, Hq, D], k_cache, v_cache [B, bs, Hk, D], block_tables [S, M],
+                           context_lens [S], *, scale=None, sliding_window=None) -> [S, Hq, D]
 
 Triton modules are imported inside the functions, on the Triton path only.
 """
@@ -117,3 +119,44 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     check(q.stride(2) == 1 and k.stride(2) == 1, "q and k need a contiguous head_dim axis for the Triton rotary")
     from atoll.kernels.triton_rotary import rotary_ as run
     run(q, k, cos if cos.stride(1) == 1 else cos.contiguous(), sin if sin.stride(1) == 1 else sin.contiguous())
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, *,
+                           scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """One decode query per sequence over its paged cache -> [seqs, heads, head_dim] in q's dtype.
+
+    q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim] (query
+    head h reads kv head h // (heads // kv_heads)); block_tables: [seqs, max_blocks] int32/int64,
+    the blocks of positions 0, bs, 2bs, ...; context_lens: [seqs] keys per sequence, the query's
+    own (already in the cache) included; 0 gives a row of zeros. scale: default head_dim**-0.5.
+    sliding_window: the query sees only the last sliding_window keys (None or 0: all), as
+    transformers' Mistral/Qwen2. Each table must cover its context: not checked (a device sync).
+    """
+    check(q.dim() == 3 and k_cache.dim() == 4,
+          f"q must be [seqs, heads, head_dim] and k_cache 4-D, got {q.dim()}-D and {k_cache.dim()}-D")
+    seqs, heads, dim = q.shape
+    check(v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)}")
+    check(k_cache.shape[3] == dim, f"the cache has head_dim={k_cache.shape[3]}, q has {dim}")
+    check(heads % k_cache.shape[2] == 0, f"kv_heads={k_cache.shape[2]} does not divide heads={heads}")
+    check(q.dtype in FLOATS and k_cache.dtype == v_cache.dtype == q.dtype,
+          f"q, k_cache and v_cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == seqs,
+          f"block_tables must be [seqs={seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    check(block_tables.dtype in (torch.int32, torch.int64),
+          f"block_tables must be int32 or int64, got {block_tables.dtype}")
+    check(context_lens.shape == (seqs,) and not context_lens.is_floating_point(),
+          f"context_lens must be [seqs={seqs}] integers, got {tuple(context_lens.shape)} {context_lens.dtype}")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    check(len(devices) == 1, f"all inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
+    check(sliding_window is None or sliding_window >= 0,
+          f"sliding_window={sliding_window} must be >= 0 or None (0: no window)")
+    scale = dim**-0.5 if scale is None else scale
+    if not use_triton(q, k_cache, v_cache, block_tables, context_lens):
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                                scale=scale, sliding_window=sliding_window)
+    from atoll.kernels.triton_paged_attention import paged_decode_attention as run
+    q, k_cache, v_cache, block_tables = (t if t.stride(-1) == 1 else t.contiguous()
+                                         for t in (q, k_cache, v_cache, block_tables))
+    return run(q, k_cache, v_cache, block_tables, context_lens.contiguous(), scale=scale,
+               sliding_window=sliding_window)

@@ -5,6 +5,9 @@ Precision: grouped_gemm and unpermute_reduce define the kernels' math (float32 a
 float32 epilogue, one rounding to the output dtype). rms_norm and rotary_ compute exactly what
 layers/norm.py and layers/rotary.py compute. fused_moe follows transformers' MixtralExperts
 (matmuls in the input dtype) but sums the top-k contributions in float32.
+paged_decode_attention computes what the decode branch of layers/attention.py's attend
+computes, in the input dtype (its kernel keeps float32 until one rounding: test it against
+the reference run on float32 copies).
 """
 
 from __future__ import annotations
@@ -133,3 +136,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
         y = F.linear(F.silu(gate) * up, w2[e])
         out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
     return out.to(x.dtype)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, *,
+                           scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """q: [seqs, heads, head_dim], one query per sequence at position context_lens - 1;
+    k_cache/v_cache: [blocks, block_size, kv_heads, head_dim]; block_tables: [seqs, max_blocks];
+    context_lens: [seqs] keys per sequence (the query's own included). The blocks up to the
+    longest context are gathered (index_select) and masked, as attend's decode branch does;
+    a sequence with no keys gives zeros."""
+    seqs, _, dim = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    ctx = context_lens.to(q.device, torch.long)
+    longest = int(ctx.max()) if seqs else 0
+    if longest == 0:
+        return torch.zeros_like(q)
+    blocks = -(-longest // bs)
+    ids = block_tables[:, :blocks].to(q.device, torch.long).reshape(-1)
+    # [seqs*blocks, block_size, kv_heads, head_dim] -> [seqs, kv_heads, blocks*block_size, head_dim]
+    k = k_cache.index_select(0, ids).view(seqs, blocks * bs, kv_heads, dim).transpose(1, 2)
+    v = v_cache.index_select(0, ids).view(seqs, blocks * bs, kv_heads, dim).transpose(1, 2)
+    keys = torch.arange(blocks * bs, device=q.device)
+    mask = keys[None, :] < ctx[:, None]  # [seqs, keys]
+    if sliding_window:
+        mask &= keys[None, :] > ctx[:, None] - 1 - sliding_window
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=q.shape[1] != kv_heads)[:, :, 0]
+    return out.masked_fill((ctx == 0)[:, None, None], 0.0)  # an all-masked row: 0, whatever the backend

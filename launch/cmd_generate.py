@@ -13,13 +13,9 @@ def add_model_options(p) -> None:
                    help="attention data parallel replicas inside a stage (MoE models)")
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=None, metavar="N")
     p.add_argument("--layout", default=None, help="e.g. TP2PP2, DP2EP2 (instead of -tp/-pp/-dp/-ep)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences per micro-batch (under PP, pp micro-batches are in flight)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per micro-batch")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per rank (default: from free memory)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks per rank (instead of --kv-cache-gb)")
+    from atoll.engine.config import add_cli_options
+
+    add_cli_options(p)
 
 
 def add_sampling_options(p) -> None:
@@ -57,14 +53,14 @@ def sampling_params(args):
 
 
 def make_llm(args, model_dir):
+    from dataclasses import asdict
+
+    from atoll.engine.config import from_args
     from atoll.engine.llm import LLM
 
     return LLM(model_dir, layout=args.layout, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
-               expert_parallel_size=args.expert_parallel_size, dtype=args.dtype,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-               kv_cache_gb=args.kv_cache_gb, num_blocks=args.num_blocks)
+               expert_parallel_size=args.expert_parallel_size, **asdict(from_args(args)))
 
 
 def run(args) -> int:
@@ -86,8 +82,9 @@ def run(args) -> int:
               file=sys.stderr)
     bar, progress = _progress(launcher, len(requests), enabled=not args.no_progress)
     try:
-        reports, results = launch(generate_worker, llm.layout.world_size, llm.spec(), requests,
-                                  launcher=launcher, ray_address=args.ray_address, progress=progress)
+        spec = llm.spec(requests)
+        reports, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
+                                  ray_address=args.ray_address, device=spec.device, progress=progress)
     except AtollError as e:
         # nothing is lost silently: every request is listed, failed, with the cause
         write_jsonl([{"id": _rid(p, i), "error": str(e)} for i, p in enumerate(prompts)] + failures, args.output)

@@ -23,26 +23,27 @@ def detect() -> str:
 
 
 def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str | None = None,
-           gpus_per_rank: float = 0, placement=None, **kwargs) -> tuple[bool, object]:
-    """(this process reports, rank 0's value). Under torchrun/mpi only rank 0 reports."""
+           device: str = "cpu", placement=None, **kwargs) -> tuple[bool, object]:
+    """(this process reports, rank 0's value). Under torchrun/mpi only rank 0 reports.
+    device: auto, cuda or cpu, resolved per rank by launch.device."""
     if launcher not in LAUNCHERS:
         raise InputError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     name = detect() if launcher == "auto" else launcher
     if name == "local":
         from atoll.launch.local import run_local
 
-        return True, run_local(fn, world_size, *args, **kwargs)[0]
+        return True, run_local(fn, world_size, *args, device=device, **kwargs)[0]
     if name == "ray":
         from atoll.launch.ray_launcher import run_ray
 
-        return True, run_ray(fn, world_size, *args, address=ray_address, gpus_per_rank=gpus_per_rank,
+        return True, run_ray(fn, world_size, *args, address=ray_address, device=device,
                              placement=placement, **kwargs)[0]
     if name == "torchrun":
         from atoll.launch.torchrun import run_torchrun
 
-        rank, value = run_torchrun(fn, world_size, *args, **kwargs)
+        rank, value = run_torchrun(fn, world_size, *args, device=device, **kwargs)
     else:
         from atoll.launch.mpi_launcher import run_mpi
 
-        rank, value = run_mpi(fn, world_size, *args, **kwargs)
+        rank, value = run_mpi(fn, world_size, *args, device=device, **kwargs)
     return rank == 0, value

@@ -27,9 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(rank: int, world_size: int, addr: str, port: int, *, backend: str = "gloo",
-                     timeout_s: float = 600.0) -> None:
-    """Join the process group; rank 0 serves the rendezvous store on addr:port only."""
+def init_distributed(rank: int, world_size: int, addr: str, port: int, *, device: str = "cpu",
+                     timeout_s: float = 600.0) -> str:
+    """Bind `device` and join the process group (its backend follows the device); rank 0
+    serves the rendezvous store on addr:port only. Returns the device."""
     from atoll.launch.net import pin_interface, rendezvous
 
     pin_interface(addr)  # gloo's own sockets on the same interface (lo for 127.0.0.1)
@@ -39,7 +40,8 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, *, backen
         listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listen.bind((addr, port))
         listen.listen(1024)
-    rendezvous(rank, world_size, addr, port, backend=backend, listen=listen, timeout_s=timeout_s)
+    return rendezvous(rank, world_size, addr, port, device=device, requested=device, listen=listen,
+                      timeout_s=timeout_s)
 
 
 def _describe_exit(code: int) -> str:
@@ -51,13 +53,17 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _entry(fn, rank, world_size, port, results, threads, args, kwargs):
+def _entry(fn, rank, world_size, port, results, threads, device, args, kwargs):
     import torch
 
     torch.set_num_threads(threads)
     try:
         if world_size > 1:
-            init_distributed(rank, world_size, "127.0.0.1", port)
+            init_distributed(rank, world_size, "127.0.0.1", port, device=device)
+        else:
+            from atoll.launch.device import bind
+
+            bind(device)
         value = fn(rank, world_size, *args, **kwargs)
         # plain pickle copies tensors by value; the queue's own pickler would share them
         # through file descriptors that vanish when this process exits
@@ -75,22 +81,39 @@ def _entry(fn, rank, world_size, port, results, threads, args, kwargs):
     os._exit(0)  # skip process-group teardown, which can block if a peer already left
 
 
+def local_devices(requested: str, world_size: int, gpus: int | None = None) -> list[str]:
+    """Each local rank's device: rank r on cuda:r when this machine shows a GPU per rank.
+    More ranks than GPUs is an error unless the device is cpu (auto with no GPU is cpu)."""
+    from atoll.launch.device import DeviceError, agree, check_requested, decide, visible_gpus
+
+    check_requested(requested)
+    if requested == "cpu":
+        return ["cpu"] * world_size
+    gpus = visible_gpus() if gpus is None else gpus
+    if 0 < gpus < world_size:
+        raise DeviceError(f"{world_size} ranks need {world_size} GPUs but this machine shows {gpus}: "
+                          f"use a layout of at most {gpus} ranks, more nodes, or --device cpu")
+    return agree([decide(requested, r, gpus=gpus) for r in range(world_size)], requested)
+
+
 def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
-              threads: int | None = None, **kwargs) -> list:
+              threads: int | None = None, device: str = "cpu", **kwargs) -> list:
     """Run fn(rank, world_size, *args, **kwargs) in world_size processes; return their values.
 
-    fn must be importable (module level). Raises RankFailure naming the first rank that
-    raised or died, after ending every other rank.
+    device: "cpu", "cuda" or "auto" (launch.device); each rank binds its device before its
+    process group exists. fn must be importable (module level). Raises RankFailure naming the
+    first rank that raised or died, after ending every other rank.
     """
     import multiprocessing as mp
 
+    devices = local_devices(device, world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(fn, r, world_size, port, results, threads, args, kwargs))
+                         args=(fn, r, world_size, port, results, threads, devices[r], args, kwargs))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -64,7 +64,7 @@ def _master_address(comm) -> str:
 
 
 def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: float = 600.0,
-            **kwargs):
+            device: str = "cpu", **kwargs):
     """Join the MPI job, rendezvous torch.distributed, run fn(rank, world_size, *args, **kwargs).
 
     Returns (rank, value) on every rank. When fn raises on a rank, that rank prints
@@ -85,7 +85,7 @@ def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
     host = socket.gethostname()
     try:
-        value = _run(comm, fn, rank, size, local_rank, args, kwargs, timeout_s)
+        value = _run(comm, fn, rank, size, local_rank, device, args, kwargs, timeout_s)
     except BaseException as e:
         from atoll.errors import AtollError
 
@@ -101,13 +101,15 @@ def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: 
     return rank, value
 
 
-def _run(comm, fn, rank, size, local_rank, args, kwargs, timeout_s):
-    import torch
+def _run(comm, fn, rank, size, local_rank, requested, args, kwargs, timeout_s):
     import torch.distributed as dist
 
+    from atoll.launch.device import bind, decide
     from atoll.launch.net import listen_socket, pin_interface, rendezvous, route_ip_to
 
+    device = decide(requested, local_rank)  # MPI's own view of the node, not an env variable
     if size == 1:
+        bind(device)
         return fn(rank, size, *args, **kwargs)
     addr = _master_address(comm)
     listen = None
@@ -119,11 +121,8 @@ def _run(comm, fn, rank, size, local_rank, args, kwargs, timeout_s):
     target = comm.bcast(target, root=0)
     addr, port = target.rsplit(":", 1)
     pin_interface("127.0.0.1" if addr.startswith("127.") else route_ip_to(addr))
-    backend = "gloo"
-    if torch.cuda.is_available():
-        backend = "nccl"
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    rendezvous(rank, size, addr, int(port), backend=backend, listen=listen, timeout_s=timeout_s)
+    rendezvous(rank, size, addr, int(port), device=device, requested=requested, listen=listen,
+               timeout_s=timeout_s)
     value = fn(rank, size, *args, **kwargs)
     dist.destroy_process_group()  # only after success: a failed rank aborts the job instead
     return value

@@ -60,10 +60,12 @@ def listen_socket(ip: str) -> socket.socket:
     return s
 
 
-def rendezvous(rank: int, world_size: int, addr: str, port: int, *, backend: str = "gloo",
-               listen: socket.socket | None = None, arrive_timeout_s: float = 120.0,
-               timeout_s: float = 600.0) -> None:
-    """init_process_group over a TCPStore served by rank 0 on addr:port.
+def rendezvous(rank: int, world_size: int, addr: str, port: int, *, device: str = "cpu",
+               requested: str = "cpu", listen: socket.socket | None = None,
+               arrive_timeout_s: float = 120.0, timeout_s: float = 600.0) -> str:
+    """Agree on the device, bind it, then init_process_group over a TCPStore served by rank 0
+    on addr:port; returns this rank's final device (launch.device: `auto` is CUDA only when
+    every rank chose CUDA; the backend follows the device).
 
     Rank 0 passes `listen` (from listen_socket) so the store listens on that address only;
     torch's own tcp:// rendezvous listens on every interface. Rank 0 then waits for every
@@ -74,6 +76,7 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, *, backend: str
     import torch.distributed as dist
 
     from atoll.errors import LaunchError
+    from atoll.launch.device import agree_through_store, backend_for, bind
 
     fd = listen.detach() if (rank == 0 and listen is not None) else None
     store = dist.TCPStore(addr, port, world_size, rank == 0, timedelta(seconds=timeout_s),
@@ -91,5 +94,7 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, *, backend: str
                                   f"within {arrive_timeout_s:.0f}s")
             if missing:
                 time.sleep(0.05)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+    device = bind(agree_through_store(store, rank, world_size, device, requested))
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    return device

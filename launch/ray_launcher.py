@@ -1,15 +1,20 @@
 """Run one Ray actor per rank across a Ray cluster and collect results.
 
 Ranks are grouped by node: by `placement.node_of(rank)` when a placement is given, else in
-consecutive chunks (`ranks_per_node`, or as many ranks as the largest node has GPUs for).
+consecutive chunks (`ranks_per_node`, or as many ranks as the largest node has room for).
 Each group gets its own placement group with STRICT_PACK, so a group (and so every TP group
 inside it) lands on one node. One placement group for all ranks cannot say this: STRICT_PACK
 would need one node for everything, PACK may split a TP group when a node is short, SPREAD
 splits it on purpose. Each group's reservation is atomic; if they are not all ready in time,
 all are released and the error names what the cluster has.
 
-Nothing is pinned to the driver's node (no `node:IP` resources), so the driver may sit on a
-node without GPUs. Rank 0's actor picks the rendezvous address (its node IP and a free port);
+Devices (launch.device): with device "cuda", or "auto" when the cluster has a GPU per rank,
+each rank's actor reserves one GPU (bundles {"CPU": cpus_per_rank, "GPU": 1}); the driver
+reserves nothing and may sit on a node without GPUs (nothing is pinned to its node). Ray is
+told not to narrow CUDA_VISIBLE_DEVICES, so an actor sees every GPU of its node, and NCCL can
+use peer access (NVLink) between the ranks of a node, which it cannot when each rank sees only
+its own GPU; the actor computes on the GPU Ray assigned it (`gpu_index`), so two jobs sharing a
+node stay apart. Rank 0's actor picks the rendezvous address (its node IP and a free port);
 every actor pins gloo/NCCL to the interface holding its own node IP.
 
 As with run_local, the first rank that raises or whose actor dies ends the job within
@@ -28,6 +33,9 @@ import traceback
 from atoll.errors import LaunchError, RankFailure
 
 _POLL_S = 0.2
+# Ray's switch (ray/_private/accelerators/nvidia_gpu.py) to leave CUDA_VISIBLE_DEVICES alone
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+GPU_INDEX_VAR = "ATOLL_GPU_INDEX"  # set in each GPU rank's actor: the CUDA index it computes on
 _GRACE_S = 2.0  # after a rank raises, how long to look for a dead actor, the likelier root cause
 
 
@@ -57,28 +65,54 @@ class _RankActor:
         self._listen = listen_socket(ip)
         return ip, self._listen.getsockname()[1]
 
-    def run(self, fn, rank, world_size, addr, port, use_gpu, args, kwargs):
+    def run(self, fn, rank, world_size, addr, port, requested, local_rank, args, kwargs):
+        """requested: the job's device, or "cpu" when the job reserved no GPU."""
         try:
             import ray
             import torch
 
+            from atoll.launch.device import bind, decide
             from atoll.launch.net import pin_interface, rendezvous
 
             torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
-            backend = "gloo"
-            if use_gpu and torch.cuda.is_available():
-                backend = "nccl"
-                torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPUs
+            index = None
+            if requested != "cpu":  # this actor holds one GPU; it sees all of its node's
+                index = gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+                os.environ[GPU_INDEX_VAR] = str(index)
+            device = decide(requested, local_rank, index=index)
             if world_size > 1:
                 pin_interface(ray.util.get_node_ip_address())
-                rendezvous(rank, world_size, addr, port, backend=backend,
+                rendezvous(rank, world_size, addr, port, device=device, requested=requested,
                            listen=getattr(self, "_listen", None))
+            else:
+                bind(device)
             return ("ok", fn(rank, world_size, *args, **kwargs))
         except BaseException as e:  # report to the driver; the driver kills every actor
             from atoll.errors import AtollError
 
             line = str(e) if isinstance(e, AtollError) else f"{type(e).__name__}: {e}"
             return ("error", line, traceback.format_exc())
+
+
+def gpu_index(assigned_ids, cuda_visible_devices: str | None) -> int:
+    """The CUDA index, among the devices this actor sees, of the one GPU Ray assigned it.
+
+    assigned_ids: ray.get_gpu_ids(), which are the node's CUDA_VISIBLE_DEVICES entries when
+    the node set that variable, else indices into the node's GPUs. cuda_visible_devices: this
+    actor's CUDA_VISIBLE_DEVICES (left as the node's, since Ray was told not to narrow it).
+    """
+    from atoll.launch.device import DeviceError
+
+    ids = [str(i).strip() for i in assigned_ids]
+    if len(ids) != 1:
+        raise DeviceError(f"expected Ray to assign this rank one GPU, got {ids or 'none'}")
+    if cuda_visible_devices is None:
+        return int(ids[0])
+    visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
+    if ids[0] not in visible:
+        raise DeviceError(f"Ray assigned GPU {ids[0]} but CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} "
+                          f"does not list it")
+    return visible.index(ids[0])
 
 
 def node_groups(world_size: int, placement=None, ranks_per_node: int | None = None) -> list[list[int]]:
@@ -162,11 +196,31 @@ def _node_names(ray) -> dict[str, str]:
             for n in ray.nodes() if n.get("Alive")}
 
 
-def _check_resources(ray, groups: list[list[int]], gpus_per_rank: float) -> None:
+def _alive_resources(ray) -> list[dict]:
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+
+
+def _gpus_per_rank(ray, device: str, world_size: int) -> int:
+    """1 for cuda; for auto, 1 when the alive nodes hold a GPU per rank, else 0 (CPU ranks)."""
+    if device == "cpu":
+        return 0
+    if device == "cuda":
+        return 1
+    return int(sum(n.get("GPU", 0) for n in _alive_resources(ray)) >= world_size)
+
+
+def _ranks_per_node(ray, gpus_per_rank: int, cpus_per_rank: float) -> int:
+    """As many ranks as the largest node has room for (GPUs when reserving them, else CPUs)."""
+    kind, per_rank = ("GPU", gpus_per_rank) if gpus_per_rank else ("CPU", cpus_per_rank)
+    most = max((n.get(kind, 0) for n in _alive_resources(ray)), default=0)
+    return max(1, int(most // per_rank))
+
+
+def _check_resources(ray, groups: list[list[int]], bundle: dict) -> None:
     """Refuse what the cluster can never hold, instead of waiting for a placement group."""
     world = sum(len(g) for g in groups)
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    for kind, per_rank in (("GPU", gpus_per_rank), ("CPU", 1)):
+    nodes = _alive_resources(ray)
+    for kind, per_rank in (("GPU", bundle.get("GPU", 0)), ("CPU", bundle["CPU"])):
         if not per_rank:
             continue
         total = sum(n.get(kind, 0) for n in nodes)
@@ -180,10 +234,9 @@ def _check_resources(ray, groups: list[list[int]], gpus_per_rank: float) -> None
                               f"but the largest Ray node has {biggest:g}")
 
 
-def _reserve(ray, groups, gpus_per_rank: float, ready_timeout_s: float) -> list:
+def _reserve(ray, groups, bundle: dict, ready_timeout_s: float) -> list:
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundle = {"CPU": 1, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
     pgs = [placement_group([dict(bundle) for _ in g], strategy="STRICT_PACK", name=f"atoll-{_span(g)}")
            for g in groups]
     ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=ready_timeout_s)
@@ -209,30 +262,39 @@ def _death_cause(err) -> str:
     return ": ".join(parts[:2]) + (f" ({parts[2]})" if len(parts) > 2 else "")
 
 
-def run_ray(fn, world_size: int, *args, address: str | None = None, gpus_per_rank: float = 0,
+def run_ray(fn, world_size: int, *args, address: str | None = None, device: str = "cpu",
             timeout_s: float | None = None, placement=None, ranks_per_node: int | None = None,
-            ready_timeout_s: float = 60.0, **kwargs) -> list:
+            cpus_per_rank: float = 1, ready_timeout_s: float = 60.0, **kwargs) -> list:
     """Run fn(rank, world_size, *args, **kwargs) in one Ray actor per rank; return their values.
 
     address: a Ray cluster ("host:port", "ray://host:port", "auto"); None starts Ray on this
     machine only, listening on 127.0.0.1. If Ray is already initialised it is used as is.
+    device: "cuda" (one GPU per rank), "auto" (one GPU per rank when the cluster has that many,
+    CUDA only if every rank's torch sees its GPU) or "cpu" (no GPU reserved).
     Raises RankFailure naming the first rank that raised or died, after killing every actor.
     """
+    from atoll.launch.device import check_requested
+
+    check_requested(device)
     ray = _import_ray()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     started = _connect(ray, address, world_size)
     pgs, actors = [], []
     try:
-        if placement is None and ranks_per_node is None and gpus_per_rank:
-            most = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
-            ranks_per_node = max(1, int(most // gpus_per_rank))
+        gpus = _gpus_per_rank(ray, device, world_size)
+        requested = device if gpus else "cpu"  # auto without a GPU each: CPU ranks
+        if placement is None and ranks_per_node is None:
+            ranks_per_node = _ranks_per_node(ray, gpus, cpus_per_rank)
         groups = node_groups(world_size, placement, ranks_per_node)
-        _check_resources(ray, groups, gpus_per_rank)
-        pgs = _reserve(ray, groups, gpus_per_rank, ready_timeout_s)
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        _check_resources(ray, groups, bundle)
+        pgs = _reserve(ray, groups, bundle, ready_timeout_s)
         names = _node_names(ray)
         actor_cls = ray.remote(_RankActor)
-        slot: dict[int, tuple] = {}  # rank -> (placement group, bundle index)
+        # each actor sees its node's GPUs; launch.device picks Ray's assignment among them
+        runtime_env = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}} if gpus else None
+        slot: dict[int, tuple] = {}  # rank -> (placement group, bundle index = local rank)
         for pg, g in zip(pgs, groups):
             for i, r in enumerate(g):
                 slot[r] = (pg, i)
@@ -242,12 +304,12 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, gpus_per_ran
             bundle_node = ray.util.placement_group_table(pg)["bundles_to_node_id"].get(i)
             node_of[r] = names.get(bundle_node, bundle_node)
             actors.append(actor_cls.options(
-                num_cpus=1, num_gpus=gpus_per_rank, max_restarts=0,
+                num_cpus=cpus_per_rank, num_gpus=gpus, max_restarts=0, runtime_env=runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i)).remote())
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         addr, port = _first(ray, actors[0].rendezvous.remote(), node_of, deadline)
-        refs = {a.run.remote(fn, r, world_size, addr, port, bool(gpus_per_rank), args, kwargs): r
+        refs = {a.run.remote(fn, r, world_size, addr, port, requested, slot[r][1], args, kwargs): r
                 for r, a in enumerate(actors)}
         return _collect(ray, refs, node_of, deadline, timeout_s)
     finally:

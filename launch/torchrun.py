@@ -11,17 +11,25 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_torchrun(fn, world_size: int, *args, **kwargs):
-    """Join the process group torchrun prepared and run fn(rank, world_size, *args) here."""
-    import torch
+def run_torchrun(fn, world_size: int, *args, device: str = "cpu", **kwargs):
+    """Join the process group torchrun prepared and run fn(rank, world_size, *args) here.
+    The device follows launch.device from LOCAL_RANK, agreed with every rank through
+    torchrun's rendezvous store before the process group (and its backend) exists."""
     import torch.distributed as dist
+
+    from atoll.launch.device import agree_through_store, backend_for, bind, decide, local_rank_from_env
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != world_size:
         raise LayoutError(f"the layout needs {world_size} ranks but torchrun started {world}")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    chosen = decide(device, local_rank_from_env())
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+        # the store env:// init would make (torchrun's agent store, or one served by rank 0)
+        store, _, _ = next(dist.rendezvous("env://", rank, world))
+        chosen = bind(agree_through_store(store, rank, world, chosen, device))
+        dist.init_process_group(backend_for(chosen), store=store, rank=rank, world_size=world)
+    else:
+        bind(chosen)
     try:
         return rank, fn(rank, world, *args, **kwargs)
     finally:

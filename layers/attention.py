@@ -13,31 +13,49 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from atoll.kernels.backend import use_triton
+
 
 @dataclass
 class AttentionMetadata:
+    """One step's positions and cache addresses, built once on the host from the scheduler's
+    lists and copied to the rank's device in one go per tensor; the host lists stay for
+    lengths, so no layer reads a device tensor back."""
+
     block_tables: torch.Tensor  # [seqs, max blocks] block ids, padded with 0
     starts: torch.Tensor  # [seqs] tokens already in the cache before this step
     query_lens: list[int]  # new tokens per sequence, summing to the step's tokens
     positions: torch.Tensor  # [tokens] position of each token
     block_size: int
+    start_list: list[int] = field(default_factory=list)  # starts, on the host
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (block, offset) of every new token
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per step, shared by all layers
 
     @classmethod
     def build(cls, block_tables: list[list[int]], starts: list[int], query_lens: list[int],
-              block_size: int) -> "AttentionMetadata":
-        positions = [torch.arange(s, s + n) for s, n in zip(starts, query_lens)]
-        positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+              block_size: int, *, device="cpu") -> "AttentionMetadata":
+        positions, blocks, offsets = [], [], []
+        for table, s, n in zip(block_tables, starts, query_lens):
+            for p in range(s, s + n):
+                positions.append(p)
+                blocks.append(table[p // block_size])
+                offsets.append(p % block_size)
         width = max((len(t) for t in block_tables), default=0)
-        tables = torch.zeros(len(block_tables), width, dtype=torch.long)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        return cls(tables, torch.tensor(starts, dtype=torch.long), list(query_lens), positions, block_size)
+        rows = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        long = dict(dtype=torch.long, device=device)
+        tables = torch.tensor(rows, **long).view(len(rows), width)
+        slots = (torch.tensor(blocks, **long), torch.tensor(offsets, **long))
+        return cls(tables, torch.tensor(list(starts), **long), list(query_lens), torch.tensor(positions, **long),
+                   block_size, list(starts), slots)
 
     @classmethod
-    def contiguous(cls, slots: list[int], starts: list[int], query_lens: list[int], max_len: int):
+    def contiguous(cls, slots: list[int], starts: list[int], query_lens: list[int], max_len: int, *, device="cpu"):
         """One block of max_len per sequence: slot i is block i."""
-        return cls.build([[s] for s in slots], starts, query_lens, max_len)
+        return cls.build([[s] for s in slots], starts, query_lens, max_len, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
 
     @property
     def is_decode(self) -> bool:
@@ -45,20 +63,31 @@ class AttentionMetadata:
 
     def token_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) in the cache of every token of the step."""
-        if "blocks" not in self._memo:
-            seq = torch.repeat_interleave(torch.arange(len(self.query_lens)),
-                                          torch.tensor(self.query_lens, dtype=torch.long))
-            self._memo["blocks"] = (self.block_tables[seq, self.positions // self.block_size],
-                                    self.positions % self.block_size)
-        return self._memo["blocks"]
+        return self.slots
+
+    def last_tokens(self) -> torch.Tensor:
+        """[seqs] index of each sequence's last new token in the step's flat batch."""
+        if "last" not in self._memo:
+            ends, total = [], 0
+            for n in self.query_lens:
+                total += n
+                ends.append(total - 1)
+            self._memo["last"] = torch.tensor(ends, dtype=torch.long, device=self.device)
+        return self._memo["last"]
+
+    def context_lens(self) -> torch.Tensor:
+        """[seqs] keys each decoding sequence attends to, its new token included."""
+        if "context" not in self._memo:
+            self._memo["context"] = self.starts + 1
+        return self._memo["context"]
 
     def decode_keys(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables cut to the longest context, key mask [seqs, keys]) of a decode step."""
         key = ("decode", sliding_window)
         if key not in self._memo:
-            ctx = self.starts + 1  # [seqs]
-            blocks = -(-int(ctx.max()) // self.block_size)
-            keys = torch.arange(blocks * self.block_size)
+            ctx = self.context_lens()  # [seqs]
+            blocks = -(-(max(self.start_list) + 1) // self.block_size)
+            keys = torch.arange(blocks * self.block_size, device=self.device)
             mask = keys[None, :] < ctx[:, None]
             if sliding_window:
                 mask &= keys[None, :] > (ctx[:, None] - 1 - sliding_window)
@@ -70,10 +99,11 @@ class KVCache:
     """One stage's paged cache: per layer k and v of [blocks, block_size, kv_heads, head_dim]
     (a block's tokens side by side, so gathered blocks are one sequence's keys in order)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype):
+    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype,
+                 *, device="cpu"):
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
 
     @property
@@ -103,6 +133,11 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
     gqa = heads != kv_heads
     if not meta.query_lens:  # an idle DP replica still runs the layer (its MoE joins the collectives)
         return q
+    if meta.is_decode and use_triton(q, k_cache):  # reads the paged cache in place
+        from atoll.kernels.ops import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens(),
+                                      sliding_window=sliding_window)
     if meta.is_decode:
         tables, mask = meta.decode_keys(sliding_window)
         k = _gather(k_cache, tables)  # [seqs, kv_heads, length, head_dim]
@@ -110,14 +145,14 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
         out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=gqa)
         return out[:, :, 0]
     outs, offset = [], 0
-    for i, (start, n) in enumerate(zip(meta.starts.tolist(), meta.query_lens)):
+    for i, (start, n) in enumerate(zip(meta.start_list, meta.query_lens)):
         length = start + n
         blocks = -(-length // meta.block_size)
         qs = q[offset:offset + n].transpose(0, 1)[None]  # [1, heads, n, head_dim]
         k = _gather(k_cache, meta.block_tables[i:i + 1, :blocks])[:, :, :length]
         v = _gather(v_cache, meta.block_tables[i:i + 1, :blocks])[:, :, :length]
-        pos = torch.arange(start, length)[:, None]
-        keys = torch.arange(length)[None, :]
+        pos = torch.arange(start, length, device=q.device)[:, None]
+        keys = torch.arange(length, device=q.device)[None, :]
         mask = keys <= pos
         if sliding_window:
             mask &= keys > pos - sliding_window

@@ -96,7 +96,8 @@ class SparseMoE(nn.Module):
         else:
             counts = row_counts(ctx.dp, len(x))
             stage_x = all_gather_rows(ctx.dp, x, counts)  # [stage tokens, hidden]
-            chunks = [len(c) for c in torch.arange(len(stage_x)).tensor_split(ctx.ep.size)]
+            per, extra = divmod(len(stage_x), ctx.ep.size)  # torch.tensor_split's sizes
+            chunks = [per + (r < extra) for r in range(ctx.ep.size)]
             start = sum(chunks[: ctx.ep.rank])
             xs = stage_x[start:start + chunks[ctx.ep.rank]]  # this ep rank's share
         ids, weights = self.gate(xs)

@@ -15,7 +15,7 @@ SCALING_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _default(dim: int, base: float) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
 
 def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
@@ -54,8 +54,8 @@ def _yarn(dim: int, base: float, s: dict, max_pos: int) -> tuple[torch.Tensor, f
     lo, hi = max(lo, 0), min(hi, dim - 1)
     if lo == hi:
         hi += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extra = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
     return inv, float(attn)
@@ -80,7 +80,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: float, scaling: dict | None = None, max_pos: int = 4096):
         super().__init__()
         inv, self.attention_scaling = rope_frequencies(head_dim, base, scaling, max_pos)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        # computed on the CPU as transformers does, then placed on the device being built on
+        self.register_buffer("inv_freq", inv.to(torch.get_default_device()), persistent=False)
         self._memo = None  # (positions, dtype, cos, sin) of the step the layers are in
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,13 +5,18 @@ from atoll.models.config import DENSE_TYPES, SUPPORTED, ModelConfig
 RUNNABLE = DENSE_TYPES + ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def build_model(config: ModelConfig, ctx, *, dtype=None):
-    """This rank's part of the model, parameters allocated but not loaded."""
+def build_model(config: ModelConfig, ctx, *, dtype=None, device=None):
+    """This rank's part of the model on `device` (default: ctx.device), parameters allocated
+    there but not loaded."""
     import torch
 
+    with torch.device(device or ctx.device):
+        return _build(config, ctx, dtype or torch.float32)
+
+
+def _build(config: ModelConfig, ctx, dtype):
     from atoll.errors import ConfigError
 
-    dtype = dtype or torch.float32
     if config.model_type in DENSE_TYPES:
         from atoll.models.llama import LlamaForCausalLM
 

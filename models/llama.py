@@ -113,8 +113,7 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, meta, cache.k[j], cache.v[j])
         if not self.ctx.is_last_stage:
             return h
-        last = torch.tensor(meta.query_lens, dtype=torch.long).cumsum(0) - 1
-        return self.lm_head(self.model.norm(h[last]))
+        return self.lm_head(self.model.norm(h[meta.last_tokens()]))
 
     def checkpoint_targets(self, name: str) -> list[tuple[str, object]]:
         return dense_targets(name, tied=self.config.tie_word_embeddings)

@@ -59,19 +59,20 @@ def coords(layout: Layout, rank: int) -> Coords:
 class ParallelContext:
     """Built once per process; holds this rank's named Groups and its coordinates."""
 
-    def __init__(self, layout: Layout, rank: int, groups: dict[str, Group]):
+    def __init__(self, layout: Layout, rank: int, groups: dict[str, Group], device="cpu"):
         self.layout = layout
         self.rank = rank
         self.groups = groups
         self.coords = coords(layout, rank)
+        self.device = torch.device(device)  # this rank's device (launch.device bound it)
 
     @classmethod
-    def single(cls) -> "ParallelContext":
+    def single(cls, device="cpu") -> "ParallelContext":
         """One process, no torch.distributed."""
-        return cls(Layout(), 0, {k: Group.single(k) for k in KINDS})
+        return cls(Layout(), 0, {k: Group.single(k, device) for k in KINDS}, device)
 
     @classmethod
-    def create(cls, layout: Layout, rank: int) -> "ParallelContext":
+    def create(cls, layout: Layout, rank: int, device="cpu") -> "ParallelContext":
         """Make every group; all ranks must call this together (new_group is collective)."""
         import torch.distributed as dist
 
@@ -85,8 +86,8 @@ class ParallelContext:
                 else:
                     pg = dist.new_group(ranks)
                 if rank in ranks:
-                    groups[kind] = Group(pg, ranks, rank, kind)
-        return cls(layout, rank, groups)
+                    groups[kind] = Group(pg, ranks, rank, kind, device)
+        return cls(layout, rank, groups, device)
 
     tp = property(lambda self: self.groups["tp"])
     dp = property(lambda self: self.groups["dp"])

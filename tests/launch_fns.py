@@ -124,3 +124,26 @@ def generate_where(rank: int, world_size: int, spec, requests):
     from atoll.engine.worker import generate_worker
 
     return where(), generate_worker(rank, world_size, spec, requests)
+
+
+def device_report(rank: int, world_size: int) -> dict:
+    """What a Ray rank holds and sees, with every rank's reservation in place; rank 0 adds
+    the job's placement-group bundles and the cluster's free GPUs at that moment."""
+    import ray
+    import torch.distributed as dist
+
+    from atoll.launch.device import rank_device
+
+    dist.barrier()  # every rank's actor is up and holds its share
+    out = {"rank": rank, "node": where(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "assigned": ray.get_runtime_context().get_assigned_resources(),
+           "gpu_index": os.environ.get("ATOLL_GPU_INDEX"),
+           "device": rank_device(), "backend": dist.get_backend()}
+    if rank == 0:
+        pgs = [pg for pg in ray.util.placement_group_table().values()
+               if pg["name"].startswith("atoll-") and pg["state"] == "CREATED"]
+        out["bundles"] = [b for pg in pgs for b in pg["bundles"].values()]
+        out["free_gpus"] = ray.available_resources().get("GPU", 0)
+    dist.barrier()
+    return out

@@ -12,10 +12,11 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray launcher tests need `pip install ray`")
 
-from launch_fns import collective, die_on_rank, raise_on_rank  # noqa: E402
+from launch_fns import collective, device_report, die_on_rank, raise_on_rank  # noqa: E402
 
 from atoll.errors import LaunchError, RankFailure  # noqa: E402
-from atoll.launch.ray_launcher import loopback_only, node_groups, run_ray  # noqa: E402
+from atoll.launch.device import DeviceError  # noqa: E402
+from atoll.launch.ray_launcher import gpu_index, loopback_only, node_groups, run_ray  # noqa: E402
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(300)
@@ -71,8 +72,22 @@ def test_node_groups():
     assert node_groups(4, Interleaved()) == [[0, 2], [1, 3]]
 
 
+def test_gpu_index():
+    """Ray's assigned id -> CUDA index among the devices the actor sees (all its node's)."""
+    assert gpu_index([1], None) == 1  # no CUDA_VISIBLE_DEVICES: Ray's ids index the node's GPUs
+    assert gpu_index(["1"], None) == 1
+    assert gpu_index(["6"], "4,5,6,7") == 2  # Ray's ids are the node's CUDA_VISIBLE_DEVICES entries
+    assert gpu_index(["GPU-b2c"], "GPU-a1f, GPU-b2c") == 1
+    with pytest.raises(DeviceError, match="does not list it"):
+        gpu_index(["3"], "0,1")
+    with pytest.raises(DeviceError, match="one GPU, got none"):
+        gpu_index([], None)
+    with pytest.raises(DeviceError, match=r"one GPU, got \['0', '1'\]"):
+        gpu_index([0, 1], None)
+
+
 def test_two_nodes_each_tp_pair_on_one_node(cluster):
-    out = run_ray(collective, 4, gpus_per_rank=1, timeout_s=180)
+    out = run_ray(collective, 4, device="auto", timeout_s=180)
     assert [o["rank"] for o in out] == [0, 1, 2, 3]
     for o in out:
         assert o["sum"] == 1 + 2 + 3 + 4
@@ -82,8 +97,51 @@ def test_two_nodes_each_tp_pair_on_one_node(cluster):
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3], nodes
     assert nodes[0] != nodes[2], nodes
     assert set(nodes) == set(cluster.gpu_nodes)  # nothing on the driver's GPU-less node
-    # Ray gave each rank on a node its own (fake) GPU
-    assert out[0]["gpus"] != out[1]["gpus"] and out[2]["gpus"] != out[3]["gpus"], out
+    assert _free_gpus_back() == 4
+
+
+def test_auto_reserves_a_gpu_per_rank_and_each_sees_its_node(cluster):
+    """The cluster has 4 (fake) GPUs for 4 ranks, so auto reserves one per rank's actor; each
+    actor still sees all of its node's GPUs and computes on the one Ray assigned it. torch
+    here has no CUDA, so auto settles on cpu + gloo everywhere."""
+    assert ray.get_gpu_ids() == []  # the driver holds none
+    out = run_ray(device_report, 4, device="auto", timeout_s=180)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    nodes = [o["node"] for o in out]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes
+    assert set(nodes) == set(cluster.gpu_nodes)
+    for o in out:
+        assert o["assigned"].get("GPU") == 1 and len(o["gpu_ids"]) == 1, o
+        assert o["gpu_index"] == o["gpu_ids"][0], o  # no CUDA_VISIBLE_DEVICES on the node
+        # not narrowed to the actor's own GPU: the node's value (here: unset) is left alone
+        assert o["cuda_visible_devices"] == os.environ.get("CUDA_VISIBLE_DEVICES"), o
+        assert (o["device"], o["backend"]) == ("cpu", "gloo"), o
+    for a, b in ((0, 1), (2, 3)):  # the two ranks of a node on distinct GPUs of it
+        assert {out[a]["gpu_index"], out[b]["gpu_index"]} == {"0", "1"}, out
+    # during the run: 4 bundles of one GPU each hold every GPU of the cluster, the driver none
+    assert sorted(out[0]["bundles"], key=str) == [{"CPU": 1.0, "GPU": 1.0}] * 4, out[0]["bundles"]
+    assert out[0]["free_gpus"] == 0
+    assert _free_gpus_back() == 4
+
+
+def test_cpu_reserves_no_gpu(cluster):
+    out = run_ray(device_report, 4, device="cpu", timeout_s=180)
+    nodes = [o["node"] for o in out]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes
+    for o in out:
+        assert o["gpu_ids"] == [] and "GPU" not in o["assigned"] and o["gpu_index"] is None, o
+        assert (o["device"], o["backend"]) == ("cpu", "gloo"), o
+    assert out[0]["bundles"] == [{"CPU": 1.0}] * 4, out[0]["bundles"]
+    assert out[0]["free_gpus"] == 4
+
+
+def test_cuda_without_cuda_torch_is_one_line(cluster):
+    """The fake GPUs are reserved, but torch in the actors sees no CUDA device."""
+    with pytest.raises(RankFailure) as info:
+        run_ray(device_report, 4, device="cuda", timeout_s=180)
+    assert str(info.value).startswith(f"rank {info.value.rank} on 127.0.0.1 (node ")
+    assert "--device cuda but this rank sees no GPU" in info.value.cause, info.value.cause
+    assert "\n" not in str(info.value)
     assert _free_gpus_back() == 4
 
 
@@ -92,7 +150,7 @@ def test_placement_object_decides_the_nodes(cluster):
         def node_of(self, rank):
             return rank % 2
 
-    out = run_ray(collective, 4, gpus_per_rank=1, placement=Interleaved(), timeout_s=180)
+    out = run_ray(collective, 4, device="auto", placement=Interleaved(), timeout_s=180)
     nodes = [o["node"] for o in out]
     assert nodes[0] == nodes[2] and nodes[1] == nodes[3] and nodes[0] != nodes[1], nodes
     assert all(o["sum"] == 10 for o in out)
@@ -116,7 +174,7 @@ def _assert_prompt_failure(tmp_path, exc: RankFailure, rank: int):
 
 def test_a_rank_that_raises_ends_the_job(cluster, tmp_path):
     with pytest.raises(RankFailure) as info:
-        run_ray(raise_on_rank, 4, 1, str(tmp_path), gpus_per_rank=1, timeout_s=180)
+        run_ray(raise_on_rank, 4, 1, str(tmp_path), device="auto", timeout_s=180)
     assert info.value.cause == "ValueError: bad input on rank 1"
     assert str(info.value).startswith("rank 1 on 127.0.0.1 (node ")
     _assert_prompt_failure(tmp_path, info.value, 1)
@@ -124,7 +182,7 @@ def test_a_rank_that_raises_ends_the_job(cluster, tmp_path):
 
 def test_a_killed_actor_ends_the_job(cluster, tmp_path):
     with pytest.raises(RankFailure) as info:
-        run_ray(die_on_rank, 4, 3, str(tmp_path), gpus_per_rank=1, timeout_s=180)
+        run_ray(die_on_rank, 4, 3, str(tmp_path), device="auto", timeout_s=180)
     assert "died" in info.value.cause, info.value.cause
     _assert_prompt_failure(tmp_path, info.value, 3)
 
@@ -132,10 +190,10 @@ def test_a_killed_actor_ends_the_job(cluster, tmp_path):
 def test_more_gpus_than_the_cluster_has(cluster):
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        run_ray(collective, 6, gpus_per_rank=1)
+        run_ray(collective, 6, device="cuda")
     assert str(info.value) == "6 ranks need 6 GPUs but the Ray cluster has 4"
     with pytest.raises(LaunchError) as info:
-        run_ray(collective, 4, gpus_per_rank=1, ranks_per_node=4)
+        run_ray(collective, 4, device="cuda", ranks_per_node=4)
     assert str(info.value) == "ranks 0-3 must share one node and need 4 GPUs, but the largest Ray node has 2"
     assert time.monotonic() - start < 10
 
@@ -149,7 +207,7 @@ def test_placement_that_never_fits_times_out(cluster):
     try:
         start = time.monotonic()
         with pytest.raises(LaunchError) as info:
-            run_ray(collective, 2, gpus_per_rank=1, ranks_per_node=2, ready_timeout_s=3)
+            run_ray(collective, 2, device="cuda", ranks_per_node=2, ready_timeout_s=3)
         took = time.monotonic() - start
         assert "Ray could not place 1 node group(s)" in str(info.value)
         assert "'GPU': 2.0" in str(info.value)  # what is free now
@@ -157,6 +215,13 @@ def test_placement_that_never_fits_times_out(cluster):
     finally:
         remove_placement_group(hog)
     assert _free_gpus_back() == 4  # the launcher released its partial reservation
+
+
+def test_unknown_device_fails_before_ray_starts(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # not even imported
+    with pytest.raises(DeviceError) as info:
+        run_ray(collective, 2, device="gpu")
+    assert str(info.value) == "device 'gpu' is not one of auto, cuda, cpu"
 
 
 def test_ray_not_installed(monkeypatch):
@@ -221,7 +286,7 @@ def test_generate_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
 
     model = tiny_model("llama", num_hidden_layers=4)
     spec, requests = generate_requests(model)
-    out = run_ray(generate_where, 4, spec, requests, gpus_per_rank=1, timeout_s=240)
+    out = run_ray(generate_where, 4, spec, requests, device="auto", timeout_s=240)
     nodes = [node for node, _ in out]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes
     assert [res is None for _, res in out] == [False, True, True, True]

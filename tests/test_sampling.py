@@ -10,10 +10,10 @@ from atoll.errors import InputError
 
 def test_top_k_and_top_p_only_pick_allowed_tokens():
     logits = torch.tensor([5.0, 4.0, 3.0, 0.0, -1.0])
-    picks = {sample_one(logits, SamplerState(SamplingParams(temperature=1.0, top_k=2, seed=s))) for s in range(200)}
+    picks = {int(sample_one(logits, SamplerState(SamplingParams(temperature=1.0, top_k=2, seed=s)))) for s in range(200)}
     assert picks == {0, 1}
     # softmax of these: token 0 holds ~0.66, 0+1 ~0.91; top_p=0.9 keeps tokens 0 and 1 only
-    picks = {sample_one(logits, SamplerState(SamplingParams(temperature=1.0, top_p=0.9, seed=s))) for s in range(200)}
+    picks = {int(sample_one(logits, SamplerState(SamplingParams(temperature=1.0, top_p=0.9, seed=s)))) for s in range(200)}
     assert picks == {0, 1}
 
 

@@ -52,9 +52,10 @@ class Shapes:
         """KV cache of one token in one layer on one TP rank. GQA heads split over TP (a rank
         keeps at least one: tp > kv_heads replicates them); MLA's latent is not split: every
         TP rank holds the whole (kv_lora_rank + rope) vector."""
-        if self.kv_latent:
-            return self.kv_latent * kv_bytes
-        return 2 * max(self.kv_heads // tp, 1) * self.head_dim * kv_bytes
+        from atoll.models.cache_bytes import kv_bytes_per_token_layer
+
+        return kv_bytes_per_token_layer(kv_heads=self.kv_heads, head_dim=self.head_dim, tp=tp,
+                                        itemsize=kv_bytes, kv_latent=self.kv_latent)
 
 
 

@@ -1,0 +1,59 @@
+"""EngineConfig: the engine's options, one default each. The CLI flags (`add_cli_options`),
+the `LLM(...)` keywords and the per-rank RunSpec are all made from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from atoll.errors import InputError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def _opt(default, help: str, *, choices=None, short=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "short": short})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = _opt("auto", "auto: CUDA when every rank sees a GPU, else CPU", choices=DEVICES)
+    dtype: str | None = _opt(None, "compute dtype (default: the checkpoint's torch_dtype on CUDA, "
+                                   "float32 on CPU)", choices=DTYPES)
+    max_num_seqs: int = _opt(32, "sequences per micro-batch (under PP, pp micro-batches are in flight)")
+    max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    max_num_batched_tokens: int | None = _opt(None, "tokens per micro-batch (default: max(2048, context))")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_gb: float | None = _opt(None, "KV cache per rank in GiB (default: CUDA, from "
+                                           "--gpu-memory-utilization; CPU, what the requests need)")
+    num_blocks: int | None = _opt(None, "KV cache blocks per rank (instead of --kv-cache-gb)")
+    gpu_memory_utilization: float = _opt(0.9, "share of each GPU's memory for weights, activations "
+                                              "and KV cache")
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise InputError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_blocks"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InputError(f"{name}={value!r} must be a whole number of at least 1")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise InputError(f"kv_cache_gb={self.kv_cache_gb} must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InputError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+
+def add_cli_options(parser) -> None:
+    """One --flag per EngineConfig field, with its default and help."""
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata["choices"],
+                            metavar=None if f.metadata["choices"] else f.name.split("_")[-1].upper(),
+                            help=f.metadata["help"])
+
+
+def from_args(args) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

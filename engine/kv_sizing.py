@@ -1,0 +1,92 @@
+"""How many KV cache blocks a rank gets.
+
+CUDA, the way vLLM users expect: after the weights load, a profiling forward at
+max_num_batched_tokens measures the activation peak, and what is left of
+gpu_memory_utilization x the GPU's memory becomes KV blocks. CPU: what max_num_seqs
+sequences of max_model_len need in every pipeline lane (the LLM bounds max_model_len by its
+requests), never a share of free memory. --num-blocks or --kv-cache-gb override both.
+Every rank of a job runs the same scheduler, so all take the smallest count (min over ranks).
+"""
+
+from __future__ import annotations
+
+from atoll.errors import InputError
+
+
+def blocks_per_seq(max_model_len: int, block_size: int) -> int:
+    return -(-max_model_len // block_size)
+
+
+def cpu_blocks(*, block_size: int, max_num_seqs: int, max_model_len: int, lanes: int) -> int:
+    return max_num_seqs * blocks_per_seq(max_model_len, block_size) * lanes
+
+
+def explicit_blocks(*, bytes_per_block: int, kv_cache_gb: float | None, num_blocks: int | None) -> int | None:
+    """--num-blocks, else --kv-cache-gb in blocks, else None."""
+    if num_blocks is not None:
+        return num_blocks
+    if kv_cache_gb is not None:
+        return int(kv_cache_gb * (1 << 30)) // bytes_per_block
+    return None
+
+
+def budget_blocks(*, total: int, utilization: float, used_after_load: int, activation_peak: int,
+                  bytes_per_block: int) -> int:
+    """Blocks that fit in utilization x total once the weights (and whatever else this process
+    holds, in used_after_load) and the profiled activation peak above it are counted."""
+    free = int(total * utilization) - used_after_load - activation_peak
+    if free < bytes_per_block:
+        raise InputError(f"no room for a KV cache: --gpu-memory-utilization {utilization} of "
+                         f"{total / 2**30:.1f} GiB leaves {max(free, 0) / 2**30:.2f} GiB after the weights "
+                         f"({used_after_load / 2**30:.2f} GiB) and the activation peak "
+                         f"({activation_peak / 2**30:.2f} GiB); raise it, shard wider or lower "
+                         f"--max-num-batched-tokens")
+    return free // bytes_per_block
+
+
+def check_fits(num_blocks: int, *, block_size: int, max_model_len: int) -> None:
+    if num_blocks < blocks_per_seq(max_model_len, block_size):
+        raise InputError(f"the KV cache holds {num_blocks * block_size} tokens per replica but one "
+                         f"sequence may need max_model_len={max_model_len}: raise --kv-cache-gb or "
+                         f"--num-blocks, or lower --max-model-len")
+
+
+def summary(num_blocks: int, *, block_size: int, bytes_per_block: int, max_model_len: int) -> str:
+    """The one line a run prints about its cache."""
+    tokens = num_blocks * block_size
+    seqs = num_blocks // blocks_per_seq(max_model_len, block_size)
+    return (f"KV cache: {num_blocks} blocks of {block_size} tokens ({tokens} tokens, "
+            f"{num_blocks * bytes_per_block / 2**30:.2f} GiB per rank); room for {seqs} sequences "
+            f"of max_model_len={max_model_len}")
+
+
+def profile_activation_peak(runner, tokens: int) -> int:
+    """Bytes the device allocates above what it holds now while this stage runs a prefill of
+    `tokens` tokens (sequences of up to max_model_len) into a throwaway cache. Every rank of the
+    job calls it together (its MoE and TP collectives run)."""
+    import torch
+
+    from atoll.layers.attention import AttentionMetadata, KVCache
+
+    spec, cfg, dev = runner.spec, runner.config, runner.device
+    seq_len = min(tokens, spec.max_model_len)
+    lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+    per = blocks_per_seq(seq_len, spec.block_size)
+    scratch = KVCache(runner.model.num_local_layers, per * len(lens), runner.kv_heads, spec.block_size,
+                      cfg.head_dim, runner.dtype, device=dev)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(len(lens))]
+    meta = AttentionMetadata.build(tables, [0] * len(lens), lens, spec.block_size, device=dev)
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    if runner.ctx.is_first_stage:
+        x = torch.zeros(tokens, dtype=torch.long, device=dev)
+    else:
+        x = torch.zeros(tokens, cfg.hidden_size, dtype=runner.dtype, device=dev)
+    with torch.inference_mode():
+        runner.model(x, meta, scratch)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - before
+    del scratch, x
+    torch.cuda.empty_cache()
+    return peak
