@@ -28,7 +28,10 @@ class Source:
         return tuple(self._slice.get_shape())
 
     def __getitem__(self, index):
-        t = self._slice[index]
+        import torch
+
+        with torch.device("cpu"):  # a host view of the file; the weight_loader copies it to the device
+            t = self._slice[index]
         self._ckpt.bytes_read += t.numel() * t.element_size()
         self._ckpt.tensors_read[self.name] = self._ckpt.tensors_read.get(self.name, 0) + t.numel()
         return t

@@ -18,7 +18,7 @@ KINDS = ("tp", "dp", "pp", "ep", "moe_tp", "stage", "world")
 
 
 def rank_grid(layout: Layout) -> torch.Tensor:
-    return torch.arange(layout.world_size).view(layout.pp, layout.dp, layout.tp)
+    return torch.arange(layout.world_size, device="cpu").view(layout.pp, layout.dp, layout.tp)  # host arithmetic
 
 
 def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
