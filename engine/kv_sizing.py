@@ -55,9 +55,10 @@ def summary(num_blocks: int, *, block_size: int, bytes_per_block: int, max_model
     """The one line a run prints about its cache."""
     tokens = num_blocks * block_size
     seqs = num_blocks // blocks_per_seq(max_model_len, block_size)
-    return (f"KV cache: {num_blocks} blocks of {block_size} tokens ({tokens} tokens, "
-            f"{num_blocks * bytes_per_block / 2**30:.2f} GiB per rank); room for {seqs} sequences "
-            f"of max_model_len={max_model_len}")
+    size = num_blocks * bytes_per_block
+    size = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    return (f"KV cache: {num_blocks} blocks of {block_size} tokens ({tokens} tokens, {size} per rank); "
+            f"room for {seqs} sequences of max_model_len={max_model_len}")
 
 
 def profile_activation_peak(runner, tokens: int) -> int:

@@ -43,8 +43,14 @@ def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[i
     ids = set(config.eos_token_id)
     gen = model_dir / "generation_config.json"
     if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        from atoll.engine.tokenizer import read_json_object
+        from atoll.errors import CheckpointError
+
+        eos = read_json_object(gen).get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+            raise CheckpointError(f"{gen}: eos_token_id={eos!r} must be a token id or a list of them")
+        ids.update(eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

@@ -8,27 +8,63 @@ from pathlib import Path
 from atoll.errors import CheckpointError
 
 
-def _token_text(tok) -> str | None:
-    return tok.get("content") if isinstance(tok, dict) else tok
+def _token_text(tok, path: Path, key: str) -> str | None:
+    text = tok.get("content") if isinstance(tok, dict) else tok
+    if text is not None and not isinstance(text, str):
+        raise CheckpointError(f"{path}: {key}={tok!r} must be a token string or "
+                              '{"content": "..."}')
+    return text
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def read_json_object(path: Path) -> dict:
+    """A checkpoint's JSON file that must hold an object; CheckpointError naming it if not."""
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {_first_line(e)}") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return d
 
 
 class Tokenizer:
     def __init__(self, directory: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
 
-        d = Path(directory)
+        d = self.dir = Path(directory)
         path = d / "tokenizer.json"
         if not path.exists():
             raise CheckpointError(f"no tokenizer.json in {d}; pass prompt_token_ids instead of text")
-        self._tok = HFTokenizer.from_file(str(path))
+        if not path.is_file():
+            raise CheckpointError(f"{path} is a directory, not a tokenizer file")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a bad file
+            raise CheckpointError(f"{path} is not a valid tokenizers file: {_first_line(e)}") from None
         cfg_path = d / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        cfg = read_json_object(cfg_path) if cfg_path.exists() else {}
         template = cfg.get("chat_template")
-        if template is None and (d / "chat_template.jinja").exists():
-            template = (d / "chat_template.jinja").read_text()
+        jinja = d / "chat_template.jinja"
+        if template is None and jinja.exists():
+            try:
+                template = jinja.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"cannot read {jinja}: {_first_line(e)}") from None
+        if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{cfg_path}: chat_template must be a string")
         self.chat_template = template
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_token = _token_text(cfg.get("bos_token"), cfg_path, "bos_token")
+        self.eos_token = _token_text(cfg.get("eos_token"), cfg_path, "eos_token")
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
     @property
@@ -44,6 +80,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat template")
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
@@ -51,9 +88,12 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise CheckpointError(f"the chat template in {self.dir} is broken: {_first_line(e)}") from None
 
     def encode_chat(self, text: str) -> list[int]:
         """A user message through the chat template; the template already holds any BOS."""

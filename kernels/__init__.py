@@ -8,10 +8,20 @@ ATOLL_KERNELS=triton forces Triton (on CPU only under TRITON_INTERPRET=1; see
 backend.interpreter()). Importing this package does not import triton.
 """
 
-from atoll.kernels.alignment import MoeAlignment
-from atoll.kernels.backend import KernelError, interpreter, use_triton
-from atoll.kernels.moe import fused_moe
-from atoll.kernels.ops import grouped_gemm, moe_align, rms_norm, rotary_, unpermute_reduce
-
 __all__ = ["KernelError", "MoeAlignment", "fused_moe", "grouped_gemm", "interpreter", "moe_align",
            "rms_norm", "rotary_", "unpermute_reduce", "use_triton"]
+
+# name -> submodule; lazy (PEP 562) so building the CLI (`atoll bench kernels`) never imports torch
+_WHERE = {"MoeAlignment": "alignment", "KernelError": "backend", "interpreter": "backend",
+          "use_triton": "backend", "fused_moe": "moe", "grouped_gemm": "ops", "moe_align": "ops",
+          "rms_norm": "ops", "rotary_": "ops", "unpermute_reduce": "ops"}
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'atoll.kernels' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"atoll.kernels.{_WHERE[name]}"), name)
+    globals()[name] = value  # bound once, as an eager import would
+    return value

@@ -3,11 +3,16 @@ atoll's decode step against the memory-bandwidth floor of this machine, in one r
 
 A fixed batch of equal-length random-token prompts (no padding) generates exactly
 --output-len tokens per sequence on both sides: atoll with ignore_eos, transformers greedy
-with min_new_tokens = max_new_tokens, both float32. The ranks are spawned once; inside them
+with min_new_tokens = max_new_tokens. Both run on the rank's device (--device, bound by the
+launcher: launch/device.py) in the same dtype (--dtype; default as the runtime: the
+checkpoint's torch_dtype on CUDA, float32 on CPU). The ranks are spawned once; inside them
 the runner and the transformers model are built, then every round times atoll's
 `run_requests`, transformers' `generate` (on rank 0, the other ranks wait at a barrier) and a
 large tensor copy, alternating which side goes first. Warm-up rounds are untimed. Figures are
-medians over the timed rounds; the ratio's range over rounds is shown as its spread.
+medians over the timed rounds; the ratio's range over rounds is shown as its spread. On CUDA
+every timed region ends with a synchronize before the clock is read. atoll's KV cache holds
+what the batch needs (as on CPU), not a share of GPU memory, so transformers' copy of the
+model fits beside it.
 
 vs transformers = atoll tokens/s / transformers tokens/s, tokens/s = batch x output-len /
 end-to-end time (prefill + decode). Threads: each atoll rank gets --threads (default: cores
@@ -16,8 +21,9 @@ end-to-end time (prefill + decode). Threads: each atoll rank gets --threads (def
 of bandwidth floor = floor / atoll's decode step, floor = weight bytes a decode step reads /
 copy bandwidth. Weight bytes: every parameter of every rank except the embedding table, of
 which only the batch's rows are read (the LM head is counted, tied or not); the KV cache is
-not counted. Copy bandwidth: `dst.copy_(src)` of --copy-mib MiB, counting read + write
-(2 x the tensor's bytes per copy, as STREAM's Copy does). A read-only bandwidth (summing
+not counted. Copy bandwidth: `dst.copy_(src)` of --copy-mib MiB on the rank's device,
+counting read + write (2 x the tensor's bytes per copy, as STREAM's Copy does); on CUDA each
+timed region repeats it enough times to hide the launch and synchronize. A read-only bandwidth (summing
 both tensors, which together outsize the last-level cache) is reported beside it, with the
 fraction it gives, since weights are only read. A decode step is the time between
 a sequence's first and last token over the tokens in between (TPOT), loop overhead included.
@@ -30,12 +36,17 @@ import os
 import statistics
 import time
 
+from atoll.engine.config import DEVICES, DTYPES
 from atoll.errors import ConfigError
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, SmolLM2-135M)")
     p.add_argument("--layout", default="TP1", help="atoll layout (default TP1)")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto: CUDA when every rank sees a GPU, else CPU (default auto)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="both sides' dtype (default: the checkpoint's torch_dtype on CUDA, float32 on CPU)")
     p.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per sequence (default 64)")
@@ -68,8 +79,11 @@ def check(args) -> dict:
 
 
 def run(args) -> int:
+    from dataclasses import replace
+
     import torch
 
+    from atoll.engine.kv_sizing import cpu_blocks
     from atoll.engine.llm import LLM
     from atoll.engine.sampling import SamplingParams
     from atoll.launch.local import run_local
@@ -80,7 +94,8 @@ def run(args) -> int:
 
         args.model = str(demo_model_dir(progress=not args.json))
     B, L, N = cfg["batch"], cfg["input_len"], cfg["output_len"]
-    llm = LLM(args.model, layout=args.layout, max_num_seqs=B, max_model_len=L + N)
+    llm = LLM(args.model, layout=args.layout, device=args.device, dtype=args.dtype, max_num_seqs=B,
+              max_model_len=L + N)
     if llm.max_model_len < L + N:
         raise ConfigError(f"--input-len + --output-len = {L + N} exceeds the model's context "
                           f"{llm.config.max_position_embeddings}")
@@ -91,10 +106,14 @@ def run(args) -> int:
     gen = torch.Generator().manual_seed(cfg["seed"])
     prompts = torch.randint(0, llm.config.vocab_size, (B, L), generator=gen).tolist()
     requests = llm.prepare(prompts, SamplingParams(max_tokens=N, ignore_eos=True))
-    cfg |= {"model": str(args.model), "layout": str(llm.layout), "dtype": llm.dtype,
+    # the cache the batch needs in every pipeline lane, on every device: on CUDA a share of
+    # GPU memory would leave no room for transformers' copy of the model
+    blocks = cpu_blocks(block_size=llm.block_size, max_num_seqs=B, max_model_len=L + N, lanes=llm.layout.pp)
+    spec = replace(llm.spec(), num_blocks=blocks)
+    cfg |= {"model": str(args.model), "layout": str(llm.layout),
             "threads": {"atoll_per_rank": threads, "ranks": world, "transformers": threads * world}}
     load = os.getloadavg()[0]
-    result = run_local(_rank, world, cfg, llm.spec(), requests, threads=threads, timeout_s=3600)[0]
+    result = run_local(_rank, world, cfg, spec, requests, threads=threads, timeout_s=3600, device=spec.device)[0]
     result["load_avg_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
     if args.json:
         print(json.dumps(result, indent=2))
@@ -117,16 +136,26 @@ def decode_weight_bytes(model, batch: int) -> int:
     return total
 
 
+def _sync(device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on CPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time_atoll(runner, requests, pipelined: bool = True) -> dict:
     import torch
 
     from atoll.engine.generate import run_requests
 
+    _sync(runner.device)
     t0 = time.perf_counter()
-    results = run_requests(runner, requests, pipelined=pipelined)
+    results = run_requests(runner, requests, pipelined=pipelined)  # syncs each step (.tolist())
     total = time.perf_counter() - t0
     # each rank's share of the run spent computing; the rest waits for activations or tokens
-    busy = runner.ctx.world.all_gather(torch.tensor([runner.stats["busy"]], dtype=torch.float64), dim=0)
+    busy = runner.ctx.world.all_gather(
+        torch.tensor([runner.stats["busy"]], dtype=torch.float64, device=runner.device), dim=0)
     return {"total_s": total, "busy": busy.tolist(), "tokens": [len(r["token_ids"]) for r in results],
             "prefill_s": statistics.median(r["metrics"]["ttft_s"] for r in results),
             "decode_step_s": statistics.median(r["metrics"]["tpot_s"] for r in results),
@@ -137,19 +166,22 @@ def _time_transformers(model, input_ids, n: int) -> dict:
     import torch
     from transformers import LogitsProcessorList
 
-    stamps = []
+    stamps, device = [], input_ids.device
 
     def stamp(ids, scores):  # called once per generated token, after its forward
+        _sync(device)  # generate syncs each step anyway (its stopping check)
         stamps.append(time.perf_counter())
         return scores
 
     eos = model.generation_config.eos_token_id
     pad = eos[0] if isinstance(eos, list) else eos
+    _sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              max_new_tokens=n, min_new_tokens=n, pad_token_id=pad,
                              logits_processor=LogitsProcessorList([stamp]))
+    _sync(device)
     end = time.perf_counter()
     new = out[:, input_ids.shape[1]:]
     return {"total_s": end - t0, "tokens": [int(new.shape[1])] * len(new),
@@ -158,30 +190,43 @@ def _time_transformers(model, input_ids, n: int) -> dict:
 
 
 def _time_memory(src, dst, times: int = 3) -> tuple[float, float]:
-    """Median seconds of dst.copy_(src), and of reading both (src.sum(), dst.sum())."""
+    """Median seconds of dst.copy_(src), and of reading both (src.sum(), dst.sum()). On CUDA a
+    timed region runs each `reps` times between synchronizes (a 256 MiB copy takes ~0.1 ms on
+    an H200, comparable to a launch plus a synchronize) and reports one run's share."""
+    reps = 20 if src.device.type == "cuda" else 1
     dst.copy_(src)
+    src.sum(), dst.sum()
     copy, read = [], []
     for _ in range(times):
+        _sync(src.device)
         t0 = time.perf_counter()
-        dst.copy_(src)
+        for _ in range(reps):
+            dst.copy_(src)
+        _sync(src.device)
         t1 = time.perf_counter()
-        src.sum(), dst.sum()
-        copy.append(t1 - t0)
-        read.append(time.perf_counter() - t1)
+        for _ in range(reps):
+            src.sum(), dst.sum()
+        _sync(src.device)
+        copy.append((t1 - t0) / reps)
+        read.append((time.perf_counter() - t1) / reps)
     return statistics.median(copy), statistics.median(read)
 
 
 def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
     import torch
 
-    from atoll.engine.runner import DTYPES, ModelRunner
+    from atoll.engine.runner import ModelRunner
+    from atoll.launch.device import rank_device
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
-    ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
+    device = rank_device()  # bound by the launcher before any tensor or process group existed
+    layout = Layout.parse(spec.layout)
+    ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
+    dev = runner.device
     weight_bytes = ctx.world.all_reduce(
-        torch.tensor([decode_weight_bytes(runner.model, cfg["batch"])], dtype=torch.float64))
+        torch.tensor([decode_weight_bytes(runner.model, cfg["batch"])], dtype=torch.float64, device=dev))
     own_threads, all_threads = torch.get_num_threads(), cfg["threads"]["transformers"]
     if rank == 0:
         from transformers import AutoModelForCausalLM
@@ -189,10 +234,13 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
 
         logging.set_verbosity_error()
         logging.disable_progress_bar()
-        hf = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=DTYPES[spec.dtype]).eval()
-        input_ids = torch.tensor([r.prompt_token_ids for r in requests])
-        src = torch.ones(cfg["copy_mib"] * 2**20 // 4, dtype=torch.float32)
+        # the same dtype as atoll's runner, loaded once and moved (no second copy kept)
+        hf = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=runner.dtype).eval().to(dev)
+        input_ids = torch.tensor([r.prompt_token_ids for r in requests], device=dev)
+        src = torch.ones(cfg["copy_mib"] * 2**20 // 4, dtype=torch.float32, device=dev)
         dst = torch.empty_like(src)
+        cfg = cfg | {"device": str(dev), "dtype": str(runner.dtype).removeprefix("torch."),
+                     "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
 
     def baseline():  # rank 0 alone, with every thread of the job; the others wait
         if rank == 0:
@@ -286,8 +334,8 @@ def render(r: dict) -> None:
 
     c, a, h = r["config"], r["atoll"], r["transformers"]
     th = c["threads"]
-    title = (f"{os.path.basename(c['model'].rstrip('/'))} {c['layout']} {c['dtype']}: batch {c['batch']}, "
-             f"{c['input_len']} in, {c['output_len']} out; median of {c['rounds']} rounds")
+    title = (f"{os.path.basename(c['model'].rstrip('/'))} {c['layout']} {c['dtype']} on {c['device_name']}: "
+             f"batch {c['batch']}, {c['input_len']} in, {c['output_len']} out; median of {c['rounds']} rounds")
     t = Table(title=title)
     for col in ("measure", "atoll", "transformers"):
         t.add_column(col, justify="left" if col == "measure" else "right")

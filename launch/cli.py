@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from atoll.errors import AtollError
@@ -20,9 +21,30 @@ COMMANDS = {
 }
 
 
+# argparse's wording -> what would be valid
+_PLAIN = ((re.compile(r"invalid int value: (.*)"), r"\1 is not a whole number"),
+          (re.compile(r"invalid float value: (.*)"), r"\1 is not a number"))
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, `atoll: error: ...`, and exit code 2,
+    like every other user error (no usage dump); the subcommands' parsers are this class too."""
+
+    def error(self, message: str):
+        for pattern, plain in _PLAIN:
+            message = pattern.sub(plain, message)
+        command = self.prog.removeprefix("atoll").strip()
+        where = f"{command}: " if command else ""
+        help_hint = f"atoll {command} --help" if command else "atoll --help"
+        line = " ".join(f"{where}{message}".split())  # one line, whatever argparse wrapped
+        self.exit(2, f"atoll: error: {line} (see `{help_hint}`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="atoll", description="Model-parallel LLM inference.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    """Building the parser imports no torch: `atoll --help` answers at once."""
+    parser = Parser(prog="atoll", description="Model-parallel LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=Parser)
     for module in COMMANDS.values():
         try:
             mod = importlib.import_module(module)

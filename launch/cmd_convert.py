@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of the written weights (default float32)")
     p.add_argument("--force", action="store_true",
-                   help="replace OUT_DIR (with --demo: the cached model) if it exists")
+                   help="replace OUT_DIR (with --demo: the cached model) if it exists and an earlier "
+                        "atoll convert made it (it holds atoll-convert.json) or it is empty")
     p.set_defaults(run=run)
 
 

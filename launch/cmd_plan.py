@@ -43,15 +43,49 @@ def _concurrencies(text: str) -> list[int]:
     return values
 
 
-def run(args) -> int:
-    from atoll.models.presets import resolve_model
-    from atoll.parallel.planner import Workload, plan_layouts
-    from atoll.topologies import load_topology
+# what matplotlib's savefig writes, by file extension (no extension: png)
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp",
+                "pgf", "raw", "rgba")
 
+
+def check_plot_path(path: str) -> None:
+    """Before any work: --plot must name a writable file whose format matplotlib writes."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"--plot {path}: is a directory; give a file such as {p / 'plan.png'}")
+    parent = p.parent
+    if not parent.is_dir():
+        why = "is a file" if parent.exists() else "does not exist"
+        raise ConfigError(f"--plot {path}: the directory {parent} {why}; create it or pick another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"--plot {path}: not writable")
+    ext = p.suffix.lower().lstrip(".")
+    if ext and ext not in PLOT_FORMATS:
+        raise ConfigError(f"--plot {path}: cannot write .{ext} files; use one of "
+                          f"{', '.join('.' + f for f in PLOT_FORMATS[:6])}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot needs matplotlib: pip install 'atoll[plot]'")
+
+
+def run(args) -> int:
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes {args.nodes}: must be at least 1")
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: must be at least 1")
+    for flag, v in (("--ttft-ms", args.ttft_ms), ("--tpot-ms", args.tpot_ms)):
+        if v is not None and not 0 < v < float("inf"):
+            raise ConfigError(f"{flag} {v}: an SLO must be a positive number of milliseconds")
+    if args.plot:
+        check_plot_path(args.plot)
+
+    from atoll.models.presets import resolve_model
+    from atoll.parallel.planner import Workload, plan_layouts
+    from atoll.topologies import load_topology
+
     topology = load_topology(args.topology, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              network=args.network)
     name, config = resolve_model(args.model)

@@ -39,14 +39,19 @@ def run(args) -> int:
     if args.discover:
         topo = T.discover(nodes=nodes)
     elif args.from_smi:
-        if args.from_smi == "-":
-            text = sys.stdin.read()
-        else:
-            try:
-                with open(args.from_smi) as f:
+        where = "stdin" if args.from_smi == "-" else args.from_smi
+        try:
+            if args.from_smi == "-":
+                text = sys.stdin.read()
+            else:
+                with open(args.from_smi, encoding="utf-8") as f:
                     text = f.read()
-            except OSError as e:
-                raise ConfigError(f"cannot read {args.from_smi}: {e.strerror}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {where}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where} is not text: expected the output of `nvidia-smi topo -m`") from None
+        if "\0" in text:
+            raise ConfigError(f"{where} is not text: expected the output of `nvidia-smi topo -m`")
         from atoll.topologies.discover import gpu_spec_for
 
         topo = T.topology_from_smi(text, nodes=nodes, gpu=gpu_spec_for(args.gpu) if args.gpu else None)

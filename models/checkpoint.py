@@ -52,10 +52,20 @@ class Checkpoint:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+            except OSError as e:
+                raise CheckpointError(f"cannot read {index}: {e.strerror}") from None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index}: weight_map must be a non-empty JSON object "
+                                      '{"tensor name": "shard file"}, not '
+                                      f"{type(weight_map).__name__} {str(weight_map)[:40]}")
+            bad = next((v for v in weight_map.values() if not isinstance(v, str) or not v), None)
+            if bad is not None:
+                raise CheckpointError(f"{index}: weight_map value {bad!r} is not a shard file name "
+                                      "in the checkpoint directory")
             for f in sorted(set(weight_map.values())):
-                if not (self.dir / f).exists():
+                if not (self.dir / f).is_file():
                     raise CheckpointError(f"shard {f} listed in {INDEX} is missing from {self.dir}")
             return weight_map
         files = sorted(self.dir.glob("*.safetensors"))

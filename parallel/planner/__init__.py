@@ -20,9 +20,13 @@ def plan_layouts(model, topology, workload: Workload, *, ttft_ms: float | None =
                  allow_cross_island: bool = False) -> Plan:
     """`model`: a preset name, a config path, or a ModelConfig. `layouts`: only these
     ("TP8PP2", "2 x TP8"); otherwise every layout the search admits."""
+    from atoll.errors import ConfigError
     from atoll.models.config import ModelConfig
     from atoll.models.presets import resolve_model
 
+    for slo, v in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+            raise ConfigError(f"{slo}={v!r}: an SLO must be a positive number of milliseconds")
     name, config = (getattr(model, "model_type", "model"), model) if isinstance(model, ModelConfig) \
         else resolve_model(str(model))
     sh = model_shapes(config)

@@ -63,5 +63,9 @@ def plot_plans(plans, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as e:  # a path or format checked too late (the CLI checks first)
+        raise ConfigError(f"--plot {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        plt.close(fig)
