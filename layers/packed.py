@@ -3,10 +3,11 @@
 On CPU, float32 `F.linear` repacks the weight into MKL's GEMM layout on every call; for the
 few rows of a decode step that repacking costs as much as the product itself. `Packer` keeps
 one packed copy of every linear weight for the batch size decode runs at (MKL's packed
-product is used only for exactly that many rows, and gives bit for bit what F.linear gives),
+product is used only for exactly that many rows; it matches F.linear to float32 rounding),
 and repacks when decode has run at another size for a few steps in a row. The price is one
 more copy of the weights in memory: the runner packs only when that copy fits in a quarter
-of the free memory its machine's ranks share. ATOLL_MKL_PACK=0 turns it off.
+of the free memory its machine's ranks share. Off by default (not bit for bit F.linear on every
+CPU, and not faster on every one); ATOLL_MKL_PACK=1 turns it on.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def available() -> bool:
-    return (os.environ.get("ATOLL_MKL_PACK", "1") != "0" and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+    return os.environ.get("ATOLL_MKL_PACK", "0") == "1" and mkl_can_pack()
+
+
+def mkl_can_pack() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
 class Packer:

@@ -1,4 +1,5 @@
-"""MKL-packed decode weights: bit for bit F.linear, packed only for a batch size that persists."""
+"""MKL-packed decode weights (opt-in, ATOLL_MKL_PACK=1): F.linear to float32 tolerance (bit for
+bit on some CPUs, not on every one), packed only for a batch size that persists."""
 
 import pytest
 import torch
@@ -6,10 +7,15 @@ import torch.nn.functional as F
 
 from atoll.layers import packed
 
-pytestmark = pytest.mark.skipif(not packed.available(), reason="torch without MKL packed GEMM")
+pytestmark = pytest.mark.skipif(not packed.mkl_can_pack(), reason="torch without MKL packed GEMM")
 
 
-def test_packed_linear_is_f_linear_bit_for_bit():
+@pytest.fixture(autouse=True)
+def packing_on(monkeypatch):
+    monkeypatch.setenv("ATOLL_MKL_PACK", "1")
+
+
+def test_packed_linear_is_f_linear():
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
     packer = packed.Packer([w])
@@ -17,7 +23,10 @@ def test_packed_linear_is_f_linear_bit_for_bit():
     assert w.packed[0] == 5
     for rows in (1, 5, 7):  # 5 runs packed, the others fall back to F.linear
         x = torch.randn(rows, 40, generator=g)
-        assert torch.equal(packed.linear(x, w, b), F.linear(x, w, b))
+        if rows == 5:  # MKL's packed GEMM may sum in another order than its plain one
+            torch.testing.assert_close(packed.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(packed.linear(x, w, b), F.linear(x, w, b))
 
 
 def test_packs_after_a_size_persists_and_only_float32_cpu_weights():
@@ -33,6 +42,9 @@ def test_packs_after_a_size_persists_and_only_float32_cpu_weights():
     assert packer.rows == 4
 
 
-def test_turned_off_by_the_environment(monkeypatch):
+def test_off_unless_asked_for(monkeypatch):
+    assert packed.available()
     monkeypatch.setenv("ATOLL_MKL_PACK", "0")
+    assert not packed.available()
+    monkeypatch.delenv("ATOLL_MKL_PACK")
     assert not packed.available()
