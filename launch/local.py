@@ -1,8 +1,12 @@
 """Spawn one process per rank on this machine (gloo on 127.0.0.1) and collect results.
 
-The driver watches every rank: the first rank that raises or dies ends the whole job
-within seconds, and the error names the rank and the cause. Nothing waits for a
-collective timeout.
+The driver watches every rank: the first rank that raises, dies or stops beating ends the
+whole job within seconds, and the error names the rank and the cause. Nothing waits for a
+collective timeout: each rank's heartbeat thread stamps a shared clock every second, so a
+rank frozen by SIGSTOP (or anything that stops the whole process) is named after
+STALL_S. The same thread ends the rank when its parent is gone, whatever killed it, so no
+rank outlives the job as an orphan. Collectives time out after COLLECTIVE_TIMEOUT_S
+(ATOLL_COLLECTIVE_TIMEOUT_S, default 120 s, well under gloo's 10 minutes).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import traceback
 from atoll.errors import LaunchError, RankFailure
 
 _POLL_S = 0.1
+_BEAT_S = 0.5
+STALL_S = 10.0  # no heartbeat for this long: the rank is stopped
+START_S = 120.0  # a rank that never beat within this long after spawning did not start
 _HOST = socket.gethostname()  # every local rank runs on this node
 
 
@@ -27,8 +34,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def collective_timeout_s() -> float:
+    return float(os.environ.get("ATOLL_COLLECTIVE_TIMEOUT_S", "120"))
+
+
 def init_distributed(rank: int, world_size: int, addr: str, port: int, *, device: str = "cpu",
-                     timeout_s: float = 600.0) -> str:
+                     timeout_s: float | None = None) -> str:
     """Bind `device` and join the process group (its backend follows the device); rank 0
     serves the rendezvous store on addr:port only. Returns the device."""
     from atoll.launch.net import pin_interface, rendezvous
@@ -41,7 +52,7 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, *, device
         listen.bind((addr, port))
         listen.listen(1024)
     return rendezvous(rank, world_size, addr, port, device=device, requested=device, listen=listen,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s or collective_timeout_s())
 
 
 def _describe_exit(code: int) -> str:
@@ -53,7 +64,19 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _entry(fn, rank, world_size, port, results, threads, device, args, kwargs):
+def _heartbeat(beats, rank: int, parent: int) -> None:
+    """Stamp beats[rank] every _BEAT_S; leave at once when the parent process is gone."""
+    while True:
+        if os.getppid() != parent:  # reparented: the driver died (SIGKILL included)
+            os._exit(1)
+        beats[rank] = time.monotonic()
+        time.sleep(_BEAT_S)
+
+
+def _entry(fn, rank, world_size, port, results, threads, device, beats, parent, args, kwargs):
+    import threading
+
+    threading.Thread(target=_heartbeat, args=(beats, rank, parent), daemon=True, name="atoll-heartbeat").start()
     import torch
 
     torch.set_num_threads(threads)
@@ -112,11 +135,13 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
     port = free_port()
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
-    procs = [ctx.Process(target=_entry, daemon=True,
-                         args=(fn, r, world_size, port, results, threads, devices[r], args, kwargs))
+    beats = ctx.Array("d", world_size, lock=False)  # each rank's last heartbeat (time.monotonic)
+    procs = [ctx.Process(target=_entry, daemon=True, args=(fn, r, world_size, port, results, threads,
+                                                           devices[r], beats, os.getpid(), args, kwargs))
              for r in range(world_size)]
     for p in procs:
         p.start()
+    spawned = time.monotonic()
     values: dict[int, object] = {}
     exited_at: dict[int, float] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -143,12 +168,27 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
                 # exited cleanly: its result may still be in the pipe; allow a moment
                 if now - exited_at.setdefault(rank, now) > 5.0:
                     raise RankFailure(rank, "exited without a result", node=_HOST)
+            _check_heartbeats(procs, beats, values, now, spawned)
             if deadline is not None and now > deadline:
                 missing = [r for r in range(world_size) if r not in values]
                 raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
     finally:
         _stop(procs)
     return [values[r] for r in range(world_size)]
+
+
+def _check_heartbeats(procs, beats, values, now: float, spawned: float) -> None:
+    """A live rank whose heartbeat stopped (SIGSTOP, a frozen process) is the cause: the others
+    only wait for it in a collective."""
+    for rank, p in enumerate(procs):
+        if rank in values or p.exitcode is not None:
+            continue
+        last = beats[rank]
+        if last == 0.0 and now - spawned > START_S:
+            raise RankFailure(rank, f"did not start within {START_S:.0f} s", node=_HOST)
+        if last and now - last > STALL_S:
+            raise RankFailure(rank, f"stopped responding: no heartbeat for {now - last:.0f} s (the process "
+                                    f"is stopped, e.g. by SIGSTOP, or frozen)", node=_HOST)
 
 
 def _raise_dead(procs, exclude: int, grace_s: float = 2.0) -> None:
@@ -178,6 +218,10 @@ def _stop(procs) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            try:
+                os.kill(p.pid, signal.SIGCONT)  # a stopped rank handles SIGTERM only once continued
+            except OSError:
+                pass
     end = time.monotonic() + 3.0
     for p in procs:
         p.join(timeout=max(0.0, end - time.monotonic()))
