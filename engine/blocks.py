@@ -35,31 +35,7 @@ class BlockPool:
 
 
 def available_memory() -> int:
-    """Bytes this machine can still give: MemAvailable from /proc/meminfo (CPU ranks)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    """Bytes this machine can still give (psutil's available memory)."""
+    import psutil
 
-
-def size_pool(*, bytes_per_block: int, block_size: int, max_num_seqs: int, max_model_len: int,
-              ranks_here: int, kv_cache_gb: float | None = None, num_blocks: int | None = None) -> int:
-    """Blocks per rank: --num-blocks, else --kv-cache-gb, else enough for max_num_seqs full-length
-    sequences capped at a quarter of the free memory shared by this machine's ranks."""
-    from atoll.errors import InputError
-
-    per_seq = -(-max_model_len // block_size)
-    if num_blocks is None:
-        if kv_cache_gb is not None:
-            num_blocks = int(kv_cache_gb * (1 << 30)) // bytes_per_block
-        else:
-            cap = available_memory() // 4 // max(1, ranks_here) // bytes_per_block
-            num_blocks = min(max_num_seqs * per_seq, cap)
-    if num_blocks < per_seq:
-        raise InputError(f"the KV cache holds {num_blocks * block_size} tokens per replica but one "
-                         f"sequence may need max_model_len={max_model_len}: raise --kv-cache-gb or "
-                         f"--num-blocks, or lower --max-model-len")
-    return num_blocks
+    return psutil.virtual_memory().available
