@@ -35,10 +35,12 @@ def finish_reason(seq: Sequence, max_len: int, decode=None) -> str | None:
     return None
 
 
-def run_requests(runner, requests: list[Request], progress=None, *, pipelined: bool = True) -> list[dict]:
+def run_requests(runner, requests: list[Request], progress=None, *, pipelined: bool = True,
+                 on_finish=None) -> list[dict]:
     """Drive `runner.tick` until every request is done; one result per request, in order.
-    `progress(done, tokens)` is called after each tick when given. Under PP, `pipelined`
-    keeps a micro-batch in every stage (see engine.lanes); False sends one at a time."""
+    `progress(done, tokens)` is called after each tick when given, and `on_finish(index,
+    result)` as each request finishes (so a caller can write it at once). Under PP,
+    `pipelined` keeps a micro-batch in every stage (see engine.lanes); False sends one at a time."""
     spec = runner.spec
     depth = runner.ctx.layout.pp
     lanes = Lanes(num_blocks=runner.num_blocks, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
@@ -65,7 +67,8 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
         inflight.appendleft(mb)
         tokens = runner.tick(inflight)
         if len(inflight) == depth and (done := inflight.pop()) is not None:
-            produced += _apply(done, tokens.tolist(), lanes, results, started, spec.max_model_len, decode, tick)
+            produced += _apply(done, tokens.tolist(), lanes, results, started, spec.max_model_len, decode, tick,
+                               on_finish)
         tick += 1
         if progress is not None:
             progress(len(results), produced)
@@ -74,7 +77,7 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
 
 
 def _apply(mb: MicroBatch, tokens: list[int], lanes: Lanes, results: dict, started: dict,
-           max_len: int, decode, tick: int) -> int:
+           max_len: int, decode, tick: int, on_finish=None) -> int:
     """The micro-batch's chunks are in the cache; sampling ones take their token. Returns
     the tokens produced."""
     now, produced = time.perf_counter(), 0
@@ -91,6 +94,8 @@ def _apply(mb: MicroBatch, tokens: list[int], lanes: Lanes, results: dict, start
         if reason is not None:
             lanes.finish(seq)
             results[seq.request.index] = _result(seq, reason, started[seq.request.index], now, tick)
+            if on_finish is not None:
+                on_finish(seq.request.index, results[seq.request.index])
     return produced
 
 

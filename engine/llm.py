@@ -56,6 +56,29 @@ def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[i
     return tuple(sorted(ids))
 
 
+def _short(value) -> str:
+    text = repr(value)  # repr escapes lone surrogates: the message stays writable
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _token_ids(ids, vocab_size: int, name: str) -> list[int]:
+    """ids as a list of ints, each a whole number in the vocabulary (no bools, no floats)."""
+    import numbers
+
+    if hasattr(ids, "tolist") and not isinstance(ids, list):  # a tensor or an array
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise InputError(f"{name}={_short(ids)} must be a list of token ids")
+    if not ids:
+        raise InputError(f"{name} is empty")
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InputError(f"{name}[{j}]={_short(t)} is not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise InputError(f"{name}[{j}]={t} is outside the vocabulary: token ids are 0..{vocab_size - 1}")
+    return [int(t) for t in ids]
+
+
 class LLM:
     """`LLM(model, layout=..., **options)`: options are EngineConfig's fields (engine/config.py:
     device, dtype, max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
@@ -115,40 +138,62 @@ class LLM:
                           f"--max-model-len", stacklevel=3)
 
     def _prompt_ids(self, prompt, chat: bool) -> list[int]:
+        """One prompt's token ids: text, a list of token ids, or a request dict holding one of
+        'prompt' (text) and 'prompt_token_ids'. InputError says what is wrong with it."""
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InputError("a request needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InputError(f"{self.model_dir} has no tokenizer.json: give prompt_token_ids")
-            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
+            has_text, has_ids = "prompt" in prompt, "prompt_token_ids" in prompt
+            if has_text and has_ids:
+                raise InputError("give 'prompt' or 'prompt_token_ids', not both")
+            if not has_text and not has_ids:
+                raise InputError("a request needs 'prompt' (text) or 'prompt_token_ids' (a list of token ids)")
+            if has_ids:
+                return _token_ids(prompt["prompt_token_ids"], self.config.vocab_size, "prompt_token_ids")
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise InputError(f"prompt={_short(prompt)} must be a text string (or give prompt_token_ids)")
+        if not isinstance(prompt, str):
+            if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__"):
+                raise InputError(f"prompt={_short(prompt)} must be text or a list of token ids")
+            return _token_ids(prompt, self.config.vocab_size, "prompt")
+        if not prompt:
+            raise InputError("prompt is empty")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800": a lone surrogate no tokenizer can take
+            raise InputError(f"prompt holds {prompt[e.start]!r} at character {e.start}, a lone surrogate: "
+                             "not valid Unicode text") from None
+        if self.tokenizer is None:
+            raise InputError(f"{self.model_dir} has no tokenizer.json: give prompt_token_ids")
+        ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
         if not ids:
-            raise InputError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InputError(f"token id {bad[0]} outside the vocabulary of {self.config.vocab_size}")
-        return ids
+            raise InputError("prompt encodes to no tokens")
+        return _token_ids(ids, self.config.vocab_size, "the tokenized prompt")
 
     def prepare(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
-                *, chat: bool = False):
-        """Requests (token ids and params) for the workers; raises InputError for bad ones."""
+                *, chat: bool = False, errors: dict | None = None):
+        """Requests (token ids and params) for the workers. A bad prompt raises InputError naming
+        it; given `errors`, its reason goes to errors[i] instead and it is left out, so the
+        others still run (Request.index stays i, the prompt's position)."""
         from atoll.engine.generate import Request
 
         if not prompts:
             raise InputError("no prompts given")
         params = params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InputError(f"{len(plist)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
-            ids = self._prompt_ids(prompt, chat)
-            if len(ids) + 1 > self.max_model_len:
-                raise InputError(f"prompt {i} has {len(ids)} tokens; the context is {self.max_model_len}")
+            try:
+                ids = self._prompt_ids(prompt, chat)
+                if len(ids) + 1 > self.max_model_len:
+                    raise InputError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} "
+                                     "(max_model_len), with room for at least one new token")
+            except InputError as e:
+                if errors is None:
+                    raise InputError(f"prompt {i}: {e}") from None
+                errors[i] = str(e)
+                continue
             if not p.ignore_eos:
                 p = replace(p, stop_token_ids=tuple(sorted(set(p.stop_token_ids) | set(self.stop_ids))))
             requests.append(Request(i, ids, p))
@@ -172,6 +217,7 @@ class LLM:
                        gpu_memory_utilization=o.gpu_memory_utilization, device=o.device, cache_seqs=seqs)
 
     def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
+        """One RequestOutput per request: prompts[k], requests[k] and results[k] belong together."""
         outs = []
         for prompt, req, res in zip(prompts, requests, results):
             rid = prompt.get("id", req.index) if isinstance(prompt, dict) else req.index

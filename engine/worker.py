@@ -10,8 +10,12 @@ from atoll.parallel.mesh import ParallelContext
 
 def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Request], progress=None):
     """Build this rank's stage, run every request; rank 0 returns the results, others None.
-    `progress`, if given, receives (requests done, tokens made) from rank 0 after each step
-    (a multiprocessing queue from the local launcher, or any object with put())."""
+
+    `progress`, if given, is the parent's channel (a multiprocessing queue from the local
+    launcher, or any object with put(), such as launch.progress.Reports on rank 0 under
+    torchrun/mpirun). Rank 0 puts ("step", requests done, tokens made) after each step, and
+    each replica's first rank puts ("done", request index, result) as each of its requests
+    finishes, so the parent can write it before the run ends."""
     from atoll.launch.device import rank_device
 
     layout = Layout.parse(spec.layout)
@@ -19,13 +23,18 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
     ctx = ParallelContext.create(layout, rank, device) if world_size > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
     mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
+    leader = ctx.coords.tp == 0 and ctx.is_first_stage  # the rank that holds its replica's results
     report = _scaled_reporter(progress, layout.dp) if progress is not None and rank == 0 else None
-    results = dict(zip((r.index for r in mine), run_requests(runner, mine, report)))
+    on_finish = None
+    if progress is not None and leader:
+        def on_finish(index, result):
+            progress.put(("done", index, result))
+    results = dict(zip((r.index for r in mine), run_requests(runner, mine, report, on_finish=on_finish)))
     if layout.dp > 1:
         import torch.distributed as dist
 
         parts = [None] * world_size if rank == 0 else None
-        dist.gather_object(results if ctx.coords.tp == 0 and ctx.is_first_stage else {}, parts, dst=0)
+        dist.gather_object(results if leader else {}, parts, dst=0)
         if rank == 0:
             results = {k: v for part in parts for k, v in part.items()}
     return [results[r.index] for r in requests] if rank == 0 else None
@@ -33,4 +42,4 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
 
 def _scaled_reporter(progress, dp: int):
     """Replica 0's counts, scaled to all dp replicas."""
-    return lambda done, tokens: progress.put((done * dp, tokens * dp))
+    return lambda done, tokens: progress.put(("step", done * dp, tokens * dp))

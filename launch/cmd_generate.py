@@ -34,8 +34,13 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt text")
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='lines of {"id":..., "prompt": "..."} or prompt_token_ids')
-    p.add_argument("--output", metavar="FILE.jsonl", help="write results here instead of stdout")
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help='one request a line: {"id": ..., "prompt": "..."} or "prompt_token_ids": [...], and '
+                          "optionally max_tokens, temperature, top_p, top_k, seed, stop for that request; "
+                          "a bad line becomes its own error line and the others run")
+    p.add_argument("--output", metavar="FILE.jsonl",
+                   help="write results here instead of stdout: one line per request with its id and input "
+                        "line, written as each finishes, put in input order when the run ends")
     p.add_argument("--launcher", default="auto", choices=["auto", "local", "torchrun", "ray", "mpi"],
                    help="auto: torchrun or mpirun if launched by one, else local processes")
     p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start Ray here)")
@@ -45,11 +50,22 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+# SamplingParams' fields -> the flags that set them (its messages start with `field=`)
+FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+         "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}
+
+
 def sampling_params(args):
     from atoll.engine.sampling import SamplingParams
+    from atoll.errors import InputError
 
-    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    try:
+        return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    except InputError as e:
+        field, _, rest = str(e).partition("=")
+        field = field.split("[")[0]  # stop[1]=... names one --stop
+        raise InputError(f"{FLAGS[field]} {rest}" if field in FLAGS else str(e)) from None
 
 
 def make_llm(args, model_dir):
@@ -64,65 +80,153 @@ def make_llm(args, model_dir):
 
 
 def run(args) -> int:
+    """Everything a user can get wrong is checked before any rank starts: the flags, the
+    prompts file, the output path, the model; then each request on its own (a bad one
+    becomes its own error line). Results are written as they finish (launch.requests)."""
+    from atoll.launch.launchers import detect
+    from atoll.launch.requests import Line, check_output, read_prompts
+
+    defaults = sampling_params(args)
+    if args.prompts:
+        lines = read_prompts(args.prompts)
+    else:
+        lines = [Line(None, 0, {"prompt": args.prompt})]
+    if args.output:
+        check_output(args.output, args.prompts)
+    llm = make_llm(args, args.model)
+    valid = _validate(llm, lines, defaults, chat=args.chat)
+    if not args.prompts and lines[0].error:
+        from atoll.errors import InputError
+
+        raise InputError(f"--prompt: {lines[0].error}")
+    launcher = detect() if args.launcher == "auto" else args.launcher
+    return _generate(args, llm, lines, valid, launcher)
+
+
+def _validate(llm, lines, defaults, *, chat: bool) -> list[tuple[int, object]]:
+    """(line index, Request) for every servable line; the others get Line.error. Each
+    Request.index is its position in this list (what rank 0 reports back)."""
+    from dataclasses import replace
+
+    from atoll.errors import InputError
+
+    keep = []
+    for i, ln in enumerate(lines):
+        if ln.error is None:
+            try:
+                keep.append((i, replace(defaults, **ln.sampling)))
+            except InputError as e:
+                ln.error = _where(ln, e)
+    errors: dict[int, str] = {}
+    requests = llm.prepare([lines[i].prompt for i, _ in keep], [p for _, p in keep], chat=chat,
+                           errors=errors) if keep else []
+    for k, msg in errors.items():
+        lines[keep[k][0]].error = _where(lines[keep[k][0]], msg)
+    valid = []
+    for req in requests:
+        i = keep[req.index][0]
+        req.index = len(valid)
+        valid.append((i, req))
+    return valid
+
+
+def _where(ln, e) -> str:
+    return str(e) if ln.line is None else f"line {ln.line}: {e}"
+
+
+def _row(ln, **fields) -> dict:
+    return {"id": ln.id, **({} if ln.line is None else {"line": ln.line}), **fields}
+
+
+def _generate(args, llm, lines, valid, launcher: str) -> int:
     from atoll.engine.worker import generate_worker
     from atoll.errors import AtollError
-    from atoll.launch.launchers import detect, launch
-    from atoll.launch.requests import read_jsonl, write_jsonl
+    from atoll.launch.launchers import launch
+    from atoll.launch.requests import ResultWriter
 
-    llm = make_llm(args, args.model)
-    if args.prompts:
-        prompts, failures = read_jsonl(args.prompts)
-    else:
-        prompts, failures = [{"id": 0, "prompt": args.prompt}], []
-    requests = llm.prepare(prompts, sampling_params(args), chat=args.chat)
+    writer = ResultWriter(args.output, enabled=_writes_output(launcher))
+    failed = [i for i, ln in enumerate(lines) if ln.error is not None]
+    for i in failed:
+        writer.write(i, _row(lines[i], error=lines[i].error))
+    if not valid:  # nothing to run: no rank is started
+        writer.close()
+        if writer.failure:
+            raise AtollError(writer.failure)
+        if writer.enabled:
+            print(f"atoll: 0 done, {len(failed)} failed: no valid request", file=sys.stderr)
+        return 1
+    requests = [r for _, r in valid]
+
+    def done(k, result):  # request k finished: its output line, written at once
+        i, req = valid[k]
+        out = llm.finish([lines[i].prompt], [req], [result])[0].to_json()
+        writer.write(i, _row(lines[i], **{f: v for f, v in out.items() if f != "id"}))
+
     start = time.perf_counter()
-    launcher = detect() if args.launcher == "auto" else args.launcher
     if launcher in ("local", "ray"):
         print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} ranks, {launcher})",
               file=sys.stderr)
-    bar, progress = _progress(launcher, len(requests), enabled=not args.no_progress)
+    reports, progress = _progress(launcher, len(requests), done, bar=not args.no_progress)
     try:
         spec = llm.spec(requests)
-        reports, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
-                                  ray_address=args.ray_address, device=spec.device, progress=progress)
-    except AtollError as e:
-        # nothing is lost silently: every request is listed, failed, with the cause
-        write_jsonl([{"id": _rid(p, i), "error": str(e)} for i, p in enumerate(prompts)] + failures, args.output)
+        _, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
+                            ray_address=args.ray_address, device=spec.device, progress=progress)
+        if reports is not None:
+            reports.close()  # what rank 0 already reported is written before the rest
+        if writer.enabled:
+            for k, result in enumerate(results):
+                if not writer.written(valid[k][0]):
+                    done(k, result)
+    except BaseException as e:
+        # nothing is lost silently: every request not written yet is listed, failed, with the cause
+        if reports is not None:
+            reports.close()
+        cause = (str(e) if isinstance(e, AtollError) else "interrupted" if isinstance(e, KeyboardInterrupt)
+                 else f"{type(e).__name__}: {e}")
+        for i, ln in enumerate(lines):
+            if not writer.written(i):
+                writer.write(i, _row(ln, error=cause))
+        writer.close()
         raise
-    finally:
-        if bar is not None:
-            bar.close()
-    if not reports:
+    writer.close()
+    if writer.failure:
+        raise AtollError(writer.failure)
+    if not writer.enabled:
         return 0
     elapsed = time.perf_counter() - start
-    outputs = llm.finish(prompts, requests, results)
-    write_jsonl([o.to_json() for o in outputs] + failures, args.output)
-    tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"atoll: {len(outputs)} done, {len(failures)} failed, {tokens} tokens in {elapsed:.1f}s "
+    tokens = sum(len(r["token_ids"]) for r in results)
+    print(f"atoll: {len(results)} done, {len(failed)} failed, {tokens} tokens in {elapsed:.1f}s "
           f"({tokens / elapsed:.1f} tok/s)", file=sys.stderr)
-    return 1 if failures else 0
+    return 1 if failed else 0
 
 
-def _rid(prompt, index):
-    return prompt.get("id", index) if isinstance(prompt, dict) else index
-
-
-def _progress(launcher: str, total: int, *, enabled: bool):
-    """(bar, what the workers get): a queue for local ranks, the bar itself for rank 0 of
-    torchrun/mpirun, nothing for Ray (its actors cannot reach the driver's queue)."""
+def _writes_output(launcher: str) -> bool:
+    """Whether this process writes the output: always, except under torchrun/mpirun, where
+    every rank runs this command and rank 0 writes."""
     import os
 
-    from atoll.launch.progress import ProgressBar
+    if launcher == "torchrun":
+        return os.environ.get("RANK", "0") == "0"
+    if launcher == "mpi":
+        from atoll.launch.mpi_launcher import _ENV_RANK
 
-    if not enabled or launcher == "ray":
+        return next((os.environ[k] for k in _ENV_RANK if k in os.environ), "0") == "0"
+    return True
+
+
+def _progress(launcher: str, total: int, done, *, bar: bool):
+    """(Reports here, what the workers get): a queue for local ranks; the Reports itself for
+    rank 0 of torchrun/mpirun (it is this process); nothing for Ray (its actors cannot reach
+    the driver's queue: results are written when the run ends) or other ranks."""
+    from atoll.launch.progress import ProgressBar, Reports
+
+    if launcher == "ray" or not _writes_output(launcher):
         return None, None
+    progress_bar = ProgressBar(total) if bar else None
     if launcher == "local":
         import multiprocessing as mp
 
         channel = mp.get_context("spawn").Queue()
-        bar = ProgressBar(total, channel=channel)
-        return bar, channel
-    if os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")) != "0":
-        return None, None
-    bar = ProgressBar(total)
-    return bar, bar
+        return Reports(bar=progress_bar, on_done=done, channel=channel), channel
+    reports = Reports(bar=progress_bar, on_done=done)
+    return reports, reports

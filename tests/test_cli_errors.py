@@ -60,10 +60,14 @@ def test_unsupported_architecture(capsys, tiny_model, tmp_path):
 
 
 def test_prompt_longer_than_context(capsys, tiny_model, tmp_path):
+    """A request the model cannot serve is that request's error line; no rank starts."""
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"id": 1, "prompt_token_ids": [3] * 300}) + "\n")
-    _fails(capsys, ["generate", "--model", str(tiny_model("llama")), "--prompts", str(f)],
-           "prompt 0 has 300 tokens; the context is 256")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tiny_model("llama")), "--prompts", str(f)])
+    row = json.loads(capsys.readouterr().out)
+    assert e.value.code == 1 and row["id"] == 1 and row["line"] == 1
+    assert "prompt has 300 tokens; the context is 256" in row["error"]
 
 
 def test_empty_prompt_file(capsys, tiny_model, tmp_path):
