@@ -62,9 +62,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rc = args.run(args)
     except AtollError as e:
-        print(f"atoll: error: {e}", file=sys.stderr)
+        text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        print(f"atoll: error: {text or type(e).__name__}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("atoll: interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # `atoll plan ... | head`: the reader left; no traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     sys.exit(rc or 0)

@@ -35,6 +35,8 @@ def run(args) -> int:
     if sources != 1:
         raise ConfigError("give exactly one of NAME, --discover, --from-smi FILE, --ray "
                           f"(presets: {', '.join(T.preset_names())})")
+    if args.gpu and not args.from_smi:
+        raise ConfigError(f"--gpu {args.gpu} applies only to --from-smi (a preset or YAML names its GPU)")
     nodes = args.nodes or 1
     if args.discover:
         topo = T.discover(nodes=nodes)

@@ -13,7 +13,7 @@ DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 SUPPORTED = DENSE_TYPES + MOE_TYPES
 _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim")
+             "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,8 @@ class ModelConfig:
         )
         try:
             cls._moe_fields(mt, d, kw, head_dim)
+        except KeyError as e:
+            raise ConfigError(f"model config for {mt} lacks the field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:  # e.g. null where a number belongs
             raise ConfigError(f"model config for {mt} has a field of the wrong type: {e}") from None
         try:

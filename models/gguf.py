@@ -58,6 +58,7 @@ def demo_model_dir(*, reconvert: bool = False, progress: bool = True) -> Path:
         return out  # only a finished conversion is ever renamed to this name
     gguf_path = demo_gguf_path()
     _require_convert_packages()
+    _check_out_dir(out, reconvert or out.exists(), legacy_demo=True)  # before saying anything
     if progress:
         print(f"atoll: converting {gguf_path.name} once into {out} (about a minute)",
               file=sys.stderr)
@@ -76,8 +77,11 @@ def _require_convert_packages() -> None:
 def _check_gguf_file(path: Path) -> None:
     if not path.is_file():
         raise CheckpointError(f"no GGUF file at {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
     if magic != b"GGUF":
         raise CheckpointError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
 

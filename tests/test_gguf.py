@@ -88,7 +88,10 @@ def test_greedy_tokens_match_the_gguf_model(smollm2_dir, from_gguf):
         expected, ref_logits = _greedy(ref, ids)
         got, logits = _greedy(model, ids)
         assert got == expected
-        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+        # fp32 through 30 layers: another CPU's BLAS (AMD EPYC, other thread counts) sums in
+        # another order: 4e-5 apart on logits of magnitude ~30; a bound relative to that scale
+        scale = ref_logits.abs().max().item()
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=2e-5 * max(scale, 1.0))
         assert len(set(expected)) > 3  # a real answer, not one token repeated
 
 

@@ -25,6 +25,7 @@ from atoll.errors import ConfigError
 from atoll.topologies.schema import GpuSpec, Link, Node, Topology
 
 PRESET_DIR = Path(__file__).parent / "presets"
+MAX_GPUS = 2**17  # a bound on nodes x gpus_per_node, so a typo (nodes: 100000000) fails at once
 
 
 def preset_names() -> list[str]:
@@ -122,6 +123,9 @@ def topology_from_dict(d: dict, *, nodes: int | None = None, gpus_per_node: int 
     count = d.get("nodes", 1) if nodes is None else nodes
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ConfigError(f"{where}: nodes={count!r} must be at least 1")
+    if count * gpn > MAX_GPUS:
+        raise ConfigError(f"{where}: {count} nodes x {gpn} GPUs = {count * gpn} GPUs; "
+                          f"atoll describes at most {MAX_GPUS}")
     gpu = _gpu(_need(d, "gpu", where, "gpu"), where, gpn)
     links = _need(d, "links", where, "links")
     network = _link(_need(links, "network", where, "links.network"), None, where, "links.network")
