@@ -3,7 +3,6 @@ then runs the ranks and returns one RequestOutput per prompt, in order."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 

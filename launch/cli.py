@@ -56,18 +56,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: every request not finished is written as failed."""
+
+    def __str__(self):
+        return "terminated (SIGTERM)"
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> None:
+    import signal
+    import threading
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         rc = args.run(args)
     except AtollError as e:
         text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         print(f"atoll: error: {text or type(e).__name__}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("atoll: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        print(f"atoll: {e or 'interrupted'}", file=sys.stderr)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
     except BrokenPipeError:  # `atoll plan ... | head`: the reader left; no traceback
         import os
 

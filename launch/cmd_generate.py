@@ -181,7 +181,7 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
         # nothing is lost silently: every request not written yet is listed, failed, with the cause
         if reports is not None:
             reports.close()
-        cause = (str(e) if isinstance(e, AtollError) else "interrupted" if isinstance(e, KeyboardInterrupt)
+        cause = (str(e) if isinstance(e, AtollError) else (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt)
                  else f"{type(e).__name__}: {e}")
         for i, ln in enumerate(lines):
             if not writer.written(i):

@@ -79,3 +79,23 @@ def test_ranks_end_when_the_driver_is_killed(tiny_model, tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their killed driver"
+
+
+def test_sigterm_of_the_driver_writes_every_request_and_leaves_no_rank(tiny_model, tmp_path):
+    d = tiny_model("llama", num_hidden_layers=4)
+    proc = _start_long_job(d, tmp_path, layout="TP2")
+    workers = _children(proc.pid)
+    assert len(workers) == 2 and proc.poll() is None
+    os.kill(proc.pid, signal.SIGTERM)
+    err = proc.stderr.read()
+    proc.wait(timeout=30)
+    time.sleep(1)
+    left = [pid for pid in workers if not _gone(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    assert not left, f"ranks {left} outlived the job"
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(12))  # every request written
+    assert all(r.get("token_ids") or r.get("error") == "terminated (SIGTERM)" for r in rows)
