@@ -103,6 +103,9 @@ class LLM:
             raise LayoutError(f"layout {self.layout}: attention data parallelism (dp > 1) is for MoE "
                               f"models; for {self.config.model_type} run replicas of a tp/pp layout")
         Checkpoint(self.model_dir).check()
+        from atoll.models.checkpoint import check_layout_fits
+
+        check_layout_fits(self.model_dir, self.config, self.layout)  # shapes, before any rank starts
         o = self.options
         self.device, self.dtype = o.device, o.dtype
         self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size

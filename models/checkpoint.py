@@ -90,6 +90,9 @@ class Checkpoint:
         for f in sorted(set(self.weight_map.values())):
             self._open(f)
 
+    def header(self, name: str) -> HeaderSource:
+        return HeaderSource(name, self._open(self.weight_map[name]).get_slice(name))
+
     def names(self) -> list[str]:
         return list(self.weight_map)
 
@@ -113,7 +116,52 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
 
-def load_weights(model, ckpt: Checkpoint) -> None:
+_LOADABLE = ("F32", "F16", "BF16", "F64")
+
+
+class HeaderSource:
+    """A checkpoint tensor known only by its safetensors header: indexing gives a meta tensor
+    of the slice's shape, so a model built on `meta` can run every weight_loader (shapes
+    checked, nothing read) before any rank starts."""
+
+    def __init__(self, name: str, slice_):
+        import torch
+
+        self.name = name
+        dtype = slice_.get_dtype()
+        if dtype not in _LOADABLE:
+            raise CheckpointError(f"tensor {name} is stored as {dtype}, which atoll cannot load "
+                                  f"(it reads {', '.join(_LOADABLE)})")
+        self._full = torch.empty(tuple(slice_.get_shape()), device="meta")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._full.shape)
+
+    def __getitem__(self, index):
+        return self._full[index]
+
+
+def check_layout_fits(model_dir, config, layout) -> None:
+    """Every rank's weight slices checked against the checkpoint's headers, in this process:
+    the first and last rank of each pipeline stage build their part on `meta` and run their
+    weight_loaders over header-only sources (sharding is uniform, so the ends of each stage
+    stand for the ranks between). Raises the CheckpointError the rank would have raised."""
+    import torch
+
+    from atoll.models import build_model
+    from atoll.parallel.mesh import ParallelContext
+
+    ckpt = Checkpoint(model_dir)
+    stage = layout.stage_size
+    ranks = sorted({r for p in range(layout.pp) for r in (p * stage, p * stage + stage - 1)})
+    for rank in ranks:
+        ctx = ParallelContext.detached(layout, rank, device="meta")
+        model = build_model(config, ctx, dtype=torch.float32)
+        load_weights(model, ckpt, get=ckpt.header)
+
+
+def load_weights(model, ckpt: Checkpoint, *, get=None) -> None:
     """Hand each checkpoint tensor that this rank holds to its parameter's weight_loader.
 
     `model.checkpoint_targets(name)` maps a checkpoint name to (parameter name, shard id)
@@ -121,6 +169,7 @@ def load_weights(model, ckpt: Checkpoint) -> None:
     weight_loader returns False for a shard it does not hold (another rank's expert), and
     a parameter's `shards` attribute lists the shard ids it must receive (default: one, None).
     """
+    get = get or ckpt.get  # ckpt.header: shapes only (check_layout_fits)
     params = dict(model.named_parameters())
     loaded = set()
     for name in ckpt.names():
@@ -129,7 +178,7 @@ def load_weights(model, ckpt: Checkpoint) -> None:
             if param is None:
                 continue
             try:
-                took = param.weight_loader(param, ckpt.get(name), shard)
+                took = param.weight_loader(param, get(name), shard)
             except ValueError as e:
                 raise CheckpointError(f"tensor {name} does not fit the model config: {e}") from None
             if took is not False:

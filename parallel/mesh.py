@@ -72,6 +72,14 @@ class ParallelContext:
         return cls(Layout(), 0, {k: Group.single(k, device) for k in KINDS}, device)
 
     @classmethod
+    def detached(cls, layout: Layout, rank: int, device="meta") -> "ParallelContext":
+        """Rank `rank`'s groups with their sizes and ranks but no process group: enough to
+        build its sharded layers (on meta, say) to check or measure them, never to run them."""
+        groups = {kind: Group(None, ranks, rank, kind, device)
+                  for kind, all_ranks in group_ranks(layout).items() for ranks in all_ranks if rank in ranks}
+        return cls(layout, rank, groups, device)
+
+    @classmethod
     def create(cls, layout: Layout, rank: int, device="cpu") -> "ParallelContext":
         """Make every group; all ranks must call this together (new_group is collective)."""
         import torch.distributed as dist
