@@ -30,9 +30,12 @@ def resolve_layout(layout=None, tp: int | None = None, pp: int | None = None,
                    dp: int | None = None, ep: int | None = None) -> Layout:
     """A Layout from its text ("TP2PP2") or from vLLM-style sizes (-tp, -pp, -dp, -ep)."""
     if layout is not None:
-        if any(v not in (None, 1) for v in (tp, pp, dp, ep)):
+        if any(v is not None for v in (tp, pp, dp, ep)):
             raise InputError("give either --layout or the -tp/-pp/-dp/-ep sizes, not both")
         return layout if isinstance(layout, Layout) else Layout.parse(layout)
+    for flag, v in (("-tp", tp), ("-pp", pp), ("-dp", dp), ("-ep", ep)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise InputError(f"{flag} {v!r} must be a whole number of at least 1")
     if ep and not tp and not dp:
         tp = ep  # as in Layout.parse: EP alone means TP attention over the same ranks
     return Layout(tp=tp or 1, pp=pp or 1, dp=dp or 1, ep=ep or 1)

@@ -29,8 +29,8 @@ def run(args) -> int:
     console = Console(stderr=True)
     model_dir = demo_model_dir()
     llm = LLM(model_dir, layout=args.layout, max_model_len=1024, max_num_seqs=8)  # a small cache suffices
-    console.print(f"[bold]atoll demo[/]: SmolLM2-135M-Instruct at {llm.layout} "
-                  f"({llm.layout.world_size} local ranks, gloo on 127.0.0.1)")
+    console.print(f"[bold]atoll demo[/]: SmolLM2-135M-Instruct from {model_dir} at {llm.layout} "
+                  f"({llm.layout.world_size} local ranks); loading...")
     start = time.perf_counter()
     outs = llm.generate(QUESTIONS, SamplingParams(max_tokens=args.max_new_tokens), chat=True)
     elapsed = time.perf_counter() - start

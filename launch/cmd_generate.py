@@ -83,9 +83,11 @@ def run(args) -> int:
     """Everything a user can get wrong is checked before any rank starts: the flags, the
     prompts file, the output path, the model; then each request on its own (a bad one
     becomes its own error line). Results are written as they finish (launch.requests)."""
-    from atoll.launch.launchers import detect
+    from atoll.launch.launchers import check_launcher, detect
     from atoll.launch.requests import Line, check_output, read_prompts
 
+    launcher = detect() if args.launcher == "auto" else args.launcher
+    check_launcher(launcher)
     defaults = sampling_params(args)
     if args.prompts:
         lines = read_prompts(args.prompts)
@@ -99,7 +101,6 @@ def run(args) -> int:
         from atoll.errors import InputError
 
         raise InputError(f"--prompt: {lines[0].error}")
-    launcher = detect() if args.launcher == "auto" else args.launcher
     return _generate(args, llm, lines, valid, launcher)
 
 

@@ -22,6 +22,19 @@ def detect() -> str:
     return "local"
 
 
+def check_launcher(name: str) -> None:
+    """torchrun and mpi join a job their launcher started: refuse them outside one."""
+    from atoll.errors import LaunchError
+
+    if name == "torchrun":
+        from atoll.launch.torchrun import in_torchrun
+
+        if not in_torchrun():
+            raise LaunchError("--launcher torchrun needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+                              "MASTER_PORT): start with `torchrun --nproc-per-node N -m atoll generate ...`, "
+                              "or use --launcher local")
+
+
 def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str | None = None,
            device: str = "cpu", placement=None, **kwargs) -> tuple[bool, object]:
     """(this process reports, rank 0's value). Under torchrun/mpi only rank 0 reports.

@@ -20,11 +20,14 @@ class ProgressBar:
         from tqdm import tqdm
 
         self._bar = tqdm(total=total, unit="req", disable=not enabled, dynamic_ncols=True, mininterval=0.5)
-        self._start = time.perf_counter()
+        self._start = None  # the first step's report: tokens/s counts generation, not start-up
 
     def put(self, item) -> None:
         done, tokens = item
-        rate = tokens / max(time.perf_counter() - self._start, 1e-9)
+        now = time.perf_counter()
+        if self._start is None:
+            self._start = now
+        rate = tokens / max(now - self._start, 1e-9)
         self._bar.set_postfix_str(f"{tokens} tok, {rate:.1f} tok/s", refresh=False)
         self._bar.update(done - self._bar.n)  # redraws at most every mininterval
 

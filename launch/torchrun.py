@@ -19,6 +19,9 @@ def run_torchrun(fn, world_size: int, *args, device: str = "cpu", **kwargs):
 
     from atoll.launch.device import agree_through_store, backend_for, bind, decide, local_rank_from_env
 
+    from atoll.launch.launchers import check_launcher
+
+    check_launcher("torchrun")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != world_size:
         raise LayoutError(f"the layout needs {world_size} ranks but torchrun started {world}")

@@ -27,6 +27,9 @@ LAYOUT_ERRORS = [
     ("mixtral", ["-tp", "2", "-ep", "4"], "ep=4 does not divide the stage's tp*dp=2 ranks"),
     ("mixtral", ["--layout", "TP4EP2MOETP4"], "ep*moe_tp=2*4=8 must equal tp*dp=4*1=4"),
     ("llama", ["--layout", "EP2"], "uses expert parallelism but llama is a dense model"),
+    ("llama", ["-tp", "0"], "-tp 0 must be a whole number of at least 1"),
+    ("llama", ["--layout", "TP2", "-tp", "1"], "give either --layout or the -tp/-pp/-dp/-ep sizes, not both"),
+    ("llama", ["--launcher", "torchrun"], "--launcher torchrun needs torchrun's environment"),
 ]
 
 
