@@ -115,17 +115,36 @@ class LLM:
         self.max_model_len = min(o.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.max_num_batched_tokens = o.max_num_batched_tokens or max(2048, self.max_model_len)
-        if o.num_blocks is not None:
+        blocks = self._explicit_blocks()
+        if blocks is not None:
             from atoll.engine.kv_sizing import check_fits
 
-            check_fits(o.num_blocks, block_size=o.block_size, max_model_len=self.max_model_len)
-            self._check_lanes(o.num_blocks)
+            check_fits(blocks, block_size=o.block_size, max_model_len=self.max_model_len)
+            self._check_lanes(blocks)
         self.tokenizer = None
         if (self.model_dir / "tokenizer.json").exists():
             from atoll.engine.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer(self.model_dir)
         self.stop_ids = default_stop_ids(self.model_dir, self.config, self.tokenizer)
+
+    def _explicit_blocks(self) -> int | None:
+        """--num-blocks, or --kv-cache-gb in blocks at the dtype the ranks will most likely use
+        (they check again with the dtype they resolve)."""
+        import torch
+
+        from atoll.engine.kv_sizing import explicit_blocks
+        from atoll.engine.runner import resolve_dtype
+        from atoll.launch.device import visible_gpus
+        from atoll.models.cache_bytes import kv_bytes_per_block
+
+        o = self.options
+        if o.num_blocks is None and o.kv_cache_gb is None:
+            return None
+        device = torch.device("cuda" if o.device != "cpu" and visible_gpus() else "cpu")
+        itemsize = resolve_dtype(o.dtype, self.config, device).itemsize
+        return explicit_blocks(bytes_per_block=kv_bytes_per_block(self.config, self.layout, itemsize, o.block_size),
+                               kv_cache_gb=o.kv_cache_gb, num_blocks=o.num_blocks)
 
     def _check_lanes(self, num_blocks: int) -> None:
         """Pipelined decode wants room for one max-length sequence per stage (engine.lanes)."""
