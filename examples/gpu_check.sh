@@ -32,6 +32,20 @@ BUDGET=${BUDGET:-480}  # seconds for the whole script; a step that might pass it
 WORK=${TMPDIR:-/tmp}/atoll-gpu-check
 mkdir -p "$WORK"
 export ATOLL_CACHE=${ATOLL_CACHE:-$WORK/cache}  # where the SmolLM2 conversion lands
+# atoll from this tree even where it is not pip-installed (the GPU machine has no network):
+# the repository root is the package, so a link named atoll on PYTHONPATH imports it, and a
+# small `atoll` command on PATH runs `python -m atoll`
+if ! python -c "import atoll" 2>/dev/null; then
+  mkdir -p "$WORK/pkg" "$WORK/bin"
+  ln -sfn "$PWD" "$WORK/pkg/atoll"
+  export PYTHONPATH="$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! command -v atoll >/dev/null 2>&1; then
+  mkdir -p "$WORK/bin"
+  printf '#!/bin/sh\nexec python -m atoll "$@"\n' > "$WORK/bin/atoll"
+  chmod +x "$WORK/bin/atoll"
+  export PATH="$WORK/bin:$PATH"
+fi
 
 log() { echo "$*" | tee -a "$RESULTS"; }
 

