@@ -96,6 +96,7 @@ def run(args) -> int:
     if args.output:
         check_output(args.output, args.prompts)
     llm = make_llm(args, args.model)
+    check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size)
     valid = _validate(llm, lines, defaults, chat=args.chat)
     if not args.prompts and lines[0].error:
         from atoll.errors import InputError

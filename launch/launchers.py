@@ -22,9 +22,15 @@ def detect() -> str:
     return "local"
 
 
-def check_launcher(name: str) -> None:
-    """torchrun and mpi join a job their launcher started: refuse them outside one."""
+def check_launcher(name: str, *, device: str = "cpu", world_size: int = 1) -> None:
+    """torchrun and mpi join a job their launcher started: refuse them outside one. The local
+    launcher's ranks all live here, so their devices are checked here too."""
     from atoll.errors import LaunchError
+
+    if name == "local":
+        from atoll.launch.local import local_devices
+
+        local_devices(device, world_size)
 
     if name == "torchrun":
         from atoll.launch.torchrun import in_torchrun
