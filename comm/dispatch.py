@@ -21,7 +21,11 @@ experts on a remote island crosses once, with its expert ids and weights, to one
 there (routing.relay_rank); each rank then runs the flat step inside its island only, over its
 own tokens and the ones relayed to it. combine reduces inside the island (weighted) and sends one
 partial sum per (token, remote island) back across. Within an expert the row order is then
-by relay, not by source.
+by relay, not by source. Given the ParallelContext's subgroups (islands of one size), the
+cross-island leg runs over this rank's "rail" group (the ranks at its position in every
+island: exactly its relays and the ranks it relays for) and the intra-island leg over its
+island's own group, so no collective of this path spans the whole ep group; otherwise both
+legs are all_to_alls over the ep group with zero splits outside their peers.
 
 combine takes the expert outputs in the order of Dispatched.rows and sums in their dtype.
 
@@ -50,11 +54,14 @@ from atoll.errors import ConfigError
 
 @dataclass
 class Leg:
-    """One all_to_all over the ep group, and what undoing it needs."""
+    """One all_to_all over `group` (the ep group or one of its subgroups), and what undoing
+    it needs. Splits are per member of `group`; peers[j] is member j's ep rank."""
     src: torch.Tensor             # [n_send] input row each sent row copies, grouped by destination
     send_splits: list[int]
     recv_splits: list[int]
     n_in: int                     # input rows (tokens) of this leg
+    group: Group | None = None
+    peers: list[int] | None = None
     regroup: torch.Tensor | None = None    # [n_recv] received rows -> expert-major; None: already
     unregroup: torch.Tensor | None = None  # its inverse, for the way back
     bag: tuple | None = None      # (pair rows in token order, per-token offsets, weights) for the
@@ -96,7 +103,8 @@ class Dispatched:
 
 class Dispatcher:
     def __init__(self, group: Group, num_experts: int, *, islands=None,
-                 capacity_factor: float | None = None, hierarchical: bool = False, grouped: bool = True):
+                 capacity_factor: float | None = None, hierarchical: bool = False, grouped: bool = True,
+                 island_group: Group | None = None, rail_group: Group | None = None):
         if num_experts < 1:
             raise ConfigError(f"num_experts={num_experts} must be at least 1")
         if capacity_factor is not None and not capacity_factor > 0:
@@ -112,6 +120,10 @@ class Dispatcher:
         if hierarchical and len(self.islands) < 2:
             raise ConfigError(f"hierarchical dispatch needs at least 2 islands, got {self.islands}")
         self.hierarchical = hierarchical
+        everyone = (group, list(range(group.size)))
+        self._island, self._rail = everyone, everyone  # (group, its members' ep ranks) of each leg
+        if hierarchical and island_group is not None and rail_group is not None:
+            self._island, self._rail = self._subgroups(island_group, rail_group) or (everyone, everyone)
         self.capacity_factor = capacity_factor
         self.grouped = grouped
         self.bytes: Counter = Counter()      # all bytes sent, per link class
@@ -128,6 +140,25 @@ class Dispatcher:
         self.bytes.clear()
         self.row_bytes.clear()
 
+    @property
+    def two_level(self) -> bool:
+        """Whether the island-first path runs on the rail and island subgroups."""
+        return self._rail[0] is not self.group
+
+    def _subgroups(self, island: Group, rail: Group):
+        """((island group, its ep ranks), (rail group, its ep ranks)) when the islands are all
+        one size (a rail has one rank per island), else None."""
+        islands, me = self.islands, self.group.rank
+        mine = islands[self.island_of[me]]
+        if len({len(i) for i in islands}) != 1:
+            return None
+        pos = mine.index(me)
+        rail_peers = [isl[pos] for isl in islands]
+        for g, peers in ((island, mine), (rail, rail_peers)):
+            if g.ranks != tuple(self.group.ranks[p] for p in peers):
+                raise ValueError(f"{g} does not match islands {islands} of {self.group}")
+        return (island, list(mine)), (rail, rail_peers)
+
     # ---- public API -------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
@@ -141,13 +172,14 @@ class Dispatcher:
         if self.capacity_factor is not None:
             ids, kept, dropped = self._drop(ids)
         if not self.hierarchical:
-            leg, counts = self._expert_leg(ids, w, list(range(self.group.size)), kept)
+            leg, counts = self._expert_leg(ids, w, self._island, list(range(self.group.size)), kept)
             return Dispatched(self._forward(x, leg), counts, self.grouped, (leg,), x.shape[0], dropped)
         cross, x_r, ids_r, w_r = self._cross_leg(x, ids, w)
         mine = self.island_of[self.group.rank]
         island_ids = torch.tensor(self.island_of, device=ids.device)[self.expert_owner(ids.clamp(min=0))]
         own = torch.where((ids >= 0) & (island_ids == mine), ids, -1)  # my tokens' experts on my island
-        leg, counts = self._expert_leg(torch.cat([own, ids_r]), torch.cat([w, w_r]), self.islands[mine])
+        leg, counts = self._expert_leg(torch.cat([own, ids_r]), torch.cat([w, w_r]), self._island,
+                                       self.islands[mine])
         rows = self._forward(torch.cat([x, x_r]), leg)  # relayed rows ride after my own tokens
         return Dispatched(rows, counts, self.grouped, (cross, leg), x.shape[0], dropped)
 
@@ -164,9 +196,10 @@ class Dispatcher:
 
     # ---- steps ------------------------------------------------------------------------------
 
-    def _count(self, splits: list[int], nbytes: int, payload: int = 0) -> None:
+    def _count(self, splits: list[int], nbytes: int, payload: int = 0, peers=None) -> None:
+        """splits[i]: rows sent to ep rank peers[i] (default: ep rank i)."""
         me = self.group.rank
-        for j, n in enumerate(splits):
+        for j, n in zip(peers if peers is not None else range(len(splits)), splits):
             if n and j != me:
                 link = "intra" if self.island_of[j] == self.island_of[me] else "cross"
                 self.bytes[link] += n * nbytes
@@ -178,8 +211,7 @@ class Dispatcher:
         E, me = self.num_experts, self.group.rank
         valid = ids.reshape(-1) >= 0
         mine = torch.bincount(ids.reshape(-1)[valid], minlength=E)
-        self._count([1] * self.group.size, E * 8)
-        counts = self.group.all_gather(mine[None], dim=0)  # [ep, E] every rank's pairs per expert
+        counts = self._gather_counts(mine)  # [ep, E] every rank's pairs per expert
         cap = capacity_of(self.capacity_factor, int(counts.sum()), E)
         keep = capacity_keep(ids, counts, me, cap)
         before = counts.cumsum(0) - counts
@@ -187,25 +219,42 @@ class Dispatcher:
         dropped = int(valid.sum()) - int(kept[me].sum())
         return torch.where(keep, ids, -1), kept, dropped
 
-    def _expert_leg(self, ids: torch.Tensor, w: torch.Tensor, peers: list[int], kept=None):
-        """Plan the all_to_all of (token, expert) pairs to the experts' ranks among `peers`.
-        ids, w: [n, k]; kept: [ep, E] pair counts when the capacity step already knows them."""
+    def _gather_counts(self, mine: torch.Tensor) -> torch.Tensor:
+        """[ep, E] every ep rank's `mine` ([E]): over the ep group, or on the subgroups over
+        the island, then the rail (rows come island by island)."""
+        E = mine.numel()
+        if not self.two_level:
+            self._count([1] * self.group.size, E * 8)
+            return self.group.all_gather(mine[None], dim=0)
+        (island, mates), (rail, relays) = self._island, self._rail
+        self._count([1] * len(mates), E * 8, peers=mates)
+        part = island.all_gather(mine[None], dim=0)  # [island size, E]
+        self._count([1] * len(relays), part.numel() * 8, peers=relays)
+        every = rail.all_gather(part, dim=0)  # [islands * island size, E]
+        order = torch.tensor([r for isl in self.islands for r in isl], device=mine.device)
+        return torch.empty_like(every).index_copy_(0, order, every)
+
+    def _expert_leg(self, ids: torch.Tensor, w: torch.Tensor, over, peers: list[int], kept=None):
+        """Plan the all_to_all of (token, expert) pairs to the experts' ranks among `peers`,
+        over (group, its members' ep ranks) `over`. ids, w: [n, k]; kept: [ep, E] pair counts
+        when the capacity step already knows them."""
         P, E, L, k = self.group.size, self.num_experts, self.num_local_experts, ids.shape[1]
         me, split, st = self.group.rank, self.split, self.starts
+        group, members = over
         flat = ids.reshape(-1)
         order, counts = sort_by_key(flat, E)  # pairs grouped by expert, token order inside
         if kept is not None:
             recv = kept[:, st[me]:st[me] + L]  # [ep, L] rows each source sends each local expert
         else:  # tell each peer how many rows it gets per local expert
-            send = torch.cat([counts[st[j]:st[j] + split[j]] for j in peers])
-            inside = [j in peers for j in range(P)]
-            got = self.group.all_to_all(send, [split[j] * inside[j] for j in range(P)],
-                                        [L * inside[s] for s in range(P)])
-            self._count([split[j] * inside[j] for j in range(P)], 8)
+            inside = [j for j in members if j in peers]
+            send = torch.cat([counts[st[j]:st[j] + split[j]] for j in inside])
+            splits = [split[j] * (j in peers) for j in members]
+            got = group.all_to_all(send, splits, [L * (s in peers) for s in members])
+            self._count(splits, 8, peers=members)
             recv = counts.new_zeros(P, L)
-            recv[torch.tensor(inside, device=recv.device)] = got.view(len(peers), L)
+            recv[torch.tensor(inside, dtype=torch.long, device=recv.device)] = got.view(len(inside), L)
         host = torch.cat([counts, recv.reshape(-1)]).tolist()  # one device sync for all sizes
-        send_splits = [sum(host[st[j]:st[j] + split[j]]) for j in range(P)]
+        send_splits = [sum(host[st[j]:st[j] + split[j]]) for j in members]
         by_src = [host[E + s * L:E + (s + 1) * L] for s in range(P)]
         # combine: each token's pairs, found in the returned (sorted) rows, in token order
         valid = flat >= 0
@@ -218,15 +267,15 @@ class Dispatcher:
         if regroup is not None:
             unregroup = torch.empty_like(regroup)
             unregroup[regroup] = torch.arange(regroup.numel(), device=regroup.device)
-        leg = Leg(src=order // k, send_splits=send_splits, recv_splits=[sum(c) for c in by_src],
-                  n_in=ids.shape[0], regroup=regroup, unregroup=unregroup, bag=bag)
+        leg = Leg(src=order // k, send_splits=send_splits, recv_splits=[sum(by_src[s]) for s in members],
+                  n_in=ids.shape[0], group=group, peers=members, regroup=regroup, unregroup=unregroup, bag=bag)
         return leg, by_src
 
     def _forward(self, x: torch.Tensor, leg: Leg) -> torch.Tensor:
         leg.row_bytes = x.shape[1] * x.element_size()
         send = x.index_select(0, leg.src)  # [n_send, hidden] by destination rank, then local expert
-        recv = self.group.all_to_all(send, leg.send_splits, leg.recv_splits)
-        self._count(leg.send_splits, leg.row_bytes, leg.row_bytes)
+        recv = leg.group.all_to_all(send, leg.send_splits, leg.recv_splits)
+        self._count(leg.send_splits, leg.row_bytes, leg.row_bytes, peers=leg.peers)
         return recv if leg.regroup is None else recv.index_select(0, leg.regroup)
 
     def _backward(self, y: torch.Tensor, leg: Leg, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,8 +284,8 @@ class Dispatcher:
         if leg.unregroup is not None:
             y = y.index_select(0, leg.unregroup)
         row = y.shape[1] * y.element_size()
-        y = self.group.all_to_all(y, leg.recv_splits, leg.send_splits)
-        self._count(leg.recv_splits, row, row)
+        y = leg.group.all_to_all(y, leg.recv_splits, leg.send_splits)
+        self._count(leg.recv_splits, row, row, peers=leg.peers)
         if leg.bag is None:
             return out.index_add_(0, leg.src, y.to(out.dtype))
         rows, offsets, weights = leg.bag
@@ -246,7 +295,7 @@ class Dispatcher:
         """Send each token once to the relay of every remote island holding any of its experts,
         packed with its ids on that island (others -1) and its weights. Returns (leg, relayed
         x [n, hidden], relayed ids [n, k], relayed weights [n, k])."""
-        P, me, k, H = self.group.size, self.group.rank, ids.shape[1], x.shape[1]
+        me, k, H = self.group.rank, ids.shape[1], x.shape[1]
         islands, island_of = self.islands, self.island_of
         mine = island_of[me]
         valid = ids >= 0
@@ -256,8 +305,10 @@ class Dispatcher:
         touched.scatter_(1, isl, True)
         touched[:, mine] = False
         relays = [relay_rank(me, isl_ranks, islands, island_of) for isl_ranks in islands]
+        group, members = self._rail  # the rail, or the whole ep group
+        at = {p: j for j, p in enumerate(members)}
         tok, dest = touched[:, :len(islands)].nonzero(as_tuple=True)  # by token, then island
-        order, counts = sort_by_key(torch.tensor(relays, device=ids.device)[dest], P)
+        order, counts = sort_by_key(torch.tensor([at[r] for r in relays], device=ids.device)[dest], len(members))
         tok, dest = tok[order], dest[order]
         # row: [k int32 ids | k fp32 weights | hidden | pad to 8 bytes] so each part views in place
         hb = H * x.element_size()
@@ -268,18 +319,18 @@ class Dispatcher:
         packed[:, 8 * k:8 * k + hb].view(x.dtype).copy_(x.index_select(0, tok))
         send_splits = counts.tolist()
         # exchange row counts with my relays and with the ranks I relay for
-        to = sorted(relays[i] for i in range(len(islands)) if i != mine)
-        frm = [s for s in range(P) if island_of[s] != mine
+        to = [r for r in members if r in {relays[i] for i in range(len(islands)) if i != mine}]
+        frm = [s for s in members if island_of[s] != mine
                and relay_rank(s, islands[mine], islands, island_of) == me]
-        got = self.group.all_to_all(torch.tensor([send_splits[r] for r in to], device=ids.device),
-                                    [int(j in to) for j in range(P)], [int(s in frm) for s in range(P)])
-        self._count([int(j in to) for j in range(P)], 8)
-        recv_splits = [0] * P
+        got = group.all_to_all(torch.tensor([send_splits[at[r]] for r in to], device=ids.device),
+                               [int(j in to) for j in members], [int(s in frm) for s in members])
+        self._count([int(j in to) for j in members], 8, peers=members)
+        recv_splits = [0] * len(members)
         for s, n in zip(frm, got.tolist()):
-            recv_splits[s] = n
-        recv = self.group.all_to_all(packed, send_splits, recv_splits)
-        self._count(send_splits, packed.shape[1], hb)
+            recv_splits[at[s]] = n
+        recv = group.all_to_all(packed, send_splits, recv_splits)
+        self._count(send_splits, packed.shape[1], hb, peers=members)
         leg = Leg(src=tok, send_splits=send_splits, recv_splits=recv_splits, n_in=ids.shape[0],
-                  row_bytes=packed.shape[1])
+                  group=group, peers=members, row_bytes=packed.shape[1])
         x_r = recv[:, 8 * k:8 * k + hb].view(x.dtype)
         return leg, x_r, recv[:, :4 * k].view(torch.int32).long(), recv[:, 4 * k:8 * k].view(torch.float32)

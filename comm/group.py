@@ -44,6 +44,8 @@ class Group:
         return f"Group({self.name or '?'}, rank {self.rank} of {self.ranks})"
 
     def _count(self, op: str, nbytes: int):
+        if torch.compiler.is_compiling():  # inside a compiled step reading a count would guard on it: not counted
+            return
         self.calls[op] += 1
         self.bytes[op] += int(nbytes)
 

@@ -9,6 +9,7 @@ from atoll.errors import InputError
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
+DISPATCH = ("auto", "flat", "hierarchical")  # parallel.mesh.DISPATCH_MODES
 
 
 def _opt(default, help: str, *, choices=None, short=None):
@@ -29,6 +30,11 @@ class EngineConfig:
     num_blocks: int | None = _opt(None, "KV cache blocks per rank (instead of --kv-cache-gb)")
     gpu_memory_utilization: float = _opt(0.9, "share of each GPU's memory for weights, activations "
                                               "and KV cache")
+    enforce_eager: bool = _opt(False, "run the decode step eagerly: no torch.compile, no CUDA graphs")
+    dispatch: str = _opt("auto", "MoE token dispatch: auto (island-first when an EP group spans islands, "
+                                 "else flat), flat or hierarchical", choices=DISPATCH)
+    moe_capacity_factor: float | None = _opt(None, "each expert keeps at most this factor x its even share "
+                                                   "of a step's (token, expert) pairs (default: dropless)")
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -43,12 +49,21 @@ class EngineConfig:
             raise InputError(f"kv_cache_gb={self.kv_cache_gb} must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if not isinstance(self.enforce_eager, bool):
+            raise InputError(f"enforce_eager={self.enforce_eager!r} must be True or False")
+        if self.dispatch not in DISPATCH:
+            raise InputError(f"dispatch {self.dispatch!r} is not one of {', '.join(DISPATCH)}")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise InputError(f"moe_capacity_factor={self.moe_capacity_factor} must be positive")
 
 
 def add_cli_options(parser) -> None:
     """One --flag per EngineConfig field, with its default and help."""
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
+        if str(f.type) == "bool":  # a switch: --flag sets it
+            parser.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=f.metadata["help"])
+            continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata["choices"],
                             metavar=None if f.metadata["choices"] else f.name.split("_")[-1].upper(),

@@ -84,7 +84,7 @@ def _token_ids(ids, vocab_size: int, name: str) -> list[int]:
 class LLM:
     """`LLM(model, layout=..., **options)`: options are EngineConfig's fields (engine/config.py:
     device, dtype, max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
-    kv_cache_gb, num_blocks, gpu_memory_utilization), with the same defaults as the CLI."""
+    kv_cache_gb, num_blocks, gpu_memory_utilization, enforce_eager), with the same defaults as the CLI."""
 
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
@@ -238,7 +238,16 @@ class LLM:
         return RunSpec(str(self.model_dir), str(self.layout), dtype=o.dtype, max_num_seqs=self.max_num_seqs,
                        max_model_len=max_len, max_num_batched_tokens=self.max_num_batched_tokens,
                        block_size=self.block_size, num_blocks=o.num_blocks, kv_cache_gb=o.kv_cache_gb,
-                       gpu_memory_utilization=o.gpu_memory_utilization, device=o.device, cache_seqs=seqs)
+                       gpu_memory_utilization=o.gpu_memory_utilization, device=o.device, cache_seqs=seqs,
+                       enforce_eager=o.enforce_eager)
+
+    def context_options(self, islands=None):
+        """What each rank's ParallelContext needs besides the layout: islands (rank -> island
+        id; None: one per host) and the MoE dispatch options."""
+        from atoll.parallel.mesh import ContextOptions
+
+        return ContextOptions(islands=islands, dispatch=self.options.dispatch,
+                              capacity_factor=self.options.moe_capacity_factor)
 
     def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
         """One RequestOutput per request: prompts[k], requests[k] and results[k] belong together."""
@@ -262,5 +271,5 @@ class LLM:
         requests = self.prepare(prompts, params, chat=chat)
         spec = self.spec(requests)
         results = run_local(generate_worker, self.layout.world_size, spec, requests,
-                            timeout_s=timeout_s, device=spec.device)[0]
+                            timeout_s=timeout_s, device=spec.device, parallel=self.context_options())[0]
         return self.finish(prompts, requests, results)

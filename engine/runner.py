@@ -36,6 +36,7 @@ class RunSpec:
     gpu_memory_utilization: float = 0.9
     device: str = "cpu"  # what was asked for; launch.device binds each rank's own
     cache_seqs: int | None = None  # sequences per lane the default CPU cache holds (None: max_num_seqs)
+    enforce_eager: bool = False  # no compiled decode step (engine.compiled)
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -60,13 +61,18 @@ class ModelRunner:
         self.kv_heads = kv_heads_per_rank(self.config.num_key_value_heads, ctx.tp.size)
         self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.block_size)
         self.num_blocks = self._size_cache()
-        self.cache = KVCache(self.model.num_local_layers, self.num_blocks, self.kv_heads, spec.block_size,
+        # one block more than the schedulers hand out: the compiled step's padding rows write there
+        self.cache = KVCache(self.model.num_local_layers, self.num_blocks + 1, self.kv_heads, spec.block_size,
                              self.config.head_dim, self.dtype, device=self.device)
         lay = ctx.layout
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
         self._sending = None  # the isend of the last activations, until it completes
-        self.packer = _packer(self.model, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.layout.world_size)))
+        from atoll.engine import compiled
+
+        self.decode_step = compiled.build(self)  # None: every step eager
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.layout.world_size))
+        self.packer = _packer(self.model, ranks_here) if self.decode_step is None else None
         self.stats: dict = {}
 
     def _size_cache(self) -> int:
@@ -139,7 +145,10 @@ class ModelRunner:
             self.stats["worked"] += 1
             if self.packer is not None and mb.meta.is_decode:
                 self.packer.observe(len(mb.ids))
-            out = self.model(x, mb.meta, self.cache)
+            if self.decode_step is not None and self.decode_step.takes(mb):
+                out = self.decode_step(x, mb)  # padded to a bucket, compiled
+            else:
+                out = self.model(x, mb.meta, self.cache)
             if not ctx.is_last_stage:
                 self._wait_send()
                 self._sending = ctx.pp.isend(out, dst=stage + 1)

@@ -21,16 +21,16 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def read_json_object(path: Path) -> dict:
-    """A checkpoint's JSON file that must hold an object; CheckpointError naming it if not."""
+def read_json_object(path: Path, error=CheckpointError) -> dict:
+    """A checkpoint's JSON file that must hold an object; `error` naming it if not."""
     try:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {_first_line(e)}") from None
+        raise error(f"{path} is not valid JSON: {_first_line(e)}") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+        raise error(f"cannot read {path}: {e.strerror}") from None
     if not isinstance(d, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object")
+        raise error(f"{path} does not hold a JSON object")
     return d
 
 

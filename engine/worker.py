@@ -5,11 +5,13 @@ from __future__ import annotations
 from atoll.engine.generate import Request, run_requests
 from atoll.engine.runner import ModelRunner, RunSpec
 from atoll.parallel.layout import Layout
-from atoll.parallel.mesh import ParallelContext
+from atoll.parallel.mesh import ContextOptions, ParallelContext
 
 
-def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Request], progress=None):
+def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Request], progress=None,
+                    parallel: ContextOptions | None = None):
     """Build this rank's stage, run every request; rank 0 returns the results, others None.
+    `parallel`: the ranks' islands and the MoE dispatch options (parallel.mesh.ContextOptions).
 
     `progress`, if given, is the parent's channel (a multiprocessing queue from the local
     launcher, or any object with put(), such as launch.progress.Reports on rank 0 under
@@ -20,15 +22,15 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
 
     layout = Layout.parse(spec.layout)
     device = rank_device()  # bound by the launcher before any tensor or process group existed
-    ctx = ParallelContext.create(layout, rank, device) if world_size > 1 else ParallelContext.single(device)
+    ctx = ParallelContext.create(layout, rank, device, parallel) if world_size > 1 \
+        else ParallelContext.single(device, parallel)
     runner = ModelRunner(spec, ctx)
     mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
     leader = ctx.coords.tp == 0 and ctx.is_first_stage  # the rank that holds its replica's results
     report = _scaled_reporter(progress, layout.dp) if progress is not None and rank == 0 else None
     on_finish = None
     if progress is not None and leader:
-        def on_finish(index, result):
-            progress.put(("done", index, result))
+        on_finish = lambda index, result: progress.put(("done", index, result))  # noqa: E731
     results = dict(zip((r.index for r in mine), run_requests(runner, mine, report, on_finish=on_finish)))
     if layout.dp > 1:
         import torch.distributed as dist

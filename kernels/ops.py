@@ -107,6 +107,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place by
     cos/sin [tokens, head_dim] (RotaryEmbedding.cos_sin), the rotate_half convention."""
+    if not torch.compiler.is_compiling():  # the messages format the token count: traced, it would be fixed
+        _check_rotary(q, k, cos, sin)
+    if not use_triton(q, k, cos, sin):
+        return reference.rotary_(q, k, cos, sin)
+    check(q.stride(2) == 1 and k.stride(2) == 1, "q and k need a contiguous head_dim axis for the Triton rotary")
+    from atoll.kernels.triton_rotary import rotary_ as run
+    run(q, k, cos if cos.stride(1) == 1 else cos.contiguous(), sin if sin.stride(1) == 1 else sin.contiguous())
+
+
+def _check_rotary(q, k, cos, sin) -> None:
     check(q.dim() == 3 and k.dim() == 3, f"q and k must be [tokens, heads, head_dim], got {q.dim()}-D and {k.dim()}-D")
     tokens, _, dim = q.shape
     check(k.shape[0] == tokens and k.shape[2] == dim, f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
@@ -114,11 +124,6 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     check(dim % 2 == 0, f"head_dim={dim} must be even")
     check(cos.shape == (tokens, dim) and sin.shape == (tokens, dim),
           f"cos and sin must be [{tokens}, {dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    if not use_triton(q, k, cos, sin):
-        return reference.rotary_(q, k, cos, sin)
-    check(q.stride(2) == 1 and k.stride(2) == 1, "q and k need a contiguous head_dim axis for the Triton rotary")
-    from atoll.kernels.triton_rotary import rotary_ as run
-    run(q, k, cos if cos.stride(1) == 1 else cos.contiguous(), sin if sin.stride(1) == 1 else sin.contiguous())
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -103,6 +103,8 @@ def _joined(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(q and k as one [tokens, heads + kv_heads, head_dim] view) when k's heads follow q's
     in memory, as the QKV projection's split leaves them; else (q, k)."""
     tokens, heads, dim = q.shape
+    if torch.compiler.is_compiling():  # a compiled graph fuses the two anyway (data_ptr is not traceable)
+        return q, k
     if (q.stride()[1:] == k.stride()[1:] == (dim, 1) and k.shape[2] == dim
             and (tokens == 1 or q.stride(0) == k.stride(0))
             and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()):

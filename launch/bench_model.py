@@ -7,9 +7,13 @@ with min_new_tokens = max_new_tokens. Both run on the rank's device (--device, b
 launcher: launch/device.py) in the same dtype (--dtype; default as the runtime: the
 checkpoint's torch_dtype on CUDA, float32 on CPU). The ranks are spawned once; inside them
 the runner and the transformers model are built, then every round times atoll's
-`run_requests`, transformers' `generate` (on rank 0, the other ranks wait at a barrier) and a
-large tensor copy, alternating which side goes first. Warm-up rounds are untimed. Figures are
-medians over the timed rounds; the ratio's range over rounds is shown as its spread. On CUDA
+`run_requests` with the compiled decode step (engine.compiled) and with the eager one, then
+transformers' `generate` (on rank 0, the other ranks wait at a barrier) and a large tensor
+copy, alternating which side goes first. The closing lines report the default path: compiled,
+unless --enforce-eager (or ATOLL_ENFORCE_EAGER=1, or a model the step does not compile) leaves
+eager only. Warm-up rounds are untimed; the first one compiles the buckets the run uses (on a
+2-core CPU ~40 s for SmolLM2, printed on stderr). Figures are medians over the timed rounds;
+the ratio's range over rounds is shown as its spread. On CUDA
 every timed region ends with a synchronize before the clock is read. atoll's KV cache holds
 what the batch needs (as on CPU), not a share of GPU memory, so transformers' copy of the
 model fits beside it.
@@ -55,6 +59,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads per atoll rank (default cores / ranks)")
     p.add_argument("--copy-mib", type=int, default=256, help="tensor copied to measure bandwidth (default 256)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="atoll's eager decode step only: no torch.compile (default: compiled and eager side by side)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -75,7 +81,7 @@ def check(args) -> dict:
     if args.warmup < 0 or (args.threads is not None and args.threads < 1):
         raise ConfigError("--warmup must be >= 0 and --threads >= 1")
     return {k: getattr(args, k) for k in ("batch", "input_len", "output_len", "rounds", "warmup",
-                                           "copy_mib", "seed")}
+                                           "copy_mib", "seed", "enforce_eager")}
 
 
 def run(args) -> int:
@@ -95,7 +101,7 @@ def run(args) -> int:
         args.model = str(demo_model_dir(progress=not args.json))
     B, L, N = cfg["batch"], cfg["input_len"], cfg["output_len"]
     llm = LLM(args.model, layout=args.layout, device=args.device, dtype=args.dtype, max_num_seqs=B,
-              max_model_len=L + N)
+              max_model_len=L + N, enforce_eager=args.enforce_eager)
     if llm.max_model_len < L + N:
         raise ConfigError(f"--input-len + --output-len = {L + N} exceeds the model's context "
                           f"{llm.config.max_position_embeddings}")
@@ -250,23 +256,35 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
         ctx.world.barrier()
         return res if rank == 0 else None
 
+    step = runner.decode_step  # None: eager only
+
+    def atoll(compiled: bool, pipelined: bool = True) -> dict:
+        runner.decode_step = step if compiled else None
+        return _time_atoll(runner, requests, pipelined=pipelined)
+
+    paths = [True, False] if step is not None else [False]  # the default path first
     rounds, pipeline = [], []
     for i in range(cfg["warmup"] + cfg["rounds"]):
         ctx.world.barrier()
         if i % 2:
             base = baseline()
-            mine = _time_atoll(runner, requests)
+            mine = [atoll(c) for c in reversed(paths)][::-1]
         else:
-            mine = _time_atoll(runner, requests)
+            mine = [atoll(c) for c in paths]
             base = baseline()
         # under PP, the same requests again with one micro-batch in flight at a time
-        one = _time_atoll(runner, requests, pipelined=False) if ctx.layout.pp > 1 else None
+        one = atoll(paths[0], pipelined=False) if ctx.layout.pp > 1 else None
         if i >= cfg["warmup"] and rank == 0:
-            rounds.append((mine, *base))
-            pipeline.append((mine, one))
+            rounds.append((mine[0], *base, mine[1] if len(mine) > 1 else None))
+            pipeline.append((mine[0], one))
+    runner.decode_step = step
     if rank != 0:
         return None
+    cfg = cfg | {"path": "compiled" if step is not None else "eager"}
     result = summarize(cfg, rounds, float(weight_bytes))
+    if step is not None:
+        result["compile"] = {"buckets": step.buckets, "run": step.buckets_run,
+                             "compile_s": [sig(s, 3) for _, s in step.compiles], "freezing": step.freezing}
     if ctx.layout.pp > 1:
         result["pipeline"] = summarize_pipeline(pipeline, ctx.layout)
     return result
@@ -288,7 +306,7 @@ def summarize(cfg: dict, rounds: list, weight_bytes: float) -> dict:
                 "decode_step_s": sig(med(r["decode_step_s"] for r in runs))}
 
     atoll, hf = side(0), side(1)
-    ratios = [r[1]["total_s"] / r[0]["total_s"] for r in rounds]
+    ratios = [r[1]["total_s"] / r[0]["total_s"] for r in rounds]  # each round pairs atoll with transformers
     two = 2 * cfg["copy_mib"] * 2**20
     bandwidth = two / med(r[2] for r in rounds)  # copy: read + write bytes per second
     read_bandwidth = two / med(r[3] for r in rounds)  # reading both tensors
@@ -304,7 +322,24 @@ def summarize(cfg: dict, rounds: list, weight_bytes: float) -> dict:
             "transformers_of_bandwidth_floor": sig(floor / hf["decode_step_s"]),
             "read_bandwidth_gb_s": sig(read_bandwidth / 1e9),
             "of_read_bandwidth_floor": sig(weight_bytes / read_bandwidth / atoll["decode_step_s"]),
-            "same_greedy_sequences": same}
+            "same_greedy_sequences": same} | _eager_side(rounds, side, floor)
+
+
+def _eager_side(rounds: list, side, floor: float) -> dict:
+    """With the compiled path measured, the eager one beside it (rounds[k][4]), paired with the
+    same transformers runs."""
+    if rounds[0][4] is None:
+        return {}
+    eager, compiled = side(4), side(0)
+    ratios = [r[1]["total_s"] / r[4]["total_s"] for r in rounds]
+    last = rounds[-1]
+    return {"atoll_eager": eager,
+            "eager_vs_transformers": sig(eager["tokens_per_s"] / side(1)["tokens_per_s"]),
+            "eager_vs_transformers_range": [sig(min(ratios)), sig(max(ratios))],
+            "eager_of_bandwidth_floor": sig(floor / eager["decode_step_s"]),
+            "compiled_vs_eager": sig(compiled["tokens_per_s"] / eager["tokens_per_s"]),
+            "compiled_vs_eager_decode_step": sig(eager["decode_step_s"] / compiled["decode_step_s"]),
+            "same_tokens_compiled_and_eager": last[0]["token_ids"] == last[4]["token_ids"]}
 
 
 def summarize_pipeline(rounds: list, layout) -> dict:
@@ -333,39 +368,65 @@ def render(r: dict) -> None:
     from rich.table import Table
 
     c, a, h = r["config"], r["atoll"], r["transformers"]
+    e = r.get("atoll_eager")  # beside the compiled path, when it ran
     th = c["threads"]
     title = (f"{os.path.basename(c['model'].rstrip('/'))} {c['layout']} {c['dtype']} on {c['device_name']}: "
              f"batch {c['batch']}, {c['input_len']} in, {c['output_len']} out; median of {c['rounds']} rounds")
     t = Table(title=title)
-    for col in ("measure", "atoll", "transformers"):
+    cols = ["measure", f"atoll {c.get('path', 'eager')}"] + (["atoll eager"] if e else []) + ["transformers"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "measure" else "right")
+
+    def row(name, mine, eager="", theirs=""):
+        t.add_row(name, mine, *([eager] if e else []), theirs)
+
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
-    t.add_row("threads", f"{th['ranks']} x {th['atoll_per_rank']}", str(th["transformers"]))
-    t.add_row("end to end (prefill + decode)", ms(a["total_s"]), ms(h["total_s"]))
-    t.add_row("output tokens", str(a["output_tokens"]), str(h["output_tokens"]))
-    t.add_row("tokens/s", f"{a['tokens_per_s']:.1f}", f"{h['tokens_per_s']:.1f}")
-    t.add_row("prefill (time to first token)", ms(a["prefill_s"]), ms(h["prefill_s"]))
-    t.add_row("decode step", ms(a["decode_step_s"]), ms(h["decode_step_s"]))
-    t.add_row("bandwidth floor / decode step", f"{r['of_bandwidth_floor']:.2f}",
-              f"{r['transformers_of_bandwidth_floor']:.2f}")
-    t.add_row("weights read per decode step", f"{r['decode_weight_bytes'] / 2**20:.1f} MiB", "")
-    t.add_row("copy bandwidth (read + write)", f"{r['copy_bandwidth_gb_s']:.2f} GB/s", "")
-    t.add_row("floor step (weights / bandwidth)", ms(r["floor_step_s"]), "")
-    t.add_row("read bandwidth (sum of both tensors)", f"{r['read_bandwidth_gb_s']:.2f} GB/s", "")
-    t.add_row("read-bandwidth floor / decode step", f"{r['of_read_bandwidth_floor']:.2f}", "")
+
+    def each(name, f):  # a measure of every side
+        row(name, f(a), f(e) if e else "", f(h))
+
+    ranks = f"{th['ranks']} x {th['atoll_per_rank']}"
+    row("threads", ranks, ranks, str(th["transformers"]))
+    each("end to end (prefill + decode)", lambda x: ms(x["total_s"]))
+    each("output tokens", lambda x: str(x["output_tokens"]))
+    each("tokens/s", lambda x: f"{x['tokens_per_s']:.1f}")
+    each("prefill (time to first token)", lambda x: ms(x["prefill_s"]))
+    each("decode step", lambda x: ms(x["decode_step_s"]))
+    row("bandwidth floor / decode step", f"{r['of_bandwidth_floor']:.2f}",
+        f"{r['eager_of_bandwidth_floor']:.2f}" if e else "", f"{r['transformers_of_bandwidth_floor']:.2f}")
     lo, hi = r["vs_transformers_range"]
-    t.add_row("ratio over rounds (min - max)", f"{lo:.2f} - {hi:.2f}", "")
-    t.add_row("same greedy tokens (last round)", f"{r['same_greedy_sequences']}/{c['batch']} sequences", "")
-    t.add_row("load average 1 min (start, end)", ", ".join(map(str, r["load_avg_1m"])), "")
+    vs = f"{r['vs_transformers']:.2f}x ({lo:.2f} - {hi:.2f})"
+    if e:
+        elo, ehi = r["eager_vs_transformers_range"]
+        row("vs transformers (min - max over rounds)", vs, f"{r['eager_vs_transformers']:.2f}x ({elo:.2f} - {ehi:.2f})")
+        row("compiled vs eager: tokens/s, decode step", f"{r['compiled_vs_eager']:.2f}x, "
+            f"{r['compiled_vs_eager_decode_step']:.2f}x")
+        cp = r["compile"]
+        row("compile (s), buckets run", f"{', '.join(map(str, cp['compile_s']))}; {', '.join(map(str, cp['run']))}"
+            + (", frozen" if cp["freezing"] else ""))
+    else:
+        row("vs transformers (min - max over rounds)", vs)
+    row("weights read per decode step", f"{r['decode_weight_bytes'] / 2**20:.1f} MiB")
+    row("copy bandwidth (read + write)", f"{r['copy_bandwidth_gb_s']:.2f} GB/s")
+    row("floor step (weights / bandwidth)", ms(r["floor_step_s"]))
+    row("read bandwidth (sum of both tensors)", f"{r['read_bandwidth_gb_s']:.2f} GB/s")
+    row("read-bandwidth floor / decode step", f"{r['of_read_bandwidth_floor']:.2f}")
+    row("same greedy tokens as transformers (last round)", f"{r['same_greedy_sequences']}/{c['batch']} sequences")
+    if e:
+        row("same tokens compiled and eager (last round)", str(r["same_tokens_compiled_and_eager"]))
+    row("load average 1 min (start, end)", ", ".join(map(str, r["load_avg_1m"])))
     if "pipeline" in r:
         p = r["pipeline"]
-        t.add_row("tokens/s, one micro-batch at a time", f"{p['one_at_a_time_tokens_per_s']:.1f}", "")
-        t.add_row("stage busy, pipelined", " / ".join(f"{b:.2f}" for b in p["stage_busy"]), "")
-        t.add_row("stage busy, one at a time", " / ".join(f"{b:.2f}" for b in p["one_at_a_time_stage_busy"]), "")
+        row("tokens/s, one micro-batch at a time", f"{p['one_at_a_time_tokens_per_s']:.1f}")
+        row("stage busy, pipelined", " / ".join(f"{b:.2f}" for b in p["stage_busy"]))
+        row("stage busy, one at a time", " / ".join(f"{b:.2f}" for b in p["one_at_a_time_stage_busy"]))
     Console().print(t)
     if "pipeline" in r:
         p = r["pipeline"]
         print(f"pipelined vs one micro-batch at a time: {p['vs_one_at_a_time']:.2f}x "
               f"(bubble {p['bubble']:.2f} vs {p['one_at_a_time_bubble']:.2f}, same tokens: {p['same_tokens']})")
-    print(f"vs transformers: {r['vs_transformers']:.2f}x")
+    if e:
+        print(f"eager vs transformers: {r['eager_vs_transformers']:.2f}x, "
+              f"compiled vs eager: {r['compiled_vs_eager']:.2f}x")
+    print(f"vs transformers: {r['vs_transformers']:.2f}x")  # the default path
     print(f"of bandwidth floor: {r['of_bandwidth_floor']:.2f}")

@@ -28,7 +28,8 @@ def run(args) -> int:
 
     console = Console(stderr=True)
     model_dir = demo_model_dir()
-    llm = LLM(model_dir, layout=args.layout, max_model_len=1024, max_num_seqs=8)  # a small cache suffices
+    # a small cache suffices; four short answers do not repay compiling the decode step
+    llm = LLM(model_dir, layout=args.layout, max_model_len=1024, max_num_seqs=8, enforce_eager=True)
     console.print(f"[bold]atoll demo[/]: SmolLM2-135M-Instruct from {model_dir} at {llm.layout} "
                   f"({llm.layout.world_size} local ranks); loading...")
     start = time.perf_counter()

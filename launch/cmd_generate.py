@@ -12,7 +12,8 @@ def add_model_options(p) -> None:
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
                    help="attention data parallel replicas inside a stage (MoE models)")
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=None, metavar="N")
-    p.add_argument("--layout", default=None, help="e.g. TP2PP2, DP2EP2 (instead of -tp/-pp/-dp/-ep)")
+    p.add_argument("--layout", default=None, help="e.g. TP2PP2, DP2EP2 (instead of -tp/-pp/-dp/-ep); auto: plan "
+                                                  "on this machine's topology for these requests")
     from atoll.engine.config import add_cli_options
 
     add_cli_options(p)
@@ -45,6 +46,10 @@ def add_parser(sub) -> None:
                    help="auto: torchrun or mpirun if launched by one, else local processes")
     p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start Ray here)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--plan", metavar="PLAN.yaml", default=None,
+                   help="run the layout and rank placement of a plan from `atoll plan --save` (instead of --layout)")
+    p.add_argument("--strict-placement", action="store_true",
+                   help="under torchrun/mpirun, refuse to run when a rank's host or GPU differs from the plan")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(run=run)
@@ -68,13 +73,13 @@ def sampling_params(args):
         raise InputError(f"{FLAGS[field]} {rest}" if field in FLAGS else str(e)) from None
 
 
-def make_llm(args, model_dir):
+def make_llm(args, model_dir, layout=None):
     from dataclasses import asdict
 
     from atoll.engine.config import from_args
     from atoll.engine.llm import LLM
 
-    return LLM(model_dir, layout=args.layout, tensor_parallel_size=args.tensor_parallel_size,
+    return LLM(model_dir, layout=layout or args.layout, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
                expert_parallel_size=args.expert_parallel_size, **asdict(from_args(args)))
 
@@ -95,14 +100,70 @@ def run(args) -> int:
         lines = [Line(None, 0, {"prompt": args.prompt})]
     if args.output:
         check_output(args.output, args.prompts)
-    llm = make_llm(args, args.model)
+    plan = args.saved_plan = _plan(args, launcher, lines)
+    llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
     check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size)
+    args.context = llm.context_options(islands=plan.islands if plan else None)
     valid = _validate(llm, lines, defaults, chat=args.chat)
     if not args.prompts and lines[0].error:
         from atoll.errors import InputError
 
         raise InputError(f"--prompt: {lines[0].error}")
     return _generate(args, llm, lines, valid, launcher)
+
+
+def _plan(args, launcher: str, lines):
+    """The SavedPlan to run: --plan's file, or --layout auto's choice; None otherwise."""
+    from atoll.errors import InputError
+    from atoll.models.config import ModelConfig
+    from atoll.parallel.planner.planfile import load_plan
+
+    auto = str(args.layout).lower() == "auto"
+    if not args.plan and not auto:
+        return None
+    sizes = [f for f, v in (("-tp", args.tensor_parallel_size), ("-pp", args.pipeline_parallel_size),
+                            ("-dp", args.data_parallel_size), ("-ep", args.expert_parallel_size)) if v is not None]
+    if args.plan and args.layout is not None or sizes:
+        raise InputError(f"give {'--plan' if args.plan else '--layout auto'} or "
+                         f"{'--layout' if args.plan and args.layout else ' '.join(sizes)}, not both")
+    config = ModelConfig.load(args.model)
+    if args.plan:
+        plan = load_plan(args.plan)
+        plan.check_model(config, where=f"--model {args.model}")
+    else:
+        plan = auto_plan(args, config, lines)
+    if launcher == "local" and len(plan.placement.nodes) > 1:
+        from atoll.errors import LaunchError
+
+        used = [plan.placement.node_names[n] for n in plan.placement.nodes]
+        raise LaunchError(f"the plan puts ranks on {len(used)} nodes ({', '.join(used)}); the local launcher runs "
+                          "one machine: use --launcher ray, or torchrun/mpirun on those nodes")
+    print(f"atoll: {plan.summary()}", file=sys.stderr)
+    return plan
+
+
+def auto_plan(args, config, lines):
+    """Plan one replica on this machine's topology (NVML, nvidia-smi, or the local preset) for
+    these requests: concurrency = their number, lengths from the prompts and --max-new-tokens."""
+    import dataclasses
+
+    from atoll.parallel.planner import Workload, enumerate_layouts, plan_layouts
+    from atoll.parallel.planner.planfile import from_plan
+    from atoll.topologies import discover
+
+    topology = discover()
+    if args.device == "cpu" and topology.gpu.name != "cpu-core":
+        from atoll.topologies import load_topology
+
+        topology = load_topology("local")
+    prompts = [ln.prompt for ln in lines if ln.error is None] or [""]
+    isl = max(max(len(p.get("prompt_token_ids", ())) if isinstance(p, dict) else 0,
+                  len(p.get("prompt", "")) // 4 if isinstance(p, dict) and isinstance(p.get("prompt"), str) else 0)
+              for p in prompts)
+    workload = Workload(isl=max(isl, 1), osl=max(args.max_new_tokens, 1), concurrency=len(prompts))
+    layouts = [f"1 x {lay}" for lay, _ in enumerate_layouts(config, topology)]
+    plan = plan_layouts(config, topology, workload, layouts=layouts)
+    return from_plan(dataclasses.replace(plan, model=str(args.model)), config)
 
 
 def _validate(llm, lines, defaults, *, chat: bool) -> list[tuple[int, object]]:
@@ -172,7 +233,8 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     try:
         spec = llm.spec(requests)
         _, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
-                            ray_address=args.ray_address, device=spec.device, progress=progress)
+                            ray_address=args.ray_address, device=spec.device, progress=progress,
+                            parallel=args.context, **_placement(args))
         if reports is not None:
             reports.close()  # what rank 0 already reported is written before the rest
         if writer.enabled:
@@ -200,6 +262,13 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     print(f"atoll: {len(results)} done, {len(failed)} failed, {tokens} tokens in {elapsed:.1f}s "
           f"({tokens / elapsed:.1f} tok/s)", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _placement(args) -> dict:
+    plan = getattr(args, "saved_plan", None)
+    if plan is None:
+        return {}
+    return {"placement": plan.placement, "strict_placement": args.strict_placement}
 
 
 def _writes_output(launcher: str) -> bool:

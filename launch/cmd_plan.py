@@ -30,6 +30,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="Pareto plot (needs matplotlib)")
+    p.add_argument("--save", metavar="PLAN.yaml", default=None,
+                   help="write the recommended plan (layout, rank -> node/GPU placement, topology, predictions) "
+                        "for `atoll generate --plan`; with several --concurrency values, the first one's")
     p.set_defaults(run=run)
 
 
@@ -81,6 +84,10 @@ def run(args) -> int:
             raise ConfigError(f"{flag} {v}: an SLO must be a positive number of milliseconds")
     if args.plot:
         check_plot_path(args.plot)
+    if args.save:
+        from atoll.parallel.planner.planfile import check_save_path
+
+        check_save_path(args.save)
 
     from atoll.models.presets import resolve_model
     from atoll.parallel.planner import Workload, plan_layouts
@@ -113,6 +120,12 @@ def run(args) -> int:
 
         plot_plans(plans, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if args.save:
+        from atoll.parallel.planner.planfile import from_plan, save_plan
+
+        saved = from_plan(plans[0], config)
+        save_plan(saved, args.save)
+        print(f"wrote {args.save}: {saved.summary()}", file=sys.stderr)
     return 0
 
 

@@ -42,9 +42,10 @@ def check_launcher(name: str, *, device: str = "cpu", world_size: int = 1) -> No
 
 
 def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str | None = None,
-           device: str = "cpu", placement=None, **kwargs) -> tuple[bool, object]:
+           device: str = "cpu", placement=None, strict_placement: bool = False, **kwargs) -> tuple[bool, object]:
     """(this process reports, rank 0's value). Under torchrun/mpi only rank 0 reports.
-    device: auto, cuda or cpu, resolved per rank by launch.device."""
+    device: auto, cuda or cpu, resolved per rank by launch.device. placement: a plan's
+    rank -> (node, GPU); Ray places each rank there, torchrun/mpi check it (strict: refuse)."""
     if launcher not in LAUNCHERS:
         raise InputError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     name = detect() if launcher == "auto" else launcher
@@ -60,9 +61,11 @@ def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str 
     if name == "torchrun":
         from atoll.launch.torchrun import run_torchrun
 
-        rank, value = run_torchrun(fn, world_size, *args, device=device, **kwargs)
+        rank, value = run_torchrun(fn, world_size, *args, device=device, placement=placement,
+                                   strict_placement=strict_placement, **kwargs)
     else:
         from atoll.launch.mpi_launcher import run_mpi
 
-        rank, value = run_mpi(fn, world_size, *args, device=device, **kwargs)
+        rank, value = run_mpi(fn, world_size, *args, device=device, placement=placement,
+                              strict_placement=strict_placement, **kwargs)
     return rank == 0, value

@@ -64,7 +64,7 @@ def _master_address(comm) -> str:
 
 
 def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: float = 600.0,
-            device: str = "cpu", **kwargs):
+            device: str = "cpu", placement=None, strict_placement: bool = False, **kwargs):
     """Join the MPI job, rendezvous torch.distributed, run fn(rank, world_size, *args, **kwargs).
 
     Returns (rank, value) on every rank. When fn raises on a rank, that rank prints
@@ -85,6 +85,14 @@ def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
     host = socket.gethostname()
     try:
+        if placement is not None:  # every rank's host and local rank (its GPU) against the plan
+            from atoll.parallel.placement import check_job_placement
+
+            every = comm.allgather((host, local_rank))
+            line = check_job_placement(placement, [h for h, _ in every], [g for _, g in every],
+                                       strict=strict_placement)
+            if line and rank == 0:
+                print(f"atoll: warning: {line}", file=sys.stderr, flush=True)
         value = _run(comm, fn, rank, size, local_rank, device, args, kwargs, timeout_s)
     except BaseException as e:
         from atoll.errors import AtollError

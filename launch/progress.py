@@ -76,5 +76,8 @@ class Reports:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
+        if self.channel is not None and hasattr(self.channel, "close"):
+            self.channel.close()  # this process's end; its feeder thread and locks go with it
+            self.channel.join_thread()
         if self.bar is not None:
             self.bar.close()

@@ -11,10 +11,13 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def run_torchrun(fn, world_size: int, *args, device: str = "cpu", **kwargs):
+def run_torchrun(fn, world_size: int, *args, device: str = "cpu", placement=None,
+                 strict_placement: bool = False, **kwargs):
     """Join the process group torchrun prepared and run fn(rank, world_size, *args) here.
     The device follows launch.device from LOCAL_RANK, agreed with every rank through
-    torchrun's rendezvous store before the process group (and its backend) exists."""
+    torchrun's rendezvous store before the process group (and its backend) exists.
+    With a plan's placement every rank's host and LOCAL_RANK (its GPU) are checked against it:
+    rank 0 prints one line naming the ranks that differ, or every rank refuses when strict."""
     import torch.distributed as dist
 
     from atoll.launch.device import agree_through_store, backend_for, bind, decide, local_rank_from_env
@@ -34,7 +37,29 @@ def run_torchrun(fn, world_size: int, *args, device: str = "cpu", **kwargs):
     else:
         bind(chosen)
     try:
+        if placement is not None:
+            check_placement(placement, rank, world, local_rank_from_env(), strict_placement, dist.is_initialized())
         return rank, fn(rank, world, *args, **kwargs)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_placement(placement, rank: int, world: int, local_rank: int, strict: bool, gather: bool) -> None:
+    """Every rank's (host, local rank) against the plan; rank 0 prints the one line."""
+    import socket
+    import sys
+
+    import torch.distributed as dist
+
+    from atoll.parallel.placement import check_job_placement
+
+    me = (socket.gethostname(), local_rank)
+    every = [None] * world
+    if gather:
+        dist.all_gather_object(every, me)
+    else:
+        every = [me]
+    line = check_job_placement(placement, [h for h, _ in every], [g for _, g in every], strict=strict)
+    if line and rank == 0:
+        print(f"atoll: warning: {line}", file=sys.stderr, flush=True)

@@ -95,6 +95,50 @@ class AttentionMetadata:
         return self._memo[key]
 
 
+@dataclass
+class StaticDecode:
+    """A decode step padded to a bucket, as tensors only: what the compiled decode step
+    (engine.compiled) reads. Rows past the real sequences are padding: they write into a
+    scratch block and attend to it alone, so every row stays finite and no real row sees them."""
+
+    positions: torch.Tensor  # [seqs] position of each sequence's new token
+    slots: tuple[torch.Tensor, torch.Tensor]  # (block, offset) of each new token
+    block_tables: torch.Tensor  # [seqs, blocks] (blocks: a bucket, padded past each context)
+    lengths: torch.Tensor  # [seqs] keys each sequence attends to, its new token included
+    block_size: int
+    is_decode = True
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    def token_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.slots
+
+    def context_lens(self) -> torch.Tensor:
+        return self.lengths
+
+
+def static_decode_attention(q, k_cache, v_cache, meta: StaticDecode, *, sliding_window: int | None = None):
+    """q: [seqs, heads, head_dim] -> [seqs, heads, head_dim] over every block of the tables,
+    keys past each context masked: no shape depends on the data."""
+    if use_triton(q, k_cache):  # reads the paged cache in place
+        from atoll.kernels.ops import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.lengths,
+                                      sliding_window=sliding_window)
+    k = _gather(k_cache, meta.block_tables)  # [seqs, kv_heads, blocks*block_size, head_dim]
+    v = _gather(v_cache, meta.block_tables)
+    keys = torch.arange(k.shape[2], device=q.device)
+    ctx = meta.lengths[:, None]
+    mask = keys[None, :] < ctx  # [seqs, keys]
+    if sliding_window:
+        mask &= keys[None, :] > ctx - 1 - sliding_window
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
+                                         enable_gqa=q.shape[1] != k_cache.shape[2])
+    return out[:, :, 0]
+
+
 class KVCache:
     """One stage's paged cache: per layer k and v of [blocks, block_size, kv_heads, head_dim]
     (a block's tokens side by side, so gathered blocks are one sequence's keys in order)."""
@@ -129,6 +173,8 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim] -> [tokens, heads, head_dim], causal over cache + new tokens."""
+    if isinstance(meta, StaticDecode):
+        return static_decode_attention(q, k_cache, v_cache, meta, sliding_window=sliding_window)
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     gqa = heads != kv_heads
     if not meta.query_lens:  # an idle DP replica still runs the layer (its MoE joins the collectives)

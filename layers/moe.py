@@ -6,6 +6,11 @@ e is DP rank e and its own tokens are its share ("direct": DP4EP4, TP2 with pure
 experts). Otherwise (TP4EP4: tokens replicated over tp) the stage's tokens are gathered over
 dp, split evenly into ep chunks, each chunk routed by its ep rank, and the results gathered
 back over ep.
+
+Dispatch: island-first (the Dispatcher's hierarchical path, on the context's rail and
+ep_island subgroups) when the ep group spans more than one island, flat inside one;
+ctx.options.dispatch ("flat", "hierarchical") overrides, ctx.options.capacity_factor caps
+each expert's rows (None: dropless). Keywords given to SparseMoE win over the context's.
 """
 
 from __future__ import annotations
@@ -59,13 +64,36 @@ class Experts(nn.Module):
         return fused_moe(rows, self.w13, self.w2, local_ids[:, None], ones)
 
 
+def make_dispatcher(ctx, num_experts: int, *, islands=None, hierarchical: bool | None = None,
+                    capacity_factor: float | None = None, grouped: bool = True) -> Dispatcher:
+    """The Dispatcher over ctx.ep, island-first when its ep group spans islands (see above)."""
+    from atoll.errors import ConfigError
+
+    options = getattr(ctx, "options", None)
+    mode = options.dispatch if options is not None else "auto"
+    if capacity_factor is None and options is not None:
+        capacity_factor = options.capacity_factor
+    subgroups = {}
+    if islands is None and hasattr(ctx, "ep_islands"):
+        islands = ctx.ep_islands
+        subgroups = dict(island_group=ctx.ep_island, rail_group=ctx.ep_rail)
+    spans = islands is not None and len(islands) > 1
+    if hierarchical is None:
+        if mode == "hierarchical" and not spans and ctx.ep.size > 1:
+            raise ConfigError(f"dispatch=hierarchical: the ep group of ranks {list(ctx.ep.ranks)} lies in one "
+                              "island; use --dispatch flat or auto, or a plan whose EP group spans islands")
+        hierarchical = spans and mode != "flat"
+    return Dispatcher(ctx.ep, num_experts, islands=islands, capacity_factor=capacity_factor,
+                      hierarchical=hierarchical, grouped=grouped, **subgroups)
+
+
 class SparseMoE(nn.Module):
     """Routed experts, plus optional shared experts: Qwen2-MoE's `shared_expert` scaled by
     sigmoid(shared_expert_gate(x)), or DeepSeek-V3's always-on `shared_experts`."""
 
     def __init__(self, *, hidden: int, inter: int, router: Router, ctx, dtype=None,
                  shared: nn.Module | None = None, shared_gate: nn.Module | None = None,
-                 islands=None, hierarchical: bool = False, capacity_factor: float | None = None):
+                 islands=None, hierarchical: bool | None = None, capacity_factor: float | None = None):
         super().__init__()
         self.ctx = ctx
         self.shared_name = "shared_expert" if shared_gate is not None else "shared_experts"
@@ -74,8 +102,8 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = shared_gate
         self.gate = router
         # arrival order: the experts take each row's expert id, so rows need no sort by expert
-        self.dispatcher = Dispatcher(ctx.ep, router.num_experts, islands=islands, grouped=False,
-                                     hierarchical=hierarchical, capacity_factor=capacity_factor)
+        self.dispatcher = make_dispatcher(ctx, router.num_experts, islands=islands, hierarchical=hierarchical,
+                                          capacity_factor=capacity_factor, grouped=False)
         self.experts = Experts(self.dispatcher.local_experts, hidden, inter, ctx.moe_tp, dtype=dtype)
         self.direct = ctx.layout.tp == ctx.layout.moe_tp
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -206,14 +205,9 @@ class ModelConfig:
             raise ConfigError(f"no config.json at {p}")
         if not f.is_file():
             raise ConfigError(f"{f} is a directory, not a config.json file")
-        try:
-            d = json.loads(f.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{f} is not valid JSON: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read {f}: {e.strerror}") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{f} does not hold a JSON object")
+        from atoll.engine.tokenizer import read_json_object
+
+        d = read_json_object(f, ConfigError)
         try:
             return cls.from_dict(d)
         except KeyError as e:

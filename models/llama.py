@@ -113,7 +113,9 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, meta, cache.k[j], cache.v[j])
         if not self.ctx.is_last_stage:
             return h
-        return self.lm_head(self.model.norm(h[meta.last_tokens()]))
+        if not meta.is_decode:  # decode: one token per sequence, every row is a last token
+            h = h[meta.last_tokens()]
+        return self.lm_head(self.model.norm(h))
 
     def checkpoint_targets(self, name: str) -> list[tuple[str, object]]:
         return dense_targets(name, tied=self.config.tie_word_embeddings)

@@ -3,6 +3,12 @@
 Ranks are laid out as grid[pp, dp, tp]: TP innermost, then DP, PP outermost, so
 consecutive ranks share a node and a stage maps onto whole nodes. Inside a stage the
 MoE layers see the same tp*dp ranks as an [ep, moe_tp] grid (moe_tp innermost).
+
+Islands: every rank sits in one island (an NVLink domain; by default its node), given as
+rank -> island id. Each ep group splits into its islands ("ep_island" groups, ep order
+inside) and, when those are all one size s, into s "ep_rail" groups: the ranks at the same
+position in each island, island order inside. The MoE dispatcher's island-first path moves
+rows across islands over a rail and inside an island over its ep_island group only.
 """
 
 from __future__ import annotations
@@ -14,15 +20,59 @@ import torch
 from atoll.comm.group import Group
 from atoll.parallel.layout import Layout
 
-KINDS = ("tp", "dp", "pp", "ep", "moe_tp", "stage", "world")
+KINDS = ("tp", "dp", "pp", "ep", "moe_tp", "stage", "world", "ep_island", "ep_rail")
+DISPATCH_MODES = ("auto", "flat", "hierarchical")
+
+
+@dataclass(frozen=True)
+class ContextOptions:
+    """What a worker needs besides the layout to make its ParallelContext; picklable.
+    islands: rank -> island id (None: the ranks of one host form one island); dispatch: MoE
+    token dispatch, auto = island-first when an ep group spans islands, else flat;
+    capacity_factor: None = dropless."""
+    islands: tuple[int, ...] | None = None
+    dispatch: str = "auto"
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        from atoll.errors import ConfigError
+
+        if self.dispatch not in DISPATCH_MODES:
+            raise ConfigError(f"dispatch={self.dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"moe_capacity_factor={self.capacity_factor} must be positive")
+        if self.islands is not None:
+            object.__setattr__(self, "islands", tuple(int(i) for i in self.islands))
+
+
+def island_groups(layout: Layout, islands) -> dict[str, list[list[int]]]:
+    """The ep_island and ep_rail groups (global ranks) for rank -> island id `islands`
+    (None: one island). A rank with no rail (ep islands of unequal sizes) is its own."""
+    world = layout.world_size
+    island_of = list(islands) if islands is not None else [0] * world
+    if len(island_of) != world:
+        raise ValueError(f"{len(island_of)} island ids for {world} ranks")
+    subs, rails = [], []
+    for ep in group_ranks(layout)["ep"]:
+        mine: dict[int, list[int]] = {}
+        for r in ep:
+            mine.setdefault(island_of[r], []).append(r)
+        parts = list(mine.values())
+        subs += parts
+        if len(parts) > 1 and len({len(p) for p in parts}) == 1:
+            rails += [[p[i] for p in parts] for i in range(len(parts[0]))]
+        else:
+            rails += [[r] for r in ep]
+    return {"ep_island": subs, "ep_rail": rails}
 
 
 def rank_grid(layout: Layout) -> torch.Tensor:
     return torch.arange(layout.world_size, device="cpu").view(layout.pp, layout.dp, layout.tp)  # host arithmetic
 
 
-def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
-    """Every group of each kind as lists of global ranks, in group order."""
+def group_ranks(layout: Layout, islands=False) -> dict[str, list[list[int]]]:
+    """Every group of each kind as lists of global ranks, in group order; islands: rank ->
+    island id for the ep_island / ep_rail groups too (None: one island; False: leave them out)."""
     g = rank_grid(layout)
     pp, dp, tp = g.shape
     moe = g.reshape(pp, layout.ep, layout.moe_tp)  # stage ranks as [ep, moe_tp]
@@ -35,6 +85,7 @@ def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
         "moe_tp": rows(moe.reshape(-1, layout.moe_tp)),
         "stage": rows(g.reshape(pp, -1)),
         "world": [list(range(layout.world_size))],
+        **({} if islands is False else island_groups(layout, islands)),
     }
 
 
@@ -59,43 +110,67 @@ def coords(layout: Layout, rank: int) -> Coords:
 class ParallelContext:
     """Built once per process; holds this rank's named Groups and its coordinates."""
 
-    def __init__(self, layout: Layout, rank: int, groups: dict[str, Group], device="cpu"):
+    def __init__(self, layout: Layout, rank: int, groups: dict[str, Group], device="cpu",
+                 options: ContextOptions | None = None):
         self.layout = layout
         self.rank = rank
         self.groups = groups
         self.coords = coords(layout, rank)
         self.device = torch.device(device)  # this rank's device (launch.device bound it)
+        self.options = options or ContextOptions()
+        self.island_of = self.options.islands or (0,) * layout.world_size  # rank -> island id
 
     @classmethod
-    def single(cls, device="cpu") -> "ParallelContext":
+    def single(cls, device="cpu", options: ContextOptions | None = None) -> "ParallelContext":
         """One process, no torch.distributed."""
-        return cls(Layout(), 0, {k: Group.single(k, device) for k in KINDS}, device)
+        return cls(Layout(), 0, {k: Group.single(k, device) for k in KINDS}, device, options)
 
     @classmethod
-    def detached(cls, layout: Layout, rank: int, device="meta") -> "ParallelContext":
+    def detached(cls, layout: Layout, rank: int, device="meta",
+                 options: ContextOptions | None = None) -> "ParallelContext":
         """Rank `rank`'s groups with their sizes and ranks but no process group: enough to
         build its sharded layers (on meta, say) to check or measure them, never to run them."""
+        islands = options.islands if options else None
         groups = {kind: Group(None, ranks, rank, kind, device)
-                  for kind, all_ranks in group_ranks(layout).items() for ranks in all_ranks if rank in ranks}
-        return cls(layout, rank, groups, device)
+                  for kind, all_ranks in group_ranks(layout, islands).items() for ranks in all_ranks
+                  if rank in ranks}
+        return cls(layout, rank, groups, device, options)
 
     @classmethod
-    def create(cls, layout: Layout, rank: int, device="cpu") -> "ParallelContext":
-        """Make every group; all ranks must call this together (new_group is collective)."""
+    def create(cls, layout: Layout, rank: int, device="cpu",
+               options: ContextOptions | None = None) -> "ParallelContext":
+        """Make every group; all ranks must call this together (new_group is collective).
+        Without islands in `options`, the ranks of one host form one island."""
+        import dataclasses
+
         import torch.distributed as dist
 
+        options = options or ContextOptions()
+        if options.islands is None and layout.world_size > 1:
+            options = dataclasses.replace(options, islands=host_islands(layout.world_size))
+        made: dict[tuple, object] = {}  # ranks -> process group, so an ep_island equal to its ep shares it
         groups = {}
-        for kind, all_ranks in group_ranks(layout).items():
+        for kind, all_ranks in group_ranks(layout, options.islands).items():
             for ranks in all_ranks:
                 if len(ranks) == 1:
                     pg = None
                 elif len(ranks) == layout.world_size:
                     pg = dist.group.WORLD
+                elif kind in ("ep_island", "ep_rail") and tuple(ranks) in made:
+                    pg = made[tuple(ranks)]
                 else:
-                    pg = dist.new_group(ranks)
+                    pg = made[tuple(ranks)] = dist.new_group(ranks)
                 if rank in ranks:
                     groups[kind] = Group(pg, ranks, rank, kind, device)
-        return cls(layout, rank, groups, device)
+        return cls(layout, rank, groups, device, options)
+
+    @property
+    def ep_islands(self) -> list[list[int]]:
+        """This rank's ep group split into islands, as lists of ep-group ranks (indices)."""
+        out: dict[int, list[int]] = {}
+        for i, r in enumerate(self.ep.ranks):
+            out.setdefault(self.island_of[r], []).append(i)
+        return list(out.values())
 
     tp = property(lambda self: self.groups["tp"])
     dp = property(lambda self: self.groups["dp"])
@@ -113,5 +188,20 @@ class ParallelContext:
     def is_last_stage(self) -> bool:
         return self.coords.pp == self.layout.pp - 1
 
+    ep_island = property(lambda self: self.groups.get("ep_island", self.groups["ep"]))
+    ep_rail = property(lambda self: self.groups.get("ep_rail"))
+
     def comm_bytes(self) -> dict[str, int]:
         return {k: sum(g.bytes.values()) for k, g in self.groups.items()}
+
+
+def host_islands(world_size: int) -> tuple[int, ...]:
+    """rank -> island id, one island per host (collective: every rank calls it)."""
+    import socket
+
+    import torch.distributed as dist
+
+    hosts = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    ids: dict[str, int] = {}
+    return tuple(ids.setdefault(h, len(ids)) for h in hosts)

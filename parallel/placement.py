@@ -104,3 +104,45 @@ class Placement:
             "ranks": [{"rank": r, "node": self.node_names[n], "node_index": n, "gpu": g,
                        "island": self.island[r]} for r, (n, g) in enumerate(self.slots)],
         }
+
+
+def placement_mismatches(placement: Placement, hosts: list[str], gpus: list[int]) -> list[str]:
+    """Where a running job differs from `placement`: rank r runs on host hosts[r], local GPU
+    gpus[r]. A plan whose node names are none of the hosts (a preset's node0, node1) is matched
+    by grouping: the ranks of one planned node must share a host, each node its own host.
+    Returns one phrase per differing rank, e.g. "rank 3 on b (plan: a)"."""
+    names = placement.node_names
+    short = [h.split(".")[0] for h in hosts]
+    by_name = any(n in hosts or n in short for n in names)
+    host_of: dict[int, str] = {}  # planned node -> the host most of its ranks run on, one host each
+    if not by_name:
+        from collections import Counter
+
+        for node in placement.nodes:
+            seen = Counter(hosts[r] for r in placement.ranks_on(node)).most_common()
+            free = [h for h, _ in seen if h not in host_of.values()]
+            host_of[node] = (free or [seen[0][0]])[0]
+    out = []
+    for r, (node, gpu) in enumerate(placement.slots):
+        if by_name and names[node] not in (hosts[r], short[r]):
+            out.append(f"rank {r} on {hosts[r]} (plan: {names[node]})")
+        elif not by_name and host_of[node] != hosts[r]:
+            out.append(f"rank {r} on {hosts[r]} (plan: {names[node]}, which runs on {host_of[node]})")
+        if gpus[r] != gpu:
+            out.append(f"rank {r} on GPU {gpus[r]} (plan: GPU {gpu})")
+    return out
+
+
+def check_job_placement(placement: Placement, hosts: list[str], gpus: list[int], *, strict: bool) -> str | None:
+    """The one line saying where the job differs from the plan (None: it does not); raises
+    LaunchError with that line when strict."""
+    diff = placement_mismatches(placement, hosts, gpus)
+    if not diff:
+        return None
+    more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+    line = f"the job's ranks differ from the plan: {', '.join(diff[:4])}{more}"
+    if strict:
+        from atoll.errors import LaunchError
+
+        raise LaunchError(line + " (--strict-placement)")
+    return line

@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the eager step is the reference: the suite runs it unless a test (tests/test_compiled.py)
+# lifts this; ATOLL_ENFORCE_EAGER=0 in the environment runs the whole suite compiled
+os.environ.setdefault("ATOLL_ENFORCE_EAGER", "1")
 # On a machine without CUDA any triton import must be the interpreter, so tests can force
 # the kernel path; triton fixes this at its first import (transformers may import it).
 if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):

@@ -24,6 +24,19 @@ import yaml
 from atoll.errors import ConfigError
 from atoll.topologies.schema import GpuSpec, Link, Node, Topology
 
+
+def read_yaml(path: Path, where: str, expected: str):
+    """The YAML document at path; ConfigError naming `where` if it cannot be read or parsed."""
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read {where}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not a text file; expected {expected}") from None
+    except yaml.YAMLError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{where}: not valid YAML: {first}") from None
+
 PRESET_DIR = Path(__file__).parent / "presets"
 MAX_GPUS = 2**17  # a bound on nodes x gpus_per_node, so a typo (nodes: 100000000) fails at once
 
@@ -162,15 +175,7 @@ def load_topology(name_or_path: str, *, nodes: int | None = None, gpus_per_node:
         path, where = PRESET_DIR / f"{text}.yaml", f"preset {text}"
     else:
         raise ConfigError(f"unknown topology {text!r}; known presets: {', '.join(preset_names())}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read {where}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{where}: not a text file; expected a topology YAML") from None
-    except yaml.YAMLError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"{where}: not valid YAML: {first}") from None
+    data = read_yaml(path, where, "a topology YAML")
     topo = topology_from_dict(data, nodes=nodes, gpus_per_node=gpus_per_node, where=where)
     return with_network(topo, network) if network else topo
 
