@@ -230,7 +230,19 @@ def build(runner) -> CompiledDecode | None:
     if eager_forced(spec.enforce_eager) or runner.device.type != "cpu" or runner.config.is_moe:
         return None
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", runner.ctx.layout.world_size))
+    _thread_lock_for_tqdm()
     return CompiledDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,
                           max_model_len=spec.max_model_len, block_size=spec.block_size,
                           scratch_block=runner.num_blocks, rank=runner.ctx.rank,
                           freezing=freezing_fits(runner.model, ranks_here))
+
+
+def _thread_lock_for_tqdm() -> None:
+    """inductor's compile shows a tqdm bar, whose default lock is a multiprocessing semaphore;
+    a rank leaves with os._exit, so that semaphore would be reported leaked at the job's end.
+    A thread lock serves a rank, which draws no bar from other processes."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
