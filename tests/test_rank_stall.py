@@ -65,34 +65,31 @@ def test_a_stopped_rank_is_named_within_seconds(tiny_model, tmp_path):
     assert all(_gone(pid) for pid in workers), "a rank outlived the job"
 
 
-def test_ranks_end_when_the_driver_is_killed(tiny_model, tmp_path):
-    d = tiny_model("llama", num_hidden_layers=4)
-    proc = _start_long_job(d, tmp_path, layout="TP2")
+def _signal_driver(tiny_model, tmp_path, sig, wait_s: float):
+    """Start a TP2 job, send its driver `sig`; (process, its stderr, ranks still alive after
+    wait_s, which are then killed)."""
+    proc = _start_long_job(tiny_model("llama", num_hidden_layers=4), tmp_path, layout="TP2")
     workers = _children(proc.pid)
     assert len(workers) == 2 and proc.poll() is None
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
+    os.kill(proc.pid, sig)
+    err = proc.stderr.read()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + wait_s
     while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = [pid for pid in workers if not _gone(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
+    return proc, err, left
+
+
+def test_ranks_end_when_the_driver_is_killed(tiny_model, tmp_path):
+    _, _, left = _signal_driver(tiny_model, tmp_path, signal.SIGKILL, wait_s=10)
     assert not left, f"ranks {left} outlived their killed driver"
 
 
 def test_sigterm_of_the_driver_writes_every_request_and_leaves_no_rank(tiny_model, tmp_path):
-    d = tiny_model("llama", num_hidden_layers=4)
-    proc = _start_long_job(d, tmp_path, layout="TP2")
-    workers = _children(proc.pid)
-    assert len(workers) == 2 and proc.poll() is None
-    os.kill(proc.pid, signal.SIGTERM)
-    err = proc.stderr.read()
-    proc.wait(timeout=30)
-    time.sleep(1)
-    left = [pid for pid in workers if not _gone(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    proc, err, left = _signal_driver(tiny_model, tmp_path, signal.SIGTERM, wait_s=1)
     assert proc.returncode == 143, err
     assert "terminated (SIGTERM)" in err and "Traceback" not in err
     assert not left, f"ranks {left} outlived the job"
