@@ -34,6 +34,12 @@ class BlockPool:
         table.clear()
 
 
+def copy_fits(nbytes: int, ranks_here: int) -> bool:
+    """Whether one more copy of nbytes on each of this machine's ranks fits in a quarter of its
+    available memory (the rule for prepacked weight copies)."""
+    return nbytes * ranks_here <= available_memory() // 4
+
+
 def available_memory() -> int:
     """Bytes this machine can still give (psutil's available memory)."""
     import psutil

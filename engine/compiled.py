@@ -119,7 +119,7 @@ class _Bucket:
         self.positions[n:] = 0
         self.block[:n], self.offset[:n] = meta.slots
         self.block[n:], self.offset[n:] = self.scratch, 0
-        self.lengths[:n] = meta.starts + 1
+        self.lengths[:n] = meta.context_lens()
         self.lengths[n:] = 1
 
 
@@ -217,10 +217,9 @@ def freezing_fits(model, ranks_here: int) -> bool:
     its available memory (as layers/packed.py's rule); ATOLL_COMPILE_FREEZING=0: no."""
     if os.environ.get(FREEZING_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    from atoll.engine.blocks import available_memory
+    from atoll.engine.blocks import copy_fits
 
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
-    return weights * ranks_here <= available_memory() // 4
+    return copy_fits(sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2), ranks_here)
 
 
 def build(runner) -> CompiledDecode | None:
@@ -229,12 +228,11 @@ def build(runner) -> CompiledDecode | None:
     spec = runner.spec
     if eager_forced(spec.enforce_eager) or runner.device.type != "cpu" or runner.config.is_moe:
         return None
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", runner.ctx.layout.world_size))
     _thread_lock_for_tqdm()
     return CompiledDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,
                           max_model_len=spec.max_model_len, block_size=spec.block_size,
                           scratch_block=runner.num_blocks, rank=runner.ctx.rank,
-                          freezing=freezing_fits(runner.model, ranks_here))
+                          freezing=freezing_fits(runner.model, runner.ranks_here))
 
 
 def _thread_lock_for_tqdm() -> None:

@@ -70,9 +70,9 @@ class ModelRunner:
         self._sending = None  # the isend of the last activations, until it completes
         from atoll.engine import compiled
 
+        self.ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.layout.world_size))  # sharing its memory
         self.decode_step = compiled.build(self)  # None: every step eager
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.layout.world_size))
-        self.packer = _packer(self.model, ranks_here) if self.decode_step is None else None
+        self.packer = _packer(self.model, self.ranks_here) if self.decode_step is None else None
         self.stats: dict = {}
 
     def _size_cache(self) -> int:
@@ -178,7 +178,7 @@ def _packer(model, ranks_here: int):
     """MKL-packed decode weights for a CPU float32 model (layers.packed), or None: also when
     the second copy of the weights would take more than a quarter of this machine's free
     memory, shared by its ranks."""
-    from atoll.engine.blocks import available_memory
+    from atoll.engine.blocks import copy_fits
     from atoll.layers import packed
     from atoll.layers.embedding import ParallelLMHead
     from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -187,7 +187,6 @@ def _packer(model, ranks_here: int):
     weights = [m.weight for m in model.modules() if isinstance(m, kinds)]
     if not packed.available() or not weights or weights[0].device.type != "cpu":
         return None
-    extra = sum(w.numel() * w.element_size() for w in weights)
-    if extra * ranks_here > available_memory() // 4:
+    if not copy_fits(sum(w.numel() * w.element_size() for w in weights), ranks_here):
         return None
     return packed.Packer(weights)

@@ -85,14 +85,21 @@ class AttentionMetadata:
         """(block tables cut to the longest context, key mask [seqs, keys]) of a decode step."""
         key = ("decode", sliding_window)
         if key not in self._memo:
-            ctx = self.context_lens()  # [seqs]
             blocks = -(-(max(self.start_list) + 1) // self.block_size)
-            keys = torch.arange(blocks * self.block_size, device=self.device)
-            mask = keys[None, :] < ctx[:, None]
-            if sliding_window:
-                mask &= keys[None, :] > (ctx[:, None] - 1 - sliding_window)
-            self._memo[key] = (self.block_tables[:, :blocks], mask[:, None, None, :])
+            self._memo[key] = (self.block_tables[:, :blocks],
+                               key_mask(self.context_lens(), blocks * self.block_size, sliding_window))
         return self._memo[key]
+
+
+def key_mask(lengths: torch.Tensor, keys: int, sliding_window: int | None) -> torch.Tensor:
+    """[seqs, 1, 1, keys]: which of a decoding sequence's first `keys` cache positions its new
+    token attends to (those before its length, and within the window when there is one)."""
+    at = torch.arange(keys, device=lengths.device)[None, :]
+    ctx = lengths[:, None]
+    mask = at < ctx
+    if sliding_window:
+        mask &= at > ctx - 1 - sliding_window
+    return mask[:, None, None, :]
 
 
 @dataclass
@@ -118,25 +125,10 @@ class StaticDecode:
     def context_lens(self) -> torch.Tensor:
         return self.lengths
 
-
-def static_decode_attention(q, k_cache, v_cache, meta: StaticDecode, *, sliding_window: int | None = None):
-    """q: [seqs, heads, head_dim] -> [seqs, heads, head_dim] over every block of the tables,
-    keys past each context masked: no shape depends on the data."""
-    if use_triton(q, k_cache):  # reads the paged cache in place
-        from atoll.kernels.ops import paged_decode_attention
-
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.lengths,
-                                      sliding_window=sliding_window)
-    k = _gather(k_cache, meta.block_tables)  # [seqs, kv_heads, blocks*block_size, head_dim]
-    v = _gather(v_cache, meta.block_tables)
-    keys = torch.arange(k.shape[2], device=q.device)
-    ctx = meta.lengths[:, None]
-    mask = keys[None, :] < ctx  # [seqs, keys]
-    if sliding_window:
-        mask &= keys[None, :] > ctx - 1 - sliding_window
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
-                                         enable_gqa=q.shape[1] != k_cache.shape[2])
-    return out[:, :, 0]
+    def decode_keys(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block of the tables, keys past each context masked: no shape depends on the data."""
+        return self.block_tables, key_mask(self.lengths, self.block_tables.shape[1] * self.block_size,
+                                           sliding_window)
 
 
 class KVCache:
@@ -172,12 +164,11 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int | None = None) -> torch.Tensor:
-    """q: [tokens, heads, head_dim] -> [tokens, heads, head_dim], causal over cache + new tokens."""
-    if isinstance(meta, StaticDecode):
-        return static_decode_attention(q, k_cache, v_cache, meta, sliding_window=sliding_window)
+    """q: [tokens, heads, head_dim] -> [tokens, heads, head_dim], causal over cache + new tokens.
+    meta: AttentionMetadata, or StaticDecode (the compiled decode step's)."""
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     gqa = heads != kv_heads
-    if not meta.query_lens:  # an idle DP replica still runs the layer (its MoE joins the collectives)
+    if q.shape[0] == 0:  # an idle DP replica still runs the layer (its MoE joins the collectives)
         return q
     if meta.is_decode and use_triton(q, k_cache):  # reads the paged cache in place
         from atoll.kernels.ops import paged_decode_attention
