@@ -9,7 +9,7 @@ from atoll.errors import InputError
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cuda", "cpu")
-DISPATCH = ("auto", "flat", "hierarchical")  # parallel.mesh.DISPATCH_MODES
+DISPATCH = ("auto", "flat", "hierarchical")  # MoE token dispatch; parallel.mesh.ContextOptions takes them too
 
 
 def _opt(default, help: str, *, choices=None, short=None):

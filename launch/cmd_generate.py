@@ -92,7 +92,6 @@ def run(args) -> int:
     from atoll.launch.requests import Line, check_output, read_prompts
 
     launcher = detect() if args.launcher == "auto" else args.launcher
-    check_launcher(launcher)
     defaults = sampling_params(args)
     if args.prompts:
         lines = read_prompts(args.prompts)

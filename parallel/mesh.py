@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from atoll.comm.group import Group
+from atoll.engine.config import DISPATCH
 from atoll.parallel.layout import Layout
 
 KINDS = ("tp", "dp", "pp", "ep", "moe_tp", "stage", "world", "ep_island", "ep_rail")
-DISPATCH_MODES = ("auto", "flat", "hierarchical")
+DISPATCH_MODES = DISPATCH  # the same choices as EngineConfig.dispatch (--dispatch)
 
 
 @dataclass(frozen=True)
