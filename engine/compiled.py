@@ -15,7 +15,7 @@ Graphs: one per stage, compiled on first use (a 30-layer stage takes ~40-60 s of
 on a 2-core CPU), the sequence count and the block-table width symbolic (`mark_dynamic`),
 so it serves every bucket and context length without recompiling: a graph per (sequences,
 blocks) pair would multiply the compiles, and with freezing the packed weights. The buckets
-still bound the shapes that run (CUDA graphs, next, would capture one per bucket). Rank 0
+still bound the shapes that run (engine.graphs captures one CUDA graph per bucket). Rank 0
 prints a line on stderr whenever the step compiles: how long it took, and the buckets.
 
 Collectives. TP's all_reduce / all_gather (comm.Group -> torch.distributed) are traced:
@@ -33,8 +33,8 @@ its available memory; and frozen graphs hold packed tensors, which inductor's FX
 cannot store: a frozen graph is compiled again by every run. ATOLL_COMPILE_FREEZING=0 turns
 freezing off (F.linear's MKL then, ~2x slower here); the graph is then cached on disk
 (TORCHINDUCTOR_CACHE_DIR, default $ATOLL_CACHE/inductor or ~/.cache/atoll/inductor) and a
-later run loads it in seconds. CUDA graphs per bucket are the next step on GPUs; until
-then the decode step runs eagerly there.
+later run loads it in seconds. On CUDA the decode step is captured as CUDA graphs instead
+(engine.graphs).
 
 Switches: EngineConfig.enforce_eager (--enforce-eager, LLM(enforce_eager=True)) or
 ATOLL_ENFORCE_EAGER=1 run every step eagerly, with no compile at all.
@@ -95,10 +95,10 @@ def inductor_cache_dir() -> str:
     return str(cache_dir() / "inductor")
 
 
-class _Bucket:
-    """One sequence bucket's static inputs and its compile record."""
+class Bucket:
+    """One sequence bucket's static inputs (and, given a width, its block table)."""
 
-    def __init__(self, seqs: int, scratch: int, hidden: int | None, dtype, device):
+    def __init__(self, seqs: int, scratch: int, hidden: int | None, dtype, device, width: int | None = None):
         long = dict(dtype=torch.long, device=device)
         if hidden is None:
             self.x = torch.zeros(seqs, **long)  # token ids (first stage)
@@ -109,6 +109,7 @@ class _Bucket:
         self.offset = torch.zeros(seqs, **long)
         self.lengths = torch.ones(seqs, **long)
         self.scratch = scratch
+        self.tables = None if width is None else torch.full((seqs, width), scratch, **long)
 
     def fill(self, n: int, x: torch.Tensor, meta) -> None:
         """Rows :n from the micro-batch; rows n: padding again (a row a larger batch used
@@ -146,7 +147,7 @@ class CompiledDecode:
         inductor.freezing = freezing  # read while dynamo traces (parameters as constants) and by inductor
         limit = 4  # one graph, and room for a recompile the guards ask for
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        self._inputs: dict[int, _Bucket] = {}
+        self._inputs: dict[int, Bucket] = {}
         self.compiles: list[tuple[int, float]] = []  # (bucket, seconds) of each call that compiled
         self._rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
         # static but for the dimensions __call__ marks dynamic; no graph break allowed
@@ -167,7 +168,7 @@ class CompiledDecode:
         size = next(b for b in self.buckets if b >= n)
         inp = self._inputs.get(size)
         if inp is None:
-            inp = self._inputs[size] = _Bucket(size, self.scratch, self.hidden, self.dtype, self.device)
+            inp = self._inputs[size] = Bucket(size, self.scratch, self.hidden, self.dtype, self.device)
         blocks = -(-(max(meta.start_list) + 1) // self.block_size)  # host list: no sync
         width = block_bucket(blocks, self.max_blocks)
         inp.fill(n, x, meta)
@@ -222,11 +223,20 @@ def freezing_fits(model, ranks_here: int) -> bool:
     return copy_fits(sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2), ranks_here)
 
 
-def build(runner) -> CompiledDecode | None:
-    """The runner's compiled decode step, or None: eager forced, not a CPU rank (CUDA graphs
-    are the next step), or an MoE model (its all-to-all needs host split sizes)."""
+def build(runner):
+    """The runner's decode step: CUDA graphs per bucket on CUDA (engine.graphs), inductor on
+    the CPU; None (every step eager): eager forced, or an MoE model (its all-to-all needs host
+    split sizes)."""
     spec = runner.spec
-    if eager_forced(spec.enforce_eager) or runner.device.type != "cpu" or runner.config.is_moe:
+    if eager_forced(spec.enforce_eager) or runner.config.is_moe:
+        return None
+    if runner.device.type == "cuda":
+        from atoll.engine.graphs import GraphedDecode
+
+        return GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,
+                             max_model_len=spec.max_model_len, block_size=spec.block_size,
+                             scratch_block=runner.num_blocks, rank=runner.ctx.rank)
+    if runner.device.type != "cpu":
         return None
     _thread_lock_for_tqdm()
     return CompiledDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,

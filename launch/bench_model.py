@@ -12,8 +12,11 @@ transformers' `generate` (on rank 0, the other ranks wait at a barrier) and a la
 copy, alternating which side goes first. The closing lines report the default path: compiled,
 unless --enforce-eager (or ATOLL_ENFORCE_EAGER=1, or a model the step does not compile) leaves
 eager only. Warm-up rounds are untimed; the first one compiles the buckets the run uses (on a
-2-core CPU ~40 s for SmolLM2, printed on stderr). Figures are medians over the timed rounds;
-the ratio's range over rounds is shown as its spread. On CUDA
+2-core CPU ~40 s for SmolLM2, printed on stderr). Figures are medians over the timed rounds
+(default 5); each round pairs an atoll run with a transformers run, and vs transformers is the
+median of those per-round ratios, with their range as the spread (compiled vs eager likewise).
+The 1-minute load average is read before, after each round and after: when it passes the
+core count, a warning says the figures were taken on a shared machine. On CUDA
 every timed region ends with a synchronize before the clock is read. atoll's KV cache holds
 what the batch needs (as on CPU), not a share of GPU memory, so transformers' copy of the
 model fits beside it.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 from atoll.engine.config import DEVICES, DTYPES
@@ -54,7 +58,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=16, help="sequences (default 16)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per sequence (default 64)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per atoll rank (default cores / ranks)")
     p.add_argument("--copy-mib", type=int, default=256, help="tensor copied to measure bandwidth (default 256)")
@@ -121,6 +125,12 @@ def run(args) -> int:
     load = os.getloadavg()[0]
     result = run_local(_rank, world, cfg, spec, requests, threads=threads, timeout_s=3600, device=spec.device)[0]
     result["load_avg_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+    cores = os.cpu_count() or 1
+    peak = max(result["load_avg_1m"] + result["load_avg_rounds"])
+    if peak > cores:
+        result["load_warning"] = (f"the 1-minute load average reached {peak:.1f} on {cores} cores during the run: "
+                                  "other work shared the machine, so these figures understate both sides")
+        print(f"atoll bench: warning: {result['load_warning']}", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -263,7 +273,7 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
         return _time_atoll(runner, requests, pipelined=pipelined)
 
     paths = [True, False] if step is not None else [False]  # the default path first
-    rounds, pipeline = [], []
+    rounds, pipeline, loads = [], [], []
     for i in range(cfg["warmup"] + cfg["rounds"]):
         ctx.world.barrier()
         if i % 2:
@@ -276,15 +286,19 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
         one = atoll(paths[0], pipelined=False) if ctx.layout.pp > 1 else None
         if i >= cfg["warmup"] and rank == 0:
             rounds.append((mine[0], *base, mine[1] if len(mine) > 1 else None))
+            loads.append(os.getloadavg()[0])
             pipeline.append((mine[0], one))
     runner.decode_step = step
     if rank != 0:
         return None
-    cfg = cfg | {"path": "compiled" if step is not None else "eager"}
+    path = "eager" if step is None else ("cuda graphs" if dev.type == "cuda" else "compiled")
+    cfg = cfg | {"path": path}
     result = summarize(cfg, rounds, float(weight_bytes))
+    result["load_avg_rounds"] = [round(x, 2) for x in loads]
     if step is not None:
         result["compile"] = {"buckets": step.buckets, "run": step.buckets_run,
-                             "compile_s": [sig(s, 3) for _, s in step.compiles], "freezing": step.freezing}
+                             "compile_s": [sig(s, 3) for _, s in step.compiles], "freezing": step.freezing,
+                             "error": getattr(step, "error", None)}
     if ctx.layout.pp > 1:
         result["pipeline"] = summarize_pipeline(pipeline, ctx.layout)
     return result
@@ -314,7 +328,7 @@ def summarize(cfg: dict, rounds: list, weight_bytes: float) -> dict:
     last = rounds[-1]
     same = sum(a == b for a, b in zip(last[0]["token_ids"], last[1]["token_ids"]))
     return {"config": cfg, "atoll": atoll, "transformers": hf,
-            "vs_transformers": sig(atoll["tokens_per_s"] / hf["tokens_per_s"]),
+            "vs_transformers": sig(med(ratios)),  # the median of the per-round pairs
             "vs_transformers_range": [sig(min(ratios)), sig(max(ratios))],
             "decode_weight_bytes": int(weight_bytes), "copy_bandwidth_gb_s": sig(bandwidth / 1e9),
             "floor_step_s": sig(floor),
@@ -333,11 +347,12 @@ def _eager_side(rounds: list, side, floor: float) -> dict:
     eager, compiled = side(4), side(0)
     ratios = [r[1]["total_s"] / r[4]["total_s"] for r in rounds]
     last = rounds[-1]
+    pairs = [r[4]["total_s"] / r[0]["total_s"] for r in rounds]  # compiled and eager in one round
     return {"atoll_eager": eager,
-            "eager_vs_transformers": sig(eager["tokens_per_s"] / side(1)["tokens_per_s"]),
+            "eager_vs_transformers": sig(statistics.median(ratios)),
             "eager_vs_transformers_range": [sig(min(ratios)), sig(max(ratios))],
             "eager_of_bandwidth_floor": sig(floor / eager["decode_step_s"]),
-            "compiled_vs_eager": sig(compiled["tokens_per_s"] / eager["tokens_per_s"]),
+            "compiled_vs_eager": sig(statistics.median(pairs)),
             "compiled_vs_eager_decode_step": sig(eager["decode_step_s"] / compiled["decode_step_s"]),
             "same_tokens_compiled_and_eager": last[0]["token_ids"] == last[4]["token_ids"]}
 
@@ -398,14 +413,14 @@ def render(r: dict) -> None:
     vs = f"{r['vs_transformers']:.2f}x ({lo:.2f} - {hi:.2f})"
     if e:
         elo, ehi = r["eager_vs_transformers_range"]
-        row("vs transformers (min - max over rounds)", vs, f"{r['eager_vs_transformers']:.2f}x ({elo:.2f} - {ehi:.2f})")
+        row("vs transformers: median of round pairs (min - max)", vs, f"{r['eager_vs_transformers']:.2f}x ({elo:.2f} - {ehi:.2f})")
         row("compiled vs eager: tokens/s, decode step", f"{r['compiled_vs_eager']:.2f}x, "
             f"{r['compiled_vs_eager_decode_step']:.2f}x")
         cp = r["compile"]
         row("compile (s), buckets run", f"{', '.join(map(str, cp['compile_s']))}; {', '.join(map(str, cp['run']))}"
             + (", frozen" if cp["freezing"] else ""))
     else:
-        row("vs transformers (min - max over rounds)", vs)
+        row("vs transformers: median of round pairs (min - max)", vs)
     row("weights read per decode step", f"{r['decode_weight_bytes'] / 2**20:.1f} MiB")
     row("copy bandwidth (read + write)", f"{r['copy_bandwidth_gb_s']:.2f} GB/s")
     row("floor step (weights / bandwidth)", ms(r["floor_step_s"]))
@@ -414,7 +429,8 @@ def render(r: dict) -> None:
     row("same greedy tokens as transformers (last round)", f"{r['same_greedy_sequences']}/{c['batch']} sequences")
     if e:
         row("same tokens compiled and eager (last round)", str(r["same_tokens_compiled_and_eager"]))
-    row("load average 1 min (start, end)", ", ".join(map(str, r["load_avg_1m"])))
+    row("load average 1 min (start, end; highest after a round)",
+        ", ".join(map(str, r["load_avg_1m"])) + f"; {max(r['load_avg_rounds'], default=0):.2f}")
     if "pipeline" in r:
         p = r["pipeline"]
         row("tokens/s, one micro-batch at a time", f"{p['one_at_a_time_tokens_per_s']:.1f}")

@@ -41,12 +41,13 @@ class AttentionMetadata:
                 blocks.append(table[p // block_size])
                 offsets.append(p % block_size)
         width = max((len(t) for t in block_tables), default=0)
-        rows = [list(t) + [0] * (width - len(t)) for t in block_tables]
-        long = dict(dtype=torch.long, device=device)
-        tables = torch.tensor(rows, **long).view(len(rows), width)
-        slots = (torch.tensor(blocks, **long), torch.tensor(offsets, **long))
-        return cls(tables, torch.tensor(list(starts), **long), list(query_lens), torch.tensor(positions, **long),
-                   block_size, list(starts), slots)
+        flat = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]
+        parts = (len(flat), len(blocks), len(offsets), len(starts), len(positions))
+        flat += blocks + offsets + list(starts) + positions
+        # one host-to-device copy for the step (each copy to a GPU costs a round trip), then views
+        tables, block, offset, start, pos = torch.tensor(flat, dtype=torch.long, device=device).split(parts)
+        return cls(tables.view(len(block_tables), width), start, list(query_lens), pos, block_size, list(starts),
+                   (block, offset))
 
     @classmethod
     def contiguous(cls, slots: list[int], starts: list[int], query_lens: list[int], max_len: int, *, device="cpu"):

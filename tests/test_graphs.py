@@ -1,0 +1,49 @@
+"""The CUDA-graph decode step's static buffers (engine.graphs), run on the CPU without capture:
+the bucket choice, the padding rows and the fixed-width block tables give the eager step's
+tokens and KV cache, under TP1, TP2 and PP2. The capture itself needs a GPU
+(examples/gpu_check.sh); this proves everything around it."""
+
+import pytest
+from reference import reference_tokens
+
+from atoll import LLM, SamplingParams
+from atoll.engine.generate import run_requests
+from atoll.engine.graphs import GraphedDecode
+from atoll.engine.runner import ModelRunner
+from atoll.launch.local import run_local
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
+
+# max_num_seqs=4: buckets 1, 2, 4; decode batches of 4, 3 (bucket 4, one padding row), then
+# 1 sequence (bucket 1). Under PP2 each lane decodes 2, then 1.
+PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8], [250, 17]]
+MAX_TOKENS = [3, 6, 6, 10]
+
+
+def _eager_then_graphed(rank, world, spec, requests):
+    ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
+    runner = ModelRunner(spec, ctx)
+    assert runner.decode_step is None  # conftest: eager by default
+    eager = [r["token_ids"] for r in run_requests(runner, requests)]
+    kv = runner.cache.k + runner.cache.v
+    eager_kv = [t[:runner.num_blocks].clone() for t in kv]
+    runner.decode_step = GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,
+                                       max_model_len=spec.max_model_len, block_size=spec.block_size,
+                                       scratch_block=runner.num_blocks, rank=rank, capture=False)
+    graphed = [r["token_ids"] for r in run_requests(runner, requests)]
+    kv_diff = max(float((t[:runner.num_blocks] - e).abs().max()) for t, e in zip(kv, eager_kv))
+    return {"eager": eager, "graphed": graphed, "kv_diff": kv_diff, "buckets": runner.decode_step.buckets,
+            "run": runner.decode_step.buckets_run}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout,run", [("TP1", [1, 4]), ("TP2", [1, 4]), ("PP2", [1, 2])])
+def test_graph_buffers_give_eager_tokens(tiny_model, layout, run):
+    d = tiny_model("llama", num_hidden_layers=2)
+    expected = [t[:n] for t, n in zip(reference_tokens(d, PROMPTS, max(MAX_TOKENS)), MAX_TOKENS)]
+    llm = LLM(d, layout=layout, max_num_seqs=4, block_size=4)
+    requests = llm.prepare(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+    for r in run_local(_eager_then_graphed, llm.layout.world_size, llm.spec(requests), requests, timeout_s=180):
+        assert r["eager"] == expected and r["graphed"] == expected
+        assert r["kv_diff"] < 1e-4  # padding rows wrote only the scratch block
+        assert r["buckets"] == [1, 2, 4] and r["run"] == run
