@@ -1,30 +1,62 @@
-"""atoll bench dispatch: the MoE Dispatcher against a bare all_to_all of the same bytes.
+"""atoll bench dispatch: the MoE Dispatcher against a bare all_to_all of the same bytes, and
+island-first (two-level) dispatch against flat, optionally over a simulated slow link.
 
-Spawns --ep local ranks (gloo on 127.0.0.1). Each iteration times dispatch + combine (identity
-experts) and, interleaved in the same run, bare `all_to_all_single` calls with exactly the
-splits and row widths the dispatcher's payload all_to_alls used (forward and back, every leg);
-the order of the two alternates. An iteration's time is the slowest rank's; the ratio is of the
-medians. So the ratio is the dispatcher's own cost on top of moving its rows: the count
-exchange, the permutations, metadata and the weighted sum. CPU seconds of all ranks are
-reported per side too: with more ranks than free cores, wall time also measures the scheduler,
-CPU time only the work.
+Spawns --ep local ranks (gloo on 127.0.0.1) and times one MoE dispatch + combine (identity
+experts) against bare all_to_alls of the same payload, on one routing; with --hierarchical
+the two-level path and flat dispatch are timed side by side too, with --cross-gb-s or
+--cross-latency-us over a simulated slow link between islands (a sleep, not a network).
+
+Timing. Each iteration runs every side once (dispatcher, bare all_to_all, and with
+--hierarchical flat dispatch), in an order that rotates by one each iteration, each after a
+barrier. The bare side makes exactly the payload all_to_alls the dispatcher made (splits and
+row widths of every leg, forward and back, over the same groups) on preallocated buffers, so
+dispatcher / bare is the dispatcher's own cost on top of moving its rows: the count exchange,
+the permutations, metadata and the weighted sum. An iteration's time is the slowest rank's;
+ratios are of the medians. CPU seconds of all ranks are reported too: with more ranks than
+free cores, wall time also measures the scheduler, CPU time only the work.
+
+Islands are simulated: --islands N splits the ep ranks into N contiguous sets, given to
+ParallelContext as each rank's island, so the two-level path runs on its real subgroups: the
+cross-island leg over the "ep_rail" groups (one rank per island) and the intra-island leg over
+the "ep_island" groups. Islands of unequal sizes have no rails; the hierarchical path then runs
+both legs over the whole ep group with zero splits (reported as two_level false).
+
+Bytes: the Dispatcher's `bytes` counter (every byte a rank sent: rows, packed ids and weights,
+counts) and `row_bytes` (hidden-state rows only), per link class ("intra": to a rank of its own
+island, "cross": to another island), for one dispatch + combine of each path (flat and, with 2
+or more islands, hierarchical), summed over ranks. Next to them the analytic minimum of row
+bytes any dispatcher must move (routing.min_rows, both directions): across islands one row per
+(token, remote island it touches) each way, which the hierarchical path reaches.
+
+Simulated slow link (--cross-gb-s G, --cross-latency-us U). The dispatchers' ep, ep_island
+and ep_rail groups are wrapped (SlowGroup) so that every all_to_all, all_gather, all_reduce,
+reduce_scatter and broadcast over a group whose members sit on more than one island sleeps,
+after the collective returns, for U microseconds + B / (G * 1e9) seconds, where B is the
+larger of the bytes this rank sent to and received from members on other islands in that
+collective (all_to_all: its splits times the row width; all_gather: its tensor once per remote
+member; reduce_scatter: 1/size of it per remote member; all_reduce: twice that). Groups inside
+one island never sleep. So flat dispatch pays on each of its ep-group all_to_alls and the
+two-level path on its rail legs only; the bare side pays the same on the legs it copies. The
+barriers and the result exchanges of the bench itself are never delayed. Each rank's sleeps
+are recorded per group and reported (the most any rank slept per iteration); the real
+transfer over loopback still happens underneath, so the simulated link adds to it.
 
 Each rank asks glibc to keep freed memory (mallopt), as PyTorch's caching allocator does on GPU:
 with glibc's defaults a freed 16 MiB buffer often goes back to the OS and the next one costs
 ~4000 page faults, more than the copy into it. --return-memory keeps glibc's defaults.
-
-Bytes are summed over ranks for one dispatch + combine, per link class (islands are simulated
-here: --islands N splits the ep ranks into N contiguous sets), against the minimum any
-dispatcher needs (routing.min_rows, both directions).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 
 from atoll.errors import ConfigError
+
+GROUPS = ("ep", "ep_island", "ep_rail")  # the groups the dispatchers use (and the sleeps are kept for)
+CLASSES = ("intra", "cross")
 
 
 def add_parser(sub) -> None:
@@ -36,9 +68,15 @@ def add_parser(sub) -> None:
     p.add_argument("--experts", type=int, default=16, help="routed experts (default 16)")
     p.add_argument("--topk", type=int, default=4, help="experts per token (default 4)")
     p.add_argument("--ep", type=int, default=4, help="expert-parallel ranks to spawn (default 4)")
-    p.add_argument("--hierarchical", action="store_true", help="island-first dispatch")
+    p.add_argument("--hierarchical", action="store_true",
+                   help="island-first (two-level) dispatch, timed against flat dispatch too")
     p.add_argument("--islands", type=int, default=None,
                    help="simulated islands over the ep ranks (default 1; 2 with --hierarchical)")
+    p.add_argument("--cross-gb-s", type=float, default=None, metavar="G",
+                   help="simulate a G GB/s (1e9 bytes/s) link between islands: collectives over "
+                        "groups that span islands sleep for their cross-island bytes / G")
+    p.add_argument("--cross-latency-us", type=float, default=None, metavar="U",
+                   help="simulated latency added to every collective over a group that spans islands")
     p.add_argument("--arrival-order", action="store_true",
                    help="leave rows in arrival order (Dispatcher grouped=False): no expert-major copy")
     p.add_argument("--capacity-factor", type=float, default=None, help="drop beyond this capacity")
@@ -58,6 +96,8 @@ def check(args) -> dict:
     for name in ("tokens", "hidden", "experts", "topk", "ep", "iters"):
         if getattr(args, name) < (0 if name == "tokens" else 1):
             raise ConfigError(f"--{name} {getattr(args, name)} must be positive")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup {args.warmup} must be 0 or more")
     if args.topk > args.experts:
         raise ConfigError(f"--topk {args.topk} is larger than --experts {args.experts}")
     if args.ep < 2:
@@ -68,9 +108,17 @@ def check(args) -> dict:
         raise ConfigError("--hierarchical needs --islands 2 or more")
     if args.capacity_factor is not None and not args.capacity_factor > 0:
         raise ConfigError(f"--capacity-factor {args.capacity_factor} must be positive")
+    if args.cross_gb_s is not None and not (0 < args.cross_gb_s < math.inf):
+        raise ConfigError(f"--cross-gb-s {args.cross_gb_s} must be a positive number of GB/s")
+    if args.cross_latency_us is not None and not (0 <= args.cross_latency_us < math.inf):
+        raise ConfigError(f"--cross-latency-us {args.cross_latency_us} must be 0 or more")
+    simulated = args.cross_gb_s is not None or args.cross_latency_us is not None
+    if simulated and args.islands < 2:
+        raise ConfigError("--cross-gb-s and --cross-latency-us need --islands 2 or more "
+                          "(with one island nothing crosses the simulated link)")
     keys = ("tokens", "hidden", "experts", "topk", "ep", "hierarchical", "islands", "arrival_order",
-            "capacity_factor", "iters", "warmup", "seed", "return_memory")
-    return {k: getattr(args, k) for k in keys}
+            "capacity_factor", "iters", "warmup", "seed", "return_memory", "cross_gb_s", "cross_latency_us")
+    return {k: getattr(args, k) for k in keys} | {"simulated": simulated}
 
 
 def run(args) -> int:
@@ -107,93 +155,209 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def slow_group(group, island_of, gb_s: float | None, latency_us: float | None):
+    """`group` (a comm.group.Group) as a SlowGroup: the same process group, whose collectives
+    sleep as the module docstring says when its members span islands. island_of: global rank ->
+    island id."""
+    from atoll.comm.group import Group
+
+    class SlowGroup(Group):
+        def __init__(self):
+            super().__init__(group.pg, group.ranks, group.ranks[group.rank], group.name, group.device)
+            mine = island_of[self.ranks[self.rank]]
+            self.remote = [island_of[r] != mine for r in self.ranks]  # per member: across the link
+            self.per_byte_s = 1 / (gb_s * 1e9) if gb_s else 0.0
+            self.latency_s = (latency_us or 0.0) * 1e-6
+            self.slept_s = 0.0  # the simulated delay so far
+
+        def pause(self, sent: int, received: int) -> None:
+            """Sleep for one collective that sent and received these bytes across islands."""
+            if any(self.remote):
+                s = self.latency_s + max(sent, received) * self.per_byte_s
+                self.slept_s += s
+                time.sleep(s)
+
+        def across(self, splits, row: int) -> int:
+            return row * sum(n for n, far in zip(splits, self.remote) if far)
+
+        def all_to_all(self, x, send_splits, recv_splits):
+            out = super().all_to_all(x, send_splits, recv_splits)
+            row = math.prod(x.shape[1:]) * x.element_size()
+            self.pause(self.across(send_splits, row), self.across(recv_splits, row))
+            return out
+
+        def all_gather(self, x, dim=-1):
+            out = super().all_gather(x, dim)
+            n = x.numel() * x.element_size() * sum(self.remote)
+            self.pause(n, n)
+            return out
+
+        def reduce_scatter(self, x, dim=0):
+            out = super().reduce_scatter(x, dim)
+            n = x.numel() * x.element_size() * sum(self.remote) // self.size
+            self.pause(n, n)
+            return out
+
+        def all_reduce(self, x, op="sum"):
+            out = super().all_reduce(x, op)
+            n = 2 * x.numel() * x.element_size() * sum(self.remote) // self.size
+            self.pause(n, n)
+            return out
+
+        def broadcast(self, x, src=0):
+            out = super().broadcast(x, src)
+            n = x.numel() * x.element_size()
+            self.pause(n * sum(self.remote) if self.rank == src else 0, n * self.remote[src])
+            return out
+
+    return SlowGroup()
+
+
 def _rank(rank: int, world: int, cfg: dict) -> dict:
     kept_memory = not cfg["return_memory"] and keep_freed_memory()
     import torch
     import torch.distributed as dist
 
     from atoll.comm.dispatch import Dispatcher
-    from atoll.comm.group import Group
     from atoll.comm.routing import min_rows
+    from atoll.parallel.layout import Layout
+    from atoll.parallel.mesh import ContextOptions, ParallelContext
 
-    g = Group.from_torch(name="ep")
     T, H, E, k = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
+    islands = island_sets(world, cfg["islands"])
+    island_of = tuple(i for i, isl in enumerate(islands) for _ in isl)  # rank -> island id
+    ctx = ParallelContext.create(Layout.parse(f"EP{world}"), rank, options=ContextOptions(islands=island_of))
+    plain = ctx.ep  # barriers and results: never delayed
+    groups = {name: ctx.groups[name] for name in GROUPS}
+    if cfg["simulated"]:
+        groups = {n: slow_group(g, island_of, cfg["cross_gb_s"], cfg["cross_latency_us"]) for n, g in groups.items()}
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
     x = torch.randn(T, H, generator=gen)  # [tokens, hidden] this rank's tokens
     ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices  # k distinct experts, uniform
     w = torch.randn(T, k, generator=gen).softmax(dim=1)
-    islands = island_sets(world, cfg["islands"])
-    kw = dict(islands=islands, capacity_factor=cfg["capacity_factor"])
-    disp = Dispatcher(g, E, hierarchical=cfg["hierarchical"], grouped=not cfg["arrival_order"], **kw)
+    kw = dict(islands=islands, capacity_factor=cfg["capacity_factor"], grouped=not cfg["arrival_order"])
+    paths = {"flat": Dispatcher(groups["ep"], E, **kw)}
+    if cfg["islands"] > 1:
+        paths["hierarchical"] = Dispatcher(groups["ep"], E, hierarchical=True, island_group=groups["ep_island"],
+                                           rail_group=groups["ep_rail"], **kw)
+    main = "hierarchical" if cfg["hierarchical"] else "flat"
+    disp = paths[main]
 
-    def bytes_of(d_: Dispatcher) -> tuple:
-        d = d_.dispatch(x, ids, w)
-        d_.combine(d.rows, d)
-        return d, dict(d_.bytes), dict(d_.row_bytes)
-
-    d, sent, rows = bytes_of(disp)
-    flat = rows if not cfg["hierarchical"] else bytes_of(Dispatcher(g, E, **kw))[2]
-    hier = rows if cfg["hierarchical"] or cfg["islands"] < 2 else \
-        bytes_of(Dispatcher(g, E, hierarchical=True, **kw))[2]
+    sent = {}  # path -> [class][all bytes, row bytes] of one dispatch + combine
+    for name, p in paths.items():
+        p.reset_counters()
+        d = p.dispatch(x, ids, w)
+        p.combine(d.rows, d)
+        sent[name] = [[p.bytes[c], p.row_bytes[c]] for c in CLASSES]
+        if p is disp:
+            main_d = d
     kept = ids if cfg["capacity_factor"] is None else disp._drop(ids)[0]  # the pairs that move
     least = min_rows(kept, disp.split, disp.island_of, rank)
 
-    # the bare baseline: the same payload all_to_alls, out and back, on preallocated buffers
+    # the bare baseline: the same payload all_to_alls over the same groups, out and back,
+    # on preallocated buffers (legs over a group of one rank move nothing)
     bare, hb = [], H * x.element_size()
-    for leg in d.legs:
+    for leg in main_d.legs:
+        if leg.group.size == 1:
+            continue
         n_out, n_in = sum(leg.send_splits), sum(leg.recv_splits)
-        bare.append((torch.zeros(n_out, leg.row_bytes, dtype=torch.uint8),
+        bare.append((leg.group, torch.zeros(n_out, leg.row_bytes, dtype=torch.uint8),
                      torch.empty(n_in, leg.row_bytes, dtype=torch.uint8), leg.recv_splits, leg.send_splits))
-        bare.append((torch.zeros(n_in, hb, dtype=torch.uint8),
+        bare.append((leg.group, torch.zeros(n_in, hb, dtype=torch.uint8),
                      torch.empty(n_out, hb, dtype=torch.uint8), leg.send_splits, leg.recv_splits))
     order = bare[0::2] + bare[1::2][::-1]  # legs forward, then back in reverse, like combine
 
     def run_bare():
-        for src, out, recv_splits, send_splits in order:
+        for grp, src, out, recv_splits, send_splits in order:
             dist.all_to_all_single(out, src, output_split_sizes=recv_splits,
-                                   input_split_sizes=send_splits, group=g.pg)
+                                   input_split_sizes=send_splits, group=grp.pg)
+            if cfg["simulated"]:
+                grp.pause(grp.across(send_splits, src.shape[1]), grp.across(recv_splits, src.shape[1]))
 
-    def run_disp():
-        dd = disp.dispatch(x, ids, w)
-        disp.combine(dd.rows, dd)
+    def runner(p):
+        def run_path():
+            dd = p.dispatch(x, ids, w)
+            p.combine(dd.rows, dd)
+        return run_path
 
-    times = []  # per iteration: [dispatcher wall, bare wall, dispatcher cpu, bare cpu]
-    for i in range(cfg["warmup"] + cfg["iters"]):
-        wall, cpu = {}, {}
-        for fn in ((run_disp, run_bare) if i % 2 else (run_bare, run_disp)):
-            g.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            wall[fn], cpu[fn] = time.perf_counter() - t0, time.process_time() - c0
-        if i >= cfg["warmup"]:
-            times.append([wall[run_disp], wall[run_bare], cpu[run_disp], cpu[run_bare]])
-    every = g.all_gather(torch.tensor(times, dtype=torch.float64)[None], dim=0)  # [ep, iters, 4]
-    slowest = every[..., :2].amax(dim=0)  # an iteration lasts as long as its slowest rank
-    cpu_all = every[..., 2:].sum(dim=0)   # CPU seconds of all ranks (all threads) together
+    sides = {main: runner(disp), "bare": run_bare}
+    if cfg["hierarchical"]:
+        sides["flat"] = runner(paths["flat"])
+    wall, cpu, slept = time_sides(sides, plain, groups, cfg["warmup"], cfg["iters"])
 
-    totals = torch.tensor([[sent.get(c, 0), rows.get(c, 0), least[c], flat.get(c, 0), hier.get(c, 0)]
-                           for c in ("intra", "cross")], dtype=torch.float64)
-    totals = g.all_reduce(totals)
+    totals = plain.all_reduce(torch.tensor([sent.get(p, [[0, 0]] * 2) for p in ("flat", "hierarchical")] +
+                                           [[[2 * least[c] * hb, 0] for c in CLASSES]], dtype=torch.float64))
+    slept = plain.all_reduce(slept, op="max")  # [sides, groups] the most any rank slept per iteration
     load = torch.zeros(E, dtype=torch.float64)  # [E] rows each expert received
     mine = disp.local_experts
-    load[mine.start:mine.stop] = torch.tensor(d.expert_counts, dtype=torch.float64)
-    load = g.all_reduce(load)
+    load[mine.start:mine.stop] = torch.tensor(main_d.expert_counts, dtype=torch.float64)
+    load = plain.all_reduce(load)
+    two_level = bool(plain.all_reduce(torch.tensor([float("hierarchical" in paths and paths["hierarchical"].two_level)]),
+                                      op="min"))
     if rank:
         return {}
-    disp_s, bare_s = (statistics.median(slowest[:, j].tolist()) for j in (0, 1))
-    disp_c, bare_c = (statistics.median(cpu_all[:, j].tolist()) for j in (0, 1))
-    link = {c: {"sent": int(totals[i, 0]), "rows": int(totals[i, 1]), "min": int(2 * totals[i, 2] * hb)}
-            for i, c in enumerate(("intra", "cross"))}
-    out = {"config": cfg | {"islands": islands, "dtype": str(x.dtype).removeprefix("torch."),
-                            "malloc_keeps_memory": kept_memory},
-           "dispatch_combine_ms": round(disp_s * 1e3, 3), "all_to_all_ms": round(bare_s * 1e3, 3),
-           "ratio": round(disp_s / bare_s, 4), "bytes": link,
-           "cpu_ms": {"dispatch_combine": round(disp_c * 1e3, 3), "all_to_all": round(bare_c * 1e3, 3),
-                      "ratio": round(disp_c / bare_c, 4)},
-           "load_imbalance": round(float(load.max() / load.mean()), 4) if load.sum() else None}
-    if cfg["islands"] > 1:
-        f, h = int(totals[1, 3]), int(totals[1, 4])
-        out["cross_rows"] = {"flat": f, "hierarchical": h, "saving": round(1 - h / f, 4) if f else 0.0}
+    return report(cfg, sides, wall, cpu, slept, totals, load, two_level,
+                  {"islands": islands, "dtype": str(x.dtype).removeprefix("torch."), "malloc_keeps_memory": kept_memory})
+
+
+def time_sides(sides: dict, plain, groups: dict, warmup: int, iters: int):
+    """Run each side once per iteration, in an order rotated by one each time, after a barrier.
+    Returns the slowest rank's wall seconds [iters, sides], all ranks' CPU seconds [iters, sides]
+    and this rank's simulated sleep per iteration [sides, groups] (GROUPS order)."""
+    import torch
+
+    names = list(sides)
+    times = torch.zeros(iters, len(names), 2, dtype=torch.float64)  # [.., .., wall / cpu]
+    slept = torch.zeros(len(names), len(GROUPS), dtype=torch.float64)
+    for i in range(warmup + iters):
+        shift = i % len(names)
+        for j in list(range(shift, len(names))) + list(range(shift)):
+            plain.barrier()
+            before = [getattr(groups[g], "slept_s", 0.0) for g in GROUPS]
+            t0, c0 = time.perf_counter(), time.process_time()
+            sides[names[j]]()
+            t1, c1 = time.perf_counter(), time.process_time()
+            if i >= warmup:
+                times[i - warmup, j] = torch.tensor([t1 - t0, c1 - c0], dtype=torch.float64)
+                slept[j] += torch.tensor([getattr(groups[g], "slept_s", 0.0) - b for g, b in zip(GROUPS, before)],
+                                         dtype=torch.float64)
+    every = plain.all_gather(times[None], dim=0)  # [ep, iters, sides, 2]
+    return every[..., 0].amax(dim=0), every[..., 1].sum(dim=0), slept / iters
+
+
+def report(cfg, sides, wall, cpu, slept, totals, load, two_level, extra) -> dict:
+    names = list(sides)
+    ms = {n: round(statistics.median(wall[:, j].tolist()) * 1e3, 3) for j, n in enumerate(names)}
+    cpu_ms = {n: round(statistics.median(cpu[:, j].tolist()) * 1e3, 3) for j, n in enumerate(names)}
+    main = names[0]
+    out = {"config": cfg | extra,
+           "dispatch_combine_ms": ms[main], "all_to_all_ms": ms["bare"], "ratio": round(ms[main] / ms["bare"], 4),
+           "cpu_ms": {"dispatch_combine": cpu_ms[main], "all_to_all": cpu_ms["bare"],
+                      "ratio": round(cpu_ms[main] / cpu_ms["bare"], 4)}}
+    paths = ("flat", "hierarchical") if cfg["islands"] > 1 else ("flat",)
+    out["bytes"] = {p: {c: {"sent": int(totals[i, j, 0]), "rows": int(totals[i, j, 1])} for j, c in enumerate(CLASSES)}
+                    for i, p in enumerate(paths)}
+    out["min_row_bytes"] = {c: int(totals[2, j, 0]) for j, c in enumerate(CLASSES)}
+    if len(paths) == 2:
+        f, h = out["bytes"]["flat"]["cross"], out["bytes"]["hierarchical"]["cross"]
+        out["two_level"] = two_level
+        out["cross_saving"] = round(1 - h["rows"] / f["rows"], 4) if f["rows"] else 0.0
+        out["cross_bytes_hierarchical_over_flat"] = round(h["sent"] / f["sent"], 4) if f["sent"] else None
+    if cfg["hierarchical"]:
+        out["flat_ms"] = ms["flat"]
+        out["hierarchical_over_flat"] = round(ms["hierarchical"] / ms["flat"], 4)
+    if cfg["simulated"]:
+        out["simulated_link"] = {
+            "simulated": True, "gb_s": cfg["cross_gb_s"], "latency_us": cfg["cross_latency_us"] or 0.0,
+            "what": "a sleep after each collective over a group spanning islands: latency + "
+                    "max(cross-island bytes sent, received) / bandwidth; the data still moves over loopback",
+            "delay_ms_per_iter": {n: {g: round(float(slept[j, i]) * 1e3, 4) for i, g in enumerate(GROUPS)}
+                                  for j, n in enumerate(names)}}
+        if cfg["hierarchical"]:
+            total = {n: sum(v.values()) for n, v in out["simulated_link"]["delay_ms_per_iter"].items()}
+            out["simulated_link"]["delay_hierarchical_over_flat"] = \
+                round(total["hierarchical"] / total["flat"], 4) if total["flat"] else None
+    out["load_imbalance"] = round(float(load.max() / load.mean()), 4) if load.sum() else None
     return out
 
 
@@ -214,20 +378,46 @@ def render(r: dict) -> None:
     t = Table(title=title)
     t.add_column("measure")
     t.add_column("value", justify="right")
+    sim = r.get("simulated_link")
+    if sim:
+        t.add_row("SIMULATED slow link between islands (a sleep per collective)",
+                  f"{sim['gb_s'] or 'unlimited'} GB/s, {sim['latency_us']:g} us")
     t.add_row("dispatch + combine (median of slowest rank)", f"{r['dispatch_combine_ms']:.2f} ms")
     t.add_row("bare all_to_all, same payload splits", f"{r['all_to_all_ms']:.2f} ms")
     t.add_row("ratio", f"{r['ratio']:.2f}")
     cpu = r["cpu_ms"]
     t.add_row("CPU time, all ranks: dispatcher / bare (ratio)",
               f"{cpu['dispatch_combine']:.1f} / {cpu['all_to_all']:.1f} ms ({cpu['ratio']:.2f})")
-    for link, b in r["bytes"].items():
-        t.add_row(f"{link}-island bytes: rows / all / minimum",
-                  f"{_mb(b['rows'])} / {_mb(b['sent'])} / {_mb(b['min'])}")
-    if "cross_rows" in r:
-        x = r["cross_rows"]
-        t.add_row("cross-island rows: flat / hierarchical",
-                  f"{_mb(x['flat'])} / {_mb(x['hierarchical'])} (saving {x['saving']:.0%})")
+    if "flat_ms" in r:
+        t.add_row("flat dispatch + combine, same run", f"{r['flat_ms']:.2f} ms")
+        t.add_row("hierarchical / flat time", f"{r['hierarchical_over_flat']:.2f}")
+    least = r["min_row_bytes"]
+    for path, by in r["bytes"].items():
+        for link, b in by.items():
+            floor = f" (minimum {_mb(least[link])})" if path == "hierarchical" and link == "cross" else ""
+            t.add_row(f"{path}: {link}-island bytes, all / rows", f"{_mb(b['sent'])} / {_mb(b['rows'])}{floor}")
+    if "cross_saving" in r:
+        t.add_row("cross-island rows saved by hierarchical", f"{r['cross_saving']:.0%}")
+    if sim:
+        for side, by in sim["delay_ms_per_iter"].items():
+            t.add_row(f"simulated delay per iteration, {side}",
+                      ", ".join(f"{g} {v:.2f} ms" for g, v in by.items() if v) or "none")
     if r["load_imbalance"] is not None:
         t.add_row("expert load imbalance (max / mean rows)", f"{r['load_imbalance']:.2f}")
     console.print(t)
+    for path, by in r["bytes"].items():  # one plain line per path, for logs and grep
+        line = ", ".join(f"{link} {b['sent']} (rows {b['rows']})" for link, b in by.items())
+        if path == "hierarchical":
+            line += f"; cross rows minimum {least['cross']}"
+        print(f"bytes sent, all ranks, {path}: {line}")
+    if sim:
+        print(f"SIMULATED slow link between islands: {sim['gb_s'] or 'unlimited'} GB/s + {sim['latency_us']:g} us, "
+              "a sleep after each collective over a group spanning islands")
     print(f"dispatch/all-to-all ratio: {r['ratio']:.2f}")
+    if "hierarchical_over_flat" in r:
+        what = "no simulated link: the second leg's overhead"
+        if sim:
+            delay = sim["delay_hierarchical_over_flat"]
+            what = "simulated slow link" + (f", simulated delay ratio {delay:.2f}" if delay is not None else "")
+        print(f"hierarchical/flat time ratio: {r['hierarchical_over_flat']:.2f} "
+              f"(cross bytes ratio {r['cross_bytes_hierarchical_over_flat']:.2f}; {what})")

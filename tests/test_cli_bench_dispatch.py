@@ -1,4 +1,5 @@
-"""atoll bench dispatch: output formats, byte accounting against the minimum, bad input."""
+"""atoll bench dispatch: output formats, byte accounting per path and link class against the
+minimum, the simulated slow link between islands, bad input."""
 
 import json
 import re
@@ -7,7 +8,8 @@ import cli
 import pytest
 
 
-SMALL = ["--tokens", "48", "--hidden", "16", "--experts", "6", "--topk", "3", "--iters", "3", "--warmup", "1"]
+SMALL = ["--tokens", "48", "--hidden", "16", "--experts", "6", "--topk", "3", "--iters", "2", "--warmup", "1"]
+SLOW = ["--cross-gb-s", "2", "--cross-latency-us", "10"]
 
 
 def run_cli(capsys, *argv):
@@ -19,7 +21,8 @@ def test_table_prints_the_ratio_line(capsys):
     code, out, err = run_cli(capsys, "dispatch", *SMALL, "--ep", "2")
     assert code == 0, err
     assert re.search(r"^dispatch/all-to-all ratio: \d+\.\d\d$", out, re.M), out
-    assert "expert load imbalance" in out and "minimum" in out
+    assert re.search(r"^bytes sent, all ranks, flat: intra \d+ \(rows \d+\), cross 0 \(rows 0\)$", out, re.M), out
+    assert "expert load imbalance" in out and "SIMULATED" not in out
 
 
 @pytest.mark.timeout(120)
@@ -27,17 +30,64 @@ def test_json_hierarchical_reaches_the_cross_island_minimum(capsys):
     code, out, err = run_cli(capsys, "dispatch", *SMALL, "--ep", "4", "--hierarchical", "--json")
     assert code == 0, err
     r = json.loads(out)
-    assert r["config"]["islands"] == [[0, 1], [2, 3]]
+    assert r["config"]["islands"] == [[0, 1], [2, 3]] and r["two_level"] is True
     assert r["ratio"] > 0 and r["dispatch_combine_ms"] > 0 and r["all_to_all_ms"] > 0
-    cross, intra = r["bytes"]["cross"], r["bytes"]["intra"]
+    assert r["flat_ms"] > 0 and r["hierarchical_over_flat"] > 0
+    flat, hier, least = r["bytes"]["flat"], r["bytes"]["hierarchical"], r["min_row_bytes"]
     # island first: hidden rows cross exactly once per (token, remote island), each way
-    assert cross["rows"] == cross["min"] > 0
-    assert cross["sent"] > cross["rows"]  # plus the packed ids and weights
-    assert intra["rows"] >= intra["min"]
+    assert hier["cross"]["rows"] == least["cross"] > 0
+    assert hier["cross"]["sent"] > hier["cross"]["rows"]  # plus the packed ids and weights
+    assert hier["intra"]["rows"] >= least["intra"]
     # 3 of 6 experts: tokens often pick two on the remote island, so flat sends more across
-    assert r["cross_rows"]["hierarchical"] == cross["rows"] < r["cross_rows"]["flat"]
-    assert 0 < r["cross_rows"]["saving"] < 1
+    assert flat["cross"]["rows"] > hier["cross"]["rows"] and flat["intra"]["rows"] > 0
+    assert 0 < r["cross_saving"] < 1
+    assert r["cross_bytes_hierarchical_over_flat"] == round(hier["cross"]["sent"] / flat["cross"]["sent"], 4)
+    assert "simulated_link" not in r
     assert r["load_imbalance"] >= 1.0
+
+
+@pytest.mark.timeout(120)
+def test_json_simulated_link_sleeps_only_on_groups_that_span_islands(capsys):
+    code, out, err = run_cli(capsys, "dispatch", *SMALL, "--ep", "4", "--hierarchical", *SLOW, "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    sim = r["simulated_link"]
+    assert sim["simulated"] is True and sim["gb_s"] == 2 and sim["latency_us"] == 10
+    delay = sim["delay_ms_per_iter"]
+    # two-level: only the rails cross; flat: the whole ep group; the bare side copies the two-level legs
+    assert delay["hierarchical"]["ep_rail"] > 0 and delay["hierarchical"]["ep_island"] == 0
+    assert delay["hierarchical"]["ep"] == 0
+    assert delay["flat"]["ep"] > 0 and delay["flat"]["ep_island"] == delay["flat"]["ep_rail"] == 0
+    assert delay["bare"]["ep_rail"] > 0 and delay["bare"]["ep_island"] == delay["bare"]["ep"] == 0
+    # flat: counts, rows out, rows back over the ep group, each at least the latency (0.01 ms)
+    assert delay["flat"]["ep"] >= 3 * 0.01
+    assert 0 < sim["delay_hierarchical_over_flat"] < 1
+    # bytes do not depend on the simulation
+    assert r["bytes"]["hierarchical"]["cross"]["rows"] == r["min_row_bytes"]["cross"]
+
+
+@pytest.mark.timeout(120)
+def test_unequal_islands_fall_back_to_the_ep_group(capsys):
+    code, out, err = run_cli(capsys, "dispatch", *SMALL, "--ep", "3", "--hierarchical", *SLOW, "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["config"]["islands"] == [[0, 1], [2]] and r["two_level"] is False
+    assert r["bytes"]["hierarchical"]["cross"]["rows"] == r["min_row_bytes"]["cross"] > 0
+    delay = r["simulated_link"]["delay_ms_per_iter"]["hierarchical"]
+    assert delay["ep"] > 0 and delay["ep_island"] == delay["ep_rail"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_table_names_the_simulation(capsys):
+    code, out, err = run_cli(capsys, "dispatch", *SMALL, "--ep", "4", "--hierarchical", *SLOW)
+    assert code == 0, err
+    assert re.search(r"^SIMULATED slow link between islands: 2.0 GB/s \+ 10 us, a sleep", out, re.M), out
+    assert re.search(r"^bytes sent, all ranks, hierarchical: intra \d+ \(rows \d+\), cross \d+ \(rows (\d+)\); "
+                     r"cross rows minimum (\d+)$", out, re.M), out
+    m = re.search(r"^hierarchical/flat time ratio: \d+\.\d\d \(cross bytes ratio 0\.\d\d; "
+                  r"simulated slow link, simulated delay ratio 0\.\d\d\)$",
+                  out, re.M)
+    assert m, out
 
 
 @pytest.mark.parametrize("argv,line", [
@@ -46,6 +96,10 @@ def test_json_hierarchical_reaches_the_cross_island_minimum(capsys):
     (["dispatch", "--ep", "4", "--islands", "5"], "--islands 5 must be between 1 and --ep 4"),
     (["dispatch", "--hierarchical", "--islands", "1"], "--hierarchical needs --islands 2 or more"),
     (["dispatch", "--capacity-factor", "0"], "--capacity-factor 0.0 must be positive"),
+    (["dispatch", "--hierarchical", "--cross-gb-s", "0"], "--cross-gb-s 0.0 must be a positive number of GB/s"),
+    (["dispatch", "--hierarchical", "--cross-latency-us", "-1"], "--cross-latency-us -1.0 must be 0 or more"),
+    (["dispatch", "--cross-gb-s", "10"], "--cross-gb-s and --cross-latency-us need --islands 2 or more"),
+    (["dispatch", "--warmup", "-1"], "--warmup -1 must be 0 or more"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, line):
     code, out, err = run_cli(capsys, *argv)
