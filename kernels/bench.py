@@ -32,7 +32,10 @@ MODELS = {  # the routed-expert shape of each family, all experts on the one GPU
     "deepseek-v3": dict(hidden=7168, inter=2048, experts=256, top_k=8),
 }
 SMOKE_MODEL = dict(hidden=64, inter=48, experts=8, top_k=2)
-ROTARY = ((32, 8, 128), (128, 1, 64))  # (heads, kv_heads, rope dim): Llama-70B-like, DeepSeek MLA
+# (heads, kv_heads, rope dim, layout): Llama-70B-like, q and k views of the QKV projection's one
+# output (as LlamaAttention splits it); DeepSeek MLA, the rope parts q_pe and k_pe in two tensors
+ROTARY = ((32, 8, 128, "qkv"), (128, 1, 64, "separate"))
+SMOKE_ROTARY = ((4, 2, 16, "qkv"), (4, 2, 16, "separate"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,13 +154,16 @@ def _row_kernels(b: Bench, dtype, smoke):
             w = torch.ones(hidden, device=b.device, dtype=dtype)
             b.add("rms_norm+res", f"T={t} H={hidden}", lambda: ops.rms_norm(x, w, 1e-6, residual=res),
                   ref=lambda: reference.rms_norm(x, w, 1e-6, residual=res), bytes_=(4 * t + 1) * hidden * el)
-    shapes = ((4, 2, 16),) if smoke else ROTARY
-    for heads, kv, dim in shapes:
+    for heads, kv, dim, layout in SMOKE_ROTARY if smoke else ROTARY:
         for t in token_counts:
-            q = torch.randn(t, heads, dim, device=b.device, dtype=dtype)
-            k = torch.randn(t, kv, dim, device=b.device, dtype=dtype)
+            if layout == "qkv":  # q, k, v: views of one [t, (heads + 2 kv) * dim] buffer
+                qkv = torch.randn(t, (heads + 2 * kv) * dim, device=b.device, dtype=dtype)
+                q, k, _ = (x.view(t, -1, dim) for x in qkv.split([heads * dim, kv * dim, kv * dim], dim=-1))
+            else:  # two tensors of their own (the allocator may place them end to end; still two)
+                q = torch.randn(t, heads, dim, device=b.device, dtype=dtype)
+                k = torch.randn(t, kv, dim, device=b.device, dtype=dtype)
             cos, sin = torch.randn(t, dim, device=b.device, dtype=dtype), torch.randn(t, dim, device=b.device, dtype=dtype)
-            b.add("rotary", f"T={t} {heads}/{kv}x{dim}", lambda: ops.rotary_(q, k, cos, sin),
+            b.add("rotary", f"T={t} {heads}/{kv}x{dim} {layout}", lambda: ops.rotary_(q, k, cos, sin),
                   ref=lambda: reference.rotary_(q, k, cos, sin), bytes_=(2 * (heads + kv) + 2) * t * dim * el)
 
 

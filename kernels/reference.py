@@ -101,15 +101,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 
 def _joined(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(q and k as one [tokens, heads + kv_heads, head_dim] view) when k's heads follow q's
-    in memory, as the QKV projection's split leaves them; else (q, k)."""
+    in one buffer, as the QKV projection's split leaves them; else (q, k). Exact: the same
+    storage (two separate tensors the allocator happened to place end to end are not one
+    buffer), k's storage offset where q's heads end, the same strides, rows that do not
+    overlap, and the joined view inside the storage."""
     tokens, heads, dim = q.shape
     if torch.compiler.is_compiling():  # a compiled graph fuses the two anyway (data_ptr is not traceable)
         return q, k
-    if (q.stride()[1:] == k.stride()[1:] == (dim, 1) and k.shape[2] == dim
-            and (tokens == 1 or q.stride(0) == k.stride(0))
-            and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()):
-        return (q.as_strided((tokens, heads + k.shape[1], dim), q.stride()),)
-    return q, k
+    kv = k.shape[1]
+    if (tokens == 0 or k.dim() != 3 or k.shape[0] != tokens or k.shape[2] != dim or k.dtype != q.dtype
+            or q.stride()[1:] != (dim, 1) or k.stride()[1:] != (dim, 1)
+            or (tokens > 1 and (q.stride(0) != k.stride(0) or q.stride(0) < (heads + kv) * dim))):
+        return q, k
+    qs, ks = q.untyped_storage(), k.untyped_storage()
+    if qs.data_ptr() != ks.data_ptr() or qs.nbytes() != ks.nbytes():
+        return q, k  # not one storage
+    if k.storage_offset() != q.storage_offset() + heads * dim:
+        return q, k
+    last = q.storage_offset() + (tokens - 1) * q.stride(0) + (heads + kv) * dim  # one past the end
+    if last * q.element_size() > qs.nbytes():
+        return q, k
+    return (q.as_strided((tokens, heads + kv, dim), q.stride()),)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

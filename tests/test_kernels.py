@@ -218,3 +218,69 @@ def test_rotary_reference_is_the_layer():
     want_q, want_k = rope(q.clone(), k.clone(), positions)  # clones: the layer may rotate in place
     reference.rotary_(q, k, cos, sin)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def _adjacent_tensors(tokens, heads, kv_heads, dim, dtype):
+    """q and k as two tensors of their own whose memory lies end to end (as a caching allocator
+    may place two allocations): two storages, k's first byte right after q's last."""
+    el = torch.finfo(dtype).bits // 8
+    q_bytes, k_bytes = tokens * heads * dim * el, tokens * kv_heads * dim * el
+    mem = memoryview(bytearray(q_bytes + k_bytes))
+    q = torch.frombuffer(mem[:q_bytes], dtype=dtype).view(tokens, heads, dim)
+    k = torch.frombuffer(mem[q_bytes:], dtype=dtype).view(tokens, kv_heads, dim)
+    assert k.data_ptr() == q.data_ptr() + q_bytes  # the layout that fooled a data_ptr test
+    return q, k
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("layout", ["separate", "adjacent", "qkv"])
+def test_rotary_reference_on_separate_and_fused_q_k_is_the_formula(dtype, tokens, layout):
+    """reference.rotary_ rotates q and k as one view only when they are views of one buffer
+    (k's heads right after q's); separate tensors, even end to end in memory, are rotated one by
+    one. Either way the result is q*cos + rotate_half(q)*sin, bit for bit (the bench's rotary
+    row crashed on separate q, k at T=1 that a data_ptr test took for one buffer)."""
+    from atoll.kernels.reference import _joined
+
+    heads, kv_heads, dim = 32, 8, 128
+    g = torch.Generator().manual_seed(2)
+    if layout == "qkv":
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+        q, k, v = (x.view(tokens, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+        v_in = v.clone()
+    else:
+        if layout == "adjacent":
+            q, k = _adjacent_tensors(tokens, heads, kv_heads, dim, dtype)
+        else:
+            q, k = torch.empty(tokens, heads, dim, dtype=dtype), torch.empty(tokens, kv_heads, dim, dtype=dtype)
+        q.copy_(torch.randn(q.shape, generator=g))
+        k.copy_(torch.randn(k.shape, generator=g))
+    assert len(_joined(q, k)) == (1 if layout == "qkv" else 2)
+    cos, sin = torch.randn(tokens, dim, generator=g).to(dtype), torch.randn(tokens, dim, generator=g).to(dtype)
+    q_in, k_in = q.clone(), k.clone()
+    reference.rotary_(q, k, cos, sin)
+    half = dim // 2
+    c, s = cos[:, None], sin[:, None]
+    rotate_half = lambda x: torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # noqa: E731
+    assert torch.equal(q, q_in * c + rotate_half(q_in) * s)
+    assert torch.equal(k, k_in * c + rotate_half(k_in) * s)
+    if layout == "qkv":
+        assert torch.equal(v, v_in)
+
+
+def test_joined_needs_one_storage_in_bounds():
+    """_joined's exact test: views of one buffer whose joined view would run past the storage,
+    or whose strides differ, are not joined."""
+    from atoll.kernels.reference import _joined
+
+    buf = torch.zeros(1, (4 + 2) * 8)
+    q, k = buf[:, :32].view(1, 4, 8), buf[:, 32:].view(1, 2, 8)
+    assert len(_joined(q, k)) == 1
+    assert len(_joined(q, k[:, :1])) == 1  # fewer kv heads: still inside the storage
+    assert len(_joined(q[:, :3], k)) == 2  # k does not start where q's heads end
+    wide = torch.zeros(3, 2 * (4 + 2) * 8)  # rows of different strides
+    q2 = wide[:, :32].view(3, 4, 8)
+    k2 = wide[:, 32:48].view(3, 2, 8)
+    assert len(_joined(q2, k2)) == 1
+    assert len(_joined(q2, wide[:2, 32:48].view(2, 2, 8))) == 2  # token counts differ
+    assert len(_joined(q2, wide[:, 32:64:2].unflatten(1, (2, 8)))) == 2  # k's head_dim is not contiguous

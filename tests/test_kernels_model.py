@@ -1,12 +1,16 @@
 """A tiny MoE model generates the same greedy tokens with the Triton kernels forced on as with
-the torch references (kernels off). Without a GPU the kernels run in Triton's interpreter: the
-ranks are fresh processes, so setting the two variables before LLM.generate spawns them is
-enough (no in-process triton state is involved)."""
+the torch references (kernels off). Where the machine shows a GPU per rank the ranks run on
+CUDA with the kernels compiled; otherwise (no GPU, or fewer GPUs than the layout has ranks,
+e.g. EP2 on a one-GPU machine, where the launcher refuses CUDA) they run on CPU with the
+kernels in Triton's interpreter: the ranks are fresh processes, so setting the two variables
+before LLM.generate spawns them is enough (no in-process triton state is involved)."""
 
 import pytest
 import torch
 
 from atoll import LLM, SamplingParams
+from atoll.launch.device import visible_gpus
+from atoll.parallel.layout import Layout
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -20,12 +24,15 @@ def test_moe_model_tokens_do_not_change_with_the_kernels_on(tiny_model, monkeypa
     # 5 experts: EP2 splits them 3 + 2, so fused_moe's expert_offset is exercised
     model_dir = tiny_model("mixtral", num_local_experts=5)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    # CUDA only with a GPU per rank (the launcher's rule); else CPU and the interpreter, both runs
+    on_cuda = visible_gpus() >= Layout.parse(layout).world_size
+    device = "cuda" if on_cuda else "cpu"
     monkeypatch.setenv("ATOLL_KERNELS", "torch")
-    off = [o.token_ids for o in LLM(model_dir, layout=layout).generate(PROMPTS, params)]
+    off = [o.token_ids for o in LLM(model_dir, layout=layout, device=device).generate(PROMPTS, params)]
     monkeypatch.setenv("ATOLL_KERNELS", "triton")
-    if not torch.cuda.is_available():
+    if not on_cuda:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    on = [o.token_ids for o in LLM(model_dir, layout=layout).generate(PROMPTS, params)]
+    on = [o.token_ids for o in LLM(model_dir, layout=layout, device=device).generate(PROMPTS, params)]
     assert on == off
     assert all(len(t) == NEW for t in on)
 
