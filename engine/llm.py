@@ -241,12 +241,12 @@ class LLM:
                        gpu_memory_utilization=o.gpu_memory_utilization, device=o.device, cache_seqs=seqs,
                        enforce_eager=o.enforce_eager)
 
-    def context_options(self, islands=None):
-        """What each rank's ParallelContext needs besides the layout: islands (rank -> island
-        id; None: one per host) and the MoE dispatch options."""
+    def context_options(self, islands=None, nodes=None):
+        """What each rank's ParallelContext needs besides the layout: islands and nodes (rank ->
+        island id, node id; None: one per host) and the MoE dispatch options."""
         from atoll.parallel.mesh import ContextOptions
 
-        return ContextOptions(islands=islands, dispatch=self.options.dispatch,
+        return ContextOptions(islands=islands, nodes=nodes, dispatch=self.options.dispatch,
                               capacity_factor=self.options.moe_capacity_factor)
 
     def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from atoll.engine.generate import Request, run_requests
 from atoll.engine.runner import ModelRunner, RunSpec
+from atoll.parallel import links
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ContextOptions, ParallelContext
 
 
 def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Request], progress=None,
-                    parallel: ContextOptions | None = None):
+                    parallel: ContextOptions | None = None, stats: bool = False):
     """Build this rank's stage, run every request; rank 0 returns the results, others None.
     `parallel`: the ranks' islands and the MoE dispatch options (parallel.mesh.ContextOptions).
+    `stats`: rank 0 returns (results, bytes by link class summed over every rank) instead:
+    parallel.links counts the run's own traffic (the counters are zeroed before it).
 
     `progress`, if given, is the parent's channel (a multiprocessing queue from the local
     launcher, or any object with put(), such as launch.progress.Reports on rank 0 under
@@ -31,7 +34,13 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
     on_finish = None
     if progress is not None and leader:
         on_finish = lambda index, result: progress.put(("done", index, result))  # noqa: E731
+    if stats:
+        links.reset(ctx, runner.model)
     results = dict(zip((r.index for r in mine), run_requests(runner, mine, report, on_finish=on_finish)))
+    sent = None
+    if stats:
+        counted = links.rank_bytes(ctx, runner.model, compiled=runner.decode_step is not None)
+        sent = _gather(counted, rank, world_size)
     if layout.dp > 1:
         import torch.distributed as dist
 
@@ -39,7 +48,21 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
         dist.gather_object(results if leader else {}, parts, dst=0)
         if rank == 0:
             results = {k: v for part in parts for k, v in part.items()}
-    return [results[r.index] for r in requests] if rank == 0 else None
+    if rank != 0:
+        return None
+    ordered = [results[r.index] for r in requests]
+    return (ordered, links.total(sent)) if stats else ordered
+
+
+def _gather(mine, rank: int, world_size: int) -> list | None:
+    """Every rank's `mine` on rank 0 (a list there, None elsewhere)."""
+    if world_size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    parts = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return parts
 
 
 def _scaled_reporter(progress, dp: int):

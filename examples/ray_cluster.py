@@ -42,7 +42,7 @@ def main() -> None:
     llm = LLM(args.model, layout=args.layout)
     requests = llm.prepare(prompts, SamplingParams(max_tokens=args.max_new_tokens))
     results = run_ray(generate_worker, llm.layout.world_size, llm.spec(), requests,
-                      address=args.address, device=args.device)[0]
+                      address=args.address, device=args.device, tp_size=llm.layout.tp)[0]
     for out in llm.finish(prompts, requests, results):
         print(json.dumps(out.to_json()))
 

@@ -49,7 +49,11 @@ def add_parser(sub) -> None:
     p.add_argument("--plan", metavar="PLAN.yaml", default=None,
                    help="run the layout and rank placement of a plan from `atoll plan --save` (instead of --layout)")
     p.add_argument("--strict-placement", action="store_true",
-                   help="under torchrun/mpirun, refuse to run when a rank's host or GPU differs from the plan")
+                   help="refuse to run when a rank's node or GPU differs from the plan (Ray, torchrun, mpirun); "
+                        "without it the difference is one warning line")
+    p.add_argument("--stats", action="store_true",
+                   help="at the end, one line per link class (island, node, network): the bytes the ranks sent "
+                        "over it, for MoE dispatch and for all collectives")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(run=run)
@@ -102,7 +106,7 @@ def run(args) -> int:
     plan = args.saved_plan = _plan(args, launcher, lines)
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
     check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size)
-    args.context = llm.context_options(islands=plan.islands if plan else None)
+    args.context = llm.context_options(islands=plan.islands if plan else None, nodes=plan.nodes if plan else None)
     valid = _validate(llm, lines, defaults, chat=args.chat)
     if not args.prompts and lines[0].error:
         from atoll.errors import InputError
@@ -233,7 +237,10 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
         spec = llm.spec(requests)
         _, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
                             ray_address=args.ray_address, device=spec.device, progress=progress,
-                            parallel=args.context, **_placement(args))
+                            parallel=args.context, tp_size=llm.layout.tp, stats=args.stats, **_placement(args))
+        sent = None
+        if args.stats and results is not None:
+            results, sent = results
         if reports is not None:
             reports.close()  # what rank 0 already reported is written before the rest
         if writer.enabled:
@@ -260,6 +267,11 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     tokens = sum(len(r["token_ids"]) for r in results)
     print(f"atoll: {len(results)} done, {len(failed)} failed, {tokens} tokens in {elapsed:.1f}s "
           f"({tokens / elapsed:.1f} tok/s)", file=sys.stderr)
+    if sent is not None:
+        from atoll.parallel.links import lines
+
+        for line in lines(sent):
+            print(f"atoll: {line}", file=sys.stderr)
     return 1 if failed else 0
 
 

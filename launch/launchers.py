@@ -42,10 +42,13 @@ def check_launcher(name: str, *, device: str = "cpu", world_size: int = 1) -> No
 
 
 def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str | None = None,
-           device: str = "cpu", placement=None, strict_placement: bool = False, **kwargs) -> tuple[bool, object]:
+           device: str = "cpu", placement=None, strict_placement: bool = False, tp_size: int = 1,
+           **kwargs) -> tuple[bool, object]:
     """(this process reports, rank 0's value). Under torchrun/mpi only rank 0 reports.
     device: auto, cuda or cpu, resolved per rank by launch.device. placement: a plan's
-    rank -> (node, GPU); Ray places each rank there, torchrun/mpi check it (strict: refuse)."""
+    rank -> (node, GPU); Ray places each rank there, torchrun/mpi check it (strict: refuse
+    where they differ; Ray too, where it assigned other GPUs). tp_size: without a placement,
+    Ray keeps each block of tp_size consecutive ranks (a TP group) on one node."""
     if launcher not in LAUNCHERS:
         raise InputError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     name = detect() if launcher == "auto" else launcher
@@ -56,8 +59,8 @@ def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str 
     if name == "ray":
         from atoll.launch.ray_launcher import run_ray
 
-        return True, run_ray(fn, world_size, *args, address=ray_address, device=device,
-                             placement=placement, **kwargs)[0]
+        return True, run_ray(fn, world_size, *args, address=ray_address, device=device, placement=placement,
+                             strict_placement=strict_placement, tp_size=tp_size, **kwargs)[0]
     if name == "torchrun":
         from atoll.launch.torchrun import run_torchrun
 

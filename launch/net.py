@@ -11,6 +11,13 @@ from __future__ import annotations
 import os
 import socket
 
+NODE_VAR = "ATOLL_NODE"  # set by a launcher whose nodes are not hosts: the Ray launcher's node id
+
+
+def node_name() -> str:
+    """The node this rank runs on: the launcher's name for it (NODE_VAR), else the host name."""
+    return os.environ.get(NODE_VAR) or socket.gethostname()
+
 
 def route_ip_to(host: str) -> str:
     """This machine's address on the route to `host` (a UDP connect sends no packet)."""

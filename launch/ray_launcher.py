@@ -1,12 +1,14 @@
 """Run one Ray actor per rank across a Ray cluster and collect results.
 
-Ranks are grouped by node: by `placement.node_of(rank)` when a placement is given, else in
-consecutive chunks (`ranks_per_node`, or as many ranks as the largest node has room for).
-Each group gets its own placement group with STRICT_PACK, so a group (and so every TP group
-inside it) lands on one node. One placement group for all ranks cannot say this: STRICT_PACK
-would need one node for everything, PACK may split a TP group when a node is short, SPREAD
-splits it on purpose. Each group's reservation is atomic; if they are not all ready in time,
-all are released and the error names what the cluster has.
+Ranks are grouped by node (launch.ray_placement): with a plan's placement, one group per
+planned node in the plan's order, each pinned to its Ray node, and each rank on the GPU the
+plan names; without one, consecutive ranks fill the nodes in whole TP groups (`tp_size`), or
+in chunks of `ranks_per_node` when given. Each group gets its own placement group with
+STRICT_PACK, so a group (and so every TP group inside it) lands on one node. One placement
+group for all ranks cannot say this: STRICT_PACK would need one node for everything, PACK may
+split a TP group when a node is short, SPREAD splits it on purpose. Each group's reservation
+is atomic; if they are not all ready in time, all are released and the error names what the
+cluster has.
 
 Devices (launch.device): with device "cuda", or "auto" when the cluster has a GPU per rank,
 each rank's actor reserves one GPU (bundles {"CPU": cpus_per_rank, "GPU": 1}); the driver
@@ -15,7 +17,8 @@ told not to narrow CUDA_VISIBLE_DEVICES, so an actor sees every GPU of its node,
 use peer access (NVLink) between the ranks of a node, which it cannot when each rank sees only
 its own GPU; the actor computes on the GPU Ray assigned it (`gpu_index`), so two jobs sharing a
 node stay apart. Rank 0's actor picks the rendezvous address (its node IP and a free port);
-every actor pins gloo/NCCL to the interface holding its own node IP.
+every actor pins gloo/NCCL to the interface holding its own node IP, and names its node by
+Ray's node id (launch.net.NODE_VAR), so the ranks' islands and nodes are Ray's nodes.
 
 As with run_local, the first rank that raises or whose actor dies ends the job within
 seconds: every actor is killed and RankFailure names the rank, its node and the cause.
@@ -27,10 +30,12 @@ import contextlib
 import os
 import re
 import socket
+import sys
 import time
 import traceback
 
 from atoll.errors import LaunchError, RankFailure
+from atoll.launch.ray_placement import span
 
 _POLL_S = 0.2
 # Ray's switch (ray/_private/accelerators/nvidia_gpu.py) to leave CUDA_VISIBLE_DEVICES alone
@@ -50,10 +55,12 @@ def _import_ray():
 class _RankActor:
     """One rank. Made a Ray actor class by ray.remote at launch (Ray is imported lazily)."""
 
-    def where(self) -> tuple[str, str, int]:
+    def held(self, gpus: bool) -> tuple[str, int | None]:
+        """(this actor's Ray node id, the CUDA index of the GPU it holds, or None)."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+        index = gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")) if gpus else None
+        return ray.get_runtime_context().get_node_id(), index
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0 only: a socket on this node's IP, held until run() hands it to the store."""
@@ -72,8 +79,9 @@ class _RankActor:
             import torch
 
             from atoll.launch.device import bind, decide
-            from atoll.launch.net import pin_interface, rendezvous
+            from atoll.launch.net import NODE_VAR, pin_interface, rendezvous
 
+            os.environ[NODE_VAR] = ray.get_runtime_context().get_node_id()
             torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
             index = None
             if requested != "cpu":  # this actor holds one GPU; it sees all of its node's
@@ -118,16 +126,13 @@ def gpu_index(assigned_ids, cuda_visible_devices: str | None) -> int:
 def node_groups(world_size: int, placement=None, ranks_per_node: int | None = None) -> list[list[int]]:
     """Ranks grouped by node, in order of first rank: from placement.node_of, else chunks."""
     if placement is not None and hasattr(placement, "node_of"):
-        groups: dict[object, list[int]] = {}
-        for r in range(world_size):
-            groups.setdefault(placement.node_of(r), []).append(r)
-        return list(groups.values())
+        from atoll.launch.ray_placement import planned_nodes
+
+        return [ranks for _, ranks in planned_nodes(placement, world_size)]
     per = max(1, min(ranks_per_node or world_size, world_size))
     return [list(range(s, min(s + per, world_size))) for s in range(0, world_size, per)]
 
 
-def _span(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
 
 
 def _check_address(address: str) -> None:
@@ -209,43 +214,77 @@ def _gpus_per_rank(ray, device: str, world_size: int) -> int:
     return int(sum(n.get("GPU", 0) for n in _alive_resources(ray)) >= world_size)
 
 
-def _ranks_per_node(ray, gpus_per_rank: int, cpus_per_rank: float) -> int:
-    """As many ranks as the largest node has room for (GPUs when reserving them, else CPUs)."""
-    kind, per_rank = ("GPU", gpus_per_rank) if gpus_per_rank else ("CPU", cpus_per_rank)
-    most = max((n.get(kind, 0) for n in _alive_resources(ray)), default=0)
-    return max(1, int(most // per_rank))
-
-
-def _check_resources(ray, groups: list[list[int]], bundle: dict) -> None:
+def _check_totals(ray, world: int, bundle: dict) -> None:
     """Refuse what the cluster can never hold, instead of waiting for a placement group."""
-    world = sum(len(g) for g in groups)
     nodes = _alive_resources(ray)
     for kind, per_rank in (("GPU", bundle.get("GPU", 0)), ("CPU", bundle["CPU"])):
-        if not per_rank:
-            continue
         total = sum(n.get(kind, 0) for n in nodes)
-        need = world * per_rank
-        if need > total:
-            raise LaunchError(f"{world} ranks need {need:g} {kind}s but the Ray cluster has {total:g}")
+        if per_rank and world * per_rank > total:
+            raise LaunchError(f"{world} ranks need {world * per_rank:g} {kind}s but the Ray cluster has {total:g}")
+
+
+def _check_groups(ray, groups: list[list[int]], bundle: dict) -> None:
+    """Refuse a group of ranks that no node can hold."""
+    nodes = _alive_resources(ray)
+    g = max(groups, key=len)
+    for kind, per_rank in (("GPU", bundle.get("GPU", 0)), ("CPU", bundle["CPU"])):
         biggest = max((n.get(kind, 0) for n in nodes), default=0)
-        g = max(groups, key=len)
-        if len(g) * per_rank > biggest:
-            raise LaunchError(f"{_span(g)} must share one node and need {len(g) * per_rank:g} {kind}s, "
+        if per_rank and len(g) * per_rank > biggest:
+            raise LaunchError(f"{span(g)} must share one node and need {len(g) * per_rank:g} {kind}s, "
                               f"but the largest Ray node has {biggest:g}")
 
 
-def _reserve(ray, groups, bundle: dict, ready_timeout_s: float) -> list:
+def _groups(ray, world_size: int, placement, ranks_per_node, tp_size: int, bundle: dict):
+    """(groups of ranks, the Ray node each is pinned to or None) by launch.ray_placement."""
+    from atoll.launch import ray_placement as rp
+
+    _check_totals(ray, world_size, bundle)
+    if placement is None and ranks_per_node is not None:
+        return node_groups(world_size, ranks_per_node=ranks_per_node), None
+    nodes = rp.ray_nodes(ray)
+    if placement is None:
+        return rp.pack_tp_groups(world_size, tp_size, nodes, bundle), None
+    targets = rp.plan_nodes(placement, world_size, nodes, bundle)
+    where = ", ".join(f"{name} -> {node.label}" for (name, _), (node, _) in
+                      zip(rp.planned_nodes(placement, world_size), targets))
+    print(f"atoll: the plan's nodes on Ray: {where}", file=sys.stderr, flush=True)
+    return [ranks for _, ranks in targets], [node for node, _ in targets]
+
+
+def _pin(node_id: str, bundles: int) -> dict:
+    """placement_group keywords that keep its bundles on node_id: a bundle label selector on
+    Ray's ray.io/node-id label where this Ray has them, else the soft hint older Ray takes (a
+    group placed elsewhere anyway is then reported by _follow_plan)."""
+    import inspect
+
+    from ray.util.placement_group import placement_group
+
+    params = inspect.signature(placement_group).parameters
+    if "bundle_label_selector" in params:
+        return {"bundle_label_selector": [{"ray.io/node-id": node_id}] * bundles}
+    if "_soft_target_node_id" in params:
+        return {"_soft_target_node_id": node_id}
+    return {}
+
+
+def _reserve(ray, groups, bundle: dict, ready_timeout_s: float, targets=None) -> list:
+    """One STRICT_PACK placement group per group of ranks, pinned to targets[i] when given."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pgs = [placement_group([dict(bundle) for _ in g], strategy="STRICT_PACK", name=f"atoll-{_span(g)}")
-           for g in groups]
-    ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=ready_timeout_s)
+    pgs = [placement_group([dict(bundle) for _ in g], strategy="STRICT_PACK", name=f"atoll-{span(g)}",
+                           **(_pin(targets[i].id, len(g)) if targets else {}))
+           for i, g in enumerate(groups)]
+    refs = [pg.ready() for pg in pgs]
+    ready, _ = ray.wait(refs, num_returns=len(pgs), timeout=ready_timeout_s)
     if len(ready) < len(pgs):
+        late = [i for i, ref in enumerate(refs) if ref not in ready]
         for pg in pgs:
             remove_placement_group(pg)
         free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        on = f" on {targets[late[0]].label}" if targets else ""
         raise LaunchError(f"Ray could not place {len(groups)} node group(s) of {bundle} per rank "
-                          f"within {ready_timeout_s:.0f}s; available now: {free}")
+                          f"within {ready_timeout_s:.0f}s ({span(groups[late[0]])}{on} did not fit); "
+                          f"available now: {free}")
     return pgs
 
 
@@ -264,13 +303,17 @@ def _death_cause(err) -> str:
 
 def run_ray(fn, world_size: int, *args, address: str | None = None, device: str = "cpu",
             timeout_s: float | None = None, placement=None, ranks_per_node: int | None = None,
-            cpus_per_rank: float = 1, ready_timeout_s: float = 60.0, **kwargs) -> list:
+            tp_size: int = 1, strict_placement: bool = False, cpus_per_rank: float = 1,
+            ready_timeout_s: float = 60.0, **kwargs) -> list:
     """Run fn(rank, world_size, *args, **kwargs) in one Ray actor per rank; return their values.
 
     address: a Ray cluster ("host:port", "ray://host:port", "auto"); None starts Ray on this
     machine only, listening on 127.0.0.1. If Ray is already initialised it is used as is.
     device: "cuda" (one GPU per rank), "auto" (one GPU per rank when the cluster has that many,
     CUDA only if every rank's torch sees its GPU) or "cpu" (no GPU reserved).
+    placement: a plan's rank -> (node, GPU) (parallel.placement.Placement, or any object with
+    node_of(rank)); where Ray's GPUs differ from it, one warning line, or LaunchError when
+    strict_placement. tp_size: without a placement, each TP group's ranks share a node.
     Raises RankFailure naming the first rank that raised or died, after killing every actor.
     """
     from atoll.launch.device import check_requested
@@ -284,33 +327,36 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, device: str 
     try:
         gpus = _gpus_per_rank(ray, device, world_size)
         requested = device if gpus else "cpu"  # auto without a GPU each: CPU ranks
-        if placement is None and ranks_per_node is None:
-            ranks_per_node = _ranks_per_node(ray, gpus, cpus_per_rank)
-        groups = node_groups(world_size, placement, ranks_per_node)
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
-        _check_resources(ray, groups, bundle)
-        pgs = _reserve(ray, groups, bundle, ready_timeout_s)
+        groups, targets = _groups(ray, world_size, placement, ranks_per_node, tp_size, bundle)
+        _check_groups(ray, groups, bundle)
+        pgs = _reserve(ray, groups, bundle, ready_timeout_s, targets)
         names = _node_names(ray)
         actor_cls = ray.remote(_RankActor)
         # each actor sees its node's GPUs; launch.device picks Ray's assignment among them
         runtime_env = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}} if gpus else None
-        slot: dict[int, tuple] = {}  # rank -> (placement group, bundle index = local rank)
-        for pg, g in zip(pgs, groups):
-            for i, r in enumerate(g):
-                slot[r] = (pg, i)
+        made: dict[tuple[int, int], object] = {}  # (group, bundle index) -> actor
+        for k, (pg, g) in enumerate(zip(pgs, groups)):
+            for i in range(len(g)):
+                made[k, i] = actor_cls.options(
+                    num_cpus=cpus_per_rank, num_gpus=gpus, max_restarts=0, runtime_env=runtime_env,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=i)).remote()
+        actors = list(made.values())
         node_of: dict[int, str | None] = {}
-        for r in range(world_size):
-            pg, i = slot[r]
-            bundle_node = ray.util.placement_group_table(pg)["bundles_to_node_id"].get(i)
-            node_of[r] = names.get(bundle_node, bundle_node)
-            actors.append(actor_cls.options(
-                num_cpus=cpus_per_rank, num_gpus=gpus, max_restarts=0, runtime_env=runtime_env,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=i)).remote())
+        for k, (pg, g) in enumerate(zip(pgs, groups)):
+            bundle_nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+            for r in g:
+                node_of[r] = names.get(bundle_nodes.get(g.index(r)), bundle_nodes.get(g.index(r)))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        addr, port = _first(ray, actors[0].rendezvous.remote(), node_of, deadline)
+        slot = {r: (k, g.index(r)) for k, g in enumerate(groups) for r in g}  # rank -> (group, bundle)
+        if targets is not None:
+            slot = _follow_plan(ray, placement, groups, targets, made, bool(gpus), strict_placement,
+                                node_of, deadline)
+        ranked = [made[slot[r]] for r in range(world_size)]
+        addr, port = _first(ray, ranked[0].rendezvous.remote(), node_of, deadline)
         refs = {a.run.remote(fn, r, world_size, addr, port, requested, slot[r][1], args, kwargs): r
-                for r, a in enumerate(actors)}
+                for r, a in enumerate(ranked)}
         return _collect(ray, refs, node_of, deadline, timeout_s)
     finally:
         for a in actors:
@@ -328,6 +374,39 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, device: str 
                     pass
         if started:
             ray.shutdown()
+
+
+def _follow_plan(ray, placement, groups, targets, made, gpus: bool, strict: bool, node_of, deadline) -> dict:
+    """rank -> (group, bundle) so each rank runs on the actor holding its planned GPU; the
+    ranks that differ from the plan (another node, another GPU) are one line, or a LaunchError
+    when strict (parallel.placement.check_job_placement)."""
+    from atoll.launch.ray_placement import match_gpus
+
+    keys = list(made)
+    wait = 300.0 if deadline is None else max(1.0, deadline - time.monotonic())
+    try:
+        held = dict(zip(keys, ray.get([made[key].held.remote(gpus) for key in keys], timeout=wait)))
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        raise _ray_failure(ray, e, 0, node_of) from None
+    except ray.exceptions.GetTimeoutError:
+        raise LaunchError(f"the Ray actors did not start within {wait:.0f}s") from None
+    gpu_of = getattr(placement, "gpu_of", None)
+    slot = {}
+    for k, ranks in enumerate(groups):
+        planned = {r: gpu_of(r) if gpu_of and gpus else None for r in ranks}
+        for r, i in match_gpus(planned, [held[k, i][1] for i in range(len(ranks))]).items():
+            slot[r] = (k, i)
+    if hasattr(placement, "slots"):  # a Placement: say where the job differs from it
+        from atoll.parallel.placement import check_job_placement
+
+        world = len(slot)
+        hosts = [placement.node_name(r) if held[slot[r]][0] == targets[slot[r][0]].id else node_of.get(r)
+                 for r in range(world)]
+        got = [held[slot[r]][1] if gpus else placement.gpu_of(r) for r in range(world)]
+        line = check_job_placement(placement, hosts, got, strict=strict)
+        if line:
+            print(f"atoll: warning: {line}", file=sys.stderr, flush=True)
+    return slot
 
 
 def _ray_failure(ray, err, rank: int, node_of: dict) -> RankFailure:

@@ -4,10 +4,11 @@ Ranks are laid out as grid[pp, dp, tp]: TP innermost, then DP, PP outermost, so
 consecutive ranks share a node and a stage maps onto whole nodes. Inside a stage the
 MoE layers see the same tp*dp ranks as an [ep, moe_tp] grid (moe_tp innermost).
 
-Islands: every rank sits in one island (an NVLink domain; by default its node), given as
-rank -> island id. Each ep group splits into its islands ("ep_island" groups, ep order
-inside) and, when those are all one size s, into s "ep_rail" groups: the ranks at the same
-position in each island, island order inside. The MoE dispatcher's island-first path moves
+Islands and nodes: every rank sits in one island (an NVLink domain; by default its node) and
+one node, given as rank -> island id and rank -> node id (from a plan's placement; by default
+one per host, or per Ray node under Ray: launch.net.NODE_VAR). Each ep group splits into
+its islands ("ep_island" groups, ep order inside) and, when those are all one size s, into s
+"ep_rail" groups: the ranks at the same position in each island, island order inside. The MoE dispatcher's island-first path moves
 rows across islands over a rail and inside an island over its ep_island group only.
 """
 
@@ -28,12 +29,13 @@ DISPATCH_MODES = DISPATCH  # the same choices as EngineConfig.dispatch (--dispat
 @dataclass(frozen=True)
 class ContextOptions:
     """What a worker needs besides the layout to make its ParallelContext; picklable.
-    islands: rank -> island id (None: the ranks of one host form one island); dispatch: MoE
-    token dispatch, auto = island-first when an ep group spans islands, else flat;
-    capacity_factor: None = dropless."""
+    islands: rank -> island id (None: the ranks of one host form one island); nodes: rank ->
+    node id (None: one per host); dispatch: MoE token dispatch, auto = island-first when an
+    ep group spans islands, else flat; capacity_factor: None = dropless."""
     islands: tuple[int, ...] | None = None
     dispatch: str = "auto"
     capacity_factor: float | None = None
+    nodes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         from atoll.errors import ConfigError
@@ -42,8 +44,9 @@ class ContextOptions:
             raise ConfigError(f"dispatch={self.dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"moe_capacity_factor={self.capacity_factor} must be positive")
-        if self.islands is not None:
-            object.__setattr__(self, "islands", tuple(int(i) for i in self.islands))
+        for name in ("islands", "nodes"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
 
 
 def island_groups(layout: Layout, islands) -> dict[str, list[list[int]]]:
@@ -120,6 +123,7 @@ class ParallelContext:
         self.device = torch.device(device)  # this rank's device (launch.device bound it)
         self.options = options or ContextOptions()
         self.island_of = self.options.islands or (0,) * layout.world_size  # rank -> island id
+        self.node_of = self.options.nodes or (0,) * layout.world_size  # rank -> node id
 
     @classmethod
     def single(cls, device="cpu", options: ContextOptions | None = None) -> "ParallelContext":
@@ -141,14 +145,15 @@ class ParallelContext:
     def create(cls, layout: Layout, rank: int, device="cpu",
                options: ContextOptions | None = None) -> "ParallelContext":
         """Make every group; all ranks must call this together (new_group is collective).
-        Without islands in `options`, the ranks of one host form one island."""
+        Without islands (nodes) in `options`, the ranks of one host form one island (node)."""
         import dataclasses
 
         import torch.distributed as dist
 
         options = options or ContextOptions()
-        if options.islands is None and layout.world_size > 1:
-            options = dataclasses.replace(options, islands=host_islands(layout.world_size))
+        if (options.islands is None or options.nodes is None) and layout.world_size > 1:
+            hosts = host_islands(layout.world_size)
+            options = dataclasses.replace(options, islands=options.islands or hosts, nodes=options.nodes or hosts)
         made: dict[tuple, object] = {}  # ranks -> process group, so an ep_island equal to its ep shares it
         groups = {}
         for kind, all_ranks in group_ranks(layout, options.islands).items():
@@ -197,12 +202,13 @@ class ParallelContext:
 
 
 def host_islands(world_size: int) -> tuple[int, ...]:
-    """rank -> island id, one island per host (collective: every rank calls it)."""
-    import socket
-
+    """rank -> island id, one island per host (collective: every rank calls it). A host is
+    what launch.net.node_name says: the Ray node under Ray, else the host name."""
     import torch.distributed as dist
 
+    from atoll.launch.net import node_name
+
     hosts = [None] * world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    dist.all_gather_object(hosts, node_name())
     ids: dict[str, int] = {}
     return tuple(ids.setdefault(h, len(ids)) for h in hosts)

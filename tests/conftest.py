@@ -101,3 +101,31 @@ def smollm2_dir(smollm2_gguf_path, tmp_path_factory) -> Path:
 
     return convert_gguf(smollm2_gguf_path, tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct",
                         progress=False)
+
+
+# --- a simulated Ray cluster, one per test module that asks for it ---
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head (the driver's node: no CPUs, no GPUs) + 2 nodes x (2 CPUs, 2 fake GPUs), all on
+    127.0.0.1 (ray.cluster_utils.Cluster); `gpu_nodes`: the two nodes' ids, `head_id`."""
+    ray = pytest.importorskip("ray", reason="the Ray launcher tests need `pip install ray`")
+    from ray.cluster_utils import Cluster
+
+    from atoll.launch.ray_launcher import loopback_only
+
+    with loopback_only():  # every Ray server the cluster starts stays on 127.0.0.1
+        c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
+        try:
+            nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
+            # the actors import the tests' helpers from here, as a cluster's workers import the user's code
+            ray.init(address=c.address, logging_level="warning",
+                     runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+            c.wait_for_nodes()
+            c.gpu_nodes = [n.node_id for n in nodes]
+            c.head_id = c.head_node.node_id
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()

@@ -1,5 +1,6 @@
 """The Ray launcher on a simulated cluster: a driver node with no resources and two nodes
-with two fake GPUs each (ray.cluster_utils.Cluster, everything on 127.0.0.1)."""
+with two fake GPUs each (conftest's `cluster`: ray.cluster_utils.Cluster, everything on
+127.0.0.1)."""
 
 import json
 import os
@@ -16,31 +17,10 @@ from launch_fns import collective, device_report, die_on_rank, raise_on_rank  # 
 
 from atoll.errors import LaunchError, RankFailure  # noqa: E402
 from atoll.launch.device import DeviceError  # noqa: E402
-from atoll.launch.ray_launcher import gpu_index, loopback_only, node_groups, run_ray  # noqa: E402
+from atoll.launch.ray_launcher import gpu_index, node_groups, run_ray  # noqa: E402
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """Head (the driver's node: no CPUs, no GPUs) + 2 nodes x (2 CPUs, 2 GPUs)."""
-    from ray.cluster_utils import Cluster
-
-    with loopback_only():  # every Ray server the cluster starts stays on 127.0.0.1
-        c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
-        try:
-            nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-            # the actors import launch_fns from here, as a cluster's workers import the user's code
-            ray.init(address=c.address, logging_level="warning",
-                     runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}})
-            c.wait_for_nodes()
-            c.gpu_nodes = [n.node_id for n in nodes]
-            c.head_id = c.head_node.node_id
-            yield c
-        finally:
-            ray.shutdown()
-            c.shutdown()
 
 
 def _free_gpus_back(expected: float = 4.0, within_s: float = 15.0) -> float:

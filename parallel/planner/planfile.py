@@ -55,6 +55,11 @@ class SavedPlan:
         """rank -> island id, for parallel.mesh.ContextOptions."""
         return self.placement.island
 
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """rank -> node index, for parallel.mesh.ContextOptions."""
+        return tuple(n for n, _ in self.placement.slots)
+
     def check_model(self, config, where: str = "--model") -> None:
         """Refuse a model whose shapes differ from the plan's, in one line."""
         have = model_shapes(config)
