@@ -17,6 +17,7 @@ from atoll.launch import bench_model
 BENCHES = {
     "model": "atoll.launch.bench_model",
     "dispatch": "atoll.launch.bench_dispatch",
+    "exchange": "atoll.launch.bench_exchange",
     "kernels": "atoll.kernels.bench",
 }
 

@@ -11,17 +11,41 @@ Dispatch: island-first (the Dispatcher's hierarchical path, on the context's rai
 ep_island subgroups) when the ep group spans more than one island, flat inside one;
 ctx.options.dispatch ("flat", "hierarchical") overrides, ctx.options.capacity_factor caps
 each expert's rows (None: dropless). Keywords given to SparseMoE win over the context's.
+
+Exchange. Decode-sized steps skip the all_to_all for comm.exchange.gather_combine, whose
+shapes are fixed (the all_to_all reads split sizes on the host): each ep rank runs its
+experts on every row of the ep group and the partial sums are added (see there). Direct:
+the rows are gathered over ep (every rank padded to the largest count, which eager mode
+reads with row_counts) and reduce-scattered back. Otherwise the stage's tokens are already
+on every ep rank after the dp gather (with dp 1 there is none): replicated, one all_reduce.
+exchange="auto" takes it when the rows per ep rank are at most GATHER_MAX_ROWS and the
+dispatch is flat and dropless: capacity drops need the all_to_all's counts, and where the ep
+group spans islands the island-first all_to_all sends each token across once, not to every
+rank. "gather" / "alltoall" force one (gather stays exact with hierarchical; it refuses a
+capacity_factor). The default comes from ATOLL_MOE_EXCHANGE; ATOLL_MOE_GATHER_ROWS overrides
+GATHER_MAX_ROWS.
+
+static (set by the compiled decode step): never read a device value on the host, so always
+gather_combine and no count exchange; every DP rank of the stage must pass the same row
+count (the compiled step pads them to one bucket).
 """
 
 from __future__ import annotations
 
+import os
+from collections import Counter
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from atoll.comm.dispatch import Dispatcher
+from atoll.comm.exchange import gather_combine
 from atoll.comm.gather import all_gather_rows, row_counts
 from atoll.comm.group import Group
+from atoll.errors import ConfigError
 from atoll.kernels import fused_moe
+from atoll.kernels.backend import use_triton
 from atoll.layers.linear import _param, copy_into, divide
 from atoll.layers.router import Router
 
@@ -63,6 +87,36 @@ class Experts(nn.Module):
         ones = torch.ones(len(rows), 1, device=rows.device)
         return fused_moe(rows, self.w13, self.w2, local_ids[:, None], ones)
 
+    def weighted(self, rows: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """rows: [n, hidden], local_ids: [n, k] (-1: not this rank's expert), weights: [n, k] ->
+        [n, hidden], each row's weighted sum over its local experts, with shapes fixed by n.
+
+        At decode sizes this reads weights, not FLOPs, so the path reading fewest bytes wins.
+        Triton: fused_moe, whose buffers are sized by a bound (no host sync), reads only the
+        experts that have a pair. Torch (the reference loops over ids.unique(), a host read):
+        every row through every local expert, one GEMM over the stacked w13 and one bmm over
+        w2, each local expert's weights read once. Gathering each (row, slot)'s expert weights
+        (index_select + bmm) would read an expert once per pair, after index_select wrote the
+        copy: ~3*n*k expert matrices against experts_local. n is ep x (1..32) gathered rows and
+        experts_local is experts / ep (Qwen3-30B-A3B at EP4: 32 local, top-8), so n*k >=
+        experts_local from one row per rank: the dense loop reads less.
+        Measured once on an H200, bf16, that EP4 shape (hidden 2048, inter 768), CUDA graph
+        replays at n = 4, 8, 16, 32, 64, 128: Triton 37, 55, 77, 91, 94, 99 us; dense 105 to
+        166 us (32 experts' weights at 4.3 TB/s: 70 us)."""
+        n, hidden = rows.shape
+        local = len(self.local)
+        if local == 0 or n == 0:
+            return rows.new_zeros(n, hidden)
+        if use_triton(rows, self.w13, self.w2):
+            return fused_moe(rows, self.w13, self.w2, local_ids, weights)
+        inter = self.inter_local
+        experts = torch.arange(local, device=rows.device)
+        coef = ((local_ids[:, :, None] == experts) * weights[:, :, None].float()).sum(1)  # [n, local] fp32
+        h = F.linear(rows, self.w13.view(local * 2 * inter, hidden)).view(n, local, 2, inter)
+        act = F.silu(h[:, :, 0]) * h[:, :, 1]  # [n, local, inter]
+        y = torch.bmm(act.transpose(0, 1), self.w2.transpose(1, 2))  # [local, n, hidden]
+        return torch.einsum("nl,lnh->nh", coef, y.float()).to(rows.dtype)
+
 
 def make_dispatcher(ctx, num_experts: int, *, islands=None, hierarchical: bool | None = None,
                     capacity_factor: float | None = None, grouped: bool = True) -> Dispatcher:
@@ -87,13 +141,53 @@ def make_dispatcher(ctx, num_experts: int, *, islands=None, hierarchical: bool |
                       hierarchical=hierarchical, grouped=grouped, **subgroups)
 
 
+EXCHANGE_ENV = "ATOLL_MOE_EXCHANGE"
+EXCHANGES = ("auto", "alltoall", "gather")
+GATHER_ROWS_ENV = "ATOLL_MOE_GATHER_ROWS"
+# Rows per ep rank up to which "auto" takes gather_combine. gather / all_to_all wall time,
+# 4 gloo ranks on a 2-core CPU shared with other work (load average 6-11), 32 experts top-4,
+# experts computed on both sides (medians of the slowest rank over 100 iterations; the
+# replicated rows and the 64-row column over 60):
+#   python -m atoll bench exchange --hidden 256 --inter 128 --iters 100 [--replicated]
+#   rows per rank            1     4     8    16    32    64
+#   own rows, hidden 256   1.21  1.08  1.12  1.35  1.48  2.24
+#   own rows, hidden 64    1.13  1.25  1.12  1.15  1.13  1.07
+#   replicated, hidden 256 0.62  0.53  0.61  0.68  0.77  1.33
+#   replicated, hidden 64  0.47  0.47  0.46  0.52  0.55  0.61
+# Replicated tokens: one all_reduce against the count exchange, two all_to_alls and a gather
+# back. Own rows: 1.1-1.25x to 8 rows over gloo (its reduce_scatter is a whole all_reduce;
+# eager also pays a count exchange to agree), beyond that the experts' dense work on ep x rows
+# rows grows. 8 takes the clear win and stays near even where it loses; the compiled step
+# gathers at any size. Re-measure on NCCL, where the all_to_all's host sync costs more.
+GATHER_MAX_ROWS = 8
+
+
+def exchange_default() -> str:
+    """ATOLL_MOE_EXCHANGE: auto (default), alltoall or gather."""
+    value = os.environ.get(EXCHANGE_ENV, "auto").strip().lower() or "auto"
+    if value not in EXCHANGES:
+        raise ConfigError(f"{EXCHANGE_ENV}={value!r} is not one of {', '.join(EXCHANGES)}")
+    return value
+
+
+def gather_max_rows() -> int:
+    """ATOLL_MOE_GATHER_ROWS, else GATHER_MAX_ROWS."""
+    value = os.environ.get(GATHER_ROWS_ENV, "").strip()
+    if not value:
+        return GATHER_MAX_ROWS
+    if not value.isdigit():
+        raise ConfigError(f"{GATHER_ROWS_ENV}={value!r} must be a whole number of rows")
+    return int(value)
+
+
 class SparseMoE(nn.Module):
     """Routed experts, plus optional shared experts: Qwen2-MoE's `shared_expert` scaled by
     sigmoid(shared_expert_gate(x)), or DeepSeek-V3's always-on `shared_experts`."""
 
     def __init__(self, *, hidden: int, inter: int, router: Router, ctx, dtype=None,
                  shared: nn.Module | None = None, shared_gate: nn.Module | None = None,
-                 islands=None, hierarchical: bool | None = None, capacity_factor: float | None = None):
+                 islands=None, hierarchical: bool | None = None, capacity_factor: float | None = None,
+                 exchange: str | None = None):
         super().__init__()
         self.ctx = ctx
         self.shared_name = "shared_expert" if shared_gate is not None else "shared_experts"
@@ -106,6 +200,15 @@ class SparseMoE(nn.Module):
                                           capacity_factor=capacity_factor, grouped=False)
         self.experts = Experts(self.dispatcher.local_experts, hidden, inter, ctx.moe_tp, dtype=dtype)
         self.direct = ctx.layout.tp == ctx.layout.moe_tp
+        self.exchange = exchange_default() if exchange is None else exchange
+        if self.exchange not in EXCHANGES:
+            raise ConfigError(f"exchange={self.exchange!r} is not one of {', '.join(EXCHANGES)}")
+        if self.exchange == "gather" and self.dispatcher.capacity_factor is not None:
+            raise ConfigError(f"exchange=gather is dropless: capacity_factor={self.dispatcher.capacity_factor} "
+                              "needs the all-to-all")
+        self.gather_max_rows = gather_max_rows()
+        self.static = False  # the compiled decode step sets it: no host reads of device values
+        self.exchange_bytes: Counter = Counter()  # gather_combine's bytes sent, per link class
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens of this DP rank, hidden], the same on its tp ranks -> same shape."""
@@ -117,23 +220,63 @@ class SparseMoE(nn.Module):
             return y + shared(x)
         return y + torch.sigmoid(self.shared_expert_gate(x)) * shared(x)
 
+    @property
+    def may_gather(self) -> bool:
+        """Whether any step may take gather_combine: forced, or auto with flat dropless dispatch."""
+        d = self.dispatcher
+        return self.exchange == "gather" or (self.exchange == "auto" and d.capacity_factor is None
+                                             and not d.hierarchical)
+
+    def gathers(self, rows_per_rank: int) -> bool:
+        """Whether a step of rows_per_rank rows per ep rank takes gather_combine."""
+        return self.may_gather and (self.exchange == "gather" or rows_per_rank <= self.gather_max_rows)
+
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
+        if self.static and (self.exchange == "alltoall" or self.dispatcher.capacity_factor is not None):
+            raise ConfigError("the compiled decode step needs the MoE gather exchange: it cannot run "
+                              f"exchange={self.exchange} or capacity_factor={self.dispatcher.capacity_factor}")
         if self.direct:
-            xs = x
+            if self.static:  # the compiled step passes every ep rank the same row count
+                return ctx.moe_tp.all_reduce(self._gather(x, replicated=False))
+            counts = row_counts(ctx.ep, len(x)) if self.may_gather else [len(x)]
+            if self.gathers(max(counts)):  # every ep rank sees the same counts: they agree
+                return ctx.moe_tp.all_reduce(self._gather(x, replicated=False, rows=max(counts)))
+            return ctx.moe_tp.all_reduce(self._all_to_all(x))
+        if self.static:
+            stage_x = ctx.dp.all_gather(x, dim=0)  # equal counts: no count exchange
+            mine = ctx.dp.rank * len(x)
         else:
             counts = row_counts(ctx.dp, len(x))
             stage_x = all_gather_rows(ctx.dp, x, counts)  # [stage tokens, hidden]
-            per, extra = divmod(len(stage_x), ctx.ep.size)  # torch.tensor_split's sizes
-            chunks = [per + (r < extra) for r in range(ctx.ep.size)]
-            start = sum(chunks[: ctx.ep.rank])
-            xs = stage_x[start:start + chunks[ctx.ep.rank]]  # this ep rank's share
+            mine = sum(counts[: ctx.dp.rank])
+        if self.static or self.gathers(-(-len(stage_x) // ctx.ep.size)):
+            # the stage's tokens are on every ep rank already: no gather over ep
+            y = ctx.moe_tp.all_reduce(self._gather(stage_x, replicated=True))
+            return y[mine:mine + len(x)]
+        per, extra = divmod(len(stage_x), ctx.ep.size)  # torch.tensor_split's sizes
+        chunks = [per + (r < extra) for r in range(ctx.ep.size)]
+        start = sum(chunks[: ctx.ep.rank])
+        y = ctx.moe_tp.all_reduce(self._all_to_all(stage_x[start:start + chunks[ctx.ep.rank]]))
+        stage_y = all_gather_rows(ctx.ep, y, chunks)
+        return stage_y[mine:mine + len(x)]
+
+    def _all_to_all(self, xs: torch.Tensor) -> torch.Tensor:
+        """xs: [this ep rank's share, hidden] through the Dispatcher -> moe_tp partial sums."""
         ids, weights = self.gate(xs)
         d = self.dispatcher.dispatch(xs, ids, weights)
-        y = self.dispatcher.combine(self.experts(d.rows, d.row_experts()), d)
-        y = ctx.moe_tp.all_reduce(y)  # sum the moe_tp partials
-        if self.direct:
-            return y
-        stage_y = all_gather_rows(ctx.ep, y, chunks)
-        mine = sum(counts[: ctx.dp.rank])
-        return stage_y[mine:mine + len(x)]
+        return self.dispatcher.combine(self.experts(d.rows, d.row_experts()), d)
+
+    def _gather(self, xs: torch.Tensor, *, replicated: bool, rows: int | None = None) -> torch.Tensor:
+        """xs through gather_combine -> moe_tp partial sums; rows: pad to this many first (the
+        padding routes nowhere: ids -1, weights 0) and cut back after."""
+        ids, weights = self.gate(xs)
+        n = len(xs)
+        if rows is not None and rows > n:
+            xs = torch.cat([xs, xs.new_zeros(rows - n, xs.shape[1])])
+            ids = torch.cat([ids, ids.new_full((rows - n, ids.shape[1]), -1)])
+            weights = torch.cat([weights, weights.new_zeros(rows - n, weights.shape[1])])
+        d = self.dispatcher
+        y = gather_combine(xs, ids, weights, self.experts.weighted, self.ctx.ep, d.split,
+                           replicated=replicated, counters=self.exchange_bytes, island_of=d.island_of)
+        return y[:n]
