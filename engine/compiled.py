@@ -154,7 +154,7 @@ class CompiledDecode:
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True)
 
     def takes(self, mb) -> bool:
-        return bool(mb.chunks) and mb.meta.is_decode and len(mb.chunks) <= self.buckets[-1]
+        return bool(mb.chunks) and mb.is_decode and len(mb.chunks) <= self.buckets[-1]
 
     def _forward(self, x, positions, block, offset, tables, lengths):
         for r in self._rotaries:  # its per-step memo is set by the first layer; the trace never reads an old one
@@ -171,7 +171,7 @@ class CompiledDecode:
             inp = self._inputs[size] = Bucket(size, self.scratch, self.hidden, self.dtype, self.device)
         blocks = -(-(max(meta.start_list) + 1) // self.block_size)  # host list: no sync
         width = block_bucket(blocks, self.max_blocks)
-        inp.fill(n, x, meta)
+        inp.fill(n, mb.ids if x is None else x, meta)
         # contiguous at every width (a view of a wider buffer would guard on its stride)
         tables = torch.full((size, width), self.scratch, dtype=torch.long, device=self.device)
         tables[:n, :blocks] = meta.block_tables[:, :blocks]
@@ -225,18 +225,20 @@ def freezing_fits(model, ranks_here: int) -> bool:
 
 def build(runner):
     """The runner's decode step: CUDA graphs per bucket on CUDA (engine.graphs), inductor on
-    the CPU; None (every step eager): eager forced, or an MoE model (its all-to-all needs host
-    split sizes)."""
+    the CPU; None (every step eager): eager forced, an MoE model on the CPU, or one with
+    dp > 1 on CUDA (its fixed-shape exchange needs one bucket on every DP rank)."""
     spec = runner.spec
-    if eager_forced(spec.enforce_eager) or runner.config.is_moe:
+    if eager_forced(spec.enforce_eager):
         return None
     if runner.device.type == "cuda":
+        if runner.config.is_moe and runner.ctx.layout.dp > 1:
+            return None  # the fixed-shape MoE exchange needs every DP rank at one bucket: not yet
         from atoll.engine.graphs import GraphedDecode
 
         return GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,
                              max_model_len=spec.max_model_len, block_size=spec.block_size,
                              scratch_block=runner.num_blocks, rank=runner.ctx.rank)
-    if runner.device.type != "cpu":
+    if runner.device.type != "cpu" or runner.config.is_moe:
         return None
     _thread_lock_for_tqdm()
     return CompiledDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,

@@ -1,10 +1,13 @@
 """The decode step on CUDA: captured once per sequence bucket as a CUDA graph, replayed each step.
 
 A decode micro-batch of n sequences runs at the smallest bucket >= n of 1, 2, 4, 8, ... and
-max_num_seqs. Each bucket owns static input buffers (token ids or received activations,
-positions, cache slots, context lengths, and a block table max_model_len / block_size wide);
-a step copies the micro-batch's metadata into them, padding rows write into the cache's
-scratch block and attend to it alone (as in engine.compiled), and replays the bucket's graph.
+max_num_seqs. Each bucket owns one packed device buffer of longs (token ids, positions, cache
+block and offset of the new token, context lengths, and a block table max_model_len /
+block_size wide) and its pinned host twin: a step writes the real rows on the host from the
+scheduler's chunks (padding rows write into the cache's scratch block and attend to it
+alone, as in engine.compiled), copies the buffer in one asynchronous copy and replays the
+bucket's graph: three device calls a step (the copy, a received activation's copy under PP,
+the replay), since on a GPU each call outside the graph costs as much as a small kernel.
 One width of table serves every context: the Triton paged-attention kernel reads a
 sequence's blocks only up to its length, so the width costs memory, not time.
 
@@ -16,6 +19,11 @@ removes the ~15 launches per layer and the Python between them, which is where a
 decode step loses its time on a GPU; inductor is not run on CUDA. TP's all_reduce and
 all_gather are captured as NCCL kernels; PP's send/recv stay outside (the runner receives
 into the bucket's buffer and sends a copy of the output rows on).
+
+MoE layers run their fixed-shape exchange inside the step (SparseMoE.static: all_gather or
+all_reduce over ep, every expert's rows at a fixed shape), since the all-to-all's split sizes
+would need the host; the step therefore needs every DP rank of a stage at the same bucket,
+so an MoE model with dp > 1 decodes eagerly (engine.compiled.build).
 
 On the CPU the same class runs without capture (`replay` calls the forward on the static
 buffers): that proves the buffers, padding and bucket choice against the eager step in the
@@ -29,11 +37,57 @@ import time
 
 import torch
 
-from atoll.engine.compiled import Bucket, seq_buckets
+from atoll.engine.compiled import seq_buckets
 from atoll.layers.attention import StaticDecode
 from atoll.layers.rotary import RotaryEmbedding
 
 WARMUP = 2  # eager forwards on a side stream before a capture
+
+
+class Packed:
+    """One bucket's inputs as views of one device buffer of longs, filled from a host twin
+    (pinned on CUDA) in one copy; `x` holds the received activations on a later stage."""
+
+    FIELDS = ("ids", "positions", "block", "offset", "lengths")
+
+    def __init__(self, seqs: int, width: int, scratch: int, hidden: int | None, dtype, device):
+        size = seqs * (len(self.FIELDS) + width)
+        self.device_buf = torch.zeros(size, dtype=torch.long, device=device)
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
+        self.np = self.host.numpy()
+        n = len(self.FIELDS) * seqs
+        parts = self.device_buf[:n].view(len(self.FIELDS), seqs)
+        self.ids, self.positions, self.block, self.offset, self.lengths = parts
+        self.tables = self.device_buf[n:].view(seqs, width)
+        self.host_rows = self.np[:n].reshape(len(self.FIELDS), seqs)
+        self.host_tables = self.np[n:].reshape(seqs, width)
+        self.x = None if hidden is None else torch.zeros(seqs, hidden, dtype=dtype, device=device)
+        self.seqs, self.scratch = seqs, scratch
+        self.copied = torch.cuda.Event() if pinned else None  # the last copy out of the host twin
+        self.fill_host([], 0)  # every row padding: what the warm-up and the capture run on
+        self.device_buf.copy_(self.host)
+
+    def fill_host(self, chunks, block_size: int) -> None:
+        """The decode chunks' rows, then padding rows (token 0 at position 0, writing the
+        scratch block's first slot, attending to it alone)."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the copy of the last step has left the host buffer
+        ids, pos, block, offset, lengths = self.host_rows
+        tables = self.host_tables
+        for i, c in enumerate(chunks):
+            s, blocks = c.start, c.seq.blocks
+            ids[i], pos[i], block[i], offset[i], lengths[i] = c.seq.tokens[s], s, blocks[s // block_size], \
+                s % block_size, s + 1
+            tables[i, :len(blocks)] = blocks  # entries past the context are never read
+        n = len(chunks)
+        ids[n:], pos[n:], block[n:], offset[n:], lengths[n:] = 0, 0, self.scratch, 0, 1
+        tables[n:, 0] = self.scratch
+
+    def to_device(self) -> None:
+        self.device_buf.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 class GraphedDecode:
@@ -53,7 +107,10 @@ class GraphedDecode:
         self.last_stage = model.ctx.is_last_stage
         self.rank = rank
         self._rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
-        self._inputs: dict[int, Bucket] = {}
+        from atoll.layers.moe import SparseMoE
+
+        self._moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self._inputs: dict[int, Packed] = {}
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph or None, output buffer)
         self._used: set[int] = set()
         self.compiles: list[tuple[int, float]] = []  # (buckets, seconds) of the capture
@@ -61,17 +118,23 @@ class GraphedDecode:
         self.error: str | None = None  # why capture failed, if it did (every bucket then runs eagerly)
 
     def takes(self, mb) -> bool:
-        return bool(mb.chunks) and mb.meta.is_decode and len(mb.chunks) <= self.buckets[-1]
+        return bool(mb.chunks) and mb.is_decode and len(mb.chunks) <= self.buckets[-1]
 
-    def _forward(self, inp: Bucket) -> torch.Tensor:
+    def _forward(self, inp: Packed) -> torch.Tensor:
         for r in self._rotaries:  # recomputed from the bucket's positions inside the graph
             r._memo = None
         meta = StaticDecode(inp.positions, (inp.block, inp.offset), inp.tables, inp.lengths, self.block_size)
-        return self.model(inp.x, meta, self.cache)
+        for m in self._moes:  # the fixed-shape exchange (comm.exchange), no host read of a device value
+            m.static = True
+        try:
+            return self.model(inp.ids if inp.x is None else inp.x, meta, self.cache)
+        finally:
+            for m in self._moes:
+                m.static = False
 
     def _capture_all(self) -> None:
         for size in self.buckets:
-            self._inputs[size] = Bucket(size, self.scratch, self.hidden, self.dtype, self.device, width=self.max_blocks)
+            self._inputs[size] = Packed(size, self.max_blocks, self.scratch, self.hidden, self.dtype, self.device)
         try:
             self._capture_buckets()
         except Exception as e:  # noqa: BLE001 - say why, and run every bucket eagerly
@@ -108,18 +171,19 @@ class GraphedDecode:
                   f"{', '.join(map(str, self.buckets))} sequences x {self.max_blocks} blocks "
                   "(--enforce-eager: no graphs)", file=sys.stderr, flush=True)
 
-    def __call__(self, x: torch.Tensor, mb) -> torch.Tensor:
-        """x: [n] token ids (first stage) or [n, hidden] activations -> [n, ...] rows."""
+    def __call__(self, x: torch.Tensor | None, mb) -> torch.Tensor:
+        """x: None on the first stage (the ids come from the chunks), else [n, hidden]
+        received activations -> [n, ...] rows."""
         if not self._graphs:
             self._capture_all()
-        meta, n = mb.meta, len(mb.chunks)
+        n = len(mb.chunks)
         size = next(b for b in self.buckets if b >= n)
         self._used.add(size)
         inp = self._inputs[size]
-        blocks = -(-(max(meta.start_list) + 1) // self.block_size)  # host list: no sync
-        inp.fill(n, x, meta)
-        inp.tables[:n, :blocks] = meta.block_tables[:, :blocks]
-        inp.tables[n:] = self.scratch
+        inp.fill_host(mb.chunks, self.block_size)
+        inp.to_device()
+        if inp.x is not None:
+            inp.x[:n] = x
         graph, out = self._graphs[size]
         if graph is None:
             out = self._forward(inp)
@@ -127,6 +191,24 @@ class GraphedDecode:
             graph.replay()
         # the next replay rewrites the output buffer: a stage that sends it on sends a copy
         return out[:n] if self.last_stage else out[:n].clone()
+
+    def replay_seconds(self, size: int, reps: int = 20) -> float | None:
+        """Seconds one replay of bucket `size`'s graph takes on the device, all rows padding,
+        or None without graphs: the GPU's share of a decode step. Not under TP or PP (a
+        replay there joins collectives that the other ranks would have to join too)."""
+        graph = self._graphs.get(size, (None, None))[0]
+        if graph is None:
+            return None
+        inp = self._inputs[size]
+        inp.fill_host([], self.block_size)
+        inp.to_device()
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - t0) / reps
 
     @property
     def buckets_run(self) -> list[int]:

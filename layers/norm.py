@@ -16,5 +16,6 @@ class RMSNorm(nn.Module):
         self.weight.data.fill_(1.0)
         self.weight.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)  # Triton on CUDA, else the torch reference
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x), or with residual norm(x + residual), the sum written into residual."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual=residual)  # Triton on CUDA, else torch

@@ -69,9 +69,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.tp, dtype=dtype)
 
-    def forward(self, h, meta, k_cache, v_cache):
-        h = h + self.self_attn(self.input_layernorm(h), meta, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, meta, k_cache, v_cache):
+        """The residual stream is h = residual + x (residual None: h = x, the first layer of a
+        stage); returns the next layer's (x, residual). Each add is fused into the norm after
+        it (kernels.rms_norm with residual: the sum is rounded to the stream's dtype as an add
+        would, and written into residual in place), one kernel fewer per add."""
+        if residual is None:
+            residual = x.clone()  # the stage's input stays as it came (a CUDA graph's buffer)
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual=residual)
+        h = self.post_attention_layernorm(self.self_attn(h, meta, k_cache, v_cache), residual=residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -109,13 +118,15 @@ class LlamaForCausalLM(nn.Module):
         Returns hidden [tokens, hidden], or on the last stage the logits [seqs, vocab] of
         each sequence's last token."""
         h = self.model.embed_tokens(x) if self.ctx.is_first_stage else x
+        residual = None
         for j, layer in enumerate(self.model.layers.values()):
-            h = layer(h, meta, cache.k[j], cache.v[j])
+            h, residual = layer(h, residual, meta, cache.k[j], cache.v[j])
         if not self.ctx.is_last_stage:
-            return h
+            return h if residual is None else residual + h
         if not meta.is_decode:  # decode: one token per sequence, every row is a last token
-            h = h[meta.last_tokens()]
-        return self.lm_head(self.model.norm(h))
+            rows = meta.last_tokens()
+            h, residual = h[rows], None if residual is None else residual[rows]
+        return self.lm_head(self.model.norm(h, residual=residual) if residual is not None else self.model.norm(h))
 
     def checkpoint_targets(self, name: str) -> list[tuple[str, object]]:
         return dense_targets(name, tied=self.config.tie_word_embeddings)
