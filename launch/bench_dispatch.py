@@ -41,6 +41,9 @@ barriers and the result exchanges of the bench itself are never delayed. Each ra
 are recorded per group and reported (the most any rank slept per iteration); the real
 transfer over loopback still happens underneath, so the simulated link adds to it.
 
+--exchange-sweep runs a different comparison on the same ranks, islands and link: the
+all_to_all against comm.exchange.gather_combine by rows per rank (launch/bench_dispatch_sweep.py).
+
 Each rank asks glibc to keep freed memory (mallopt), as PyTorch's caching allocator does on GPU:
 with glibc's defaults a freed 16 MiB buffer often goes back to the OS and the next one costs
 ~4000 page faults, more than the copy into it. --return-memory keeps glibc's defaults.
@@ -57,6 +60,7 @@ from atoll.errors import ConfigError
 
 GROUPS = ("ep", "ep_island", "ep_rail")  # the groups the dispatchers use (and the sleeps are kept for)
 CLASSES = ("intra", "cross")
+SWEEP_ROWS = "1,2,4,8,16,32,64"
 
 
 def add_parser(sub) -> None:
@@ -77,6 +81,10 @@ def add_parser(sub) -> None:
                         "groups that span islands sleep for their cross-island bytes / G")
     p.add_argument("--cross-latency-us", type=float, default=None, metavar="U",
                    help="simulated latency added to every collective over a group that spans islands")
+    p.add_argument("--exchange-sweep", nargs="?", const=SWEEP_ROWS, default=None, metavar="ROWS",
+                   help="instead: flat dispatch + combine (and the two-level path with --hierarchical) "
+                        "against comm.exchange.gather_combine at these rows per rank (comma-separated, "
+                        f"default {SWEEP_ROWS}), and the count from which the all_to_all wins")
     p.add_argument("--arrival-order", action="store_true",
                    help="leave rows in arrival order (Dispatcher grouped=False): no expert-major copy")
     p.add_argument("--capacity-factor", type=float, default=None, help="drop beyond this capacity")
@@ -116,20 +124,32 @@ def check(args) -> dict:
     if simulated and args.islands < 2:
         raise ConfigError("--cross-gb-s and --cross-latency-us need --islands 2 or more "
                           "(with one island nothing crosses the simulated link)")
+    sweep = None
+    if args.exchange_sweep is not None:
+        try:
+            sweep = [int(n) for n in args.exchange_sweep.split(",")]
+        except ValueError:
+            raise ConfigError(f"--exchange-sweep {args.exchange_sweep!r} must be comma-separated row counts") from None
+        if min(sweep) < 1:
+            raise ConfigError(f"--exchange-sweep {args.exchange_sweep}: every row count must be at least 1")
+        if args.capacity_factor is not None:
+            raise ConfigError("--exchange-sweep compares dropless exchanges: --capacity-factor does not apply")
     keys = ("tokens", "hidden", "experts", "topk", "ep", "hierarchical", "islands", "arrival_order",
             "capacity_factor", "iters", "warmup", "seed", "return_memory", "cross_gb_s", "cross_latency_us")
-    return {k: getattr(args, k) for k in keys} | {"simulated": simulated}
+    return {k: getattr(args, k) for k in keys} | {"simulated": simulated, "sweep": sweep}
 
 
 def run(args) -> int:
     from atoll.launch.local import run_local
 
+    from atoll.launch.bench_dispatch_sweep import _sweep_rank, render_sweep
+
     cfg = check(args)
-    result = run_local(_rank, cfg["ep"], cfg, timeout_s=590)[0]
+    result = run_local(_sweep_rank if cfg["sweep"] else _rank, cfg["ep"], cfg, timeout_s=590)[0]
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        render(result)
+        (render_sweep if cfg["sweep"] else render)(result)
     return 0
 
 
@@ -213,6 +233,21 @@ def slow_group(group, island_of, gb_s: float | None, latency_us: float | None):
     return SlowGroup()
 
 
+def make_groups(rank: int, world: int, cfg: dict):
+    """(islands, the plain ep group for barriers and results, {name: group} of GROUPS for the
+    dispatchers, SlowGroups when the link is simulated). Collective: every rank calls it."""
+    from atoll.parallel.layout import Layout
+    from atoll.parallel.mesh import ContextOptions, ParallelContext
+
+    islands = island_sets(world, cfg["islands"])
+    island_of = tuple(i for i, isl in enumerate(islands) for _ in isl)  # rank -> island id
+    ctx = ParallelContext.create(Layout.parse(f"EP{world}"), rank, options=ContextOptions(islands=island_of))
+    groups = {name: ctx.groups[name] for name in GROUPS}
+    if cfg["simulated"]:
+        groups = {n: slow_group(g, island_of, cfg["cross_gb_s"], cfg["cross_latency_us"]) for n, g in groups.items()}
+    return islands, ctx.ep, groups
+
+
 def _rank(rank: int, world: int, cfg: dict) -> dict:
     kept_memory = not cfg["return_memory"] and keep_freed_memory()
     import torch
@@ -220,17 +255,9 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
 
     from atoll.comm.dispatch import Dispatcher
     from atoll.comm.routing import min_rows
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ContextOptions, ParallelContext
 
     T, H, E, k = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
-    islands = island_sets(world, cfg["islands"])
-    island_of = tuple(i for i, isl in enumerate(islands) for _ in isl)  # rank -> island id
-    ctx = ParallelContext.create(Layout.parse(f"EP{world}"), rank, options=ContextOptions(islands=island_of))
-    plain = ctx.ep  # barriers and results: never delayed
-    groups = {name: ctx.groups[name] for name in GROUPS}
-    if cfg["simulated"]:
-        groups = {n: slow_group(g, island_of, cfg["cross_gb_s"], cfg["cross_latency_us"]) for n, g in groups.items()}
+    islands, plain, groups = make_groups(rank, world, cfg)
     gen = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
     x = torch.randn(T, H, generator=gen)  # [tokens, hidden] this rank's tokens
     ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices  # k distinct experts, uniform
