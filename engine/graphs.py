@@ -192,6 +192,7 @@ class GraphedDecode:
         # the next replay rewrites the output buffer: a stage that sends it on sends a copy
         return out[:n] if self.last_stage else out[:n].clone()
 
+    @torch.inference_mode()  # the buffers were made in the runner's inference mode
     def replay_seconds(self, size: int, reps: int = 20) -> float | None:
         """Seconds one replay of bucket `size`'s graph takes on the device, all rows padding,
         or None without graphs: the GPU's share of a decode step. Not under TP or PP (a
