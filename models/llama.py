@@ -12,6 +12,7 @@ from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atoll.layers.linear import QKVParallelLinear, RowParallelLinear
 from atoll.layers.mlp import GatedMLP
 from atoll.layers.norm import RMSNorm
+from atoll.layers.prefill import fresh_prefill
 from atoll.layers.rotary import RotaryEmbedding
 from atoll.models.config import ModelConfig
 from atoll.parallel.mesh import ParallelContext
@@ -31,6 +32,14 @@ def dense_targets(name: str, *, tied: bool = False) -> list[tuple[str, object]]:
     if name == "model.embed_tokens.weight" and tied:
         return [(name, None), ("lm_head.weight", None)]
     return [(name, None)]
+
+
+def dense_source(param: str, shard) -> str:
+    """The checkpoint tensor that fills `shard` of `param` (dense_targets backwards)."""
+    for part, (merged, s) in _STACKED.items():
+        if s == shard and f".{merged}." in param:
+            return param.replace(f".{merged}.", f".{part}.")
+    return param
 
 
 class LlamaAttention(nn.Module):
@@ -57,7 +66,9 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, meta.positions)
         write_cache(k_cache, v_cache, k, v, meta)
-        out = attend(q, k_cache, v_cache, meta, sliding_window=self.sliding_window)
+        out = fresh_prefill(q, k, v, meta, sliding_window=self.sliding_window)  # None: not such a step
+        if out is None:
+            out = attend(q, k_cache, v_cache, meta, sliding_window=self.sliding_window)
         return self.o_proj(out.flatten(1))  # [tokens, hidden]
 
 
@@ -108,6 +119,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, ctx, start, end, dtype, make_mlp)
         if ctx.is_last_stage:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.tp, dtype=dtype)
+            if cfg.tie_word_embeddings and ctx.is_first_stage:  # one tensor, as the checkpoint has
+                self.lm_head.weight = self.model.embed_tokens.weight  # the same vocab shard
 
     @property
     def num_local_layers(self) -> int:
@@ -130,3 +143,6 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_targets(self, name: str) -> list[tuple[str, object]]:
         return dense_targets(name, tied=self.config.tie_word_embeddings)
+
+    def checkpoint_name(self, param: str, shard) -> str:
+        return dense_source(param, shard)
