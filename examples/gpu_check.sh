@@ -117,10 +117,10 @@ log "$(python -c "import sys, torch, transformers; import importlib.metadata as 
 if [ "$MODE" = gpu ]; then
   step "b. parity: float32, atoll on CUDA (eager and CUDA graphs) vs transformers on CUDA" 100 \
     python examples/gpu_parity.py --device cuda --new-tokens 24
-elif [ "${CPU_WIRING:-0}" = 1 ]; then
-  step "b. parity on the CPU (CPU_WIRING=1)" 300 python examples/gpu_parity.py --device cpu --new-tokens 16
   step "b. parity: a random-weight Qwen3-MoE, float32, atoll on CUDA (eager and CUDA graphs with the fixed-shape MoE exchange) vs transformers" 60 \
     python examples/gpu_parity.py --device cuda --random moe --new-tokens 16
+elif [ "${CPU_WIRING:-0}" = 1 ]; then
+  step "b. parity on the CPU (CPU_WIRING=1)" 300 python examples/gpu_parity.py --device cpu --new-tokens 16
 else
   skip "b. parity" "needs a GPU: atoll on CUDA vs transformers on CUDA; the CPU parity is tests/test_gguf.py"
 fi

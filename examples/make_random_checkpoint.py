@@ -23,6 +23,11 @@ SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # SmolLM2-135M's shape with 8 query and 4 key/value heads (its own 9 and 3 split over no
+    # even TP size): the CPU benches of TP2 run on it
+    "smollm2-tp2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+                        num_key_value_heads=4, vocab_size=49152, max_position_embeddings=2048,
+                        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
     # the same proportions, small enough to check this script on a CPU
     "tiny": dict(hidden_size=64, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
