@@ -16,7 +16,8 @@ eager only. Warm-up rounds are untimed; the first one compiles the buckets the r
 (default 5); each round pairs an atoll run with a transformers run, and vs transformers is the
 median of those per-round ratios, with their range as the spread (compiled vs eager likewise).
 The 1-minute load average is read before, after each round and after: when it passes the
-core count, a warning says the figures were taken on a shared machine. On CUDA
+core count after a round or at the end, a warning says the figures were taken on a shared
+machine (the bench's own ranks and transformers keep it near the core count). On CUDA
 every timed region ends with a synchronize before the clock is read. atoll's KV cache holds
 what the batch needs (as on CPU), not a share of GPU memory, so transformers' copy of the
 model fits beside it.
@@ -89,13 +90,6 @@ def check(args) -> dict:
 
 
 def run(args) -> int:
-    from dataclasses import replace
-
-    import torch
-
-    from atoll.engine.kv_sizing import cpu_blocks
-    from atoll.engine.llm import LLM
-    from atoll.engine.sampling import SamplingParams
     from atoll.launch.local import run_local
 
     cfg = check(args)
@@ -103,30 +97,21 @@ def run(args) -> int:
         from atoll.models.gguf import demo_model_dir
 
         args.model = str(demo_model_dir(progress=not args.json))
-    B, L, N = cfg["batch"], cfg["input_len"], cfg["output_len"]
-    llm = LLM(args.model, layout=args.layout, device=args.device, dtype=args.dtype, max_num_seqs=B,
-              max_model_len=L + N, enforce_eager=args.enforce_eager)
-    if llm.max_model_len < L + N:
-        raise ConfigError(f"--input-len + --output-len = {L + N} exceeds the model's context "
-                          f"{llm.config.max_position_embeddings}")
+    llm, spec, requests = prepare(args.model, args.layout, batch=cfg["batch"], input_len=cfg["input_len"],
+                                  output_len=cfg["output_len"], seed=cfg["seed"], device=args.device,
+                                  dtype=args.dtype, enforce_eager=args.enforce_eager)
     if llm.layout.dp > 1:
         raise ConfigError(f"layout {llm.layout}: the model bench runs layouts without dp")
     world = llm.layout.world_size
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    gen = torch.Generator().manual_seed(cfg["seed"])
-    prompts = torch.randint(0, llm.config.vocab_size, (B, L), generator=gen).tolist()
-    requests = llm.prepare(prompts, SamplingParams(max_tokens=N, ignore_eos=True))
-    # the cache the batch needs in every pipeline lane, on every device: on CUDA a share of
-    # GPU memory would leave no room for transformers' copy of the model
-    blocks = cpu_blocks(block_size=llm.block_size, max_num_seqs=B, max_model_len=L + N, lanes=llm.layout.pp)
-    spec = replace(llm.spec(), num_blocks=blocks)
     cfg |= {"model": str(args.model), "layout": str(llm.layout),
             "threads": {"atoll_per_rank": threads, "ranks": world, "transformers": threads * world}}
     load = os.getloadavg()[0]
     result = run_local(_rank, world, cfg, spec, requests, threads=threads, timeout_s=3600, device=spec.device)[0]
     result["load_avg_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
     cores = os.cpu_count() or 1
-    peak = max(result["load_avg_1m"] + result["load_avg_rounds"])
+    # after each round and at the end (the figure at the start mostly tells what ran before)
+    peak = max(result["load_avg_1m"][1:] + result["load_avg_rounds"])
     if peak > cores:
         result["load_warning"] = (f"the 1-minute load average reached {peak:.1f} on {cores} cores during the run: "
                                   "other work shared the machine, so these figures understate both sides")
@@ -138,11 +123,40 @@ def run(args) -> int:
     return 0
 
 
+def prepare(model, layout, *, batch: int, input_len: int, output_len: int, seed: int = 0, device: str = "auto",
+            dtype: str | None = None, enforce_eager: bool = False):
+    """(LLM, RunSpec, requests): `batch` random-token prompts of `input_len` tokens, each to
+    generate exactly `output_len` tokens, and a KV cache of what they need."""
+    from dataclasses import replace
+
+    import torch
+
+    from atoll.engine.kv_sizing import cpu_blocks
+    from atoll.engine.llm import LLM
+    from atoll.engine.sampling import SamplingParams
+
+    B, L, N = batch, input_len, output_len
+    llm = LLM(model, layout=layout, device=device, dtype=dtype, max_num_seqs=B, max_model_len=L + N,
+              enforce_eager=enforce_eager)
+    if llm.max_model_len < L + N:
+        raise ConfigError(f"--input-len + --output-len = {L + N} exceeds the model's context "
+                          f"{llm.config.max_position_embeddings}")
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, llm.config.vocab_size, (B, L), generator=gen).tolist()
+    requests = llm.prepare(prompts, SamplingParams(max_tokens=N, ignore_eos=True))
+    # the cache the batch needs in every pipeline lane, on every device: on CUDA a share of
+    # GPU memory would leave no room for transformers' copy of the model
+    blocks = cpu_blocks(block_size=llm.block_size, max_num_seqs=B, max_model_len=L + N, lanes=llm.layout.pp)
+    return llm, replace(llm.spec(), num_blocks=blocks), requests
+
+
 def decode_weight_bytes(model, batch: int) -> int:
     """Parameter bytes one decode step of `batch` sequences reads on this rank."""
-    from atoll.layers.embedding import VocabParallelEmbedding
+    from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
-    embed = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
+    # a tied LM head shares the embedding's tensor: read whole by the head
+    embed = ({id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
+             - {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)})
     total = 0
     for p in model.parameters():
         if id(p) in embed:
@@ -160,7 +174,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_atoll(runner, requests, pipelined: bool = True) -> dict:
+def time_atoll(runner, requests, pipelined: bool = True) -> dict:
     import torch
 
     from atoll.engine.generate import run_requests
@@ -270,7 +284,7 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
 
     def atoll(compiled: bool, pipelined: bool = True) -> dict:
         runner.decode_step = step if compiled else None
-        return _time_atoll(runner, requests, pipelined=pipelined)
+        return time_atoll(runner, requests, pipelined=pipelined)
 
     paths = [True, False] if step is not None else [False]  # the default path first
     rounds, pipeline, loads = [], [], []
