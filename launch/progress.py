@@ -26,9 +26,10 @@ class ProgressBar:
         done, tokens = item
         now = time.perf_counter()
         if self._start is None:
-            self._start = now
-        rate = tokens / max(now - self._start, 1e-9)
-        self._bar.set_postfix_str(f"{tokens} tok, {rate:.1f} tok/s", refresh=False)
+            self._start = (now, tokens)  # tokens/s counts what came after the first report
+        elapsed = now - self._start[0]
+        rate = f"{(tokens - self._start[1]) / elapsed:.1f} tok/s" if elapsed > 0.05 else "- tok/s"
+        self._bar.set_postfix_str(f"{tokens} tok, {rate}", refresh=False)
         self._bar.update(done - self._bar.n)  # redraws at most every mininterval
 
     def close(self) -> None:
