@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": "atoll.launch.cmd_demo",
     "convert": "atoll.launch.cmd_convert",
     "plan": "atoll.launch.cmd_plan",
+    "calibrate": "atoll.launch.cmd_calibrate",
     "topo": "atoll.launch.cmd_topo",
     "bench": "atoll.launch.cmd_bench",
 }

@@ -12,17 +12,22 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="recommend a parallel layout for a model on a cluster",
                               description="Search every layout (TP, PP, DP, EP, replicas), fit memory, "
                                           "predict latency and throughput, recommend one.")
-    p.add_argument("--model", required=True,
-                   help="built-in preset (DeepSeek-V3, Llama-3.1-405B, ...) or a HF config dir/file")
+    p.add_argument("--model", default=None,
+                   help="built-in preset (DeepSeek-V3, Llama-3.1-405B, ...) or a HF config dir/file "
+                        "(with --check: a checkpoint directory; default two random models)")
     p.add_argument("--topology", required=True, help="preset (dgx-h200, ...) or a topology YAML file")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the file's)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="use only this many GPUs per node")
     p.add_argument("--network", default=None, help="replace the inter-node link: ethernet:25, infiniband:400")
-    p.add_argument("--isl", type=int, default=1024, help="input tokens per request")
-    p.add_argument("--osl", type=int, default=256, help="output tokens per request")
-    p.add_argument("--concurrency", default="64", help="requests in flight; a list sweeps: 1,8,64,256")
-    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="weight precision")
-    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="KV cache precision")
+    p.add_argument("--isl", type=int, default=None, help="input tokens per request (default 1024; --check 32)")
+    p.add_argument("--osl", type=int, default=None, help="output tokens per request (default 256; --check 24)")
+    p.add_argument("--concurrency", default=None,
+                   help="requests in flight; a list sweeps: 1,8,64,256 (default 64; --check 8)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp8", "fp32"), default="auto",
+                   help="weight precision (default auto: the checkpoint's, e.g. fp8 for DeepSeek-V3)")
+    p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8", "fp32"), default="auto",
+                   help="KV cache precision, about 2x the requests per GPU from bf16 to fp8 "
+                        "(default auto: bf16, fp32 under fp32 weights)")
     p.add_argument("--ttft-ms", type=float, default=None, help="SLO: time to first token")
     p.add_argument("--tpot-ms", type=float, default=None, help="SLO: time per output token")
     p.add_argument("--layouts", default=None, help="only these, comma-separated: TP8PP2,EP16,'2 x TP8'")
@@ -33,6 +38,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--save", metavar="PLAN.yaml", default=None,
                    help="write the recommended plan (layout, rank -> node/GPU placement, topology, predictions) "
                         "for `atoll generate --plan`; with several --concurrency values, the first one's")
+    p.add_argument("--check", action="store_true",
+                   help="run the layouts on this machine with the runtime and print predicted against measured "
+                        "TTFT and TPOT (use the topology `atoll calibrate` wrote)")
+    p.add_argument("--record", action="store_true",
+                   help="--check: write the median errors into the topology YAML (calibration.errors): later "
+                        "plans on it carry them as their uncertainty band")
+    p.add_argument("--rounds", type=int, default=2, help="--check: timed rounds per layout (default 2)")
+    p.add_argument("--warmup", type=int, default=1, help="--check: untimed rounds first (default 1)")
     p.set_defaults(run=run)
 
 
@@ -75,6 +88,16 @@ def check_plot_path(path: str) -> None:
 
 
 def run(args) -> int:
+    if args.check:
+        from atoll.launch.plan_check import run_check
+
+        args.concurrency_check = _concurrencies(args.concurrency or "8")[0]
+        return run_check(args)
+    if args.model is None:
+        raise ConfigError("plan: the following arguments are required: --model (see `atoll plan --help`)")
+    args.isl = 1024 if args.isl is None else args.isl
+    args.osl = 256 if args.osl is None else args.osl
+    args.concurrency = args.concurrency or "64"
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes {args.nodes}: must be at least 1")
     if args.top < 1:
@@ -126,7 +149,16 @@ def run(args) -> int:
         saved = from_plan(plans[0], config)
         save_plan(saved, args.save)
         print(f"wrote {args.save}: {saved.summary()}", file=sys.stderr)
-    return 0
+    return _closest_miss(plans)
+
+
+def _closest_miss(plans) -> int:
+    """0 when every concurrency has a recommendation; else one line per concurrency without one
+    (no layout fits, or none meets the SLOs: the closest miss) on stderr, and 1."""
+    missed = [p for p in plans if p.recommended is None]
+    for p in missed:
+        print(f"atoll: concurrency {p.workload.concurrency}: {p.reasons[0]}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 def _renamed(plan, name):
@@ -138,7 +170,7 @@ def _renamed(plan, name):
 def _csv(plans) -> None:
     import csv
 
-    cols = ["concurrency", "name", "layout", "replicas", "gpus", "fits", "memory_used_gib",
+    cols = ["concurrency", "dtype", "kv_dtype", "name", "layout", "replicas", "gpus", "fits", "memory_used_gib",
             "memory_capacity_gib", "shortfall_gib", "ttft_ms", "tpot_ms", "tokens_per_s_per_gpu",
             "tokens_per_s_per_user", "meets_slo", "recommended", "reason"]
     w = csv.writer(sys.stdout)
@@ -146,7 +178,8 @@ def _csv(plans) -> None:
     for plan in plans:
         for p in plan.predictions:
             d, m = p.to_dict(), p.to_dict()["memory_gib"]
-            w.writerow([plan.workload.concurrency, p.name, d["layout"], p.replicas, p.gpus, p.fits,
+            w.writerow([plan.workload.concurrency, plan.workload.dtype, plan.workload.kv_dtype, p.name,
+                        d["layout"], p.replicas, p.gpus, p.fits,
                         f"{m['used']:.2f}", f"{m['capacity']:.2f}", f"{m['shortfall']:.2f}",
                         f"{d['ttft_ms']:.3f}", f"{d['tpot_ms']:.4f}", f"{p.tokens_per_s_per_gpu:.3f}",
                         f"{p.tokens_per_s_per_user:.3f}", p.meets_slo, p is plan.recommended, p.reason])

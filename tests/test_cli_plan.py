@@ -57,7 +57,7 @@ def test_json_and_csv(capsys):
 def test_memory_shortfall_shown(capsys):
     code, out, _ = run(capsys, "plan", "--model", "DeepSeek-V3", "--topology", "dgx-h200",
                        "--gpus-per-node", "4", "--dtype", "fp8", "--concurrency", "1")
-    assert code == 0 and "no layout fits in GPU memory" in out and "short" in out
+    assert code == 1 and "no layout fits in GPU memory" in out and "short" in out  # issue 14: exit 1
 
 
 def test_model_from_hf_config_dir(tmp_path, capsys):

@@ -114,7 +114,7 @@ def test_deepseek_fp8_does_not_fit_four_h200():
 def test_llama70b_bf16_fits_tp2_not_tp1_on_h200():
     name, config = resolve_model("Llama-3.1-70B")
     s, topo = shapes(config), load_topology("dgx-h200")
-    w = Workload(isl=1024, osl=256, concurrency=32)
+    w = Workload(isl=1024, osl=256, concurrency=32).resolved(config)  # bf16, the checkpoint's
     tp1 = memory_fit(config, s, topo, w, Layout(tp=1), batch=32)
     tp2 = memory_fit(config, s, topo, w, Layout(tp=2), batch=32)
     # 70.55e9 x 2 B = 131.4 GiB of weights; + 32 x 1280 tokens x 320 KiB = 12.5 GiB of KV

@@ -56,11 +56,12 @@ def _gpu(d: dict, where: str, ranks_per_node: int) -> GpuSpec:
     if kw["memory_gib"] == "auto":  # the local preset: this machine's RAM shared by its CPU ranks
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         kw["memory_gib"] = ram / 2**30 / ranks_per_node
-    unknown = set(d) - set(kw) - {"fp8_tflops"}
+    unknown = set(d) - set(kw) - {"fp8_tflops", "fp32_tflops"}
     if unknown:
         raise ConfigError(f"{where}: unknown field 'gpu.{sorted(unknown)[0]}'")
     try:
-        return GpuSpec(**{**kw, "name": str(kw["name"])}, fp8_tflops=d.get("fp8_tflops", 0.0))
+        return GpuSpec(**{**kw, "name": str(kw["name"])}, fp8_tflops=d.get("fp8_tflops", 0.0),
+                       fp32_tflops=d.get("fp32_tflops", 0.0))
     except ConfigError as e:
         raise ConfigError(f"{where}: gpu: {e}") from None
 
@@ -153,9 +154,14 @@ def topology_from_dict(d: dict, *, nodes: int | None = None, gpus_per_node: int 
     if len(node_names) != count:
         raise ConfigError(f"{where}: {len(node_names)} node_names for {count} nodes")
     topo_nodes = tuple(Node(name=str(n), gpus=gpn, gpu=gpu) for n in node_names)
+    calibration = None
+    if d.get("calibration") is not None:  # measured by `atoll calibrate`
+        from atoll.topologies.calibration import Calibration
+
+        calibration = Calibration.from_dict(d["calibration"], where=f"{where}: calibration")
     return Topology(name=name, nodes=topo_nodes, islands=tuple(islands),
                     island_link=nvlink or pcie, node_link=pcie, network=network,
-                    notes=str(d.get("notes", "")))
+                    notes=str(d.get("notes", "")), calibration=calibration)
 
 
 def load_topology(name_or_path: str, *, nodes: int | None = None, gpus_per_node: int | None = None,

@@ -30,20 +30,24 @@ class GpuSpec:
     hbm_tb_s: float  # peak HBM bandwidth, TB/s
     bf16_tflops: float  # dense tensor-core peak
     fp8_tflops: float = 0.0  # 0: no fp8 tensor cores; fp8 weights are upcast and run at bf16 rate
+    fp32_tflops: float = 0.0  # 0: half the bf16 rate (TF32 tensor cores: H100 SXM 494.7 dense of 989.4 bf16, data sheet)
 
     def __post_init__(self):
         for name in ("memory_gib", "hbm_tb_s", "bf16_tflops"):
             v = getattr(self, name)
             if not _number(v, positive=True):
                 raise ConfigError(f"GPU {self.name!r}: {name}={v!r} must be a positive number")
-        if not _number(self.fp8_tflops, positive=False):
-            raise ConfigError(f"GPU {self.name!r}: fp8_tflops={self.fp8_tflops!r} must be a number >= 0")
+        for name in ("fp8_tflops", "fp32_tflops"):
+            if not _number(getattr(self, name), positive=False):
+                raise ConfigError(f"GPU {self.name!r}: {name}={getattr(self, name)!r} must be a number >= 0")
 
     @property
     def memory_bytes(self) -> float:
         return self.memory_gib * 2**30
 
     def tflops(self, dtype: str) -> float:
+        if dtype == "fp32":
+            return self.fp32_tflops or self.bf16_tflops / 2
         return self.fp8_tflops if dtype == "fp8" and self.fp8_tflops > 0 else self.bf16_tflops
 
 
@@ -96,6 +100,7 @@ class Topology:
     node_link: Link
     network: Link
     notes: str = field(default="", compare=False)
+    calibration: object = field(default=None, compare=False)  # topologies.calibration.Calibration: measured
 
     def __post_init__(self):
         if not self.nodes:

@@ -29,6 +29,7 @@ def plan_layouts(model, topology, workload: Workload, *, ttft_ms: float | None =
             raise ConfigError(f"{slo}={v!r}: an SLO must be a positive number of milliseconds")
     name, config = (getattr(model, "model_type", "model"), model) if isinstance(model, ModelConfig) \
         else resolve_model(str(model))
+    workload = workload.resolved(config)  # "auto" precisions from the checkpoint; isl + osl in context
     sh = model_shapes(config)
     if layouts:
         cands = [parse_candidate(t, topology.num_gpus) for t in layouts]

@@ -24,6 +24,7 @@ class GroupLinks:
     cross_bw: float  # bytes/s per GPU between islands, after efficiency and sharing
     cross_lat: float
     cross_kind: str  # link kind between islands ("" if one island)
+    measured: object = None  # the topology's Calibration: measured collectives replace the link model
 
     @classmethod
     def of(cls, ranks: list[int], placement, topology) -> "GroupLinks":
@@ -38,7 +39,8 @@ class GroupLinks:
         cross_bw = (cross.gb_s / on_node if cross.shared else cross.gb_s) * 1e9 * link_efficiency(cross.kind)
         return cls(size=size, per_island=max(1, size // len(islands)), islands=len(islands),
                    island_bw=island_bw, island_lat=il.latency_us * 1e-6, cross_bw=cross_bw,
-                   cross_lat=cross.latency_us * 1e-6, cross_kind=cross.kind if len(islands) > 1 else "")
+                   cross_lat=cross.latency_us * 1e-6, cross_kind=cross.kind if len(islands) > 1 else "",
+                   measured=topology.calibration)
 
     @property
     def kind(self) -> str:
@@ -49,11 +51,21 @@ def _steps(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
 
+def _measured(op: str, nbytes: float, g: GroupLinks, size: int | None = None) -> float | None:
+    """latency + bytes / bandwidth of `op` as `atoll calibrate` measured it over `size` ranks
+    (default the group's); None where the topology holds no such figure."""
+    fig = g.measured.collective(op, size or g.size) if g.measured is not None else None
+    return None if fig is None else fig[0] + nbytes / fig[1]
+
+
 def all_reduce(nbytes: float, g: GroupLinks) -> float:
     """Hierarchical all-reduce: reduce-scatter/all-gather inside the island (ring bandwidth
-    2(k-1)/k), all-reduce of the 1/k shard between islands; latency of a tree (2 log2 n hops)."""
+    2(k-1)/k), all-reduce of the 1/k shard between islands; latency of a tree (2 log2 n hops).
+    Measured instead where the topology is calibrated."""
     if g.size <= 1 or nbytes <= 0:
         return 0.0
+    if (t := _measured("all_reduce", nbytes, g)) is not None:
+        return t
     k, m = g.per_island, g.islands
     t = 2 * (k - 1) / k * nbytes / g.island_bw + 2 * _steps(k) * g.island_lat
     if m > 1:
@@ -65,6 +77,8 @@ def all_gather(nbytes: float, g: GroupLinks) -> float:
     """All-gather of a tensor of `nbytes` in total (each rank holds nbytes/size)."""
     if g.size <= 1 or nbytes <= 0:
         return 0.0
+    if (t := _measured("all_gather", nbytes, g)) is not None:
+        return t
     k, m = g.per_island, g.islands
     t = (k - 1) / k * nbytes / g.island_bw + _steps(k) * g.island_lat
     if m > 1:
@@ -78,6 +92,8 @@ def all_to_all(bytes_out: float, g: GroupLinks) -> float:
     parallel with the NVLink share; one message latency of the slowest link class."""
     if g.size <= 1 or bytes_out <= 0:
         return 0.0
+    if (t := _measured("all_to_all", bytes_out, g)) is not None:
+        return t
     local = bytes_out * (g.per_island - 1) / g.size
     remote = bytes_out * (g.size - g.per_island) / g.size
     t_local = local / g.island_bw
@@ -90,5 +106,7 @@ def send_recv(nbytes: float, senders: int, g: GroupLinks) -> float:
     """A pipeline hand-off of `nbytes` split over `senders` parallel rank pairs."""
     if nbytes <= 0:
         return 0.0
+    if (t := _measured("send_recv", nbytes / senders, g, size=2)) is not None:  # each pair in parallel
+        return t
     bw, lat = (g.cross_bw, g.cross_lat) if g.islands > 1 else (g.island_bw, g.island_lat)
     return nbytes / senders / bw + lat

@@ -18,13 +18,15 @@ from atoll.parallel.planner.shapes import Shapes, stage_split
 
 WEIGHTS, EXPERTS, KV, COMPUTE = "HBM reads of weights", "HBM reads of expert weights", "HBM reads of KV cache", "compute"
 KERNELS = "kernel launch floors"
+OVERHEAD = "launch/dispatch overhead (calibrated)"
 
 
 def expected_busiest_experts(tokens: int, experts: int, top_k: int, ranks: int) -> float:
     """Expected number of distinct experts the busiest EP rank runs for `tokens` tokens, under
-    uniform top-k routing: each rank's count is Binomial(E/ranks, p), p = 1-(1-k/E)^tokens,
-    and E[max of `ranks` draws] = sum_x (1 - F(x)^ranks)."""
-    local = experts // ranks
+    uniform top-k routing: each rank's count is Binomial(local, p), p = 1-(1-k/E)^tokens,
+    local = ceil(E/ranks) as the runtime splits them (comm.routing.expert_split: the busiest
+    rank holds the extra one), and E[max of `ranks` draws] = sum_x (1 - F(x)^ranks)."""
+    local = -(-experts // ranks)
     p = 1.0 - (1.0 - top_k / experts) ** tokens
     if ranks == 1 or p >= 1.0:
         return local * p
@@ -37,22 +39,36 @@ def expected_busiest_experts(tokens: int, experts: int, top_k: int, ranks: int) 
 
 
 class CostModel:
-    def __init__(self, config, shapes: Shapes, topology, workload, layout, placement):
+    def __init__(self, config, shapes: Shapes, topology, workload, layout, placement, *, ranks: int | None = None):
+        """ranks: ranks busy on one node (default the layout's, at most the node's GPUs); on a
+        calibrated CPU machine ranks beyond its cores share them (runtime_terms.py)."""
         self.c, self.s, self.t, self.w, self.l = config, shapes, topology, workload, layout
         gpu = topology.gpu
         self.hbm = gpu.hbm_tb_s * 1e12 * eff.HBM_EFFICIENCY
         self.flops = gpu.tflops(workload.dtype) * 1e12 * eff.GEMM_EFFICIENCY
         self.attn_flops = gpu.bf16_tflops * 1e12 * eff.ATTENTION_EFFICIENCY
+        self.cal = topology.calibration  # measured figures of this machine: they replace the above
+        if self.cal is not None:
+            from atoll.parallel.planner.runtime_terms import Measured
+
+            self.measured = Measured(self.cal, workload, min(ranks or layout.world_size, topology.num_gpus))
+            self.hbm = self.measured.bandwidth or self.hbm
         self.stages = stage_split(config, layout.pp)
         tp, st = layout.tp, layout.stage_size
         self.g_tp = GroupLinks.of(list(range(tp)), placement, topology)
         self.g_stage = GroupLinks.of(list(range(st)), placement, topology)
+        self.g_world = GroupLinks.of(list(range(layout.world_size)), placement, topology)
         self.g_pp = [GroupLinks.of(list(range(s * st, s * st + tp)) + list(range((s + 1) * st, (s + 1) * st + tp)),
                                    placement, topology) for s in range(layout.pp - 1)]
 
     # -- helpers ---------------------------------------------------------------------------
-    def _op(self, out, nbytes: float, flops: float, mem_kind: str, peak: float | None = None):
-        t_mem, t_cmp = nbytes / self.hbm, flops / (peak or self.flops)
+    def _op(self, out, nbytes: float, flops: float, mem_kind: str, peak: float | None = None,
+            rows: float | None = None):
+        """rows: the GEMM's rows (tokens), for a calibrated rate at that size."""
+        rate = peak or self.flops
+        if self.cal is not None and rows is not None:
+            rate = self.measured.gemm(rows) or rate
+        t_mem, t_cmp = nbytes / self.hbm, flops / rate
         out[mem_kind if t_mem >= t_cmp else COMPUTE] += max(t_mem, t_cmp)
 
     def _comm_name(self, what: str, g: GroupLinks) -> str:
@@ -69,7 +85,7 @@ class CostModel:
         wb, h, tp = w.weight_bytes, s.hidden, l.tp
         n = seqs_per_dp * new_tokens  # tokens on one DP rank
         n_all = n * active_dp  # tokens entering the MoE layers of the stage
-        act = n * h * 2  # bf16 activations of one DP rank, bytes
+        act = n * h * w.act_bytes  # activations of one DP rank, bytes
         start, end = self.stages[stage]
         n_dense = sum(1 for i in range(start, end) if s.dense_layers[i])
         attn_w = s.attn_sharded / tp + s.attn_replicated
@@ -78,29 +94,40 @@ class CostModel:
             if not count:
                 continue
             one: dict[str, float] = defaultdict(float)  # one layer of this kind; the rest repeat it
-            self._op(one, attn_w * wb, 2 * n * attn_w, WEIGHTS)
+            self._op(one, attn_w * wb, 2 * n * attn_w, WEIGHTS, rows=n)
             if prefill:  # causal attention core: half of the n x ctx score matrix, QK and PV
                 core = 2 * 2 * seqs_per_dp * new_tokens * ctx / 2 * (s.heads / tp) * s.head_dim
-                self._op(one, 0.0, core, KV, peak=self.attn_flops)
+                self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=new_tokens)
             else:  # every sequence reads its cache: [ctx, kv] per rank
                 core = 4 * n * ctx * (s.heads / tp) * s.attn_dim
-                self._op(one, seqs_per_dp * ctx * kv_tok, core, KV)
+                self._op(one, seqs_per_dp * ctx * kv_tok, core, KV, rows=n)
             one[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
             kernels = eff.KERNELS_PER_LAYER
             if is_dense:
                 mlp = s.dense_mlp / tp
-                self._op(one, mlp * wb, 2 * n * mlp, WEIGHTS)
+                self._op(one, mlp * wb, 2 * n * mlp, WEIGHTS, rows=n)
                 one[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
+            elif self.cal is not None:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
+                self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
             else:
                 kernels += eff.KERNELS_PER_MOE
                 self._moe(one, n, n_all, act, wb)
-            if not prefill:
+            if self.cal is not None:
+                one[OVERHEAD] += self.measured.layer_overhead(is_dense)
+            elif not prefill:
                 one[KERNELS] += kernels * eff.KERNEL_OVERHEAD_S
             for k, v in one.items():
                 out[k] += v * count
-        if stage == l.pp - 1:  # LM head (kept bf16), logits of the last token of each sequence
+        if stage == 0 and tp > 1:  # the vocab-parallel embedding sums its rows over tp
+            out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
+        if stage == l.pp - 1:  # LM head (bf16 under fp8 weights), logits of the last token of each sequence
             head = s.head / tp
-            self._op(out, head * 2, 2 * seqs_per_dp * head, WEIGHTS)
+            self._op(out, head * w.embed_bytes, 2 * seqs_per_dp * head, WEIGHTS, rows=seqs_per_dp)
+            # each rank's vocab shard of the logits gathered over tp (layers.embedding.ParallelLMHead)
+            logits = seqs_per_dp * s.vocab * w.act_bytes
+            out[self._comm_name("TP all-gather", self.g_tp)] += all_gather(logits, self.g_tp)
+        if self.cal is not None:  # every rank runs each tick's scheduling, metadata and sampling
+            out[OVERHEAD] += self.measured.tick_overhead(seqs_per_dp)
         return dict(out)
 
     def _moe(self, out, n: int, n_all: int, act: float, wb: int):
@@ -158,7 +185,11 @@ class CostModel:
         ctx = w.mean_decode_context
         parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False)
                  for i in range(l.pp)]
-        total = self._through_stages(parts, per_dp * active * self.s.hidden * 2)
+        if self.cal is not None:  # the sampled tokens reach every rank each tick (engine.runner.tick)
+            for p in parts:
+                for k, v in self.measured.tick_exchange(self, per_dp).items():
+                    p[k] = p.get(k, 0.0) + v
+        total = self._through_stages(parts, per_dp * active * self.s.hidden * w.act_bytes)
         chain = sum(total.values())
         slowest = max(sum(p.values()) for p in parts)
         tpot = max(chain, micro * slowest)
@@ -172,9 +203,22 @@ class CostModel:
         l, w = self.l, self.w
         one = [self.stage(i, seqs_per_dp=1, active_dp=1, new_tokens=w.isl, ctx=w.isl, prefill=True)
                for i in range(l.pp)]
-        total = self._through_stages(one, w.isl * self.s.hidden * 2)
+        total = self._through_stages(one, w.isl * self.s.hidden * w.act_bytes)
         per_dp = math.ceil(requests / l.dp)
         active = min(l.dp, requests)
         many = max(sum(self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=w.isl,
                                   ctx=w.isl, prefill=True).values()) for i in range(l.pp))
         return sum(total.values()), many, dict(total)
+
+    def prefill_burst(self, batch: int) -> float:
+        """Median time to first token when `batch` prompts arrive together, as the bench runs
+        them: each of the pp lanes (micro-batches) prefills its share in one chunk, entering
+        one tick after the previous; the median request waits for half of the later lanes."""
+        l, w = self.l, self.w
+        micro = min(batch, l.pp)
+        per_dp = math.ceil(math.ceil(batch / micro) / l.dp)
+        active = min(l.dp, math.ceil(batch / micro))
+        parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=w.isl, ctx=w.isl, prefill=True)
+                 for i in range(l.pp)]
+        through = sum(self._through_stages(parts, per_dp * active * w.isl * self.s.hidden * w.act_bytes).values())
+        return through + (micro - 1) / 2 * max(sum(p.values()) for p in parts)

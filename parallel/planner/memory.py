@@ -54,9 +54,11 @@ def stage_weight_params(shapes, layout, start: int, end: int, first: bool, last:
     """(decoder-layer params, bf16 embedding/head params) one GPU of this stage holds."""
     s, l = shapes, layout
     attn = s.attn_sharded / l.tp + s.attn_replicated
-    moe = (s.experts // l.ep) * s.expert / l.moe_tp + s.shared_expert / l.tp
+    moe = s.experts_per_rank(l.ep) * s.expert / l.moe_tp + s.shared_expert / l.tp
     layers = sum(attn + (s.dense_mlp / l.tp if s.dense_layers[i] else moe) for i in range(start, end))
-    extra = (s.embed / l.tp if first else 0) + (s.head / l.tp if last else 0)
+    # a tied head is the embedding's tensor where one stage holds both (pp 1)
+    head = last and not (s.tied and first)
+    extra = (s.embed / l.tp if first else 0) + (s.head / l.tp if head else 0)
     router = sum(s.router for i in range(start, end) if not s.dense_layers[i])
     return layers, extra + router
 
@@ -68,7 +70,7 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
     worst = None
     for i, (start, end) in enumerate(stage_split(config, l.pp)):
         dec, bf16 = stage_weight_params(s, l, start, end, i == 0, i == l.pp - 1)
-        weights = dec * w.weight_bytes + bf16 * 2
+        weights = dec * w.weight_bytes + bf16 * w.embed_bytes
         kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes)
         if worst is None or weights + kv > worst[0] + worst[1]:
             worst = (weights, kv)
@@ -76,7 +78,7 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
     inter = max(config.intermediate_size / l.tp if config.intermediate_size else 0,
                 s.top_k * config.moe_intermediate_size / l.moe_tp if config.is_moe else 0)
     # residual, normed input, attention output, a scratch copy, the MLP's gate and up (bf16)
-    activations = chunk * (4 * s.hidden + 2 * inter) * 2
+    activations = chunk * (4 * s.hidden + 2 * inter) * w.act_bytes
     groups = sum(1 for size in (l.tp, l.dp, l.pp, l.ep) if size > 1)
     buffers = groups * eff.NCCL_BUFFER_BYTES
     if l.ep > 1 and l.dp > 1:  # all-to-all receive buffers for one chunk of dispatched tokens

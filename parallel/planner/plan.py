@@ -23,6 +23,9 @@ class Prediction:
     prefill: dict = field(repr=False, compare=False)  # seconds per category, one prompt
     meets_slo: bool = True
     reason: str = ""
+    band: float = 0.0  # relative error TPOT and tokens/s may carry (efficiency.PREDICTION_BAND_TPOT or measured)
+    ttft_band: float = 0.0
+    tie: bool = False  # within the band of the recommended layout's tokens/s/GPU
 
     @property
     def name(self) -> str:
@@ -48,6 +51,7 @@ class Prediction:
             "decode_ms": {k: v * 1e3 for k, v in self.decode.items()},
             "prefill_ms": {k: v * 1e3 for k, v in self.prefill.items()},
             "meets_slo": self.meets_slo, "reason": self.reason,
+            "band": self.band, "ttft_band": self.ttft_band, "tie_with_recommended": self.tie,
         }
 
 

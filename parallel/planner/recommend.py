@@ -55,9 +55,21 @@ def recommend(predictions, *, ttft_ms: float | None = None, tpot_ms: float | Non
                        f"TPOT {near.tpot_s * 1e3:.1f} ms")
         return preds, None, reasons
     best = ok[0]
+    ties = [p for p in ok[1:] if best.tokens_per_s_per_gpu <= (1 + best.band) * p.tokens_per_s_per_gpu]
+    if ties:
+        tied = {id(p) for p in ties}
+        preds = [dataclasses.replace(p, tie=True) if id(p) in tied else p for p in preds]
+        ok = [dataclasses.replace(p, tie=True) if id(p) in tied else p for p in ok]
+        ties = ok[1:len(ties) + 1]
     among = f"{len(ok)} layouts that fit" + (f" and meet {slo}" if slo else "")
-    reasons.append(f"recommended {best.name}: highest tokens/s/GPU ({best.tokens_per_s_per_gpu:.1f}) "
-                   f"among {among}, TPOT {best.tpot_s * 1e3:.1f} ms")
+    line = (f"recommended {best.name}: highest tokens/s/GPU ({best.tokens_per_s_per_gpu:.1f}) "
+            f"among {among}, TPOT {best.tpot_s * 1e3:.1f} ms")
+    if ties:
+        names = ", ".join(f"{p.name} ({best.tokens_per_s_per_gpu / p.tokens_per_s_per_gpu:.2f}x lower)"
+                          for p in ties[:4]) + (f" and {len(ties) - 4} more" if len(ties) > 4 else "")
+        line += (f"; a tie, not a choice: {names} within the predictions' +-{best.band:.0%} error "
+                 f"(measure them before committing: atoll bench)")
+    reasons.append(line)
     reasons.append(best.reason)
     if len(ok) > 1:
         second = ok[1]

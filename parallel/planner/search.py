@@ -58,7 +58,8 @@ def enumerate_layouts(config, topology, *, allow_cross_island: bool = False) -> 
 def evaluate(config, shapes, topology, workload, layout: Layout, replicas: int, *,
              allow_cross_island: bool = False) -> Prediction:
     placement = Placement.build(layout, topology, allow_cross_island=allow_cross_island)
-    cost = CostModel(config, shapes, topology, workload, layout, placement)
+    busy = min(topology.gpus_per_node, replicas * layout.world_size)  # ranks at work on one node
+    cost = CostModel(config, shapes, topology, workload, layout, placement, ranks=busy)
     conc = workload.concurrency
     batch = math.ceil(conc / replicas)
     tpot, decode, micro = cost.decode(batch)
@@ -66,9 +67,19 @@ def evaluate(config, shapes, topology, workload, layout: Layout, replicas: int, 
     ttft = one + (tpot / micro if batch > 1 else 0.0)  # a new prompt waits for the running step
     cycle = many + workload.osl * tpot  # prefill all `batch` prompts, then decode them
     gpus = replicas * layout.world_size
-    return Prediction(
+    band, ttft_band = prediction_bands(topology)
+    return Prediction(band=band, ttft_band=ttft_band,
         layout=layout, replicas=replicas, gpus=gpus, concurrency=conc,
         memory=memory_fit(config, shapes, topology, workload, layout, batch),
         ttft_s=ttft, tpot_s=tpot, tokens_per_s_per_gpu=conc * workload.osl / cycle / gpus,
         tokens_per_s_per_user=1.0 / tpot, decode=decode, prefill=prefill,
     )
+
+
+def prediction_bands(topology) -> tuple[float, float]:
+    """(TPOT, TTFT) relative error bands: what `atoll plan --check --record` measured on this
+    topology, else the sourced defaults of efficiency.py."""
+    from atoll.parallel.planner import efficiency as eff
+
+    errors = topology.calibration.errors if topology.calibration is not None else {}
+    return errors.get("tpot", eff.PREDICTION_BAND_TPOT), errors.get("ttft", eff.PREDICTION_BAND_TTFT)

@@ -2,7 +2,9 @@
 
 Counts are parameters (not bytes); the caller multiplies by the precision. Each decoder
 layer is either dense (attention + MLP) or MoE (attention + routed experts + shared expert +
-router); DeepSeek's first `first_k_dense_replace` layers are dense.
+router); which layers are MoE is the runtime's own rule, ModelConfig.is_moe_layer (DeepSeek's
+first `first_k_dense_replace`, Qwen's `mlp_only_layers` and `decoder_sparse_step`).
+A tied LM head is the embedding's tensor: counted once where one rank holds both.
 """
 
 from __future__ import annotations
@@ -31,13 +33,21 @@ class Shapes:
     heads: int
     kv_latent: int  # MLA: kv_lora_rank + qk_rope_head_dim; 0 otherwise
     attn_dim: int  # per-head dim of the attention core (MLA absorbed: kv_lora + rope)
+    tied: bool = False  # LM head shares the embedding's tensor (tie_word_embeddings)
 
     def _params(self, experts: int) -> int:
         """Parameters with `experts` routed experts per MoE layer."""
         attn = self.attn_sharded + self.attn_replicated
         moe = experts * self.expert + self.shared_expert + self.router
         per_layer = sum(attn + (self.dense_mlp if d else moe) for d in self.dense_layers)
-        return per_layer + self.embed + self.head
+        return per_layer + self.embed + (0 if self.tied else self.head)
+
+    def experts_per_rank(self, ep: int) -> int:
+        """Routed experts on the busiest ep rank: the runtime's split (comm.routing.expert_split)
+        gives the first num_experts % ep ranks one more."""
+        from atoll.comm.routing import expert_split
+
+        return max(expert_split(self.experts, ep)) if self.experts else 0
 
     @property
     def total_params(self) -> int:
@@ -79,10 +89,7 @@ def shapes(config) -> Shapes:
         d = c.head_dim
         attn_sh = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
         attn_rep, latent, attn_dim = 0, 0, d
-    if c.is_moe:
-        dense = tuple(i < c.first_k_dense_replace for i in range(c.num_hidden_layers))
-    else:
-        dense = (True,) * c.num_hidden_layers
+    dense = tuple(not c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     return Shapes(
         hidden=h, vocab=c.vocab_size, layers=c.num_hidden_layers, dense_layers=dense,
         attn_sharded=attn_sh, attn_replicated=attn_rep,
@@ -92,7 +99,7 @@ def shapes(config) -> Shapes:
         router=h * c.num_experts,
         embed=c.vocab_size * h, head=c.vocab_size * h,
         kv_heads=0 if c.is_mla else c.num_key_value_heads, head_dim=c.head_dim,
-        heads=c.num_attention_heads, kv_latent=latent, attn_dim=attn_dim,
+        heads=c.num_attention_heads, kv_latent=latent, attn_dim=attn_dim, tied=c.tie_word_embeddings,
     )
 
 

@@ -29,6 +29,13 @@ def print_plans(plans, *, top: int = 10, console=None) -> None:
     console.print(f"[bold]{first.model}[/bold] on {first.topology.describe()}")
     console.print(f"isl {w.isl}, osl {w.osl}, weights {w.dtype}, KV {w.kv_dtype}; "
                   f"{first.evaluated} layouts evaluated per concurrency")
+    if first.predictions:
+        p0 = first.predictions[0]
+        cal = first.topology.calibration
+        where = ("measured by atoll plan --check on this topology" if cal is not None and cal.errors
+                 else "the model's error against published measurements (efficiency.py)")
+        console.print(f"predictions carry +-{p0.band:.0%} (TPOT, tokens/s) and +-{p0.ttft_band:.0%} (TTFT): "
+                      f"{where}; '=' marks a layout tied with the recommended one", highlight=False)
     changes = []
     for plan in plans:
         c = plan.workload.concurrency
@@ -38,7 +45,7 @@ def print_plans(plans, *, top: int = 10, console=None) -> None:
                           ("tok/s/user", "right"), ("decode bound by", "left")):
             t.add_column(col, justify=just)
         for p in rows_for(plan, top):
-            mark = "*" if p is plan.recommended else ("" if p.meets_slo else "slo")
+            mark = "*" if p is plan.recommended else ("=" if p.tie else ("" if p.meets_slo else "slo"))
             mem = f"{p.memory.used / GIB:.1f}/{p.memory.capacity / GIB:.0f}"
             style = None if p.fits else "dim"
             t.add_row(mark, p.name, str(p.gpus), mem, f"{p.ttft_s * 1e3:.0f}", f"{p.tpot_s * 1e3:.1f}",

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from atoll.errors import ConfigError
 
-DTYPES = ("bf16", "fp8")
+DTYPES = ("bf16", "fp8", "fp32")
+_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -14,8 +15,8 @@ class Workload:
     isl: int = 1024  # input (prompt) tokens per request
     osl: int = 256  # output tokens per request
     concurrency: int = 64  # requests in flight across the whole cluster
-    dtype: str = "bf16"  # weight precision of the decoder layers
-    kv_dtype: str = "bf16"  # KV cache precision
+    dtype: str = "auto"  # weight precision of the decoder layers; auto: the checkpoint's (checkpoint_dtype)
+    kv_dtype: str = "auto"  # KV cache precision; auto: bf16 below fp32 weights, else fp32
 
     def __post_init__(self):
         for name in ("isl", "osl", "concurrency"):
@@ -23,16 +24,43 @@ class Workload:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be a positive integer")
         for name in ("dtype", "kv_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {', '.join(DTYPES)}")
+            if getattr(self, name) not in DTYPES + ("auto",):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {', '.join(DTYPES)} or auto")
+
+    def resolved(self, config) -> "Workload":
+        """"auto" precisions filled from the model's config; ConfigError when a request's
+        isl + osl exceeds the model's context."""
+        import dataclasses
+
+        if self.context > config.max_position_embeddings:
+            raise ConfigError(f"isl + osl = {self.isl} + {self.osl} = {self.context} tokens exceeds the model's "
+                              f"context of {config.max_position_embeddings} (max_position_embeddings)")
+        dtype = checkpoint_dtype(config) if self.dtype == "auto" else self.dtype
+        kv = ("fp32" if dtype == "fp32" else "bf16") if self.kv_dtype == "auto" else self.kv_dtype
+        return dataclasses.replace(self, dtype=dtype, kv_dtype=kv)
+
+    def _bytes(self, dtype: str) -> int:
+        if dtype == "auto":
+            raise ConfigError("the workload's precision is still 'auto': call resolved(config) first")
+        return _BYTES[dtype]
 
     @property
     def weight_bytes(self) -> int:
-        return 1 if self.dtype == "fp8" else 2
+        return self._bytes(self.dtype)
 
     @property
     def kv_bytes(self) -> int:
-        return 1 if self.kv_dtype == "fp8" else 2
+        return self._bytes(self.kv_dtype)
+
+    @property
+    def embed_bytes(self) -> int:
+        """Embedding and LM head: kept in bf16 under fp8 weights, else the weights' precision."""
+        return max(2, self.weight_bytes)
+
+    @property
+    def act_bytes(self) -> int:
+        """Activations: bf16, or fp32 when the weights are fp32."""
+        return max(2, self.weight_bytes)
 
     @property
     def context(self) -> int:
@@ -43,3 +71,15 @@ class Workload:
     def mean_decode_context(self) -> float:
         """Average tokens attended to over the decode of one request."""
         return self.isl + self.osl / 2
+
+
+def checkpoint_dtype(config) -> str:
+    """The weights' precision the checkpoint ships in: fp8 when its config.json carries an fp8
+    quantization_config (DeepSeek-V3: quant_method fp8, fmt e4m3), fp32 for a float32
+    torch_dtype, else bf16 (float16 is costed as bf16: same bytes, same tensor-core rate)."""
+    raw = getattr(config, "raw", {}) or {}
+    quant = raw.get("quantization_config") or {}
+    if isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "fp8":
+        return "fp8"
+    torch_dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    return "fp32" if torch_dtype in ("float32", "torch.float32") else "bf16"

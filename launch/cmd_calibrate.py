@@ -1,0 +1,60 @@
+"""`atoll calibrate`: measure this machine with the runtime's own code and write a topology
+YAML holding the figures and how they were measured (see atoll/calibrate)."""
+
+from __future__ import annotations
+
+import sys
+
+from atoll.errors import ConfigError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="measure this machine (GEMM, memory, per-layer overhead, collectives) into a topology YAML",
+        description="Measure GEMM throughput at decode and prefill sizes per dtype, memory bandwidth, the runtime's "
+                    "per-layer and per-step overhead, and all_reduce, all_gather, reduce_scatter, all_to_all, "
+                    "broadcast and send/recv over the runtime's process groups at each group size; write a "
+                    "topology YAML for `atoll plan --topology` (and `atoll plan --check`).")
+    p.add_argument("--out", default="calibrated.yaml", help="topology YAML to write (default calibrated.yaml)")
+    p.add_argument("--quick", action="store_true", help="short timings, a few seconds (for tests; noisy)")
+    p.add_argument("--max-ranks", type=int, default=None,
+                   help="largest group for the collectives (default: the core count)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import os
+    from pathlib import Path
+
+    out = Path(args.out).expanduser()
+    if out.is_dir():
+        raise ConfigError(f"--out {args.out}: is a directory; give a file such as {out / 'calibrated.yaml'}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {args.out}: the directory {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ConfigError(f"--out {args.out}: not writable")
+    if args.max_ranks is not None and not 2 <= args.max_ranks <= 64:
+        raise ConfigError(f"--max-ranks {args.max_ranks}: must be between 2 and 64")
+
+    from atoll.calibrate import calibrate, write_yaml
+    from atoll.topologies import load_topology
+
+    command = "atoll calibrate" + (" --quick" if args.quick else "") + \
+        (f" --max-ranks {args.max_ranks}" if args.max_ranks else "")
+    data = calibrate(quick=args.quick, max_ranks=args.max_ranks, progress=not args.no_progress, command=command)
+    write_yaml(data, out)
+    topo = load_topology(str(out))  # what was written reads back
+    cal = topo.calibration
+    o = cal.overhead_us
+    print(f"wrote {out}: {topo.describe()}")
+    print("  read bandwidth per rank: " + ", ".join(f"{n} at once {v:.1f} GB/s" for n, v in cal.memory_gb_s.items()))
+    for dtype, table in cal.gemm_tflops.items():
+        print(f"  GEMM {dtype} GFLOP/s by rows: " + ", ".join(f"{m}: {v * 1e3:.1f}" for m, v in table.items()))
+    print(f"  overhead us: step {o.get('step', 0):.0f}, per sequence {o.get('per_seq', 0):.1f}, "
+          f"dense layer {o.get('dense_layer', 0):.1f}, MoE layer {o.get('moe_layer', 0):.1f}")
+    for op, sizes in cal.collectives.items():
+        print(f"  {op}: " + ", ".join(f"{n} ranks {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
+                                      for n, (lat, bw) in sizes.items()))
+    print(f"  {cal.how}", file=sys.stderr)
+    return 0

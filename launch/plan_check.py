@@ -1,0 +1,221 @@
+"""`atoll plan --check`: the planner's predictions against runs of the runtime on this machine.
+
+For each layout the planner predicts TTFT and TPOT for one replica on the given topology
+(best `atoll calibrate`'s YAML of this machine), then the bench path (launch/bench_model:
+`prepare` makes the requests and cache, `time_atoll` times run_requests) runs the same
+workload on as many local ranks, one thread each (a CPU rank is one core, as the topology
+counts it), eager: `batch` random prompts of `isl` tokens arriving together, each generating
+`osl` tokens. Measured TTFT and TPOT are medians over requests, then over timed rounds; error
+= predicted / measured - 1. Predicted TTFT is the planner's prefill of that burst
+(CostModel.prefill_burst); TPOT is its decode step at concurrency `batch`.
+
+Without --model: a random Llama (12 layers, hidden 768, ~100M parameters) at TP1, TP2, PP2 and
+TP2PP2, and a random Qwen3-MoE (8 layers, 8 experts, top-2) at EP2 and DP2EP2, both written
+once into the cache with calibrate.tiny.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+from atoll.errors import ConfigError
+
+DENSE_LAYOUTS = ("TP1", "TP2", "PP2", "TP2PP2")
+MOE_LAYOUTS = ("EP2", "DP2EP2")
+CHECK_DENSE = dict(layers=12, hidden_size=768, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+                   intermediate_size=2048, vocab_size=16384, max_position_embeddings=2048)
+CHECK_MOE = dict(layers=8, moe=True, hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                 intermediate_size=1024, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2,
+                 vocab_size=8192, max_position_embeddings=2048)
+
+
+def check_models(model: str | None, layouts: list[str] | None) -> list[tuple[str, str, list[str]]]:
+    """(name, checkpoint dir, layouts) to run."""
+    from pathlib import Path
+
+    from atoll.models.config import ModelConfig
+
+    if model is not None:
+        d = Path(model)
+        if not (d / "config.json").is_file():
+            raise ConfigError(f"--check runs the model: --model {model} must be a checkpoint directory")
+        moe = ModelConfig.load(d).is_moe
+        return [(d.name, str(d), layouts or list(MOE_LAYOUTS if moe else DENSE_LAYOUTS))]
+    out = [("random Llama 100M", str(_random_dir("check-llama", CHECK_DENSE)), list(DENSE_LAYOUTS)),
+           ("random Qwen3-MoE 65M", str(_random_dir("check-qwen3-moe", CHECK_MOE)), list(MOE_LAYOUTS))]
+    if layouts:
+        out = [(n, d, [x for x in layouts if x in lays]) for n, d, lays in out]
+        out = [o for o in out if o[2]]
+        if not out:
+            raise ConfigError(f"--layouts {','.join(layouts)}: the default check runs "
+                              f"{', '.join(DENSE_LAYOUTS + MOE_LAYOUTS)}; give --model for others")
+    return out
+
+
+def _random_dir(name: str, shape: dict):
+    from atoll.calibrate.tiny import write_tiny
+    from atoll.models.gguf import cache_dir
+
+    d = cache_dir() / name
+    if not (d / "config.json").is_file():
+        print(f"atoll: writing a random checkpoint once into {d}", file=sys.stderr, flush=True)
+        write_tiny(d, **shape)
+    return d
+
+
+def topology_for(topology, world: int):
+    """The topology with at least `world` ranks on its node (a CPU runs more ranks than cores;
+    the cost model shares the cores among them), one island per rank as on a CPU."""
+    import dataclasses
+
+    if world <= topology.gpus_per_node:
+        return topology
+    node = dataclasses.replace(topology.nodes[0], gpus=world)
+    return dataclasses.replace(topology, nodes=(node,), islands=tuple(((0, g),) for g in range(world)))
+
+
+def predict(model_dir: str, topology, layout_text: str, *, batch: int, isl: int, osl: int) -> dict:
+    from atoll.models.config import ModelConfig
+    from atoll.parallel.layout import Layout
+    from atoll.parallel.placement import Placement
+    from atoll.parallel.planner import Workload, plan_layouts
+    from atoll.parallel.planner.cost import CostModel
+    from atoll.parallel.planner.shapes import shapes
+
+    config = ModelConfig.load(model_dir)
+    layout = Layout.parse(layout_text).validate(config)
+    topo = topology_for(topology, layout.world_size)
+    workload = Workload(isl=isl, osl=osl, concurrency=batch, dtype="fp32", kv_dtype="fp32")  # CPU runs fp32
+    plan = plan_layouts(config, topo, workload, layouts=[f"1 x {layout}"])
+    p = plan.predictions[0]
+    placement = Placement.build(layout, topo, allow_cross_island=True)
+    cost = CostModel(config, shapes(config), topo, plan.workload, layout, placement, ranks=layout.world_size)
+    return {"ttft_s": cost.prefill_burst(batch), "tpot_s": p.tpot_s, "decode": p.decode}
+
+
+def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int) -> dict | None:
+    import contextlib
+    import io
+
+    import torch
+
+    from atoll.engine.runner import ModelRunner
+    from atoll.launch.bench_model import time_atoll
+    from atoll.launch.device import rank_device
+    from atoll.parallel.layout import Layout
+    from atoll.parallel.mesh import ParallelContext
+
+    device = rank_device()
+    layout = Layout.parse(spec.layout)
+    ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
+    with contextlib.redirect_stderr(io.StringIO()):  # the cache summary line would break the progress bar
+        runner = ModelRunner(spec, ctx)
+    mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
+    runs = []
+    for i in range(warmup + rounds):
+        ctx.world.barrier()
+        r = time_atoll(runner, mine)
+        if i >= warmup:
+            runs.append(r)
+    # every replica's medians, averaged: the DP replicas run side by side
+    figs = torch.tensor([statistics.median(r["prefill_s"] for r in runs),
+                         statistics.median(r["decode_step_s"] for r in runs)], dtype=torch.float64)
+    ctx.world.all_reduce(figs)
+    return {"ttft_s": float(figs[0]) / world, "tpot_s": float(figs[1]) / world} if rank == 0 else None
+
+
+def measure(model_dir: str, layout: str, *, batch: int, isl: int, osl: int, rounds: int, warmup: int) -> dict:
+    from atoll.launch.bench_model import prepare
+    from atoll.launch.local import run_local
+
+    llm, spec, requests = prepare(model_dir, layout, batch=batch, input_len=isl, output_len=osl, device="cpu",
+                                  enforce_eager=True)
+    return run_local(_rank, llm.layout.world_size, spec, requests, rounds, warmup, threads=1, timeout_s=1800,
+                     device="cpu")[0]
+
+
+def run_check(args) -> int:
+    from tqdm import tqdm
+
+    from atoll.topologies import load_topology
+
+    batch = args.concurrency_check
+    isl, osl = args.isl or 32, args.osl or 24
+    if osl < 2:
+        raise ConfigError(f"--osl {osl}: a decode step needs at least 2 output tokens")
+    if args.rounds < 1 or args.warmup < 0:
+        raise ConfigError("--rounds must be >= 1 and --warmup >= 0")
+    topology = load_topology(args.topology)
+    if args.record and (topology.calibration is None or not os.path.isfile(args.topology)):
+        raise ConfigError(f"--record writes into a calibrated topology file; {args.topology} is not one "
+                          "(atoll calibrate --out FILE makes one)")
+    if topology.calibration is None:
+        print(f"atoll: warning: {args.topology} holds no calibration: the predictions use its assumed figures "
+              "(run `atoll calibrate --out this.yaml` and check against that)", file=sys.stderr)
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] if args.layouts else None
+    todo = [(name, d, lay) for name, d, lays in check_models(args.model, layouts) for lay in lays]
+    load = [os.getloadavg()[0]]
+    rows = []
+    for name, d, lay in tqdm(todo, desc="check", unit="layout", dynamic_ncols=True, disable=args.format == "json"):
+        pred = predict(d, topology, lay, batch=batch, isl=isl, osl=osl)
+        meas = measure(d, lay, batch=batch, isl=isl, osl=osl, rounds=args.rounds, warmup=args.warmup)
+        rows.append({"model": name, "layout": lay, **{f"predicted_{k}": pred[k] for k in ("ttft_s", "tpot_s")},
+                     **{f"measured_{k}": meas[k] for k in ("ttft_s", "tpot_s")},
+                     "ttft_error": pred["ttft_s"] / meas["ttft_s"] - 1, "tpot_error": pred["tpot_s"] / meas["tpot_s"] - 1})
+        load.append(os.getloadavg()[0])
+    result = {"topology": args.topology, "cores": os.cpu_count(), "batch": batch, "isl": isl, "osl": osl,
+              "rounds": args.rounds, "rows": rows, "load_avg_1m": [round(x, 2) for x in load],
+              "median_abs_tpot_error": statistics.median(abs(r["tpot_error"]) for r in rows),
+              "median_abs_ttft_error": statistics.median(abs(r["ttft_error"]) for r in rows)}
+    if args.record:
+        record(args.topology, result)
+    if args.format == "json":
+        import json
+
+        print(json.dumps(result, indent=1))
+    else:
+        render(result)
+    return 0
+
+
+def record(path: str, result: dict) -> None:
+    """The check's median errors into the topology file's calibration.errors."""
+    import time
+    from pathlib import Path
+
+    import yaml
+
+    from atoll.topologies.load import read_yaml
+
+    data = read_yaml(Path(path), path, "a topology YAML")
+    data["calibration"]["errors"] = {
+        "tpot": round(result["median_abs_tpot_error"], 4), "ttft": round(result["median_abs_ttft_error"], 4),
+        "layouts": len(result["rows"]),
+        "how": f"atoll plan --check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+               f"{', '.join(map(str, result['load_avg_1m']))}"}
+    text = Path(path).read_text()
+    header = "".join(line + "\n" for line in text.splitlines() if line.startswith("#"))
+    Path(path).write_text(header + yaml.safe_dump(data, sort_keys=False, width=120))
+    print(f"atoll: recorded the median errors in {path}: later plans on it carry them as their band", file=sys.stderr)
+
+
+def render(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"predicted vs measured on this machine ({r['cores']} cores): {r['batch']} requests of "
+                    f"{r['isl']} tokens arriving together, {r['osl']} out each; medians of {r['rounds']} rounds",
+              title_justify="left")
+    for col in ("model", "layout", "TTFT pred ms", "TTFT meas ms", "error", "TPOT pred ms", "TPOT meas ms", "error"):
+        t.add_column(col, justify="left" if col in ("model", "layout") else "right")
+    for row in r["rows"]:
+        t.add_row(row["model"], row["layout"], f"{row['predicted_ttft_s'] * 1e3:.1f}",
+                  f"{row['measured_ttft_s'] * 1e3:.1f}", f"{row['ttft_error']:+.0%}",
+                  f"{row['predicted_tpot_s'] * 1e3:.2f}", f"{row['measured_tpot_s'] * 1e3:.2f}",
+                  f"{row['tpot_error']:+.0%}")
+    Console(width=140).print(t)
+    print(f"median |TPOT error| {r['median_abs_tpot_error']:.0%}, median |TTFT error| "
+          f"{r['median_abs_ttft_error']:.0%} over {len(r['rows'])} layouts; topology {r['topology']}; "
+          f"1-minute load average {', '.join(map(str, r['load_avg_1m']))}")

@@ -1,0 +1,165 @@
+"""Calibration: figures `atoll calibrate` measured on a machine, kept in its topology YAML
+under `calibration:` and read by the planner's cost model in place of assumed constants.
+
+    calibration:
+      device: cpu                 # what ran: cpu (gloo) or cuda (nccl)
+      cores: 2                    # CPU cores of the machine (ranks beyond them share cores)
+      how: "..."                  # the command, torch version, threads per rank, load average
+      gemm_tflops:                # one rank: y = x @ w.T, x [rows, k], by dtype then rows
+        fp32: {1: 0.004, 16: 0.05, 256: 0.09}
+      memory_gb_s: {1: 11.2, 2: 7.9}   # read bandwidth per rank, with 1, 2, ... ranks reading at once
+      overhead_us:                # a decode step of the runtime beyond its FLOP/byte floor
+        step: 350                 # per tick, whatever the model (scheduler, sampler, metadata)
+        per_seq: 20               # per sequence in the tick
+        dense_layer: 60           # per decoder layer with a dense MLP
+        moe_layer: 160            # per decoder layer with routed experts
+      collectives:                # seconds = latency_us + bytes / gb_s, by op then group size
+        all_reduce: {2: {latency_us: 60, gb_s: 1.5}}
+      errors: {tpot: 0.12, ttft: 0.3}  # `atoll plan --check --record`: the model's median |error| here
+
+Every number must be finite and positive (overheads may be 0); a missing entry falls back to
+the topology's links and the sourced constants of parallel/planner/efficiency.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from atoll.errors import ConfigError
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+OVERHEADS = ("step", "per_seq", "dense_layer", "moe_layer")
+
+
+def _num(v, where: str, *, zero_ok: bool = False) -> float:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v >= 0 if zero_ok else v > 0)
+    if not ok:
+        raise ConfigError(f"{where}={v!r} must be a {'non-negative' if zero_ok else 'positive'} number")
+    return float(v)
+
+
+def _int_key(k, where: str) -> int:
+    try:
+        n = int(k)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: key {k!r} must be a whole number") from None
+    if n < 1 or str(n) != str(k).strip():
+        raise ConfigError(f"{where}: key {k!r} must be a whole number >= 1")
+    return n
+
+
+def _table(d, where: str) -> dict[int, float]:
+    if not isinstance(d, dict) or not d:
+        raise ConfigError(f"{where} must be a non-empty mapping of whole numbers to numbers")
+    return {_int_key(k, where): _num(v, f"{where}.{k}") for k, v in d.items()}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str = "cpu"
+    cores: int = 1
+    how: str = ""
+    gemm_tflops: dict = field(default_factory=dict)  # dtype -> {rows: TFLOP/s}
+    memory_gb_s: dict = field(default_factory=dict)  # ranks reading at once -> GB/s per rank
+    overhead_us: dict = field(default_factory=dict)  # OVERHEADS -> microseconds
+    collectives: dict = field(default_factory=dict)  # op -> {size: (latency s, bytes/s)}
+    errors: dict = field(default_factory=dict)  # tpot, ttft: median |predicted/measured - 1| of `plan --check`
+
+    @classmethod
+    def from_dict(cls, d, where: str = "calibration") -> "Calibration":
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where} must be a mapping")
+        unknown = set(d) - {"device", "cores", "how", "when", "host", "gemm_tflops", "memory_gb_s",
+                            "overhead_us", "collectives", "load_avg_1m", "seconds", "errors"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown field '{sorted(unknown)[0]}'")
+        device = d.get("device", "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"{where}.device={device!r} must be cpu or cuda")
+        cores = d.get("cores", 1)
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+            raise ConfigError(f"{where}.cores={cores!r} must be a whole number >= 1")
+        gemm = d.get("gemm_tflops") or {}
+        if not isinstance(gemm, dict):
+            raise ConfigError(f"{where}.gemm_tflops must be a mapping of dtype to a table")
+        gemm = {str(k): _table(v, f"{where}.gemm_tflops.{k}") for k, v in gemm.items()}
+        memory = _table(d["memory_gb_s"], f"{where}.memory_gb_s") if d.get("memory_gb_s") else {}
+        over = d.get("overhead_us") or {}
+        if not isinstance(over, dict) or set(over) - set(OVERHEADS):
+            raise ConfigError(f"{where}.overhead_us: fields are {', '.join(OVERHEADS)}")
+        over = {k: _num(v, f"{where}.overhead_us.{k}", zero_ok=True) for k, v in over.items()}
+        colls = d.get("collectives") or {}
+        if not isinstance(colls, dict) or set(colls) - set(OPS):
+            raise ConfigError(f"{where}.collectives: operations are {', '.join(OPS)}")
+        parsed = {}
+        for op, sizes in colls.items():
+            if not isinstance(sizes, dict):
+                raise ConfigError(f"{where}.collectives.{op} must map group sizes to latency_us and gb_s")
+            parsed[op] = {}
+            for size, fig in sizes.items():
+                w = f"{where}.collectives.{op}.{size}"
+                if not isinstance(fig, dict) or set(fig) != {"latency_us", "gb_s"}:
+                    raise ConfigError(f"{w} must be {{latency_us: ..., gb_s: ...}}")
+                parsed[op][_int_key(size, w)] = (_num(fig["latency_us"], f"{w}.latency_us", zero_ok=True) * 1e-6,
+                                                 _num(fig["gb_s"], f"{w}.gb_s") * 1e9)
+        errors = d.get("errors") or {}
+        if not isinstance(errors, dict) or set(errors) - {"tpot", "ttft", "layouts", "how"}:
+            raise ConfigError(f"{where}.errors: fields are tpot, ttft (median |error|), layouts, how")
+        errors = {k: _num(errors[k], f"{where}.errors.{k}", zero_ok=True) for k in ("tpot", "ttft") if k in errors}
+        return cls(device=device, cores=cores, how=str(d.get("how", "")), gemm_tflops=gemm, memory_gb_s=memory,
+                   overhead_us=over, collectives=parsed, errors=errors)
+
+    # -- lookups the cost model makes ------------------------------------------------------
+    def gemm_flops(self, dtype: str, rows: float) -> float | None:
+        """FLOP/s of a GEMM with `rows` rows: the measured table, interpolated in log(rows)
+        between measured sizes and held flat beyond them; None if the dtype was not measured."""
+        table = self.gemm_tflops.get(dtype)
+        if not table:
+            return None
+        return _interp(table, max(rows, 1.0)) * 1e12
+
+    def memory_bytes_s(self, ranks: int) -> float | None:
+        """Read bandwidth of one rank while `ranks` ranks read at once (the nearest measured)."""
+        if not self.memory_gb_s:
+            return None
+        near = min(self.memory_gb_s, key=lambda n: (abs(n - ranks), -n))
+        return self.memory_gb_s[near] * 1e9
+
+    def overhead_s(self, name: str) -> float | None:
+        v = self.overhead_us.get(name)
+        return None if v is None else v * 1e-6
+
+    def collective(self, op: str, size: int) -> tuple[float, float] | None:
+        """(latency s, bytes/s) of `op` over `size` ranks: the measured size, else the largest
+        measured below it with latency grown by log2 of the ratio (a tree's extra rounds)."""
+        sizes = self.collectives.get(op)
+        if not sizes or size < 2:
+            return None
+        if size in sizes:
+            return sizes[size]
+        below = [s for s in sizes if s < size]
+        base = max(below) if below else min(sizes)
+        lat, bw = sizes[base]
+        return lat * max(1.0, math.log2(size) / math.log2(max(base, 2))), bw
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "cores": self.cores, "how": self.how,
+                "gemm_tflops": {k: dict(v) for k, v in self.gemm_tflops.items()},
+                "memory_gb_s": dict(self.memory_gb_s), "overhead_us": dict(self.overhead_us),
+                "collectives": {op: {s: {"latency_us": lat * 1e6, "gb_s": bw / 1e9} for s, (lat, bw) in v.items()}
+                                for op, v in self.collectives.items()},
+                "errors": dict(self.errors)}
+
+
+def _interp(table: dict[int, float], x: float) -> float:
+    keys = sorted(table)
+    if x <= keys[0]:
+        return table[keys[0]]
+    if x >= keys[-1]:
+        return table[keys[-1]]
+    for a, b in zip(keys, keys[1:]):
+        if a <= x <= b:
+            f = (math.log(x) - math.log(a)) / (math.log(b) - math.log(a))
+            return table[a] * (table[b] / table[a]) ** f  # geometric between the two
+    return table[keys[-1]]
