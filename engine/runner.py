@@ -57,7 +57,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(spec.dtype, self.config, self.device)
         self.model = build_model(self.config, ctx, dtype=self.dtype, device=self.device).eval()
         self.checkpoint = Checkpoint(spec.model_dir)
-        load_weights(self.model, self.checkpoint)  # each slice goes to the device as it is read
+        # each slice goes to the device as it is read; every rank checks that some rank read each tensor
+        load_weights(self.model, self.checkpoint, world=ctx.world)
         self.kv_heads = kv_heads_per_rank(self.config.num_key_value_heads, ctx.tp.size)
         self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.block_size)
         self.num_blocks = self._size_cache()

@@ -8,6 +8,7 @@ that a rank read about 1/tp of its stage's weights.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from atoll.errors import CheckpointError
@@ -93,6 +94,10 @@ class Checkpoint:
     def header(self, name: str) -> HeaderSource:
         return HeaderSource(name, self._open(self.weight_map[name]).get_slice(name))
 
+    def dtype(self, name: str) -> str:
+        """The tensor's dtype as safetensors names it ("BF16", "F8_E4M3"), from its header."""
+        return self._open(self.weight_map[name]).get_slice(name).get_dtype()
+
     def names(self) -> list[str]:
         return list(self.weight_map)
 
@@ -116,9 +121,6 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
 
-_LOADABLE = ("F32", "F16", "BF16", "F64")
-
-
 class HeaderSource:
     """A checkpoint tensor known only by its safetensors header: indexing gives a meta tensor
     of the slice's shape, so a model built on `meta` can run every weight_loader (shapes
@@ -128,10 +130,6 @@ class HeaderSource:
         import torch
 
         self.name = name
-        dtype = slice_.get_dtype()
-        if dtype not in _LOADABLE:
-            raise CheckpointError(f"tensor {name} is stored as {dtype}, which atoll cannot load "
-                                  f"(it reads {', '.join(_LOADABLE)})")
         self._full = torch.empty(tuple(slice_.get_shape()), device="meta")
 
     @property
@@ -146,45 +144,76 @@ def check_layout_fits(model_dir, config, layout) -> None:
     """Every rank's weight slices checked against the checkpoint's headers, in this process:
     the first and last rank of each pipeline stage build their part on `meta` and run their
     weight_loaders over header-only sources (sharding is uniform, so the ends of each stage
-    stand for the ranks between). Raises the CheckpointError the rank would have raised."""
+    stand for the ranks between). Raises the CheckpointError the rank would have raised, and
+    names a tensor that no stage has a parameter for (the ranks check expert ids too)."""
     import torch
 
     from atoll.models import build_model
+    from atoll.models.strict import check_all_read
     from atoll.parallel.mesh import ParallelContext
 
     ckpt = Checkpoint(model_dir)
     stage = layout.stage_size
     ranks = sorted({r for p in range(layout.pp) for r in (p * stage, p * stage + stage - 1)})
+    offered = set()
     for rank in ranks:
         ctx = ParallelContext.detached(layout, rank, device="meta")
         model = build_model(config, ctx, dtype=torch.float32)
-        load_weights(model, ckpt, get=ckpt.header)
+        offered |= load_weights(model, ckpt, get=ckpt.header).offered
+    check_all_read(ckpt, offered, config)
 
 
-def load_weights(model, ckpt: Checkpoint, *, get=None) -> None:
+@dataclass
+class Loaded:
+    """What load_weights did with the checkpoint's tensors on this rank: `read`, the names a
+    weight_loader took; `offered`, the names handed to a parameter this rank holds (a superset:
+    another ep rank's expert is offered here and not read)."""
+
+    read: set = field(default_factory=set)
+    offered: set = field(default_factory=set)
+
+
+def load_weights(model, ckpt: Checkpoint, *, get=None, world=None) -> Loaded:
     """Hand each checkpoint tensor that this rank holds to its parameter's weight_loader.
 
     `model.checkpoint_targets(name)` maps a checkpoint name to (parameter name, shard id)
     pairs; tensors of other stages map to parameters this rank lacks and are never read. A
     weight_loader returns False for a shard it does not hold (another rank's expert), and
     a parameter's `shards` attribute lists the shard ids it must receive (default: one, None).
+    An fp8 weight is read with its block scales through an fp8.Fp8Source.
+
+    Strict (models/strict.py): a dtype atoll cannot read or a parameter left unfilled raises a
+    CheckpointError naming the tensor; given `world`, the Group of every rank loading the
+    checkpoint, so does a tensor that no rank read and models/unused.py does not list for the
+    family (every rank of world must call this: they agree through one all_reduce).
     """
+    from atoll.models import fp8
+    from atoll.models.strict import check_all_read, check_filled, is_fp8_scale, source
+    from atoll.models.unused import known_unused
+
     get = get or ckpt.get  # ckpt.header: shapes only (check_layout_fits)
+    config = getattr(model, "config", None)  # None: a bare module (a test's block) skips nothing
+    block = fp8.block_size(getattr(config, "raw", None) or {})
     params = dict(model.named_parameters())
-    loaded = set()
+    loaded, done = set(), Loaded()
     for name in ckpt.names():
+        if is_fp8_scale(ckpt, name) or (config is not None and known_unused(name, config)):
+            continue  # scales are read with their weight
         for target, shard in model.checkpoint_targets(name):
             param = params.get(target)
             if param is None:
                 continue
+            src = source(ckpt, name, get, block, param.device)
             try:
-                took = param.weight_loader(param, get(name), shard)
+                took = param.weight_loader(param, src, shard)
             except ValueError as e:
                 raise CheckpointError(f"tensor {name} does not fit the model config: {e}") from None
+            parts = {name, fp8.scale_of(name)} if isinstance(src, fp8.Fp8Source) else {name}
+            done.offered |= parts
             if took is not False:
                 loaded.add((target, shard))
-    needed = {(p, s) for p, param in params.items() for s in getattr(param, "shards", (None,))}
-    missing = sorted({p for p, s in needed - loaded})
-    if missing:
-        raise CheckpointError(f"checkpoint {ckpt.dir} lacks tensors for {', '.join(missing[:4])}"
-                              + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+                done.read |= parts
+    if world is not None:
+        check_all_read(ckpt, done.read, config, world)
+    check_filled(model, ckpt, loaded)
+    return done

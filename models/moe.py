@@ -13,7 +13,7 @@ from atoll.layers.mlp import GatedMLP
 from atoll.layers.moe import SparseMoE
 from atoll.layers.router import Router
 from atoll.models.config import ModelConfig
-from atoll.models.llama import LlamaForCausalLM, dense_targets
+from atoll.models.llama import LlamaForCausalLM, dense_source, dense_targets
 
 # per-expert checkpoint tensors -> (fused parameter, shard id part)
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -29,6 +29,17 @@ def moe_targets(name: str, *, tied: bool = False) -> list[tuple[str, object]]:
         param, part = _PART[m.group(3)]
         return [(f"{m.group(1)}.{param}", (int(m.group(2)), part))]
     return dense_targets(name, tied=tied)
+
+
+def moe_source(param: str, shard, *, mixtral: bool = False) -> str:
+    """The checkpoint tensor that fills `shard` of `param` (moe_targets backwards)."""
+    if param.endswith((".experts.w13", ".experts.w2")):
+        expert, part = shard
+        kind = {0: ("gate_proj", "w1"), 1: ("up_proj", "w3"), "down": ("down_proj", "w2")}[part][mixtral]
+        name = f"{param.rsplit('.', 1)[0]}.{expert}.{kind}.weight"
+    else:
+        name = dense_source(param, shard)
+    return name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
 
 
 def make_router(cfg: ModelConfig, dtype) -> Router:
@@ -60,3 +71,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def checkpoint_targets(self, name: str):
         return moe_targets(name, tied=self.config.tie_word_embeddings)
+
+    def checkpoint_name(self, param: str, shard) -> str:
+        return moe_source(param, shard, mixtral=self.config.model_type == "mixtral")
