@@ -228,7 +228,7 @@ def build(runner):
     the CPU; None (every step eager): eager forced, an MoE model on the CPU, or one with
     dp > 1 on CUDA (its fixed-shape exchange needs one bucket on every DP rank)."""
     spec = runner.spec
-    if eager_forced(spec.enforce_eager):
+    if eager_forced(spec.enforce_eager) or runner.config.is_mla:  # MLA (DeepSeek) decodes eagerly
         return None
     if runner.device.type == "cuda":
         if runner.config.is_moe and runner.ctx.layout.dp > 1:

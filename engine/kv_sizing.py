@@ -67,14 +67,13 @@ def profile_activation_peak(runner, tokens: int) -> int:
     job calls it together (its MoE and TP collectives run)."""
     import torch
 
-    from atoll.layers.attention import AttentionMetadata, KVCache
+    from atoll.layers.attention import AttentionMetadata
 
     spec, cfg, dev = runner.spec, runner.config, runner.device
     seq_len = min(tokens, spec.max_model_len)
     lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
     per = blocks_per_seq(seq_len, spec.block_size)
-    scratch = KVCache(runner.model.num_local_layers, per * len(lens), runner.kv_heads, spec.block_size,
-                      cfg.head_dim, runner.dtype, device=dev)
+    scratch = runner.new_cache(per * len(lens))
     tables = [list(range(i * per, (i + 1) * per)) for i in range(len(lens))]
     meta = AttentionMetadata.build(tables, [0] * len(lens), lens, spec.block_size, device=dev)
     torch.cuda.synchronize(dev)

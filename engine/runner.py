@@ -9,9 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atoll.layers.attention import KVCache
-from atoll.layers.linear import kv_heads_per_rank
-from atoll.models.cache_bytes import kv_bytes_per_block
+from atoll.models.cache_bytes import kv_bytes_per_block, make_cache
 from atoll.models import ModelConfig, build_model
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.parallel.mesh import ParallelContext
@@ -59,12 +57,10 @@ class ModelRunner:
         self.checkpoint = Checkpoint(spec.model_dir)
         # each slice goes to the device as it is read; every rank checks that some rank read each tensor
         load_weights(self.model, self.checkpoint, world=ctx.world)
-        self.kv_heads = kv_heads_per_rank(self.config.num_key_value_heads, ctx.tp.size)
         self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.block_size)
         self.num_blocks = self._size_cache()
         # one block more than the schedulers hand out: the compiled step's padding rows write there
-        self.cache = KVCache(self.model.num_local_layers, self.num_blocks + 1, self.kv_heads, spec.block_size,
-                             self.config.head_dim, self.dtype, device=self.device)
+        self.cache = self.new_cache(self.num_blocks + 1)
         lay = ctx.layout
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
@@ -75,6 +71,11 @@ class ModelRunner:
         self.decode_step = compiled.build(self)  # None: every step eager
         self.packer = _packer(self.model, self.ranks_here) if self.decode_step is None else None
         self.stats: dict = {}
+
+    def new_cache(self, blocks: int):
+        """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind."""
+        return make_cache(self.config, self.ctx.tp.size, layers=self.model.num_local_layers, blocks=blocks,
+                          block_size=self.spec.block_size, dtype=self.dtype, device=self.device)
 
     def _size_cache(self) -> int:
         """Blocks per rank, the same on every rank (engine.kv_sizing)."""

@@ -134,28 +134,41 @@ class StaticDecode:
 
 class KVCache:
     """One stage's paged cache: per layer k and v of [blocks, block_size, kv_heads, head_dim]
-    (a block's tokens side by side, so gathered blocks are one sequence's keys in order)."""
+    (a block's tokens side by side, so gathered blocks are one sequence's keys in order).
+    values=False: keys only, v holds None per layer (MLA's latent cache: kv_heads 1, head_dim
+    kv_lora_rank + qk_rope_head_dim, its values a slice of the same vector)."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype,
-                 *, device="cpu"):
+                 *, device="cpu", values: bool = True):
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) if values else None for _ in range(num_layers)]
         self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.k + self.v if t is not None]
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in every layer of this stage on this rank."""
+        return self.bytes // (self.num_blocks * self.block_size)
 
 
 def write_cache(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
-    """k, v: [tokens, kv_heads, head_dim] stored at each token's block and offset."""
+    """k, v: [tokens, kv_heads, head_dim] stored at each token's block and offset (v_cache
+    None: a keys-only cache)."""
     block, offset = meta.token_blocks()
     k_cache[block, offset] = k
-    v_cache[block, offset] = v
+    if v_cache is not None:
+        v_cache[block, offset] = v
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """[seqs, blocks] tables -> [seqs, kv_heads, blocks*block_size, head_dim], a view of one
     copy (index_select: a fraction of advanced indexing's cost)."""
     s, b = tables.shape
@@ -164,9 +177,11 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return x.view(s, b * bs, h, d).transpose(1, 2)
 
 
-def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int | None = None) -> torch.Tensor:
+def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int | None = None,
+           scale: float | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim] -> [tokens, heads, head_dim], causal over cache + new tokens.
-    meta: AttentionMetadata, or StaticDecode (the compiled decode step's)."""
+    meta: AttentionMetadata, or StaticDecode (the compiled decode step's). scale: the softmax
+    scale (default head_dim**-0.5)."""
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     gqa = heads != kv_heads
     if q.shape[0] == 0:  # an idle DP replica still runs the layer (its MoE joins the collectives)
@@ -175,26 +190,26 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
         from atoll.kernels.ops import paged_decode_attention
 
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens(),
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window, scale=scale)
     if meta.is_decode:
         tables, mask = meta.decode_keys(sliding_window)
-        k = _gather(k_cache, tables)  # [seqs, kv_heads, length, head_dim]
-        v = _gather(v_cache, tables)
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=gqa)
+        k = gather_blocks(k_cache, tables)  # [seqs, kv_heads, length, head_dim]
+        v = gather_blocks(v_cache, tables)
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return out[:, :, 0]
     outs, offset = [], 0
     for i, (start, n) in enumerate(zip(meta.start_list, meta.query_lens)):
         length = start + n
         blocks = -(-length // meta.block_size)
         qs = q[offset:offset + n].transpose(0, 1)[None]  # [1, heads, n, head_dim]
-        k = _gather(k_cache, meta.block_tables[i:i + 1, :blocks])[:, :, :length]
-        v = _gather(v_cache, meta.block_tables[i:i + 1, :blocks])[:, :, :length]
+        k = gather_blocks(k_cache, meta.block_tables[i:i + 1, :blocks])[:, :, :length]
+        v = gather_blocks(v_cache, meta.block_tables[i:i + 1, :blocks])[:, :, :length]
         pos = torch.arange(start, length, device=q.device)[:, None]
         keys = torch.arange(length, device=q.device)[None, :]
         mask = keys <= pos
         if sliding_window:
             mask &= keys > pos - sliding_window
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask[None, None], enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask[None, None], scale=scale, enable_gqa=gqa)
         outs.append(o[0].transpose(0, 1))
         offset += n
     return torch.cat(outs)

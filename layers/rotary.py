@@ -30,7 +30,7 @@ def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -40,9 +40,9 @@ def _yarn(dim: int, base: float, s: dict, max_pos: int) -> tuple[torch.Tensor, f
     attn = s.get("attention_factor")
     if attn is None:
         if s.get("mscale") and s.get("mscale_all_dim"):
-            attn = _yarn_mscale(factor, s["mscale"]) / _yarn_mscale(factor, s["mscale_all_dim"])
+            attn = yarn_mscale(factor, s["mscale"]) / yarn_mscale(factor, s["mscale_all_dim"])
         else:
-            attn = _yarn_mscale(factor)
+            attn = yarn_mscale(factor)
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def correction_dim(rotations):

@@ -1,7 +1,8 @@
 """MoE routers, replicated on every rank: they pick each token's top-k experts.
 
-softmax: Mixtral / Qwen2-MoE / Qwen3-MoE (top-k of softmax probabilities, optionally
-renormalised). sigmoid: DeepSeek-V3 (sigmoid scores, a score-correction bias used only for
+softmax: Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V2 (top-k of softmax probabilities,
+optionally renormalised; V2's optionally group-limited, groups ranked by their best expert,
+and scaled). sigmoid: DeepSeek-V3 (sigmoid scores, a score-correction bias used only for
 choosing, group-limited top-k, renormalisation and a routed scaling factor).
 Weights come back in float32, as transformers computes them.
 """
@@ -35,10 +36,15 @@ class Router(nn.Module):
         """x: [tokens, hidden] -> (ids [tokens, k] long, weights [tokens, k] float32)."""
         if self.scoring == "softmax":
             probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+            if self.n_group > 1:  # DeepSeek-V2's group_limited_greedy: groups ranked by their best expert
+                grouped = probs.view(len(x), self.n_group, self.num_experts // self.n_group)
+                best = torch.topk(grouped.amax(dim=-1), self.topk_group, dim=-1, sorted=False)[1]
+                keep = torch.zeros(len(x), self.n_group, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+                probs = probs.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), 0.0)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
             if self.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-            return ids, weights
+            return ids, weights if self.scaling == 1.0 else weights * self.scaling
         scores = F.linear(x.float(), self.weight).sigmoid()  # [tokens, experts]
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:

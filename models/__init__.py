@@ -2,7 +2,7 @@
 
 from atoll.models.config import DENSE_TYPES, SUPPORTED, ModelConfig
 
-RUNNABLE = DENSE_TYPES + ("mixtral", "qwen2_moe", "qwen3_moe")
+RUNNABLE = DENSE_TYPES + ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
 def build_model(config: ModelConfig, ctx, *, dtype=None, device=None):
@@ -25,8 +25,12 @@ def _build(config: ModelConfig, ctx, dtype):
         from atoll.models.moe import MoeForCausalLM
 
         return MoeForCausalLM(config, ctx, dtype=dtype)
-    raise ConfigError(f"model type {config.model_type!r} is recognised but not runnable yet (its MLA "
-                      f"attention is missing); runnable: {', '.join(RUNNABLE)}")
+    if config.model_type in ("deepseek_v2", "deepseek_v3"):
+        from atoll.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM(config, ctx, dtype=dtype)
+    raise ConfigError(f"model type {config.model_type!r} is recognised but not runnable; "
+                      f"runnable: {', '.join(RUNNABLE)}")
 
 
 __all__ = ["ModelConfig", "SUPPORTED", "build_model"]

@@ -1,16 +1,50 @@
-"""KV cache bytes, one function per attention kind, shared by the runtime's cache sizing and
-the planner's memory model (a figure is computed once)."""
+"""The KV cache per attention kind: what one token holds in one layer on one TP rank, its
+bytes, and the cache built from it. The runtime's cache (its block sizing, --kv-cache-gb,
+--gpu-memory-utilization) and the planner's memory model both read these, so a figure is
+computed once.
+
+GQA: k and v, kv heads split over tp, at least one per rank (tp > kv_heads replicates them).
+MLA: one latent vector of kv_lora_rank + qk_rope_head_dim, no head axis to split and no
+separate v; every TP rank holds it whole (576 values a token for DeepSeek-V3).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TokenShape:
+    """One token in one layer on one rank: `heads` x `dim`, and a v of that shape too if `values`."""
+
+    heads: int
+    dim: int
+    values: bool
+
+    def bytes(self, itemsize: float) -> float:
+        return (2 if self.values else 1) * self.heads * self.dim * itemsize
+
+
+def gqa_shape(*, kv_heads: int, head_dim: int, tp: int) -> TokenShape:
+    return TokenShape(heads=max(kv_heads // tp, 1), dim=head_dim, values=True)
+
+
+def mla_shape(*, kv_latent: int) -> TokenShape:
+    return TokenShape(heads=1, dim=kv_latent, values=False)
+
+
+def token_shape(config, tp: int) -> TokenShape:
+    """The shape for a ModelConfig's attention kind."""
+    if config.is_mla:
+        return mla_shape(kv_latent=config.kv_lora_rank + config.qk_rope_head_dim)
+    return gqa_shape(kv_heads=config.num_key_value_heads, head_dim=config.head_dim, tp=tp)
 
 
 def kv_bytes_per_token_layer(*, kv_heads: int, head_dim: int, tp: int, itemsize: float,
                              kv_latent: int = 0) -> float:
-    """One token in one layer on one TP rank. GQA: k and v, heads split over tp, at least one
-    per rank (tp > kv_heads replicates them). MLA (kv_latent > 0): one latent vector, not split."""
-    if kv_latent:
-        return kv_latent * itemsize
-    return 2 * max(kv_heads // tp, 1) * head_dim * itemsize
+    """One token in one layer on one TP rank (the planner's Shapes call this): MLA when kv_latent > 0."""
+    shape = mla_shape(kv_latent=kv_latent) if kv_latent else gqa_shape(kv_heads=kv_heads, head_dim=head_dim, tp=tp)
+    return shape.bytes(itemsize)
 
 
 def kv_bytes_per_block(config, layout, itemsize: int, block_size: int) -> int:
@@ -18,6 +52,12 @@ def kv_bytes_per_block(config, layout, itemsize: int, block_size: int) -> int:
     from atoll.parallel.pipeline import stage_layers
 
     layers = max(end - start for start, end in stage_layers(config, layout.pp))
-    per = kv_bytes_per_token_layer(kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                   tp=layout.tp, itemsize=itemsize)
-    return int(block_size * layers * per)
+    return int(block_size * layers * token_shape(config, layout.tp).bytes(itemsize))
+
+
+def make_cache(config, tp: int, *, layers: int, blocks: int, block_size: int, dtype, device):
+    """The paged cache of `layers` layers on one rank (layers.attention.KVCache; keys only for MLA)."""
+    from atoll.layers.attention import KVCache
+
+    s = token_shape(config, tp)
+    return KVCache(layers, blocks, s.heads, block_size, s.dim, dtype, device=device, values=s.values)

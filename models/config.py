@@ -9,7 +9,7 @@ from pathlib import Path
 from atoll.errors import ConfigError
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 SUPPORTED = DENSE_TYPES + MOE_TYPES
 _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -52,6 +52,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary dims in pairs (x0, x1), (x2, x3), ...: DeepSeek's layout
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False, hash=False)
@@ -63,6 +64,11 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads} does not divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        if self.model_type.startswith("deepseek") and not self.is_mla:
+            raise ConfigError(f"{self.model_type} needs kv_lora_rank >= 1 (its MLA latent), got {self.kv_lora_rank}")
+        if self.is_mla and (self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2 or self.v_head_dim < 1):
+            raise ConfigError(f"MLA needs an even qk_rope_head_dim >= 2 and v_head_dim >= 1, got "
+                              f"qk_rope_head_dim={self.qk_rope_head_dim}, v_head_dim={self.v_head_dim}")
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(
                 f"top-k num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
@@ -182,18 +188,26 @@ class ModelConfig:
                       norm_topk_prob=bool(d.get("norm_topk_prob", mt == "qwen3_moe")),
                       decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
                       mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
-        elif mt == "deepseek_v3":
+        elif mt in ("deepseek_v2", "deepseek_v3"):
+            v3 = mt == "deepseek_v3"
+            # V2 as transformers runs it: softmax top-k, never renormalised; groups only for
+            # group_limited_greedy. V3: sigmoid scores, noaux_tc group-limited top-k.
+            grouped = v3 or d.get("topk_method") == "group_limited_greedy"
             kw.update(num_experts=d["n_routed_experts"], num_experts_per_tok=d["num_experts_per_tok"],
                       moe_intermediate_size=d["moe_intermediate_size"],
-                      shared_expert_intermediate_size=d["moe_intermediate_size"] * d.get("n_shared_experts", 1),
+                      shared_expert_intermediate_size=d["moe_intermediate_size"] * d.get("n_shared_experts",
+                                                                                         1 if v3 else 2),
                       first_k_dense_replace=d.get("first_k_dense_replace", 0),
-                      norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-                      scoring="sigmoid", n_group=d.get("n_group") or 1, topk_group=d.get("topk_group") or 1,
+                      norm_topk_prob=bool(d.get("norm_topk_prob", True)) if v3 else False,
+                      scoring="sigmoid" if v3 else "softmax",
+                      n_group=(d.get("n_group") or 1) if grouped else 1,
+                      topk_group=(d.get("topk_group") or 1) if grouped else 1,
                       routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
                       kv_lora_rank=d.get("kv_lora_rank", 0), q_lora_rank=d.get("q_lora_rank") or 0,
                       qk_rope_head_dim=d.get("qk_rope_head_dim", 0),
                       qk_nope_head_dim=d.get("qk_nope_head_dim", 0),
                       v_head_dim=d.get("v_head_dim", 0),
+                      rope_interleave=bool(d.get("rope_interleave", True)) if v3 else True,
                       head_dim=d.get("qk_rope_head_dim", 0) + d.get("qk_nope_head_dim", 0) or head_dim)
 
     @classmethod

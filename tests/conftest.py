@@ -41,6 +41,11 @@ TINY_KINDS = {
                         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
                         kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
                         qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4),
+    # V2-Lite's shape: no q low-rank, softmax greedy top-k, 2 shared experts
+    "deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4),
 }
 
 
