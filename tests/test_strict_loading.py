@@ -135,3 +135,17 @@ def test_another_quantization_is_refused(tiny_model, tmp_path):
                  config=lambda c: c.__setitem__("quantization_config", {"quant_method": "awq", "bits": 4}))
     with pytest.raises(CheckpointError, match="quant_method='awq' is not supported"):
         LLM(d, layout="TP1", device="cpu")
+
+
+def test_a_tied_models_copy_of_its_head_is_read_by_nothing_and_allowed(tiny_model, tmp_path):
+    """Some checkpoints of tied models (tie_word_embeddings) also store lm_head.weight; the
+    head reads the embedding, as transformers ties it, and the copy is skipped."""
+    def add_head(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    tied = _rewrite(tiny_model("llama"), tmp_path / "tied", add_head,
+                    lambda c: c.update(tie_word_embeddings=True))
+    assert known_unused("lm_head.weight", ModelConfig.load(tied))
+    run_local(_load, 2, tied, "TP2", timeout_s=120)
+    untied_extra = _rewrite(tiny_model("llama"), tmp_path / "untied", None, lambda c: c.update(tie_word_embeddings=False))
+    assert not known_unused("lm_head.weight", ModelConfig.load(untied_extra))
