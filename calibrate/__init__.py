@@ -41,8 +41,8 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, progress: bo
     started = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank, one core
-    cal: dict = {"device": "cpu", "cores": cores, "gemm_tflops": {}, "memory_gb_s": {}, "overhead_us": {},
-                 "collectives": {}}
+    cal: dict = {"device": "cpu", "cores": cores, "gemm_tflops": {}, "memory_gb_s": {}, "cpu_share": {1: 1.0},
+                 "overhead_us": {}, "collectives": {}}
     try:
         bar.set_postfix_str("memory")
         bw = compute.read_gb_s(budget) * 1e9
@@ -78,6 +78,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, progress: bo
                     (n0, _, t0), (n1, _, t1) = samples
                     cal["overhead_us"]["moe_layer"] = round(max(0.0, (t1 - t0) / (n1 - n0)) * 1e6, 2)
                 bar.update()
+        probe = compute.probe_tflops(0.1 if quick else 0.5)  # one rank alone, against the ranks at once below
     finally:
         torch.set_num_threads(threads)
     for n in sizes:
@@ -86,6 +87,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, progress: bo
         for op, fig in res["collectives"].items():
             cal["collectives"].setdefault(op, {})[n] = fig
         cal["memory_gb_s"][n] = round(res["memory_gb_s"], 3)
+        cal["cpu_share"][n] = round(min(1.0, res["probe_tflops"] / probe), 3)
         bar.update()
     bar.close()
     load.append(os.getloadavg()[0])

@@ -5,8 +5,9 @@ before each timed batch. Seconds per call = latency + bytes / bandwidth, the two
 the two sizes. Bytes as the cost model counts them: all_reduce, reduce_scatter and broadcast
 the tensor; all_gather the gathered total; all_to_all what each rank sends; send_recv one
 message (rank 0 to rank 1 and back, halved). While all ranks are up, each also reads a large
-tensor at once with the others: the memory bandwidth a rank gets beside `world` - 1 busy
-neighbours.
+tensor at once with the others, and runs the GEMM probe (calibrate.compute.probe_tflops): the
+memory bandwidth and the compute a rank gets beside `world` - 1 busy neighbours (on a machine
+shared with other jobs, less than a core each even when there are enough cores).
 """
 
 from __future__ import annotations
@@ -86,11 +87,21 @@ def collectives_rank(rank: int, world: int, quick: bool) -> dict | None:
         reads.append(time.perf_counter() - t0)
     gb_s = torch.tensor([big.numel() * 4 / statistics.median(reads) / 1e9], dtype=torch.float64)
     g.all_reduce(gb_s)
+    # the GEMM probe on every rank at once: what a rank computes beside `world` - 1 busy neighbours
+    from atoll.calibrate.compute import probe_tflops
+
+    g.barrier()
+    rate = torch.tensor([probe_tflops(0.1 if quick else 0.5)], dtype=torch.float64)
+    g.all_reduce(rate)
     if rank != 0:
         return None
     figures = {}
     for op, t in times.items():
         (b0, t0), (b1, t1) = t["small"], t["large"]
-        bw = (b1 - b0) / max(t1 - t0, 1e-9)
-        figures[op] = {"latency_us": round(max(0.0, t0 - b0 / bw) * 1e6, 2), "gb_s": round(bw / 1e9, 4)}
-    return {"collectives": figures, "memory_gb_s": float(gb_s[0]) / world}
+        if t1 > 1.2 * t0:  # two points: latency and bandwidth
+            bw = (b1 - b0) / (t1 - t0)
+            lat = max(0.0, t0 - b0 / bw)
+        else:  # the large message took no longer (noise on a busy machine): all of it counts as bandwidth
+            bw, lat = b1 / t1, t0
+        figures[op] = {"latency_us": round(lat * 1e6, 2), "gb_s": round(bw / 1e9, 4)}
+    return {"collectives": figures, "memory_gb_s": float(gb_s[0]) / world, "probe_tflops": float(rate[0]) / world}

@@ -22,22 +22,29 @@ import time
 
 GEMM_K, GEMM_N = 1024, 1024
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
+PROBE_ROWS = 8
 STREAM_BYTES = 128 * 2**20  # past the last-level cache of the servers atoll meets (32 MiB here)
 
 
 def timed(fn, budget_s: float, least: int = 2) -> float:
-    """Median seconds of fn() over repeats filling budget_s (at least `least`), one warm-up."""
+    """Mean seconds of fn() over repeats filling budget_s (at least `least`), after one warm-up.
+    The mean, not the median: on a machine shared with other jobs a sustained run loses the
+    core for part of the time, and so do the runs the figures predict."""
     fn()
-    times, spent = [], 0.0
-    while len(times) < least or spent < budget_s:
-        t0 = time.perf_counter()
+    count, t0 = 0, time.perf_counter()
+    while count < least or time.perf_counter() - t0 < budget_s:
         fn()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        spent += dt
-        if len(times) >= 200:
+        count += 1
+        if count >= 200:
             break
-    return statistics.median(times)
+    return (time.perf_counter() - t0) / count
+
+
+def probe_tflops(budget_s: float = 0.5) -> float:
+    """The machine's speed now, as the calibration's fp32 GEMM at 8 rows measures it."""
+    import torch
+
+    return gemm_tflops(torch.float32, budget_s, rows=(PROBE_ROWS,))[PROBE_ROWS]
 
 
 def gemm_tflops(dtype, budget_s: float, rows=ROWS) -> dict[int, float]:

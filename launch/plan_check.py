@@ -7,7 +7,10 @@ workload on as many local ranks, one thread each (a CPU rank is one core, as the
 counts it), eager: `batch` random prompts of `isl` tokens arriving together, each generating
 `osl` tokens. Measured TTFT and TPOT are medians over requests, then over timed rounds; error
 = predicted / measured - 1. Predicted TTFT is the planner's prefill of that burst
-(CostModel.prefill_burst); TPOT is its decode step at concurrency `batch`.
+(CostModel.prefill_burst); TPOT is its decode step at concurrency `batch`. Both are scaled by
+the slowdown, the calibration's GEMM probe timed just before and just after the layout runs
+(geometric mean) against its calibrated figure: on a machine shared with other jobs the core a rank gets moves with
+their load between calibration and check.
 
 Without --model: a random Llama (12 layers, hidden 768, ~100M parameters) at TP1, TP2, PP2 and
 TP2PP2, and a random Qwen3-MoE (8 layers, 8 experts, top-2) at EP2 and DP2EP2, both written
@@ -95,6 +98,27 @@ def predict(model_dir: str, topology, layout_text: str, *, batch: int, isl: int,
     return {"ttft_s": cost.prefill_burst(batch), "tpot_s": p.tpot_s, "decode": p.decode}
 
 
+def slowdown(topology) -> float:
+    """How much slower this machine runs now than when calibrated, by the calibration's own
+    probe (fp32 GEMM at 8 rows, one thread): on a machine shared with other jobs the share of
+    a core a rank gets moves with their load, and every predicted time scales with it. 1.0
+    where the topology holds no such figure."""
+    from atoll.calibrate.compute import PROBE_ROWS, probe_tflops
+
+    cal = topology.calibration
+    ref = cal.gemm_tflops.get("fp32", {}).get(PROBE_ROWS) if cal is not None else None
+    if ref is None:
+        return 1.0
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return ref / probe_tflops()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int) -> dict | None:
     import contextlib
     import io
@@ -160,8 +184,12 @@ def run_check(args) -> int:
     rows = []
     for name, d, lay in tqdm(todo, desc="check", unit="layout", dynamic_ncols=True, disable=args.format == "json"):
         pred = predict(d, topology, lay, batch=batch, isl=isl, osl=osl)
+        before = slowdown(topology)  # this machine now against when it was calibrated, before and after
         meas = measure(d, lay, batch=batch, isl=isl, osl=osl, rounds=args.rounds, warmup=args.warmup)
-        rows.append({"model": name, "layout": lay, **{f"predicted_{k}": pred[k] for k in ("ttft_s", "tpot_s")},
+        slow = (before * slowdown(topology)) ** 0.5
+        pred = {k: v * slow for k, v in pred.items() if k in ("ttft_s", "tpot_s")}
+        rows.append({"model": name, "layout": lay, "slowdown": slow,
+                     **{f"predicted_{k}": pred[k] for k in ("ttft_s", "tpot_s")},
                      **{f"measured_{k}": meas[k] for k in ("ttft_s", "tpot_s")},
                      "ttft_error": pred["ttft_s"] / meas["ttft_s"] - 1, "tpot_error": pred["tpot_s"] / meas["tpot_s"] - 1})
         load.append(os.getloadavg()[0])
@@ -208,10 +236,11 @@ def render(r: dict) -> None:
     t = Table(title=f"predicted vs measured on this machine ({r['cores']} cores): {r['batch']} requests of "
                     f"{r['isl']} tokens arriving together, {r['osl']} out each; medians of {r['rounds']} rounds",
               title_justify="left")
-    for col in ("model", "layout", "TTFT pred ms", "TTFT meas ms", "error", "TPOT pred ms", "TPOT meas ms", "error"):
+    for col in ("model", "layout", "slowdown", "TTFT pred ms", "TTFT meas ms", "error", "TPOT pred ms",
+                "TPOT meas ms", "error"):
         t.add_column(col, justify="left" if col in ("model", "layout") else "right")
     for row in r["rows"]:
-        t.add_row(row["model"], row["layout"], f"{row['predicted_ttft_s'] * 1e3:.1f}",
+        t.add_row(row["model"], row["layout"], f"{row['slowdown']:.2f}", f"{row['predicted_ttft_s'] * 1e3:.1f}",
                   f"{row['measured_ttft_s'] * 1e3:.1f}", f"{row['ttft_error']:+.0%}",
                   f"{row['predicted_tpot_s'] * 1e3:.2f}", f"{row['measured_tpot_s'] * 1e3:.2f}",
                   f"{row['tpot_error']:+.0%}")

@@ -8,6 +8,7 @@ under `calibration:` and read by the planner's cost model in place of assumed co
       gemm_tflops:                # one rank: y = x @ w.T, x [rows, k], by dtype then rows
         fp32: {1: 0.004, 16: 0.05, 256: 0.09}
       memory_gb_s: {1: 11.2, 2: 7.9}   # read bandwidth per rank, with 1, 2, ... ranks reading at once
+      cpu_share: {1: 1.0, 2: 0.8}      # a rank's GEMM rate with n ranks computing at once, over one alone
       overhead_us:                # a decode step of the runtime beyond its FLOP/byte floor
         step: 350                 # per tick, whatever the model (scheduler, sampler, metadata)
         per_seq: 20               # per sequence in the tick
@@ -65,13 +66,14 @@ class Calibration:
     overhead_us: dict = field(default_factory=dict)  # OVERHEADS -> microseconds
     collectives: dict = field(default_factory=dict)  # op -> {size: (latency s, bytes/s)}
     errors: dict = field(default_factory=dict)  # tpot, ttft: median |predicted/measured - 1| of `plan --check`
+    cpu_share: dict = field(default_factory=dict)  # ranks at once -> a rank's compute over one rank alone
 
     @classmethod
     def from_dict(cls, d, where: str = "calibration") -> "Calibration":
         if not isinstance(d, dict):
             raise ConfigError(f"{where} must be a mapping")
         unknown = set(d) - {"device", "cores", "how", "when", "host", "gemm_tflops", "memory_gb_s",
-                            "overhead_us", "collectives", "load_avg_1m", "seconds", "errors"}
+                            "overhead_us", "collectives", "load_avg_1m", "seconds", "errors", "cpu_share"}
         if unknown:
             raise ConfigError(f"{where}: unknown field '{sorted(unknown)[0]}'")
         device = d.get("device", "cpu")
@@ -85,6 +87,7 @@ class Calibration:
             raise ConfigError(f"{where}.gemm_tflops must be a mapping of dtype to a table")
         gemm = {str(k): _table(v, f"{where}.gemm_tflops.{k}") for k, v in gemm.items()}
         memory = _table(d["memory_gb_s"], f"{where}.memory_gb_s") if d.get("memory_gb_s") else {}
+        share = _table(d["cpu_share"], f"{where}.cpu_share") if d.get("cpu_share") else {}
         over = d.get("overhead_us") or {}
         if not isinstance(over, dict) or set(over) - set(OVERHEADS):
             raise ConfigError(f"{where}.overhead_us: fields are {', '.join(OVERHEADS)}")
@@ -108,7 +111,7 @@ class Calibration:
             raise ConfigError(f"{where}.errors: fields are tpot, ttft (median |error|), layouts, how")
         errors = {k: _num(errors[k], f"{where}.errors.{k}", zero_ok=True) for k in ("tpot", "ttft") if k in errors}
         return cls(device=device, cores=cores, how=str(d.get("how", "")), gemm_tflops=gemm, memory_gb_s=memory,
-                   overhead_us=over, collectives=parsed, errors=errors)
+                   overhead_us=over, collectives=parsed, errors=errors, cpu_share=share)
 
     # -- lookups the cost model makes ------------------------------------------------------
     def gemm_flops(self, dtype: str, rows: float) -> float | None:
@@ -120,11 +123,18 @@ class Calibration:
         return _interp(table, max(rows, 1.0)) * 1e12
 
     def memory_bytes_s(self, ranks: int) -> float | None:
-        """Read bandwidth of one rank while `ranks` ranks read at once (the nearest measured)."""
+        """Read bandwidth of one rank while `ranks` ranks read at once: measured, or beyond the
+        largest measured count m, that figure x m / ranks (more ranks share the same cores)."""
         if not self.memory_gb_s:
             return None
-        near = min(self.memory_gb_s, key=lambda n: (abs(n - ranks), -n))
-        return self.memory_gb_s[near] * 1e9
+        return _at(self.memory_gb_s, ranks) * 1e9
+
+    def share(self, ranks: int) -> float:
+        """A rank's compute with `ranks` ranks computing at once, over one rank alone: measured
+        (a machine shared with other jobs gives less than a core each), else cores / ranks."""
+        if self.cpu_share:
+            return _at(self.cpu_share, ranks)
+        return min(1.0, self.cores / max(ranks, 1))
 
     def overhead_s(self, name: str) -> float | None:
         v = self.overhead_us.get(name)
@@ -149,7 +159,18 @@ class Calibration:
                 "memory_gb_s": dict(self.memory_gb_s), "overhead_us": dict(self.overhead_us),
                 "collectives": {op: {s: {"latency_us": lat * 1e6, "gb_s": bw / 1e9} for s, (lat, bw) in v.items()}
                                 for op, v in self.collectives.items()},
-                "errors": dict(self.errors)}
+                "errors": dict(self.errors), "cpu_share": dict(self.cpu_share)}
+
+
+def _at(table: dict[int, float], n: int) -> float:
+    """table[n]; between measured counts the next smaller; past the largest m, table[m] x m / n."""
+    if n in table:
+        return table[n]
+    below = [k for k in table if k < n]
+    if not below:
+        return table[min(table)]
+    m = max(below)
+    return table[m] * (m / n if m == max(table) else 1.0)
 
 
 def _interp(table: dict[int, float], x: float) -> float:

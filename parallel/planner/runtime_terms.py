@@ -2,8 +2,9 @@
 what atoll's own runtime does on it beyond the roofline, so `atoll plan --check` compares
 like with like.
 
-- GEMM rate at the GEMM's rows and read bandwidth, per rank, from the measured tables; ranks
-  beyond the machine's cores share them (a rank gets cores / ranks of one).
+- GEMM rate at the GEMM's rows and read bandwidth, per rank, from the measured tables, at the
+  share of a core a rank got with as many ranks at once (calibration.cpu_share; past the
+  measured counts, or without them, ranks beyond the cores share them).
 - Launch/dispatch overhead: per decoder layer (dense or MoE) and per tick (scheduling,
   metadata, sampling: a fixed part and a part per sequence), measured on tiny checkpoints.
 - Each tick's token exchange (engine.runner.tick): a broadcast of the sampled tokens over the
@@ -48,10 +49,9 @@ def _broadcast(nbytes: float, g) -> float:
 class Measured:
     def __init__(self, cal, workload, ranks: int):
         self.cal, self.w = cal, workload
-        self.share = min(1.0, cal.cores / max(ranks, 1))  # of one core, per rank
-        busy = min(ranks, cal.cores)
-        bw = cal.memory_bytes_s(busy)
-        self.bandwidth = None if bw is None else bw * self.share
+        self.share = cal.share(ranks)  # a rank's compute beside the others, over one rank alone
+        bw = cal.memory_bytes_s(ranks)
+        self.bandwidth = bw
         self._max_rows = None
 
     def gemm(self, rows: float) -> float | None:
