@@ -25,6 +25,7 @@ class GroupLinks:
     cross_lat: float
     cross_kind: str  # link kind between islands ("" if one island)
     measured: object = None  # the topology's Calibration: measured collectives replace the link model
+    island_kind: str = "nvlink"  # link kind inside an island (pcie or shm where there is no NVLink)
 
     @classmethod
     def of(cls, ranks: list[int], placement, topology) -> "GroupLinks":
@@ -40,11 +41,11 @@ class GroupLinks:
         return cls(size=size, per_island=max(1, size // len(islands)), islands=len(islands),
                    island_bw=island_bw, island_lat=il.latency_us * 1e-6, cross_bw=cross_bw,
                    cross_lat=cross.latency_us * 1e-6, cross_kind=cross.kind if len(islands) > 1 else "",
-                   measured=topology.calibration)
+                   measured=topology.calibration, island_kind=il.kind)
 
     @property
     def kind(self) -> str:
-        return self.cross_kind or "nvlink"
+        return self.cross_kind or self.island_kind
 
 
 def _steps(n: int) -> int:
