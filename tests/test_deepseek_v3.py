@@ -73,10 +73,11 @@ def models(tiny_model):
 
 
 @pytest.mark.timeout(300)
-# TP4EP2: moe_tp 2 (each expert split over 2 ranks); EP2PP2: EP inside each pipeline stage
+# TP4EP2: moe_tp 2 (each expert split over 2 ranks); EP2PP2: EP inside each pipeline stage;
+# DP2, DP2PP2: attention data parallel, the experts pure TP over the DP ranks
 @pytest.mark.parametrize("name,layout", [("v3", "TP1"), ("v3", "TP2"), ("v3", "PP2"), ("v3", "EP4"),
                                          ("v3", "DP2EP2"), ("v3", "TP2PP2"), ("v3", "TP4EP2"), ("v3", "EP2PP2"),
-                                         ("v2", "TP2"), ("v2", "EP2")])
+                                         ("v3", "DP2"), ("v3", "DP2PP2"), ("v2", "TP2"), ("v2", "EP2")])
 def test_greedy_tokens_match_transformers(models, name, layout):
     model_dir, expected = models(name)
     outs = LLM(model_dir, layout=layout).generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
