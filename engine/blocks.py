@@ -1,7 +1,27 @@
-"""BlockPool: which KV cache blocks are free. Every rank of a replica runs the same
-allocation sequence, so the block ids agree without any communication."""
+"""BlockPool: which KV cache blocks are free, and (with prefix caching) which hold a known
+run of tokens. Every rank of a replica runs the same allocation sequence, so the block ids
+agree without any communication.
+
+Prefix caching: a full block is named by `block_hash(parent's hash, its token ids)`, so a
+name stands for the whole prefix up to the block's end. Blocks are reference-counted; a
+block whose last holder lets go keeps its name and waits, evictable, in least-recently-used
+order. A new block comes from the never-named free blocks first, then by evicting the least
+recently used named one (its name is forgotten).
+"""
 
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from array import array
+
+
+def block_hash(parent: bytes | None, tokens) -> bytes:
+    """The name of a full block: a digest of its parent's name and its token ids (hashlib,
+    so every process agrees; Python's hash() of bytes changes per process)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class BlockPool:
@@ -11,10 +31,21 @@ class BlockPool:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(first + num_blocks - 1, first - 1, -1))  # pop() hands out first, first + 1, ...
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced; oldest first
+        self._refs: dict[int, int] = {}  # block -> holders, for every block in use
+        self._named: dict[bytes, int] = {}  # hash -> block
+        self._name_of: dict[int, bytes] = {}  # block -> hash
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a sequence can be given: never named, or named but unreferenced."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Named blocks, in use or evictable."""
+        return len(self._named)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -24,14 +55,64 @@ class BlockPool:
         need = self.blocks_for(tokens) - len(table)
         if need <= 0:
             return True
-        if need > len(self._free):
+        if need > self.num_free:
             return False
-        table.extend(self._free.pop() for _ in range(need))
+        for _ in range(need):
+            block = self._free.pop() if self._free else self._evict()
+            self._refs[block] = 1
+            table.append(block)
         return True
 
+    def _evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        del self._named[self._name_of.pop(block)]
+        self.evictions += 1
+        return block
+
     def release(self, table: list[int]) -> None:
-        self._free.extend(reversed(table))
+        """Let go of every block of the table. Unnamed ones are free at once; named ones wait
+        as evictable, the table's last blocks nearest eviction (a later prefix is worth less:
+        it is only reused when everything before it is)."""
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            del self._refs[block]
+            if block in self._name_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
         table.clear()
+
+    def lookup(self, names: list[bytes]) -> list[int]:
+        """The blocks named by the leading names that are cached (stops at the first miss)."""
+        hits = []
+        for name in names:
+            block = self._named.get(name)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def reusable(self, blocks: list[int]) -> int:
+        """How many of these cached blocks are evictable now (sharing them takes them off the free count)."""
+        return sum(b in self._evictable for b in blocks)
+
+    def share(self, table: list[int], blocks: list[int]) -> None:
+        """Append cached blocks to an empty table, one more holder each."""
+        for block in blocks:
+            if block in self._evictable:
+                del self._evictable[block]
+            self._refs[block] = self._refs.get(block, 0) + 1
+            table.append(block)
+
+    def name(self, block: int, name: bytes) -> None:
+        """Record that a held, fully computed block holds the prefix `name`. If another block
+        already holds it (two sequences computed the same prefix at once), the first keeps it
+        and this one stays unnamed."""
+        if name not in self._named and block not in self._name_of:
+            self._named[name] = block
+            self._name_of[block] = name
 
 
 def copy_fits(nbytes: int, ranks_here: int) -> bool:

@@ -31,6 +31,8 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(0.9, "share of each GPU's memory for weights, activations "
                                               "and KV cache")
     enforce_eager: bool = _opt(False, "run the decode step eagerly: no torch.compile, no CUDA graphs")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already computed "
+                                             "(engine.blocks)")
     dispatch: str = _opt("auto", "MoE token dispatch: auto (island-first when an EP group spans islands, "
                                  "else flat), flat or hierarchical", choices=DISPATCH)
     moe_capacity_factor: float | None = _opt(None, "each expert keeps at most this factor x its even share "
@@ -49,8 +51,9 @@ class EngineConfig:
             raise InputError(f"kv_cache_gb={self.kv_cache_gb} must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if not isinstance(self.enforce_eager, bool):
-            raise InputError(f"enforce_eager={self.enforce_eager!r} must be True or False")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.dispatch not in DISPATCH:
             raise InputError(f"dispatch {self.dispatch!r} is not one of {', '.join(DISPATCH)}")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
@@ -59,10 +62,13 @@ class EngineConfig:
 
 def add_cli_options(parser) -> None:
     """One --flag per EngineConfig field, with its default and help."""
+    import argparse
+
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        if str(f.type) == "bool":  # a switch: --flag sets it
-            parser.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=f.metadata["help"])
+        if str(f.type) == "bool":  # a switch: --flag sets it; one on by default also has --no-flag
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            parser.add_argument(flag, dest=f.name, action=action, default=f.default, help=f.metadata["help"])
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=f.metadata["choices"],

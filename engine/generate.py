@@ -45,7 +45,7 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
     depth = runner.ctx.layout.pp
     lanes = Lanes(num_blocks=runner.num_blocks, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
                   max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
-                  depth=depth, pipelined=pipelined)
+                  depth=depth, pipelined=pipelined, prefix_caching=spec.enable_prefix_caching)
     arrivals = deque(sorted(requests, key=lambda r: (r.arrival_step, r.index)))
     inflight: deque[MicroBatch | None] = deque()  # inflight[s]: the micro-batch at stage s
     results: dict[int, dict] = {}
@@ -73,6 +73,10 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
         if progress is not None:
             progress(len(results), produced)
     runner.end_run()
+    pools = [s.pool for s in lanes.schedulers]
+    # every block is back once every request ended; named ones stay cached (evictable)
+    runner.stats |= {"blocks_held": sum(p.num_blocks - p.num_free for p in pools),
+                     "blocks_cached": sum(p.num_cached for p in pools)}
     return [results[r.index] for r in requests]
 
 
@@ -111,5 +115,6 @@ def _result(seq: Sequence, reason: str, started: float, now: float, step: int) -
     return {"token_ids": seq.output, "finish_reason": reason,
             "metrics": {"ttft_s": first - started, "tpot_s": (now - first) / (n - 1) if n > 1 else 0.0,
                         "prompt_tokens": len(seq.request.prompt_token_ids), "output_tokens": n,
+                        "cached_tokens": seq.cached_tokens,
                         "queued_steps": seq.first_scheduled_step - seq.arrived_step,
                         "finished_step": step, "preemptions": seq.preemptions}}

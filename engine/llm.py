@@ -84,7 +84,8 @@ def _token_ids(ids, vocab_size: int, name: str) -> list[int]:
 class LLM:
     """`LLM(model, layout=..., **options)`: options are EngineConfig's fields (engine/config.py:
     device, dtype, max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
-    kv_cache_gb, num_blocks, gpu_memory_utilization, enforce_eager), with the same defaults as the CLI."""
+    kv_cache_gb, num_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, ...),
+    with the same defaults as the CLI."""
 
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
@@ -239,7 +240,7 @@ class LLM:
                        max_model_len=max_len, max_num_batched_tokens=self.max_num_batched_tokens,
                        block_size=self.block_size, num_blocks=o.num_blocks, kv_cache_gb=o.kv_cache_gb,
                        gpu_memory_utilization=o.gpu_memory_utilization, device=o.device, cache_seqs=seqs,
-                       enforce_eager=o.enforce_eager)
+                       enforce_eager=o.enforce_eager, enable_prefix_caching=o.enable_prefix_caching)
 
     def context_options(self, islands=None, nodes=None):
         """What each rank's ParallelContext needs besides the layout: islands and nodes (rank ->

@@ -35,6 +35,7 @@ class RunSpec:
     device: str = "cpu"  # what was asked for; launch.device binds each rank's own
     cache_seqs: int | None = None  # sequences per lane the default CPU cache holds (None: max_num_seqs)
     enforce_eager: bool = False  # no compiled decode step (engine.compiled)
+    enable_prefix_caching: bool = True  # share cached KV blocks of common prefixes (engine.blocks)
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -2,6 +2,15 @@
 max_num_batched_tokens, mixes prefill chunks with decode tokens, and when the KV blocks run
 out preempts the newest running sequence (its blocks are freed and it is recomputed later).
 
+Prefix caching (engine.blocks): a sequence admitted from the queue first takes every cached
+full block that starts its tokens and is prefilled from the first token after them. It never
+takes the block holding its last token, which must be computed to sample the next one, so a
+block is only ever written by the sequence that computes it. A chunk's full blocks are named
+as it is scheduled: a sequence admitted later in the same step already shares them, since
+each layer writes the step's keys and values into the cache before any sequence attends (and
+a chunk once scheduled is always computed: preemption only takes sequences not yet scheduled
+in the step). A preempted sequence may find its own blocks again when it comes back.
+
 Fairness: waiting requests are admitted strictly in arrival order and a preempted sequence
 goes back to the head of the queue, while preemption always takes the newest running
 sequence, so the oldest request always makes progress: nothing starves.
@@ -12,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from atoll.engine.blocks import BlockPool
+from atoll.engine.blocks import BlockPool, block_hash
 from atoll.engine.sampling import SamplerState
 
 
@@ -28,6 +37,9 @@ class Sequence:
     first_token_at: float | None = None
     preemptions: int = 0
     lane: int = 0  # which scheduler holds it under pipelined decode
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    names: list[bytes] = field(default_factory=list)  # names of its first full blocks of tokens
+    named: int = 0  # leading blocks of `blocks` already named (or found) in the pool
 
     @property
     def tokens(self) -> list[int]:
@@ -51,8 +63,10 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_caching: bool = False):
         self.pool = pool
+        self.prefix_caching = prefix_caching
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -65,10 +79,45 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _names(self, seq: Sequence, blocks: int) -> list[bytes]:
+        """The names of the sequence's first `blocks` full blocks of tokens (kept: tokens only grow)."""
+        size, tokens = self.pool.block_size, seq.tokens
+        while len(seq.names) < blocks:
+            i = len(seq.names)
+            seq.names.append(block_hash(seq.names[-1] if i else None, tokens[i * size:(i + 1) * size]))
+        return seq.names[:blocks]
+
+    def _commit(self, chunk: Scheduled) -> Scheduled:
+        """Name the sequence's blocks that the chunk fills."""
+        seq, full = chunk.seq, (chunk.start + chunk.count) // self.pool.block_size
+        if self.prefix_caching and full > seq.named:
+            names = self._names(seq, full)
+            for i in range(seq.named, full):
+                self.pool.name(seq.blocks[i], names[i])
+            seq.named = full
+        return chunk
+
+    def _admit(self, seq: Sequence, budget: int) -> Scheduled | None:
+        """A waiting sequence's first chunk, after the cached blocks that start it; None (and no
+        change) if the blocks it needs are not free."""
+        pool, hits = self.pool, []
+        if self.prefix_caching:  # never the block of the last token: it is computed to sample
+            hits = pool.lookup(self._names(seq, (len(seq.tokens) - 1) // pool.block_size))
+        start = len(hits) * pool.block_size
+        count = min(len(seq.tokens) - start, budget)
+        if pool.blocks_for(start + count) - len(hits) > pool.num_free - pool.reusable(hits):
+            return None
+        pool.share(seq.blocks, hits)
+        pool.grow(seq.blocks, start + count)
+        seq.cached, seq.named = start, len(hits)
+        if seq.first_scheduled_step is None:
+            seq.cached_tokens = start
+        return self._commit(Scheduled(seq, start, count))
+
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
         self.pool.release(victim.blocks)
-        victim.cached = 0  # recompute: prompt and output so far are prefilled again
+        victim.cached = victim.named = 0  # recompute: prompt and output so far are prefilled again
         victim.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(victim)
@@ -90,21 +139,21 @@ class Scheduler:
                     break
             if seq not in self.running:
                 continue
-            out.append(Scheduled(seq, seq.cached, count))
+            out.append(self._commit(Scheduled(seq, seq.cached, count)))
             budget -= count
         # then waiting sequences, strictly in order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            count = min(seq.remaining, budget)
-            if not self.pool.grow(seq.blocks, seq.cached + count):
+            chunk = self._admit(seq, budget)
+            if chunk is None:
                 break  # head of line waits for blocks; later ones do not jump ahead
             self.waiting.popleft()
             self.running.append(seq)
             self.running.sort(key=lambda s: (s.arrived_step, s.request.index))  # oldest first
             if seq.first_scheduled_step is None:
                 seq.first_scheduled_step = step
-            out.append(Scheduled(seq, seq.cached, count))
-            budget -= count
+            out.append(chunk)
+            budget -= chunk.count
         return out
 
     def finish(self, seq: Sequence) -> None:

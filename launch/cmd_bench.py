@@ -19,6 +19,7 @@ BENCHES = {
     "dispatch": "atoll.launch.bench_dispatch",
     "exchange": "atoll.launch.bench_exchange",
     "kernels": "atoll.kernels.bench",
+    "prefix": "atoll.launch.bench_prefix",
 }
 
 

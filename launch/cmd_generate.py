@@ -200,6 +200,13 @@ def _where(ln, e) -> str:
     return str(e) if ln.line is None else f"line {ln.line}: {e}"
 
 
+def _hit_rate(results: list[dict]) -> str:
+    """The summary line's tail: the share of prompt tokens served from the prefix cache."""
+    prompt = sum(r["metrics"]["prompt_tokens"] for r in results)
+    cached = sum(r["metrics"].get("cached_tokens", 0) for r in results)
+    return f", prefix cache hit rate {cached / prompt:.1%} ({cached} of {prompt} prompt tokens)" if prompt else ""
+
+
 def _row(ln, **fields) -> dict:
     return {"id": ln.id, **({} if ln.line is None else {"line": ln.line}), **fields}
 
@@ -266,7 +273,8 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     elapsed = time.perf_counter() - start
     tokens = sum(len(r["token_ids"]) for r in results)
     print(f"atoll: {len(results)} done, {len(failed)} failed, {tokens} tokens in {elapsed:.1f}s "
-          f"({tokens / elapsed:.1f} tok/s)", file=sys.stderr)
+          f"({tokens / elapsed:.1f} tok/s){_hit_rate(results) if llm.options.enable_prefix_caching else ''}",
+          file=sys.stderr)
     if sent is not None:
         from atoll.parallel.links import lines
 
