@@ -20,7 +20,12 @@ from atoll.parallel.mesh import ParallelContext
 
 SHAPES = dict(hidden_size=192, intermediate_size=320, head_dim=48)
 FAMILIES = {"llama": ("llama", SHAPES),
-            "qwen3_moe": ("qwen3_moe", dict(SHAPES, moe_intermediate_size=320))}
+            "qwen3_moe": ("qwen3_moe", dict(SHAPES, moe_intermediate_size=320)),
+            # MLA projections and experts whose rows start mid-block under TP2 and EP2
+            "deepseek_v3": ("deepseek_v3", dict(hidden_size=192, intermediate_size=320, moe_intermediate_size=160,
+                                                num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8,
+                                                n_group=4, topk_group=2, num_experts_per_tok=2,
+                                                n_shared_experts=1))}
 PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8]]
 STEPS = 4  # the prefill's logits, then three greedy decode steps
 
@@ -120,7 +125,8 @@ def _reference(ref_dir, sequences):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family,layout", [("llama", "TP1"), ("llama", "TP2"), ("qwen3_moe", "TP1"),
-                                           ("qwen3_moe", "TP2"), ("qwen3_moe", "EP2")])
+                                           ("qwen3_moe", "TP2"), ("qwen3_moe", "EP2"),
+                                           ("deepseek_v3", "TP2"), ("deepseek_v3", "EP2")])
 def test_fp8_checkpoint_logits_match_the_dequantized_model(pairs, family, layout):
     fp8_dir, ref_dir = pairs(family)
     world = Layout.parse(layout).world_size
