@@ -171,3 +171,25 @@ def test_cli_flag_turns_it_off():
     assert from_args(p.parse_args([])).enable_prefix_caching is True
     assert from_args(p.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching is False
     assert EngineConfig().enable_prefix_caching is True
+
+
+@pytest.mark.timeout(600)
+def test_compiled_decode_step_takes_a_cache_hit(dense, monkeypatch, tmp_path):
+    """SYSTEM + [7] finds 12 cached tokens and arrives while request 0 decodes: its one-token
+    chunk joins a decode micro-batch, which the compiled step runs."""
+    from atoll.engine.generate import run_requests
+    from atoll.engine.runner import ModelRunner
+    from atoll.parallel.mesh import ParallelContext
+
+    monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model_dir, expected = dense
+    llm = LLM(model_dir, block_size=4, max_model_len=32, max_num_seqs=4)
+    requests = llm.prepare(PROMPTS[:2], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    requests[1].arrival_step = 2
+    runner = ModelRunner(llm.spec(requests), ParallelContext.single())
+    if runner.decode_step is None:
+        pytest.skip("the model's decode step does not compile here")
+    results = run_requests(runner, requests)
+    assert [r["token_ids"] for r in results] == expected[:2]
+    assert results[1]["metrics"]["cached_tokens"] == 12 and runner.decode_step.buckets_run
