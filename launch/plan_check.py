@@ -7,10 +7,11 @@ workload on as many local ranks, one thread each (a CPU rank is one core, as the
 counts it), eager: `batch` random prompts of `isl` tokens arriving together, each generating
 `osl` tokens. Measured TTFT and TPOT are medians over requests, then over timed rounds; error
 = predicted / measured - 1. Predicted TTFT is the planner's prefill of that burst
-(CostModel.prefill_burst); TPOT is its decode step at concurrency `batch`. Both are scaled by
-the slowdown, the calibration's GEMM probe timed just before and just after the layout runs
-(geometric mean) against its calibrated figure: on a machine shared with other jobs the core a rank gets moves with
-their load between calibration and check.
+(CostModel.prefill_burst); TPOT is its decode step at concurrency `batch`. The prediction
+takes the machine as one rank alone measured it at calibration, times the slowdown: the
+calibration's GEMM probe on as many threads as the layout has ranks, just before and just
+after the layout runs (geometric mean), against its calibrated figure. On a machine shared
+with other jobs the core a rank gets moves with their load between calibration and check.
 
 Without --model: a random Llama (12 layers, hidden 768, ~100M parameters) at TP1, TP2, PP2 and
 TP2PP2, and a random Qwen3-MoE (8 layers, 8 experts, top-2) at EP2 and DP2EP2, both written
@@ -98,25 +99,52 @@ def predict(model_dir: str, topology, layout_text: str, *, batch: int, isl: int,
     return {"ttft_s": cost.prefill_burst(batch), "tpot_s": p.tpot_s, "decode": p.decode}
 
 
-def slowdown(topology) -> float:
-    """How much slower this machine runs now than when calibrated, by the calibration's own
-    probe (fp32 GEMM at 8 rows, one thread): on a machine shared with other jobs the share of
-    a core a rank gets moves with their load, and every predicted time scales with it. 1.0
-    where the topology holds no such figure."""
+def slowdown(topology, ranks: int) -> float:
+    """How much slower a rank runs now, beside `ranks` - 1 others, than one rank alone ran when
+    the machine was calibrated: the calibration's own probe (fp32 GEMM at 8 rows streaming its
+    weights) on `ranks` threads at once, one core's worth each, against its calibrated figure.
+    On a machine shared with other jobs the share of a core a rank gets moves with their load;
+    every predicted time scales with it. 1.0 where the topology holds no such figure."""
+    import threading
+
+    import torch
+
     from atoll.calibrate.compute import PROBE_ROWS, probe_tflops
 
     cal = topology.calibration
     ref = cal.gemm_tflops.get("fp32", {}).get(PROBE_ROWS) if cal is not None else None
     if ref is None:
         return 1.0
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    rates = [0.0] * ranks
+
+    def probe(i):
+        torch.set_num_threads(1)  # OpenMP's thread count is per calling thread: set it in this one too
+        rates[i] = probe_tflops()
+
     try:
-        return ref / probe_tflops()
+        workers = [threading.Thread(target=probe, args=(i,)) for i in range(ranks)]  # torch ops release the GIL
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
     finally:
         torch.set_num_threads(threads)
+    return ref / (sum(rates) / ranks)
+
+
+def alone(topology, ranks: int):
+    """The topology with its calibration as one rank alone measured it, for `ranks` ranks:
+    what sharing the cores costs now comes from slowdown()."""
+    import dataclasses
+
+    cal = topology.calibration
+    if cal is None or 1 not in cal.memory_gb_s:
+        return topology
+    one = dataclasses.replace(cal, cpu_share={n: 1.0 for n in range(1, ranks + 1)},
+                              memory_gb_s={n: cal.memory_gb_s[1] for n in range(1, ranks + 1)})
+    return dataclasses.replace(topology, calibration=one)
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int) -> dict | None:
@@ -163,6 +191,7 @@ def measure(model_dir: str, layout: str, *, batch: int, isl: int, osl: int, roun
 def run_check(args) -> int:
     from tqdm import tqdm
 
+    from atoll.parallel.layout import Layout
     from atoll.topologies import load_topology
 
     batch = args.concurrency_check
@@ -183,10 +212,11 @@ def run_check(args) -> int:
     load = [os.getloadavg()[0]]
     rows = []
     for name, d, lay in tqdm(todo, desc="check", unit="layout", dynamic_ncols=True, disable=args.format == "json"):
-        pred = predict(d, topology, lay, batch=batch, isl=isl, osl=osl)
-        before = slowdown(topology)  # this machine now against when it was calibrated, before and after
+        world = Layout.parse(lay).world_size
+        pred = predict(d, alone(topology, world), lay, batch=batch, isl=isl, osl=osl)
+        before = slowdown(topology, world)  # this machine now against when it was calibrated, before and after
         meas = measure(d, lay, batch=batch, isl=isl, osl=osl, rounds=args.rounds, warmup=args.warmup)
-        slow = (before * slowdown(topology)) ** 0.5
+        slow = (before * slowdown(topology, world)) ** 0.5
         pred = {k: v * slow for k, v in pred.items() if k in ("ttft_s", "tpot_s")}
         rows.append({"model": name, "layout": lay, "slowdown": slow,
                      **{f"predicted_{k}": pred[k] for k in ("ttft_s", "tpot_s")},
