@@ -44,7 +44,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--record", action="store_true",
                    help="--check: write the median errors into the topology YAML (calibration.errors): later "
                         "plans on it carry them as their uncertainty band")
-    p.add_argument("--rounds", type=int, default=2, help="--check: timed rounds per layout (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="--check: timed rounds per layout (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="--check: untimed rounds first (default 1)")
     p.set_defaults(run=run)
 

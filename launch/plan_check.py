@@ -9,9 +9,10 @@ counts it), eager: `batch` random prompts of `isl` tokens arriving together, eac
 = predicted / measured - 1. Predicted TTFT is the planner's prefill of that burst
 (CostModel.prefill_burst); TPOT is its decode step at concurrency `batch`. The prediction
 takes the machine as one rank alone measured it at calibration, times the slowdown: the
-calibration's GEMM probe on as many threads as the layout has ranks, just before and just
-after the layout runs (geometric mean), against its calibrated figure. On a machine shared
-with other jobs the core a rank gets moves with their load between calibration and check.
+calibration's GEMM probe (calibrate.compute.probe_tflops), run by every rank at once after
+each timed round, outside the timed region, against its calibrated figure. On a machine
+shared with other jobs the memory bandwidth and the core a rank gets move with their load
+between calibration and check, and with the layout's own ranks.
 
 Without --model: a random Llama (12 layers, hidden 768, ~100M parameters) at TP1, TP2, PP2 and
 TP2PP2, and a random Qwen3-MoE (8 layers, 8 experts, top-2) at EP2 and DP2EP2, both written
@@ -99,39 +100,12 @@ def predict(model_dir: str, topology, layout_text: str, *, batch: int, isl: int,
     return {"ttft_s": cost.prefill_burst(batch), "tpot_s": p.tpot_s, "decode": p.decode}
 
 
-def slowdown(topology, ranks: int) -> float:
-    """How much slower a rank runs now, beside `ranks` - 1 others, than one rank alone ran when
-    the machine was calibrated: the calibration's own probe (fp32 GEMM at 8 rows streaming its
-    weights) on `ranks` threads at once, one core's worth each, against its calibrated figure.
-    On a machine shared with other jobs the share of a core a rank gets moves with their load;
-    every predicted time scales with it. 1.0 where the topology holds no such figure."""
-    import threading
-
-    import torch
-
-    from atoll.calibrate.compute import PROBE_ROWS, probe_tflops
+def probe_ref(topology) -> float | None:
+    """The calibration's probe figure: one rank alone, fp32 GEMM at 8 rows streaming its weights."""
+    from atoll.calibrate.compute import PROBE_ROWS
 
     cal = topology.calibration
-    ref = cal.gemm_tflops.get("fp32", {}).get(PROBE_ROWS) if cal is not None else None
-    if ref is None:
-        return 1.0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    rates = [0.0] * ranks
-
-    def probe(i):
-        torch.set_num_threads(1)  # OpenMP's thread count is per calling thread: set it in this one too
-        rates[i] = probe_tflops()
-
-    try:
-        workers = [threading.Thread(target=probe, args=(i,)) for i in range(ranks)]  # torch ops release the GIL
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    finally:
-        torch.set_num_threads(threads)
-    return ref / (sum(rates) / ranks)
+    return cal.gemm_tflops.get("fp32", {}).get(PROBE_ROWS) if cal is not None else None
 
 
 def alone(topology, ranks: int):
@@ -153,6 +127,7 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int) -> di
 
     import torch
 
+    from atoll.calibrate.compute import probe_tflops
     from atoll.engine.runner import ModelRunner
     from atoll.launch.bench_model import time_atoll
     from atoll.launch.device import rank_device
@@ -165,17 +140,22 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int) -> di
     with contextlib.redirect_stderr(io.StringIO()):  # the cache summary line would break the progress bar
         runner = ModelRunner(spec, ctx)
     mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
-    runs = []
+    runs, probes = [], []
     for i in range(warmup + rounds):
         ctx.world.barrier()
         r = time_atoll(runner, mine)
         if i >= warmup:
             runs.append(r)
+            ctx.world.barrier()  # every rank probes at once, between the timed rounds
+            probes.append(probe_tflops(0.3))
     # every replica's medians, averaged: the DP replicas run side by side
     figs = torch.tensor([statistics.median(r["prefill_s"] for r in runs),
-                         statistics.median(r["decode_step_s"] for r in runs)], dtype=torch.float64)
+                         statistics.median(r["decode_step_s"] for r in runs), statistics.mean(probes)],
+                        dtype=torch.float64)
     ctx.world.all_reduce(figs)
-    return {"ttft_s": float(figs[0]) / world, "tpot_s": float(figs[1]) / world} if rank == 0 else None
+    figs /= world
+    return {"ttft_s": float(figs[0]), "tpot_s": float(figs[1]), "probe_tflops": float(figs[2])} \
+        if rank == 0 else None
 
 
 def measure(model_dir: str, layout: str, *, batch: int, isl: int, osl: int, rounds: int, warmup: int) -> dict:
@@ -210,13 +190,14 @@ def run_check(args) -> int:
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] if args.layouts else None
     todo = [(name, d, lay) for name, d, lays in check_models(args.model, layouts) for lay in lays]
     load = [os.getloadavg()[0]]
+    ref = probe_ref(topology)
     rows = []
     for name, d, lay in tqdm(todo, desc="check", unit="layout", dynamic_ncols=True, disable=args.format == "json"):
         world = Layout.parse(lay).world_size
         pred = predict(d, alone(topology, world), lay, batch=batch, isl=isl, osl=osl)
-        before = slowdown(topology, world)  # this machine now against when it was calibrated, before and after
         meas = measure(d, lay, batch=batch, isl=isl, osl=osl, rounds=args.rounds, warmup=args.warmup)
-        slow = (before * slowdown(topology, world)) ** 0.5
+        # this machine between the rounds, every rank at once, against one rank alone at calibration
+        slow = ref / meas["probe_tflops"] if ref else 1.0
         pred = {k: v * slow for k, v in pred.items() if k in ("ttft_s", "tpot_s")}
         rows.append({"model": name, "layout": lay, "slowdown": slow,
                      **{f"predicted_{k}": pred[k] for k in ("ttft_s", "tpot_s")},
