@@ -18,7 +18,7 @@ from atoll.parallel.planner.shapes import Shapes, stage_split
 
 WEIGHTS, EXPERTS, KV, COMPUTE = "HBM reads of weights", "HBM reads of expert weights", "HBM reads of KV cache", "compute"
 KERNELS = "kernel launch floors"
-OVERHEAD = "launch/dispatch overhead (calibrated)"
+OVERHEAD = "per-op launch/dispatch time (calibrated)"
 
 
 def expected_busiest_experts(tokens: int, experts: int, top_k: int, ranks: int) -> float:
@@ -48,6 +48,8 @@ class CostModel:
         self.flops = gpu.tflops(workload.dtype) * 1e12 * eff.GEMM_EFFICIENCY
         self.attn_flops = gpu.bf16_tflops * 1e12 * eff.ATTENTION_EFFICIENCY
         self.cal = topology.calibration  # measured figures of this machine: they replace the above
+        # atoll's own runtime as calibrated on a CPU: its overheads, MoE exchange and tick exchange
+        self.runtime = self.cal is not None and self.cal.device == "cpu" and bool(self.cal.overhead_us)
         if self.cal is not None:
             from atoll.parallel.planner.runtime_terms import Measured
 
@@ -107,12 +109,12 @@ class CostModel:
                 mlp = s.dense_mlp / tp
                 self._op(one, mlp * wb, 2 * n * mlp, WEIGHTS, rows=n)
                 one[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
-            elif self.cal is not None:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
+            elif self.runtime:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
                 self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
             else:
                 kernels += eff.KERNELS_PER_MOE
                 self._moe(one, n, n_all, act, wb)
-            if self.cal is not None:
+            if self.runtime:
                 one[OVERHEAD] += self.measured.layer_overhead(is_dense)
             elif not prefill:
                 one[KERNELS] += kernels * eff.KERNEL_OVERHEAD_S
@@ -126,7 +128,7 @@ class CostModel:
             # each rank's vocab shard of the logits gathered over tp (layers.embedding.ParallelLMHead)
             logits = seqs_per_dp * s.vocab * w.act_bytes
             out[self._comm_name("TP all-gather", self.g_tp)] += all_gather(logits, self.g_tp)
-        if self.cal is not None:  # every rank runs each tick's scheduling, metadata and sampling
+        if self.runtime:  # every rank runs each tick's scheduling, metadata and sampling
             out[OVERHEAD] += self.measured.tick_overhead(seqs_per_dp)
         return dict(out)
 
@@ -185,7 +187,7 @@ class CostModel:
         ctx = w.mean_decode_context
         parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False)
                  for i in range(l.pp)]
-        if self.cal is not None:  # the sampled tokens reach every rank each tick (engine.runner.tick)
+        if self.runtime:  # the sampled tokens reach every rank each tick (engine.runner.tick)
             for p in parts:
                 for k, v in self.measured.tick_exchange(self, per_dp).items():
                     p[k] = p.get(k, 0.0) + v
