@@ -33,6 +33,11 @@ class EngineConfig:
     enforce_eager: bool = _opt(False, "run the decode step eagerly: no torch.compile, no CUDA graphs")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already computed "
                                              "(engine.blocks)")
+    prefill: str | None = _opt(None, "disaggregated prefill: the prefill engine's layout (e.g. TP2), beside "
+                                     "--decode; the job runs both engines (engine.disagg)")
+    decode: str | None = _opt(None, "disaggregated prefill: the decode engine's layout (e.g. TP4), beside --prefill")
+    disagg_min_prompt_tokens: int = _opt(0, "with --prefill/--decode, prompts whose uncached part is shorter "
+                                            "than this are prefilled by the decode engine itself")
     dispatch: str = _opt("auto", "MoE token dispatch: auto (island-first when an EP group spans islands, "
                                  "else flat), flat or hierarchical", choices=DISPATCH)
     moe_capacity_factor: float | None = _opt(None, "each expert keeps at most this factor x its even share "
@@ -54,6 +59,11 @@ class EngineConfig:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
+        if (self.prefill is None) != (self.decode is None):
+            raise InputError("give --prefill and --decode together (the two engines' layouts)")
+        m = self.disagg_min_prompt_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise InputError(f"disagg_min_prompt_tokens={m!r} must be a whole number of at least 0")
         if self.dispatch not in DISPATCH:
             raise InputError(f"dispatch {self.dispatch!r} is not one of {', '.join(DISPATCH)}")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:

@@ -36,11 +36,16 @@ def finish_reason(seq: Sequence, max_len: int, decode=None) -> str | None:
 
 
 def run_requests(runner, requests: list[Request], progress=None, *, pipelined: bool = True,
-                 on_finish=None) -> list[dict]:
+                 on_finish=None, on_token=None, inbox=None) -> list[dict]:
     """Drive `runner.tick` until every request is done; one result per request, in order.
     `progress(done, tokens)` is called after each tick when given, and `on_finish(index,
     result)` as each request finishes (so a caller can write it at once). Under PP,
-    `pipelined` keeps a micro-batch in every stage (see engine.lanes); False sends one at a time."""
+    `pipelined` keeps a micro-batch in every stage (see engine.lanes); False sends one at a time.
+    Disaggregation (engine.disagg): `on_token(seq, started)` is called on every rank as a
+    sequence takes a token, before its blocks can be freed; `inbox.poll(tick, lanes)` gives
+    (sequence, started) pairs whose prompt arrived already in the cache, and `inbox.pending`
+    keeps the loop going while more are to come. With an inbox the return is a dict, request
+    index -> result, of `requests` and the inbox's."""
     spec = runner.spec
     depth = runner.ctx.layout.pp
     lanes = Lanes(num_blocks=runner.num_blocks, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
@@ -57,10 +62,15 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
             req = arrivals.popleft()
             lanes.add(Sequence(req, SamplerState(req.params, runner.device), arrived_step=tick))
             started[req.index] = time.perf_counter()
+        if inbox is not None:
+            for seq, at in inbox.poll(tick, lanes):
+                started[seq.request.index] = at
+                _settle(seq, lanes, results, started, spec.max_model_len, decode, tick, on_finish)
         lane = lanes.at(tick)
         chunks = lane.schedule(tick) if lane is not None else []
         mb = MicroBatch.of(chunks, spec.block_size, device=runner.device) if chunks else None
-        busy = bool(arrivals or lanes.has_work() or any(b is not None for b in inflight))
+        busy = bool(arrivals or lanes.has_work() or any(b is not None for b in inflight)
+                    or (inbox is not None and inbox.pending))
         go, mb = runner.agree(busy, mb)
         if not go:
             break
@@ -68,7 +78,7 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
         tokens = runner.tick(inflight)
         if len(inflight) == depth and (done := inflight.pop()) is not None:
             produced += _apply(done, tokens.tolist(), lanes, results, started, spec.max_model_len, decode, tick,
-                               on_finish)
+                               on_finish, on_token)
         tick += 1
         if progress is not None:
             progress(len(results), produced)
@@ -77,11 +87,13 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
     # every block is back once every request ended; named ones stay cached (evictable)
     runner.stats |= {"blocks_held": sum(p.num_blocks - p.num_free for p in pools),
                      "blocks_cached": sum(p.num_cached for p in pools)}
+    if inbox is not None:
+        return results  # index -> result
     return [results[r.index] for r in requests]
 
 
 def _apply(mb: MicroBatch, tokens: list[int], lanes: Lanes, results: dict, started: dict,
-           max_len: int, decode, tick: int, on_finish=None) -> int:
+           max_len: int, decode, tick: int, on_finish=None, on_token=None) -> int:
     """The micro-batch's chunks are in the cache; sampling ones take their token. Returns
     the tokens produced."""
     now, produced = time.perf_counter(), 0
@@ -94,13 +106,21 @@ def _apply(mb: MicroBatch, tokens: list[int], lanes: Lanes, results: dict, start
         produced += 1
         if len(seq.output) == 1:
             seq.first_token_at = now
-        reason = finish_reason(seq, max_len, decode)
-        if reason is not None:
-            lanes.finish(seq)
-            results[seq.request.index] = _result(seq, reason, started[seq.request.index], now, tick)
-            if on_finish is not None:
-                on_finish(seq.request.index, results[seq.request.index])
+        if on_token is not None:
+            on_token(seq, started[seq.request.index])
+        _settle(seq, lanes, results, started, max_len, decode, tick, on_finish)
     return produced
+
+
+def _settle(seq: Sequence, lanes: Lanes, results: dict, started: dict, max_len: int, decode, tick: int,
+            on_finish=None) -> None:
+    """End the sequence if its last token finishes it."""
+    reason = finish_reason(seq, max_len, decode)
+    if reason is not None:
+        lanes.finish(seq)
+        results[seq.request.index] = _result(seq, reason, started[seq.request.index], time.perf_counter(), tick)
+        if on_finish is not None:
+            on_finish(seq.request.index, results[seq.request.index])
 
 
 def _decoder(model_dir: str):

@@ -106,6 +106,13 @@ class Lanes:
         seq.lane = loads.index(min(loads))
         self.schedulers[seq.lane].add(seq)
 
+    def adopt(self, seq: Sequence, step: int) -> bool:
+        """A sequence whose prompt is already computed elsewhere, to the least loaded lane
+        (Scheduler.adopt); False when that lane has no room yet."""
+        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+        seq.lane = loads.index(min(loads))
+        return self.schedulers[seq.lane].adopt(seq, step)
+
     def at(self, tick: int) -> Scheduler | None:
         """The lane whose micro-batch enters the pipeline at this tick, if any."""
         slot = tick % self.depth

@@ -85,7 +85,8 @@ class LLM:
     """`LLM(model, layout=..., **options)`: options are EngineConfig's fields (engine/config.py:
     device, dtype, max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
     kv_cache_gb, num_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, ...),
-    with the same defaults as the CLI."""
+    with the same defaults as the CLI. `prefill="TP2", decode="TP4"` instead of a layout runs
+    disaggregated prefill and decode (engine.disagg); `self.layout` is then the decode engine's."""
 
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
@@ -99,6 +100,13 @@ class LLM:
             raise InputError(f"LLM: {e}") from None
         self.model_dir = Path(model)
         self.config = ModelConfig.load(self.model_dir)
+        self.prefill_layout = None
+        if self.options.prefill is not None:  # disaggregated: the decode engine is `layout`
+            if layout is not None or any((tensor_parallel_size, pipeline_parallel_size,
+                                          data_parallel_size, expert_parallel_size)):
+                raise InputError("give --prefill/--decode or a layout, not both")
+            layout = self.options.decode
+            self.prefill_layout = self._prefill_layout(self.options.prefill)
         self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size,
                                      data_parallel_size, expert_parallel_size).validate(self.config)
         if self.layout.dp > 1 and not self.config.is_moe:
@@ -128,6 +136,17 @@ class LLM:
 
             self.tokenizer = Tokenizer(self.model_dir)
         self.stop_ids = default_stop_ids(self.model_dir, self.config, self.tokenizer)
+
+    def _prefill_layout(self, text: str) -> Layout:
+        from atoll.models.checkpoint import check_layout_fits
+
+        layout = Layout.parse(text).validate(self.config)
+        if layout.dp > 1:
+            raise InputError(f"--prefill {layout}: the prefill engine is one replica (dp 1)")
+        if self.config.is_mla:
+            raise InputError(f"--prefill: {self.config.model_type}'s latent (MLA) cache cannot be sent yet")
+        check_layout_fits(self.model_dir, self.config, layout)
+        return layout
 
     def _explicit_blocks(self) -> int | None:
         """--num-blocks, or --kv-cache-gb in blocks at the dtype the ranks will most likely use
@@ -270,6 +289,10 @@ class LLM:
         from atoll.launch.local import run_local
 
         requests = self.prepare(prompts, params, chat=chat)
+        if self.prefill_layout is not None:
+            from atoll.engine.disagg import generate_disagg
+
+            return self.finish(prompts, requests, generate_disagg(self, requests, timeout_s=timeout_s))
         spec = self.spec(requests)
         results = run_local(generate_worker, self.layout.world_size, spec, requests,
                             timeout_s=timeout_s, device=spec.device, parallel=self.context_options())[0]

@@ -156,6 +156,19 @@ class Scheduler:
             budget -= chunk.count
         return out
 
+    def adopt(self, seq: Sequence, step: int) -> bool:
+        """Run a sequence whose prompt another engine computed (engine.disagg): blocks for its
+        prompt, which is then cached, its first token already in `output`. False (and no
+        change) when the blocks or max_num_seqs leave no room for it yet."""
+        prompt = len(seq.request.prompt_token_ids)
+        if len(self.running) >= self.max_num_seqs or not self.pool.grow(seq.blocks, prompt):
+            return False
+        self._commit(Scheduled(seq, 0, prompt))  # names its full prompt blocks for later prompts
+        seq.cached, seq.first_scheduled_step = prompt, step
+        self.running.append(seq)
+        self.running.sort(key=lambda s: (s.arrived_step, s.request.index))
+        return True
+
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.release(seq.blocks)

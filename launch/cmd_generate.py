@@ -105,7 +105,8 @@ def run(args) -> int:
         check_output(args.output, args.prompts)
     plan = args.saved_plan = _plan(args, launcher, lines)
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
-    check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size)
+    ranks = llm.layout.world_size + (llm.prefill_layout.world_size if llm.prefill_layout else 0)
+    check_launcher(launcher, device=llm.device, world_size=ranks)
     args.context = llm.context_options(islands=plan.islands if plan else None, nodes=plan.nodes if plan else None)
     valid = _validate(llm, lines, defaults, chat=args.chat)
     if not args.prompts and lines[0].error:
@@ -236,17 +237,24 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
         writer.write(i, _row(lines[i], **{f: v for f, v in out.items() if f != "id"}))
 
     start = time.perf_counter()
-    if launcher in ("local", "ray"):
+    if llm.prefill_layout is not None:
+        print(f"atoll: {len(requests)} prompts, prefill on {llm.prefill_layout}, decode on {llm.layout} "
+              f"({llm.prefill_layout.world_size + llm.layout.world_size} ranks, {launcher})", file=sys.stderr)
+    elif launcher in ("local", "ray"):
         print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} ranks, {launcher})",
               file=sys.stderr)
     reports, progress = _progress(launcher, len(requests), done, bar=not args.no_progress)
     try:
-        spec = llm.spec(requests)
-        _, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
-                            ray_address=args.ray_address, device=spec.device, progress=progress,
-                            parallel=args.context, tp_size=llm.layout.tp, stats=args.stats, **_placement(args))
         sent = None
-        if args.stats and results is not None:
+        if llm.prefill_layout is not None:  # disaggregated: both engines in one local job (engine.disagg)
+            results = _disaggregated(llm, requests, launcher)
+        else:
+            spec = llm.spec(requests)
+            _, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
+                                ray_address=args.ray_address, device=spec.device, progress=progress,
+                                parallel=args.context, tp_size=llm.layout.tp, stats=args.stats,
+                                **_placement(args))
+        if args.stats and results is not None and llm.prefill_layout is None:
             results, sent = results
         if reports is not None:
             reports.close()  # what rank 0 already reported is written before the rest
@@ -281,6 +289,20 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
         for line in lines(sent):
             print(f"atoll: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _disaggregated(llm, requests, launcher: str) -> list[dict]:
+    from atoll.engine.disagg import generate_disagg
+    from atoll.errors import LaunchError
+
+    if launcher != "local":
+        raise LaunchError(f"--prefill/--decode run under the local launcher only, not {launcher}")
+    results = generate_disagg(llm, requests)
+    remote = sum(r["metrics"]["prefilled_on"] == "prefill" for r in results)
+    sent = sum(r["metrics"]["kv_bytes_sent"] for r in results)
+    print(f"atoll: {remote} of {len(results)} prompts prefilled on the prefill engine, "
+          f"{sent / 2**20:.2f} MiB of KV sent", file=sys.stderr)
+    return results
 
 
 def _placement(args) -> dict:

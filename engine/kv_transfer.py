@@ -1,0 +1,128 @@
+"""Moving one prompt's KV cache from the prefill engine to the decode engine, between layouts.
+
+Scheme. A rank of either engine holds, for the layers of its pipeline stage, the KV heads of
+its TP rank (layers.linear: a 1/tp share, or one head replicated on tp/kv_heads ranks). On
+the prefill side each KV head has one owner: the lowest TP rank holding it in replica 0 (the
+prefill engine runs one replica). For every pair (prefill rank p, decode rank q of the
+replica that serves the request) one message carries the layers both stages hold and the
+heads p owns that q holds: [layers, 2 (k, v), prompt tokens, heads, head_dim], each k and v
+read from p's paged cache at the sequence's blocks and written into q's at its own blocks
+(block sizes may differ). Every head of every layer is sent once to each decode rank that
+holds it, so the bytes for a prompt of T tokens are
+
+    layers x T x 2 x kv_heads x head_dim x dtype bytes x r,
+
+r = max(1, decode tp / kv_heads), the decode side's own replication of heads (1 when its tp
+divides kv_heads): `analytic_bytes`. Messages go in one order, (decode rank, prefill rank),
+on every process, with blocking send/recv: the first unfinished message always has both
+ends waiting on it, so the exchange cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atoll.parallel.layout import Layout
+from atoll.parallel.pipeline import stage_layers
+
+
+def heads_held(kv_heads: int, tp: int, rank: int) -> list[int]:
+    """The KV heads TP rank `rank` of `tp` holds (layers.linear.QKVParallelLinear's split)."""
+    if kv_heads >= tp:
+        share = kv_heads // tp
+        return list(range(rank * share, (rank + 1) * share))
+    return [rank // (tp // kv_heads)]
+
+
+def heads_owned(kv_heads: int, tp: int, rank: int) -> list[int]:
+    """The heads this rank sends: those no lower TP rank holds."""
+    lower = {h for r in range(rank) for h in heads_held(kv_heads, tp, r)}
+    return [h for h in heads_held(kv_heads, tp, rank) if h not in lower]
+
+
+@dataclass(frozen=True)
+class Message:
+    src: int  # prefill engine rank
+    dst: int  # decode engine rank
+    layers: tuple[int, ...]  # model layer ids
+    heads: tuple[int, ...]  # KV head ids
+
+
+def plan(config, src: Layout, dst: Layout, replica: int = 0) -> list[Message]:
+    """Every message for one prompt, to decode replica `replica`, in the order all ranks use."""
+    kv = config.num_key_value_heads
+    src_stages, dst_stages = stage_layers(config, src.pp), stage_layers(config, dst.pp)
+    out = []
+    for qs, (q_start, q_end) in enumerate(dst_stages):
+        for qt in range(dst.tp):
+            q = qs * dst.stage_size + replica * dst.tp + qt
+            want = set(heads_held(kv, dst.tp, qt))
+            for ps, (p_start, p_end) in enumerate(src_stages):
+                for pt in range(src.tp):
+                    layers = tuple(range(max(p_start, q_start), min(p_end, q_end)))
+                    heads = tuple(h for h in heads_owned(kv, src.tp, pt) if h in want)
+                    if layers and heads:
+                        out.append(Message(ps * src.stage_size + pt, q, layers, heads))
+    return sorted(out, key=lambda m: (m.dst, m.src))
+
+
+def analytic_bytes(config, dst: Layout, tokens: int, itemsize: int) -> int:
+    kv = config.num_key_value_heads
+    return (config.num_hidden_layers * tokens * 2 * kv * config.head_dim * itemsize
+            * max(1, dst.tp // kv))
+
+
+def _positions(blocks: list[int], tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of positions 0 .. tokens - 1 of a sequence with this block table."""
+    pos = torch.arange(tokens)
+    block = torch.tensor(blocks, dtype=torch.long)[pos // block_size]
+    return block.to(device), (pos % block_size).to(device)
+
+
+def send(runner, messages: list[Message], rank: int, blocks: list[int], tokens: int, world, dst_base: int) -> int:
+    """Send this prefill rank's messages for one sequence; returns the bytes sent. `world`:
+    the job's Group (ranks are job ranks); decode rank q is job rank dst_base + q."""
+    cfg, ctx = runner.config, runner.ctx
+    first = runner.model.model.start
+    mine = set(heads_held(cfg.num_key_value_heads, ctx.layout.tp, ctx.coords.tp))
+    local = {h: i for i, h in enumerate(sorted(mine))}
+    block, offset = _positions(blocks, tokens, runner.spec.block_size, runner.device)
+    sent = 0
+    for m in messages:
+        if m.src != rank:
+            continue
+        at = torch.tensor([local[h] for h in m.heads], device=runner.device)
+        parts = [torch.stack([c[layer - first][block, offset][:, at] for c in (runner.cache.k, runner.cache.v)])
+                 for layer in m.layers]
+        x = torch.stack(parts).contiguous()  # [layers, 2, tokens, heads, head_dim]
+        world.send(x, dst=world.ranks.index(dst_base + m.dst))
+        sent += x.numel() * x.element_size()
+    return sent
+
+
+def receive(runner, messages: list[Message], rank: int, blocks: list[int], tokens: int, world,
+            src_base: int) -> int:
+    """Receive this decode rank's messages for one sequence into its cache at `blocks`;
+    returns the bytes received."""
+    cfg, ctx = runner.config, runner.ctx
+    first = runner.model.model.start
+    mine = sorted(heads_held(cfg.num_key_value_heads, ctx.layout.tp, ctx.coords.tp))
+    local = {h: i for i, h in enumerate(mine)}
+    block, offset = _positions(blocks, tokens, runner.spec.block_size, runner.device)
+    got = 0
+    for m in messages:
+        if m.dst != rank:
+            continue
+        shape = (len(m.layers), 2, tokens, len(m.heads), cfg.head_dim)
+        x = world.recv(shape, runner.dtype, src=world.ranks.index(src_base + m.src), device=runner.device)
+        at = torch.tensor([local[h] for h in m.heads], device=runner.device)
+        for i, layer in enumerate(m.layers):
+            for j, c in enumerate((runner.cache.k, runner.cache.v)):
+                view = c[layer - first]  # [blocks, block_size, heads, head_dim]
+                rows = view[block, offset]
+                rows[:, at] = x[i, j]
+                view[block, offset] = rows
+        got += x.numel() * x.element_size()
+    return got

@@ -1,0 +1,171 @@
+"""Disaggregated prefill and decode (engine.disagg, engine.kv_transfer): the transfer plan
+(every held head of every layer sent once, bytes = the analytic KV size), the conditional
+routing, and greedy tokens identical to transformers across prefill -> decode layouts, with
+the KV bytes each request sent counted on the ranks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from reference import reference_tokens
+
+from atoll import LLM, SamplingParams
+from atoll.engine import kv_transfer
+from atoll.engine.disagg import route
+from atoll.engine.generate import Request
+from atoll.models.config import ModelConfig
+from atoll.parallel.layout import Layout
+from atoll.parallel.pipeline import stage_layers
+
+PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(5 + 6 * i)] for i in range(4)]  # 5, 11, 17, 23 tokens
+NEW = 6
+
+
+class _Config:  # what the plan reads of a ModelConfig
+    def __init__(self, layers, kv_heads, head_dim=16, pp_layers=None):
+        self.num_hidden_layers, self.num_key_value_heads, self.head_dim = layers, kv_heads, head_dim
+        self.hidden_size, self.intermediate_size, self.num_attention_heads, self.vocab_size = 64, 128, 8, 301
+        self.moe_intermediate_size = None
+
+
+@pytest.mark.parametrize("src,dst,kv", [("TP1", "TP2", 2), ("TP2", "TP1", 2), ("TP2", "PP2", 2), ("TP4", "TP2PP2", 8),
+                                        ("TP4", "TP1", 2), ("PP2", "TP4", 2), ("TP2PP2", "DP2PP2", 4)])
+def test_plan_sends_each_held_head_of_each_layer_once(src, dst, kv):
+    cfg, src, dst = _Config(6, kv), Layout.parse(src), Layout.parse(dst)
+    for replica in range(dst.dp):
+        messages = kv_transfer.plan(cfg, src, dst, replica)
+        got = {}
+        for m in messages:
+            for layer in m.layers:
+                for h in m.heads:
+                    key = (m.dst, layer, h)
+                    assert key not in got, f"{key} sent twice"
+                    got[key] = m.src
+        want = set()
+        for q in range(dst.world_size):
+            stage, rest = divmod(q, dst.stage_size)
+            d, t = divmod(rest, dst.tp)
+            if d != replica:
+                continue
+            start, end = stage_layers(cfg, dst.pp)[stage]
+            want |= {(q, layer, h) for layer in range(start, end) for h in kv_transfer.heads_held(kv, dst.tp, t)}
+        assert set(got) == want
+        # the sender holds what it sends
+        for (q, layer, h), p in got.items():
+            stage, t = divmod(p, src.stage_size)
+            start, end = stage_layers(cfg, src.pp)[stage]
+            assert start <= layer < end and h in kv_transfer.heads_held(kv, src.tp, t)
+        tokens = 7
+        sent = sum(len(m.layers) * 2 * tokens * len(m.heads) * cfg.head_dim * 4 for m in messages)
+        assert sent == kv_transfer.analytic_bytes(cfg, dst, tokens, 4)
+
+
+def test_route_sends_short_and_mostly_cached_prompts_to_the_decode_engine():
+    long_a = list(range(1, 24))  # 23 tokens
+    long_b = long_a[:20] + [200, 201, 202]  # shares 5 full blocks of 4 with long_a
+    reqs = [Request(i, p, SamplingParams()) for i, p in enumerate([[5, 6, 7], long_a, long_b, list(range(50, 73))])]
+    remote, local, replica = route(reqs, min_tokens=10, block_size=4, prefix_caching=True)
+    assert [r.index for r in remote] == [1, 3] and [r.index for r in local] == [0, 2]
+    remote, local, _ = route(reqs, min_tokens=10, block_size=4, prefix_caching=False)
+    assert [r.index for r in remote] == [1, 2, 3]
+    # each decode replica has its own cache: long_b on the other replica than long_a is not cached
+    remote, local, replica = route(reqs, min_tokens=10, block_size=4, prefix_caching=True, dp=2)
+    assert replica == {0: 0, 1: 1, 2: 0, 3: 1} and [r.index for r in remote] == [1, 2, 3]
+
+
+CASES = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", {})}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            kind, overrides = CASES[name]
+            d = tiny_model(kind, **overrides)
+            cache[name] = (d, reference_tokens(d, PROMPTS, NEW))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,prefill,decode", [("llama", "TP1", "TP2"), ("llama", "TP2", "TP1"),
+                                                 ("llama", "TP2", "PP2"), ("qwen3_moe", "EP2", "DP2EP2")])
+def test_disaggregated_tokens_match_and_bytes_are_the_prompt_kv(models, name, prefill, decode):
+    model_dir, want = models(name)
+    llm = LLM(model_dir, prefill=prefill, decode=decode, block_size=4)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True), timeout_s=240)
+    assert [o.token_ids for o in outs] == want
+    assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
+    cfg = ModelConfig.load(model_dir)
+    assert [o.metrics["kv_bytes_sent"] for o in outs] == [
+        kv_transfer.analytic_bytes(cfg, Layout.parse(decode), len(p), 4) for p in PROMPTS]
+
+
+@pytest.mark.timeout(300)
+def test_short_prompts_are_prefilled_on_the_decode_engine(models):
+    model_dir, want = models("llama")
+    llm = LLM(model_dir, prefill="TP1", decode="TP1", block_size=4, disagg_min_prompt_tokens=12)
+    params = [SamplingParams(max_tokens=NEW, ignore_eos=True)] * 3 + [SamplingParams(max_tokens=1, ignore_eos=True)]
+    outs = llm.generate(PROMPTS, params, timeout_s=240)
+    assert [o.token_ids for o in outs] == want[:3] + [want[3][:1]]
+    assert [o.metrics["prefilled_on"] for o in outs] == ["decode", "decode", "prefill", "prefill"]
+    assert [o.metrics["kv_bytes_sent"] > 0 for o in outs] == [False, False, True, True]
+    assert outs[3].finish_reason == "length"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process table from /proc")
+def test_killing_a_prefill_rank_names_the_engine_and_fails_every_request(models, tmp_path):
+    model_dir, _ = models("llama")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [(i * 13 + j) % 300 + 1 for j in range(40)]})
+                               + "\n" for i in range(12)))
+    # decode one request at a time, 200 tokens each: the prefill rank waits on its sends for long
+    cmd = [sys.executable, "-m", "atoll", "generate", "--model", str(model_dir), "--prompts", str(prompts),
+           "--prefill", "TP1", "--decode", "TP1", "--max-new-tokens", "200", "--max-num-seqs", "1",
+           "--output", str(tmp_path / "out.jsonl"), "--no-progress"]
+    log = tmp_path / "err.txt"
+    with open(log, "w") as err_file:
+        proc = subprocess.Popen(cmd, stderr=err_file, stdout=subprocess.DEVNULL, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            deadline = time.monotonic() + 120
+            while log.read_text().count("KV cache:") < 2 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.2)  # both engines loaded
+            workers = _children(proc.pid)
+            assert len(workers) == 2, f"expected 2 rank processes, found {workers}"
+            time.sleep(1.0)
+            assert proc.poll() is None, "the job finished before the kill; make it longer"
+            os.kill(workers[0], signal.SIGKILL)  # job rank 0: the prefill engine (spawned first)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    err = log.read_text()
+    assert proc.returncode == 2, err
+    assert "prefill engine rank 0 (job rank 0" in err and "killed by SIGKILL" in err, err
+    assert "Traceback" not in err
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == list(range(12))  # every request written, as failed
+    assert all("prefill engine rank 0" in r["error"] for r in rows)
