@@ -3,9 +3,10 @@ P .. P+D-1 the decode engine, each with its own layout (parallel.parts).
 
 The prefill engine runs each routed request's prompt with max_tokens 1: continuous batching
 over its queue, so requests wait there while its ranks are busy. As a prompt's first token
-is sampled, prefill rank 0 writes a header (request index, first token, prompt length, TTFT)
-for the decode replica that serves the request to the job's store, and every prefill rank sends its
-share of the prompt's KV (engine.kv_transfer) before the blocks are freed. The decode engine
+is sampled, the prefill rank that sampled it writes a header (request index, first token,
+prompt length, TTFT) for the decode replica that serves the request to the job's store, and
+every prefill rank sends its share of the prompt's KV (engine.kv_transfer) before the blocks
+are freed. The decode engine
 checks for a header once per step (one all_reduce over its ranks, so they take it at the
 same step), gives the sequence blocks when its lane has room, receives the KV into them and
 decodes on from the first token, as if it had computed the prompt itself.
@@ -15,9 +16,11 @@ whose part not already cached on its decode replica is, is prefilled by the deco
 The decision is made once, before the ranks start, from the prompts in order: a prompt's
 cached part is the run of full blocks an earlier prompt of the same replica shared with it.
 
+With random sampling the header carries the request's generator state after the first
+token, so a seeded request draws the same stream as in a colocated run.
+
 Limits: the prefill engine is one replica (dp 1); GQA attention only (not MLA's latent
-cache); with random sampling the decode side's generator starts again from the request's
-seed, so seeded streams differ from a colocated run after the first token (greedy is exact).
+cache); the local launcher only.
 """
 
 from __future__ import annotations
@@ -101,14 +104,18 @@ def _prefill(runner, world, job: Job, decode_base: int) -> dict[int, int]:
     messages = {d: kv_transfer.plan(runner.config, src, dst, d) for d in range(dst.dp)}
     sent: dict[int, int] = {}
     handed = [0] * dst.dp  # headers written per decode replica
-    store = _store() if ctx.rank == 0 else None
+    # the sampling rank writes the headers: its generator drew the first token
+    store = _store() if ctx.rank == runner.sampler_rank else None
 
     def on_token(seq, started):
         index, tokens = seq.request.index, len(seq.request.prompt_token_ids)
         d = job.replica[index]
         if store is not None:
+            key, generator = _key(d, handed[d]), seq.state.generator
+            if generator is not None:  # the stream goes on where the first token left it
+                store.set(key + "/rng", generator.get_state().numpy().tobytes())
             ttft_us = int((seq.first_token_at - started) * 1e6)
-            store.set(_key(d, handed[d]), f"{index},{seq.output[0]},{tokens},{ttft_us}")
+            store.set(key, f"{index},{seq.output[0]},{tokens},{ttft_us}")  # last: the decode ranks wait for it
         handed[d] += 1
         sent[index] = kv_transfer.send(runner, messages[d], ctx.rank, seq.blocks, tokens, world, decode_base)
 
@@ -160,7 +167,11 @@ class Inbox:
             return []  # some rank of the replica has not seen it yet
         index, first, tokens, ttft_us = (int(x) for x in self.store.get(key).decode().split(","))
         req = self.requests[index]
-        seq = Sequence(req, SamplerState(req.params, runner.device), output=[first], arrived_step=tick)
+        state = SamplerState(req.params, runner.device)
+        if state.generator is not None:
+            raw = self.store.get(key + "/rng")
+            state.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        seq = Sequence(req, state, output=[first], arrived_step=tick)
         if not lanes.adopt(seq, tick):
             return []  # no room in the lane yet; the prefill ranks wait on the send
         kv_transfer.receive(runner, self.messages, ctx.rank, seq.blocks, tokens, self.world, self.base)

@@ -169,3 +169,14 @@ def test_killing_a_prefill_rank_names_the_engine_and_fails_every_request(models,
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == list(range(12))  # every request written, as failed
     assert all("prefill engine rank 0" in r["error"] for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_seeded_sampling_continues_the_prefill_engines_stream(models):
+    """PP2 prefill: the last stage samples, and its generator state travels with the header."""
+    model_dir, _ = models("llama")
+    params = [SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    want = LLM(model_dir, layout="TP1", block_size=4).generate(PROMPTS, params, timeout_s=240)
+    outs = LLM(model_dir, prefill="PP2", decode="TP1", block_size=4).generate(PROMPTS, params, timeout_s=240)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
