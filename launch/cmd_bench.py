@@ -20,6 +20,7 @@ BENCHES = {
     "exchange": "atoll.launch.bench_exchange",
     "kernels": "atoll.kernels.bench",
     "prefix": "atoll.launch.bench_prefix",
+    "disagg": "atoll.launch.bench_disagg",
 }
 
 

@@ -180,3 +180,14 @@ def test_seeded_sampling_continues_the_prefill_engines_stream(models):
     outs = LLM(model_dir, prefill="PP2", decode="TP1", block_size=4).generate(PROMPTS, params, timeout_s=240)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
+
+
+def test_a_failed_job_rank_is_named_by_engine_and_its_rank_there():
+    from atoll.engine.disagg import EngineFailure
+    from atoll.errors import RankFailure
+    from atoll.parallel.parts import engine_of
+
+    layouts = [Layout.parse("TP2"), Layout.parse("TP2PP2")]
+    assert [engine_of(layouts, r) for r in (0, 1, 2, 5)] == [(0, 0), (0, 1), (1, 0), (1, 3)]
+    e = EngineFailure("decode", 3, RankFailure(5, "killed by SIGKILL", node="vm"))
+    assert str(e) == "decode engine rank 3 (job rank 5 on vm) failed: killed by SIGKILL" and e.rank == 5

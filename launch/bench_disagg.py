@@ -1,0 +1,82 @@
+"""atoll bench disagg: the same requests colocated and disaggregated, side by side in one run.
+
+--requests prompts of --prompt-len random token ids (from --seed) generate --output-len
+tokens each (greedy, ignore_eos), once on the --colocated layout and once as --prefill ->
+--decode (engine.disagg), each a fresh job. Reported: wall time, median TTFT and TPOT, the
+KV bytes sent with their analytic figure, and whether the tokens are identical. The decode
+step runs eagerly on both sides. The 1-minute load average is read before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("disagg", help="colocated vs disaggregated prefill/decode: wall time, TTFT, TPOT, KV sent",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, SmolLM2-135M)")
+    p.add_argument("--colocated", default="PP2", help="the colocated layout (default PP2: the same two ranks)")
+    p.add_argument("--prefill", default="TP1", help="the prefill engine's layout (default TP1)")
+    p.add_argument("--decode", default="TP1", help="the decode engine's layout (default TP1)")
+    p.add_argument("--requests", type=int, default=8, help="requests (default 8)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request (default 256)")
+    p.add_argument("--output-len", type=int, default=16, help="generated tokens per request (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import random
+
+    from atoll import LLM, SamplingParams
+    from atoll.engine.kv_transfer import analytic_bytes
+    from atoll.parallel.layout import Layout
+
+    if args.model is None:
+        from atoll.models.gguf import demo_model_dir
+
+        args.model = str(demo_model_dir(progress=not args.json))
+    os.environ["ATOLL_ENFORCE_EAGER"] = "1"
+    load_before = os.getloadavg()[0]
+    rng = random.Random(args.seed)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    runs = {}
+    for name, kw in (("colocated " + args.colocated, {"layout": args.colocated}),
+                     (f"{args.prefill} -> {args.decode}", {"prefill": args.prefill, "decode": args.decode})):
+        llm = LLM(args.model, **kw)
+        vocab = llm.config.vocab_size
+        rng.seed(args.seed)
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        runs[name] = {"wall_s": time.perf_counter() - start,
+                      "ttft_s": statistics.median(o.metrics["ttft_s"] for o in outs),
+                      "tpot_s": statistics.median(o.metrics["tpot_s"] for o in outs),
+                      "kv_mib": sum(o.metrics.get("kv_bytes_sent", 0) for o in outs) / 2**20,
+                      "tokens": [o.token_ids for o in outs]}
+    first, second = runs.values()
+    import torch
+
+    from atoll.engine.runner import resolve_dtype
+
+    itemsize = resolve_dtype(llm.options.dtype, llm.config, torch.device("cpu")).itemsize  # the CPU ranks' dtype
+    report = {"runs": {k: {f: v for f, v in r.items() if f != "tokens"} for k, r in runs.items()},
+              "analytic_kv_mib": args.requests * analytic_bytes(llm.config, Layout.parse(args.decode),
+                                                                args.prompt_len, itemsize) / 2**20,
+              "identical": first["tokens"] == second["tokens"],
+              "load_before": load_before, "load_after": os.getloadavg()[0]}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{'':26s}{'wall (s)':>10s}{'TTFT med (s)':>14s}{'TPOT med (s)':>14s}{'KV sent (MiB)':>15s}")
+    for name, r in report["runs"].items():
+        print(f"{name:26s}{r['wall_s']:10.2f}{r['ttft_s']:14.3f}{r['tpot_s']:14.4f}{r['kv_mib']:15.2f}")
+    print(f"analytic KV {report['analytic_kv_mib']:.2f} MiB; tokens identical: "
+          f"{'yes' if report['identical'] else 'NO'}; load average (1 min) {load_before:.2f} before, "
+          f"{report['load_after']:.2f} after, on {os.cpu_count()} cores")
+    return 0
