@@ -121,6 +121,30 @@ def test_short_prompts_are_prefilled_on_the_decode_engine(models):
     assert outs[3].finish_reason == "length"
 
 
+@pytest.mark.timeout(300)
+def test_adopted_sequences_survive_preemption(models):
+    """A decode cache of 10 blocks of 4 holds one of the longer sequences at a time: adopted
+    sequences are preempted and recomputed on the decode engine, tokens unchanged."""
+    model_dir, want = models("llama")
+    llm = LLM(model_dir, prefill="TP1", decode="TP1", block_size=4, num_blocks=10, max_model_len=32)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True), timeout_s=240)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics["preemptions"] for o in outs) > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_disagg_prints_identical_tokens_and_the_analytic_bytes(models):
+    model_dir, _ = models("llama")
+    cmd = [sys.executable, "-m", "atoll", "bench", "disagg", "--model", str(model_dir), "--requests", "3",
+           "--prompt-len", "20", "--output-len", "3", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["identical"]
+    sent = [r["kv_mib"] for r in report["runs"].values()]
+    assert sent[0] == 0 and sent[1] == pytest.approx(report["analytic_kv_mib"])
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -136,7 +160,8 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process table from /proc")
-def test_killing_a_prefill_rank_names_the_engine_and_fails_every_request(models, tmp_path):
+@pytest.mark.parametrize("victim,engine", [(0, "prefill"), (1, "decode")])
+def test_killing_a_rank_names_the_engine_and_fails_every_request(models, tmp_path, victim, engine):
     model_dir, _ = models("llama")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [(i * 13 + j) % 300 + 1 for j in range(40)]})
@@ -157,18 +182,18 @@ def test_killing_a_prefill_rank_names_the_engine_and_fails_every_request(models,
             assert len(workers) == 2, f"expected 2 rank processes, found {workers}"
             time.sleep(1.0)
             assert proc.poll() is None, "the job finished before the kill; make it longer"
-            os.kill(workers[0], signal.SIGKILL)  # job rank 0: the prefill engine (spawned first)
+            os.kill(workers[victim], signal.SIGKILL)  # ranks are spawned in order: 0 prefill, 1 decode
             proc.wait(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
     err = log.read_text()
     assert proc.returncode == 2, err
-    assert "prefill engine rank 0 (job rank 0" in err and "killed by SIGKILL" in err, err
+    assert f"{engine} engine rank 0 (job rank {victim}" in err and "killed by SIGKILL" in err, err
     assert "Traceback" not in err
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == list(range(12))  # every request written, as failed
-    assert all("prefill engine rank 0" in r["error"] for r in rows)
+    assert all(f"{engine} engine rank 0" in r["error"] for r in rows)
 
 
 @pytest.mark.timeout(300)
