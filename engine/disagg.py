@@ -211,7 +211,8 @@ def generate_disagg(llm, requests: list[Request], *, timeout_s: float | None = N
                                    prefix_caching=o.enable_prefix_caching, dp=decode.dp)
     first = [replace(r, params=replace(r.params, max_tokens=1)) for r in remote]
     seqs = min(o.max_num_seqs, max(1, -(-len(remote) // prefill.pp)))
-    job = Job(prefill=replace(llm.spec(first or None), layout=str(prefill), cache_seqs=seqs),
+    # the prefill engine never decodes: no compiled decode step or CUDA graphs to build there
+    job = Job(prefill=replace(llm.spec(first or None), layout=str(prefill), cache_seqs=seqs, enforce_eager=True),
               decode=llm.spec(requests), remote=tuple(remote), local=tuple(local), replica=replica,
               options=llm.context_options())
     try:

@@ -200,7 +200,8 @@ def test_killing_a_rank_names_the_engine_and_fails_every_request(models, tmp_pat
 def test_seeded_sampling_continues_the_prefill_engines_stream(models):
     """PP2 prefill: the last stage samples, and its generator state travels with the header."""
     model_dir, _ = models("llama")
-    params = [SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params = [SamplingParams(max_tokens=NEW, temperature=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
     want = LLM(model_dir, layout="TP1", block_size=4).generate(PROMPTS, params, timeout_s=240)
     outs = LLM(model_dir, prefill="PP2", decode="TP1", block_size=4).generate(PROMPTS, params, timeout_s=240)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
@@ -216,3 +217,20 @@ def test_a_failed_job_rank_is_named_by_engine_and_its_rank_there():
     assert [engine_of(layouts, r) for r in (0, 1, 2, 5)] == [(0, 0), (0, 1), (1, 0), (1, 3)]
     e = EngineFailure("decode", 3, RankFailure(5, "killed by SIGKILL", node="vm"))
     assert str(e) == "decode engine rank 3 (job rank 5 on vm) failed: killed by SIGKILL" and e.rank == 5
+
+
+def test_disaggregation_options_are_checked_before_any_rank_starts(models):
+    from atoll.engine.config import EngineConfig
+    from atoll.errors import AtollError, InputError
+
+    with pytest.raises(InputError, match="--prefill and --decode together"):
+        EngineConfig(prefill="TP2")
+    with pytest.raises(InputError, match="disagg_min_prompt_tokens=-1"):
+        EngineConfig(prefill="TP1", decode="TP1", disagg_min_prompt_tokens=-1)
+    model_dir, _ = models("llama")
+    with pytest.raises(InputError, match="not both"):
+        LLM(model_dir, layout="TP2", prefill="TP1", decode="TP1")
+    with pytest.raises(InputError, match="one replica"):
+        LLM(model_dir, prefill="DP2", decode="TP1")
+    with pytest.raises(AtollError, match="tp=3"):
+        LLM(model_dir, prefill="TP3", decode="TP1")
