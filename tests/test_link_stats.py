@@ -23,6 +23,9 @@ SIM = dict(name="sim-2x2", gpus_per_node=4, islands=2,
            links=dict(nvlink=dict(gb_s=100, latency_us=3), pcie=dict(gb_s=10, latency_us=5),
                       network=dict(kind="ethernet", gb_s=1.25, latency_us=50, shared=True)))
 
+# a request mix that fits the tiny models' 256-token context (the planner refuses one that does not)
+FITS = ("--isl", "64", "--osl", "16")
+
 
 def test_link_classes_of_pairs_and_groups():
     islands, one_node, two_nodes = ISLANDS, (0, 0, 0, 0), (0, 0, 1, 1)
@@ -125,7 +128,7 @@ def test_generate_stats_prints_one_line_per_class(capsys, moe, tmp_path):
     topo = tmp_path / "sim.yaml"
     topo.write_text(yaml.safe_dump(SIM))
     plan = tmp_path / "plan.yaml"
-    code, _, err = run_cli(capsys, "plan", "--model", str(moe), "--topology", str(topo), "--layouts", "EP4",
+    code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(moe), "--topology", str(topo), "--layouts", "EP4",
                            "--save", str(plan))
     assert code == 0, err
     prompts = tmp_path / "prompts.jsonl"

@@ -25,6 +25,9 @@ SIM = dict(name="sim-2x2", gpus_per_node=4, islands=2,
            links=dict(nvlink=dict(gb_s=100, latency_us=3), pcie=dict(gb_s=10, latency_us=5),
                       network=dict(kind="ethernet", gb_s=1.25, latency_us=50, shared=True)))
 
+# a request mix that fits the tiny models' 256-token context (the planner refuses one that does not)
+FITS = ("--isl", "64", "--osl", "16")
+
 
 @pytest.fixture(scope="module")
 def moe(tiny_model):
@@ -40,7 +43,7 @@ def plan_file(moe, tmp_path_factory):
 
 
 def _save(capsys, moe, topo, out, layout="EP4"):
-    code, _, err = run_cli(capsys, "plan", "--model", str(moe), "--topology", str(topo), "--layouts", layout,
+    code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(moe), "--topology", str(topo), "--layouts", layout,
                            "--save", str(out))
     assert code == 0, err
     assert f"wrote {out}: plan: {Layout.parse(layout)}" in err
@@ -67,7 +70,7 @@ def test_plan_file_round_trips(capsys, moe, plan_file):
     from atoll.topologies import load_topology
 
     two = load_topology("dgx-h200", nodes=2, gpus_per_node=2)
-    plan = plan_layouts(ModelConfig.load(moe), two, Workload(concurrency=4), layouts=["TP2PP2"])
+    plan = plan_layouts(ModelConfig.load(moe), two, Workload(concurrency=4, isl=64, osl=16), layouts=["TP2PP2"])
     saved = from_plan(plan, ModelConfig.load(moe))
     (d / "two.yaml").write_text(plan_yaml(saved))
     back = load_plan(d / "two.yaml")
@@ -147,7 +150,7 @@ def test_job_placement_checked_against_the_plan():
 
 
 def test_local_launcher_refuses_a_two_node_plan(capsys, moe, tmp_path):
-    code, _, err = run_cli(capsys, "plan", "--model", str(moe), "--topology", "dgx-h200", "--nodes", "2",
+    code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(moe), "--topology", "dgx-h200", "--nodes", "2",
                            "--gpus-per-node", "2", "--layouts", "EP2PP2", "--save", str(tmp_path / "p.yaml"))
     assert code == 0, err
     code, _, err = run_cli(capsys, "generate", "--model", str(moe), "--plan", str(tmp_path / "p.yaml"),

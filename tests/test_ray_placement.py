@@ -19,6 +19,9 @@ pytestmark = pytest.mark.timeout(300)
 CPU = {"CPU": 1}
 GPU = {"CPU": 1, "GPU": 1}
 
+# a request mix that fits the tiny models' 256-token context (the planner refuses one that does not)
+FITS = ("--isl", "64", "--osl", "16")
+
 
 def _nodes(*sizes, address="10.0.0.{}", gpus=True):
     return [RayNode(f"{i:02x}" * 28, address.format(i + 1), f"host{i + 1}.lan",
@@ -92,7 +95,7 @@ def test_a_saved_plan_drives_two_ray_nodes(cluster, capsys, tiny_model, tmp_path
     from atoll.parallel.planner.planfile import load_plan, plan_yaml
 
     path = tmp_path / "plan.yaml"
-    code, _, err = run_cli(capsys, "plan", "--model", str(tiny_model("llama")), "--topology", "dgx-h200",
+    code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(tiny_model("llama")), "--topology", "dgx-h200",
                            "--nodes", "2", "--gpus-per-node", "2", "--layouts", "TP2PP2", "--save", str(path))
     assert code == 0, err
     saved = load_plan(path)
@@ -118,7 +121,7 @@ def test_a_plan_naming_ray_nodes_pins_nodes_and_gpus(cluster, capsys, tiny_model
     from atoll.parallel.planner.planfile import load_plan
 
     base = tmp_path / "base.yaml"
-    code, _, err = run_cli(capsys, "plan", "--model", str(tiny_model("llama")), "--topology", "dgx-h200",
+    code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(tiny_model("llama")), "--topology", "dgx-h200",
                            "--nodes", "2", "--gpus-per-node", "2", "--layouts", "TP2PP2", "--save", str(base))
     assert code == 0, err
     first, second = cluster.gpu_nodes[1], cluster.gpu_nodes[0]
