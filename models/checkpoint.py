@@ -38,6 +38,24 @@ class Source:
         return t
 
 
+def tensor_names(directory: str | Path) -> set[str]:
+    """The tensor names a checkpoint directory holds, from its index or its files' headers
+    (the 8-byte length and the JSON header of each safetensors file: no tensor is read)."""
+    d = Path(directory)
+    index = d / INDEX
+    try:
+        if index.exists():
+            return set(json.loads(index.read_text())["weight_map"])
+        names = set()
+        for f in sorted(d.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                names |= set(json.loads(fh.read(size))) - {"__metadata__"}
+        return names
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()  # unreadable here: Checkpoint says why when the weights are loaded
+
+
 class Checkpoint:
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)

@@ -223,7 +223,17 @@ class ModelConfig:
 
         d = read_json_object(f, ConfigError)
         try:
-            return cls.from_dict(d)
+            config = cls.from_dict(d)
+            if config.tie_word_embeddings and p.is_dir():
+                from dataclasses import replace
+
+                from atoll.models.checkpoint import tensor_names
+
+                # a tied model that still stores its own lm_head.weight: transformers then keeps
+                # that tensor as the head (it ties only when the two are equal), and so does atoll
+                if "lm_head.weight" in tensor_names(p):
+                    config = replace(config, tie_word_embeddings=False)
+            return config
         except KeyError as e:
             raise ConfigError(f"model config {f} lacks the field {e.args[0]!r}") from None
         except ConfigError as e:

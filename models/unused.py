@@ -22,12 +22,6 @@ def after_last_layer(name: str, config) -> bool:
     return m is not None and int(m.group(1)) >= config.num_hidden_layers
 
 
-def tied_head_copy(name: str, config) -> bool:
-    """A model whose LM head is its embedding (tie_word_embeddings) may still carry
-    lm_head.weight (some save both): the head reads the embedding, as transformers ties it."""
-    return name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False))
-
-
 UNUSED = {
     "llama": (ROTARY,),
     "mistral": (ROTARY,),
@@ -43,7 +37,7 @@ UNUSED = {
 
 def known_unused(name: str, config) -> bool:
     """Whether checkpoint tensor `name` is one its family's model never reads."""
-    for rule in (tied_head_copy, *UNUSED.get(config.model_type, ())):
+    for rule in UNUSED.get(config.model_type, ()):
         if rule(name, config) if callable(rule) else re.fullmatch(rule, name):
             return True
     return False

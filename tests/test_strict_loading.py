@@ -137,15 +137,22 @@ def test_another_quantization_is_refused(tiny_model, tmp_path):
         LLM(d, layout="TP1", device="cpu")
 
 
-def test_a_tied_models_copy_of_its_head_is_read_by_nothing_and_allowed(tiny_model, tmp_path):
-    """Some checkpoints of tied models (tie_word_embeddings) also store lm_head.weight; the
-    head reads the embedding, as transformers ties it, and the copy is skipped."""
-    def add_head(t):
-        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+def test_a_tied_model_that_stores_its_own_head_reads_it_as_transformers_does(tiny_model, tmp_path):
+    """tie_word_embeddings with an lm_head.weight of its own in the checkpoint: transformers
+    keeps that tensor as the head (it ties only equal ones), and so does atoll."""
+    from reference import reference_tokens
 
-    tied = _rewrite(tiny_model("llama"), tmp_path / "tied", add_head,
-                    lambda c: c.update(tie_word_embeddings=True))
-    assert known_unused("lm_head.weight", ModelConfig.load(tied))
-    run_local(_load, 2, tied, "TP2", timeout_s=120)
-    untied_extra = _rewrite(tiny_model("llama"), tmp_path / "untied", None, lambda c: c.update(tie_word_embeddings=False))
-    assert not known_unused("lm_head.weight", ModelConfig.load(untied_extra))
+    from atoll import SamplingParams
+
+    def own_head(t):
+        t["lm_head.weight"] = torch.randn_like(t["model.embed_tokens.weight"]) * 0.5
+
+    d = _rewrite(tiny_model("llama"), tmp_path / "tied", own_head, lambda c: c.update(tie_word_embeddings=True))
+    assert not ModelConfig.load(d).tie_word_embeddings
+    prompts = [[5, 7, 9, 11], [42, 1, 2]]
+    mine = [o.token_ids for o in LLM(d, layout="TP2", device="cpu").generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, ignore_eos=True))]
+    assert mine == reference_tokens(d, prompts, 6)
+    plain = _rewrite(tiny_model("llama"), tmp_path / "plain", lambda t: t.pop("lm_head.weight", None),
+                     lambda c: c.update(tie_word_embeddings=True))
+    assert ModelConfig.load(plain).tie_word_embeddings
