@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import spawned_children
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
@@ -145,19 +146,6 @@ def test_bench_disagg_prints_identical_tokens_and_the_analytic_bytes(models):
     assert sent[0] == 0 and sent[1] == pytest.approx(report["analytic_kv_mib"])
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and b"spawn_main" in cmdline:
-            kids.append(int(stat.parent.name))
-    return sorted(kids)
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process table from /proc")
 @pytest.mark.parametrize("victim,engine", [(0, "prefill"), (1, "decode")])
@@ -178,7 +166,7 @@ def test_killing_a_rank_names_the_engine_and_fails_every_request(models, tmp_pat
             deadline = time.monotonic() + 120
             while log.read_text().count("KV cache:") < 2 and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.2)  # both engines loaded
-            workers = _children(proc.pid)
+            workers = spawned_children(proc.pid)
             assert len(workers) == 2, f"expected 2 rank processes, found {workers}"
             time.sleep(1.0)
             assert proc.poll() is None, "the job finished before the kill; make it longer"

@@ -9,19 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and b"spawn_main" in cmdline:
-            kids.append(int(stat.parent.name))
-    return sorted(kids)
+from procs import spawned_children
 
 
 @pytest.mark.timeout(180)
@@ -37,9 +25,9 @@ def test_killing_a_rank_ends_the_job(tiny_model, tmp_path):
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 90
-        while len(_children(proc.pid)) < 4 and time.monotonic() < deadline and proc.poll() is None:
+        while len(spawned_children(proc.pid)) < 4 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        workers = _children(proc.pid)
+        workers = spawned_children(proc.pid)
         assert len(workers) == 4, f"expected 4 rank processes, found {workers}"
         time.sleep(8)  # past model loading, into the decode loop
         assert proc.poll() is None, "the job finished before the kill; make it longer"
