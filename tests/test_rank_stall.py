@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_rank_failure import _children
+from procs import spawned_children
 
 pytestmark = [pytest.mark.timeout(200),
               pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process table from /proc")]
@@ -42,7 +42,7 @@ def test_a_stopped_rank_is_named_within_seconds(tiny_model, tmp_path):
     d = tiny_model("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96, intermediate_size=192)
     proc = _start_long_job(d, tmp_path)
     try:
-        workers = _children(proc.pid)
+        workers = spawned_children(proc.pid)
         assert len(workers) == 3 and proc.poll() is None, "the job ended before the stop; make it longer"
         os.kill(workers[1], signal.SIGSTOP)  # rank 1: spawn order is rank order
         stopped_at = time.monotonic()
@@ -52,7 +52,7 @@ def test_a_stopped_rank_is_named_within_seconds(tiny_model, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _children(proc.pid):
+        for pid in spawned_children(proc.pid):
             os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 2, err
     assert took < 30, f"the job took {took:.1f}s to end after SIGSTOP"
@@ -69,7 +69,7 @@ def _signal_driver(tiny_model, tmp_path, sig, wait_s: float):
     """Start a TP2 job, send its driver `sig`; (process, its stderr, ranks still alive after
     wait_s, which are then killed)."""
     proc = _start_long_job(tiny_model("llama", num_hidden_layers=4), tmp_path, layout="TP2")
-    workers = _children(proc.pid)
+    workers = spawned_children(proc.pid)
     assert len(workers) == 2 and proc.poll() is None
     os.kill(proc.pid, sig)
     err = proc.stderr.read()
