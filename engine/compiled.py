@@ -96,9 +96,9 @@ def inductor_cache_dir() -> str:
 
 
 class Bucket:
-    """One sequence bucket's static inputs (and, given a width, its block table)."""
+    """One sequence bucket's static inputs."""
 
-    def __init__(self, seqs: int, scratch: int, hidden: int | None, dtype, device, width: int | None = None):
+    def __init__(self, seqs: int, scratch: int, hidden: int | None, dtype, device):
         long = dict(dtype=torch.long, device=device)
         if hidden is None:
             self.x = torch.zeros(seqs, **long)  # token ids (first stage)
@@ -109,7 +109,6 @@ class Bucket:
         self.offset = torch.zeros(seqs, **long)
         self.lengths = torch.ones(seqs, **long)
         self.scratch = scratch
-        self.tables = None if width is None else torch.full((seqs, width), scratch, **long)
 
     def fill(self, n: int, x: torch.Tensor, meta) -> None:
         """Rows :n from the micro-batch; rows n: padding again (a row a larger batch used

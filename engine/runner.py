@@ -140,16 +140,17 @@ class ModelRunner:
         out = None
         self.stats["ticks"] += 1
         if mb is not None:
+            stepped = self.decode_step is not None and self.decode_step.takes(mb)  # padded to a bucket, compiled
             if ctx.is_first_stage:
-                x = None if self.decode_step is not None and self.decode_step.takes(mb) else mb.ids
+                x = None if stepped else mb.ids  # the decode step reads the ids from the chunks
             else:
                 x = ctx.pp.recv((mb.tokens, self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
             t0 = time.perf_counter()
             self.stats["worked"] += 1
             if self.packer is not None and mb.is_decode:
                 self.packer.observe(mb.tokens)
-            if self.decode_step is not None and self.decode_step.takes(mb):
-                out = self.decode_step(x, mb)  # padded to a bucket, compiled
+            if stepped:
+                out = self.decode_step(x, mb)
             else:
                 out = self.model(x, mb.meta, self.cache)
             if not ctx.is_last_stage:

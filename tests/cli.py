@@ -6,8 +6,9 @@ from atoll.launch.cli import main
 
 
 def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr) of `atoll ARGV...`."""
+    """(exit code, stdout, stderr) of `atoll ARGV...` (each argument as str), that call's output only."""
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        main(list(argv))
+        main([str(a) for a in argv])
     out = capsys.readouterr()
     return e.value.code, out.out, out.err

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import yaml
+from cli import run_cli as run
 
 from atoll.launch.cli import main
 from atoll.topologies import load_topology
@@ -12,12 +13,6 @@ from atoll.topologies import load_topology
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
-def run(capsys, *argv):
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from procs import spawned_children
-from reference import reference_tokens
+from reference import reference_cache
 
 from atoll import LLM, SamplingParams
 from atoll.engine import kv_transfer
@@ -84,16 +84,7 @@ CASES = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", {})}
 
 @pytest.fixture(scope="module")
 def models(tiny_model):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            kind, overrides = CASES[name]
-            d = tiny_model(kind, **overrides)
-            cache[name] = (d, reference_tokens(d, PROMPTS, NEW))
-        return cache[name]
-
-    return get
+    return reference_cache(tiny_model, CASES, PROMPTS, NEW)
 
 
 @pytest.mark.timeout(300)

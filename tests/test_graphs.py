@@ -36,14 +36,20 @@ def _eager_then_graphed(rank, world, spec, requests):
             "run": runner.decode_step.buckets_run}
 
 
+def _runs(model_dir, layout):
+    """transformers' tokens, and each rank's _eager_then_graphed for the layout."""
+    expected = [t[:n] for t, n in zip(reference_tokens(model_dir, PROMPTS, max(MAX_TOKENS)), MAX_TOKENS)]
+    llm = LLM(model_dir, layout=layout, max_num_seqs=4, block_size=4)
+    requests = llm.prepare(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+    return expected, run_local(_eager_then_graphed, llm.layout.world_size, llm.spec(requests), requests,
+                               timeout_s=180)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("layout,run", [("TP1", [1, 4]), ("TP2", [1, 4]), ("PP2", [1, 2])])
 def test_graph_buffers_give_eager_tokens(tiny_model, layout, run):
-    d = tiny_model("llama", num_hidden_layers=2)
-    expected = [t[:n] for t, n in zip(reference_tokens(d, PROMPTS, max(MAX_TOKENS)), MAX_TOKENS)]
-    llm = LLM(d, layout=layout, max_num_seqs=4, block_size=4)
-    requests = llm.prepare(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
-    for r in run_local(_eager_then_graphed, llm.layout.world_size, llm.spec(requests), requests, timeout_s=180):
+    expected, ranks = _runs(tiny_model("llama", num_hidden_layers=2), layout)
+    for r in ranks:
         assert r["eager"] == expected and r["graphed"] == expected
         assert r["kv_diff"] < 1e-4  # padding rows wrote only the scratch block
         assert r["buckets"] == [1, 2, 4] and r["run"] == run
@@ -55,10 +61,7 @@ def test_moe_graph_buffers_take_the_fixed_shape_exchange(tiny_model, layout):
     """A Qwen3-MoE's decode step through the graph buffers: its MoE layers run the fixed-shape
     exchange (static), with the eager step's and transformers' tokens (TP2: ep 2 over
     replicated tokens)."""
-    d = tiny_model("qwen3_moe", num_hidden_layers=2)
-    expected = [t[:n] for t, n in zip(reference_tokens(d, PROMPTS, max(MAX_TOKENS)), MAX_TOKENS)]
-    llm = LLM(d, layout=layout, max_num_seqs=4, block_size=4)
-    requests = llm.prepare(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
-    for r in run_local(_eager_then_graphed, llm.layout.world_size, llm.spec(requests), requests, timeout_s=180):
+    expected, ranks = _runs(tiny_model("qwen3_moe", num_hidden_layers=2), layout)
+    for r in ranks:
         assert r["eager"] == expected and r["graphed"] == expected
         assert r["kv_diff"] < 1e-4 and r["run"] == [1, 4]

@@ -2,9 +2,9 @@
 exit 1 with the closest miss, and each bug fix against the published figure it is checked by."""
 
 import pytest
+from cli import run_cli as run
 
 from atoll.comm.routing import expert_split
-from atoll.launch.cli import main
 from atoll.models.config import ModelConfig
 from atoll.models.presets import resolve_model
 from atoll.parallel.layout import Layout
@@ -22,12 +22,6 @@ SMOLLM2_135M = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, 
                 "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
 
 
-def run(capsys, *argv):
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
 
 
 def error_line(capsys, *argv) -> str:
