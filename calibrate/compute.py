@@ -112,7 +112,7 @@ def floor_s(model_dir, seqs: int, bw: float, gemm) -> float:
 
     cfg = json.loads((model_dir / "config.json").read_text())
     from atoll.models.config import ModelConfig
-    from atoll.parallel.planner.shapes import shapes
+    from atoll.planner.shapes import shapes
 
     s = shapes(ModelConfig.from_dict(cfg))
     params = s.active_params - s.embed

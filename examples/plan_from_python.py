@@ -6,7 +6,7 @@ Prints the recommended layout per concurrency, the reasons, and where each rank 
 recommended layout goes (the Placement the launchers consume).
 """
 
-from atoll.parallel.planner import Workload, plan_layouts
+from atoll.planner import Workload, plan_layouts
 from atoll.topologies import load_topology
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from atoll.parallel.planner import Workload, plan_layouts
+from atoll.planner import Workload, plan_layouts
 from atoll.topologies import load_topology
 from atoll.topologies.load import with_network
 

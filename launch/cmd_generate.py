@@ -120,7 +120,7 @@ def _plan(args, launcher: str, lines):
     """The SavedPlan to run: --plan's file, or --layout auto's choice; None otherwise."""
     from atoll.errors import InputError
     from atoll.models.config import ModelConfig
-    from atoll.parallel.planner.planfile import load_plan
+    from atoll.planner.planfile import load_plan
 
     auto = str(args.layout).lower() == "auto"
     if not args.plan and not auto:
@@ -151,8 +151,8 @@ def auto_plan(args, config, lines):
     these requests: concurrency = their number, lengths from the prompts and --max-new-tokens."""
     import dataclasses
 
-    from atoll.parallel.planner import Workload, enumerate_layouts, plan_layouts
-    from atoll.parallel.planner.planfile import from_plan
+    from atoll.planner import Workload, enumerate_layouts, plan_layouts
+    from atoll.planner.planfile import from_plan
     from atoll.topologies import discover
 
     topology = discover()

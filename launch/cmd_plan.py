@@ -108,12 +108,12 @@ def run(args) -> int:
     if args.plot:
         check_plot_path(args.plot)
     if args.save:
-        from atoll.parallel.planner.planfile import check_save_path
+        from atoll.planner.planfile import check_save_path
 
         check_save_path(args.save)
 
     from atoll.models.presets import resolve_model
-    from atoll.parallel.planner import Workload, plan_layouts
+    from atoll.planner import Workload, plan_layouts
     from atoll.topologies import load_topology
 
     topology = load_topology(args.topology, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
@@ -135,16 +135,16 @@ def run(args) -> int:
     elif args.format == "csv":
         _csv(plans)
     else:
-        from atoll.parallel.planner.table import print_plans
+        from atoll.planner.table import print_plans
 
         print_plans(plans, top=args.top)
     if args.plot:
-        from atoll.parallel.planner.plot import plot_plans
+        from atoll.planner.plot import plot_plans
 
         plot_plans(plans, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.save:
-        from atoll.parallel.planner.planfile import from_plan, save_plan
+        from atoll.planner.planfile import from_plan, save_plan
 
         saved = from_plan(plans[0], config)
         save_plan(saved, args.save)

@@ -85,9 +85,9 @@ def predict(model_dir: str, topology, layout_text: str, *, batch: int, isl: int,
     from atoll.models.config import ModelConfig
     from atoll.parallel.layout import Layout
     from atoll.parallel.placement import Placement
-    from atoll.parallel.planner import Workload, plan_layouts
-    from atoll.parallel.planner.cost import CostModel
-    from atoll.parallel.planner.shapes import shapes
+    from atoll.planner import Workload, plan_layouts
+    from atoll.planner.cost import CostModel
+    from atoll.planner.shapes import shapes
 
     config = ModelConfig.load(model_dir)
     layout = Layout.parse(layout_text).validate(config)

@@ -43,7 +43,7 @@ def test_calibrate_writes_a_topology_that_reads_back(calibrated):
 def test_calibration_enters_the_cost_model(calibrated, tmp_path):
     from atoll.calibrate.tiny import write_tiny
     from atoll.models.config import ModelConfig
-    from atoll.parallel.planner import Workload, plan_layouts
+    from atoll.planner import Workload, plan_layouts
 
     d = json.loads(json.dumps(yaml.safe_load(calibrated.read_text())))
     config = ModelConfig.load(write_tiny(tmp_path / "m", layers=4))

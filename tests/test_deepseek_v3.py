@@ -131,9 +131,9 @@ def test_multi_token_prediction_layer_is_never_read(models):
 def test_latent_cache_bytes_per_token_match_the_planner(layout):
     """DeepSeek-V3: per token, the cache object holds layers x 576 values on every rank (TP
     does not split the latent); the planner's memory model counts the same bytes."""
-    from atoll.parallel.planner import Workload
-    from atoll.parallel.planner.memory import memory_fit
-    from atoll.parallel.planner.shapes import shapes
+    from atoll.planner import Workload
+    from atoll.planner.memory import memory_fit
+    from atoll.planner.shapes import shapes
     from atoll.topologies import load_topology
 
     _, cfg = resolve_model("DeepSeek-V3")
@@ -175,7 +175,7 @@ def test_plan_preset_and_config_directory_give_the_same_shapes(tmp_path, capsys)
     from atoll.launch.cli import main
     from atoll.layers.mla import softmax_scale
     from atoll.layers.rotary import rope_frequencies
-    from atoll.parallel.planner.shapes import shapes
+    from atoll.planner.shapes import shapes
 
     d = _config_dir_as_transformers_writes_it(tmp_path)
     _, preset = resolve_model("DeepSeek-V3")

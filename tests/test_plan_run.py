@@ -15,7 +15,7 @@ from reference import reference_tokens
 from atoll.errors import ConfigError, LaunchError
 from atoll.parallel.layout import Layout
 from atoll.parallel.placement import Placement, check_job_placement, placement_mismatches
-from atoll.parallel.planner.planfile import load_plan
+from atoll.planner.planfile import load_plan
 
 PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8]]
 NEW = 8
@@ -52,8 +52,8 @@ def _save(capsys, moe, topo, out, layout="EP4"):
 
 def test_plan_file_round_trips(capsys, moe, plan_file):
     from atoll.models.config import ModelConfig
-    from atoll.parallel.planner import Workload, plan_layouts
-    from atoll.parallel.planner.planfile import from_plan, plan_yaml
+    from atoll.planner import Workload, plan_layouts
+    from atoll.planner.planfile import from_plan, plan_yaml
     from atoll.topologies import topology_from_dict
 
     d, topo = plan_file

@@ -7,10 +7,10 @@ import pytest
 
 from atoll.models.presets import PRESETS, resolve_model
 from atoll.parallel.layout import Layout
-from atoll.parallel.planner import Workload, plan_layouts
-from atoll.parallel.planner.cost import expected_busiest_experts
-from atoll.parallel.planner.memory import memory_fit
-from atoll.parallel.planner.shapes import shapes
+from atoll.planner import Workload, plan_layouts
+from atoll.planner.moe_cost import expected_busiest_experts
+from atoll.planner.memory import memory_fit
+from atoll.planner.shapes import shapes
 from atoll.topologies import load_topology
 
 GIB = 2**30

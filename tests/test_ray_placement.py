@@ -92,7 +92,7 @@ def test_a_saved_plan_drives_two_ray_nodes(cluster, capsys, tiny_model, tmp_path
     from launch_fns import device_report
 
     from atoll.launch.ray_launcher import run_ray
-    from atoll.parallel.planner.planfile import load_plan, plan_yaml
+    from atoll.planner.planfile import load_plan, plan_yaml
 
     path = tmp_path / "plan.yaml"
     code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(tiny_model("llama")), "--topology", "dgx-h200",
@@ -118,7 +118,7 @@ def test_a_plan_naming_ray_nodes_pins_nodes_and_gpus(cluster, capsys, tiny_model
     from launch_fns import device_report
 
     from atoll.launch.ray_launcher import run_ray
-    from atoll.parallel.planner.planfile import load_plan
+    from atoll.planner.planfile import load_plan
 
     base = tmp_path / "base.yaml"
     code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(tiny_model("llama")), "--topology", "dgx-h200",

@@ -19,7 +19,7 @@ under `calibration:` and read by the planner's cost model in place of assumed co
       errors: {tpot: 0.12, ttft: 0.3}  # `atoll plan --check --record`: the model's median |error| here
 
 Every number must be finite and positive (overheads may be 0); a missing entry falls back to
-the topology's links and the sourced constants of parallel/planner/efficiency.py.
+the topology's links and the sourced constants of planner/efficiency.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The layout planner: search every layout, fit memory, cost each step, recommend one.
 
-    from atoll.parallel.planner import plan_layouts, Workload
+    from atoll.planner import plan_layouts, Workload
     plan = plan_layouts("DeepSeek-V3", load_topology("dgx-h200", nodes=2), Workload(concurrency=1))
     plan.recommended.name, plan.reasons, plan.placement.node_of(9)
 """
@@ -8,11 +8,11 @@
 from __future__ import annotations
 
 from atoll.parallel.placement import Placement
-from atoll.parallel.planner.plan import Plan, Prediction
-from atoll.parallel.planner.recommend import explain, recommend
-from atoll.parallel.planner.search import enumerate_layouts, evaluate, parse_candidate
-from atoll.parallel.planner.shapes import shapes as model_shapes
-from atoll.parallel.planner.workload import Workload
+from atoll.planner.plan import Plan, Prediction
+from atoll.planner.recommend import explain, recommend
+from atoll.planner.search import enumerate_layouts, evaluate, parse_candidate
+from atoll.planner.shapes import shapes as model_shapes
+from atoll.planner.workload import Workload
 
 
 def plan_layouts(model, topology, workload: Workload, *, ttft_ms: float | None = None,

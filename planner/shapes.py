@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atoll.comm.routing import expert_split
+from atoll.models.cache_bytes import kv_bytes_per_token_layer
+from atoll.parallel.pipeline import stage_layers
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -45,8 +49,6 @@ class Shapes:
     def experts_per_rank(self, ep: int) -> int:
         """Routed experts on the busiest ep rank: the runtime's split (comm.routing.expert_split)
         gives the first num_experts % ep ranks one more."""
-        from atoll.comm.routing import expert_split
-
         return max(expert_split(self.experts, ep)) if self.experts else 0
 
     @property
@@ -62,8 +64,6 @@ class Shapes:
         """KV cache of one token in one layer on one TP rank. GQA heads split over TP (a rank
         keeps at least one: tp > kv_heads replicates them); MLA's latent is not split: every
         TP rank holds the whole (kv_lora_rank + rope) vector."""
-        from atoll.models.cache_bytes import kv_bytes_per_token_layer
-
         return kv_bytes_per_token_layer(kv_heads=self.kv_heads, head_dim=self.head_dim, tp=tp,
                                         itemsize=kv_bytes, kv_latent=self.kv_latent)
 
@@ -109,8 +109,6 @@ _SPLITS: dict[tuple, list[tuple[int, int]]] = {}
 def stage_split(config, pp: int) -> list[tuple[int, int]]:
     """parallel.pipeline.stage_layers (the split the runtime uses), memoised: its dynamic
     program is O(pp * layers^2) and the search asks for the same split many times."""
-    from atoll.parallel.pipeline import stage_layers
-
     c = config
     key = (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.moe_intermediate_size,
            c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.vocab_size, pp)

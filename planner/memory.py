@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from atoll.parallel.planner import efficiency as eff
-from atoll.parallel.planner.shapes import stage_split
+from atoll.planner import efficiency as eff
+from atoll.planner.shapes import stage_split
 
 
 @dataclass(frozen=True)

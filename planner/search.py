@@ -13,9 +13,9 @@ import re
 from atoll.errors import AtollError, ConfigError
 from atoll.parallel.layout import Layout, divisors
 from atoll.parallel.placement import Placement, tp_domain_size
-from atoll.parallel.planner.cost import CostModel
-from atoll.parallel.planner.memory import memory_fit
-from atoll.parallel.planner.plan import Prediction
+from atoll.planner.cost import CostModel
+from atoll.planner.memory import memory_fit
+from atoll.planner.plan import Prediction
 
 _REPLICAS = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.+)$")
 
@@ -79,7 +79,7 @@ def evaluate(config, shapes, topology, workload, layout: Layout, replicas: int, 
 def prediction_bands(topology) -> tuple[float, float]:
     """(TPOT, TTFT) relative error bands: what `atoll plan --check --record` measured on this
     topology, else the sourced defaults of efficiency.py."""
-    from atoll.parallel.planner import efficiency as eff
+    from atoll.planner import efficiency as eff
 
     errors = topology.calibration.errors if topology.calibration is not None else {}
     return errors.get("tpot", eff.PREDICTION_BAND_TPOT), errors.get("ttft", eff.PREDICTION_BAND_TTFT)

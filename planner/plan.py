@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from atoll.parallel.layout import Layout
-from atoll.parallel.planner.memory import MemoryFit
+from atoll.planner.memory import MemoryFit
 
 
 @dataclass(frozen=True)

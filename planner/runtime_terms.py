@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from atoll.parallel.planner.collectives import all_gather, all_reduce, all_to_all
+from atoll.planner.collectives import all_gather, all_reduce, all_to_all
 
 EXPERTS = "HBM reads of expert weights"
 WEIGHTS = "HBM reads of weights"
@@ -114,7 +114,7 @@ class Measured:
                 exchange += all_reduce(seen * row, g_ep)
         else:  # all_to_all dispatch and combine of this rank's rows (a count exchange first)
             routed = per_rank * s.top_k  # (token, expert) pairs this rank sends, uniform routing
-            from atoll.parallel.planner.cost import expected_busiest_experts
+            from atoll.planner.moe_cost import expected_busiest_experts
 
             busiest = expected_busiest_experts(per_rank * l.ep, s.experts, s.top_k, l.ep)
             here = routed  # pairs arriving here, on average

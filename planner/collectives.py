@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from atoll.parallel.planner.efficiency import link_efficiency
+from atoll.planner.efficiency import link_efficiency
 
 
 @dataclass(frozen=True)

@@ -12,30 +12,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from atoll.parallel.planner import efficiency as eff
-from atoll.parallel.planner.collectives import GroupLinks, all_gather, all_reduce, all_to_all, send_recv
-from atoll.parallel.planner.shapes import Shapes, stage_split
-
-WEIGHTS, EXPERTS, KV, COMPUTE = "HBM reads of weights", "HBM reads of expert weights", "HBM reads of KV cache", "compute"
-KERNELS = "kernel launch floors"
-OVERHEAD = "per-op launch/dispatch time (calibrated)"
-
-
-def expected_busiest_experts(tokens: int, experts: int, top_k: int, ranks: int) -> float:
-    """Expected number of distinct experts the busiest EP rank runs for `tokens` tokens, under
-    uniform top-k routing: each rank's count is Binomial(local, p), p = 1-(1-k/E)^tokens,
-    local = ceil(E/ranks) as the runtime splits them (comm.routing.expert_split: the busiest
-    rank holds the extra one), and E[max of `ranks` draws] = sum_x (1 - F(x)^ranks)."""
-    local = -(-experts // ranks)
-    p = 1.0 - (1.0 - top_k / experts) ** tokens
-    if ranks == 1 or p >= 1.0:
-        return local * p
-    cdf, total, pmf = 0.0, 0.0, (1 - p) ** local
-    for x in range(local):
-        cdf += pmf
-        total += 1.0 - min(cdf, 1.0) ** ranks
-        pmf *= (local - x) / (x + 1) * p / (1 - p)
-    return total
+from atoll.planner import efficiency as eff
+from atoll.planner.categories import COMPUTE, KERNELS, KV, OVERHEAD, WEIGHTS
+from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, send_recv
+from atoll.planner.moe_cost import moe_layer
+from atoll.planner.shapes import Shapes, stage_split
 
 
 class CostModel:
@@ -51,7 +32,7 @@ class CostModel:
         # atoll's own runtime as calibrated on a CPU: its overheads, MoE exchange and tick exchange
         self.runtime = self.cal is not None and self.cal.device == "cpu" and bool(self.cal.overhead_us)
         if self.cal is not None:
-            from atoll.parallel.planner.runtime_terms import Measured
+            from atoll.planner.runtime_terms import Measured
 
             self.measured = Measured(self.cal, workload, min(ranks or layout.world_size, topology.num_gpus))
             self.hbm = self.measured.bandwidth or self.hbm
@@ -113,7 +94,7 @@ class CostModel:
                 self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
             else:
                 kernels += eff.KERNELS_PER_MOE
-                self._moe(one, n, n_all, act, wb)
+                moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
             if self.runtime:
                 one[OVERHEAD] += self.measured.layer_overhead(is_dense)
             elif not prefill:
@@ -131,34 +112,6 @@ class CostModel:
         if self.runtime:  # every rank runs each tick's scheduling, metadata and sampling
             out[OVERHEAD] += self.measured.tick_overhead(seqs_per_dp)
         return dict(out)
-
-    def _moe(self, out, n: int, n_all: int, act: float, wb: int):
-        s, l = self.s, self.l
-        # routed experts: the busiest EP rank's distinct experts, each 1/moe_tp of its weights
-        busiest = expected_busiest_experts(n_all, s.experts, s.top_k, l.ep)
-        per_expert = s.expert / l.moe_tp
-        tokens_here = n_all * s.top_k / l.ep
-        self._op(out, busiest * per_expert * wb, 2 * tokens_here * per_expert, EXPERTS)
-        shared = s.shared_expert / l.tp
-        if shared:
-            self._op(out, shared * wb + s.router * 2, 2 * n * shared, WEIGHTS)
-        if l.dp == 1:
-            # attention output is replicated on the stage: each rank runs its experts on every
-            # token and one all-reduce over the stage (== the TP group) combines them
-            out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
-            return
-        # DP attention: tokens go to the ranks holding their experts and back over the stage.
-        # A token's copies: one per selected expert (DeepEP low-latency style, no dedup) when
-        # experts are whole (ep >= top_k), one per EP group otherwise; each copy goes to all
-        # moe_tp shards of its expert. fp8 dispatch when the weights are fp8, bf16 combine.
-        per_rank = n / l.tp  # each TP rank of a DP group dispatches its slice of the tokens
-        copies = min(s.top_k, l.ep) * l.moe_tp
-        disp = per_rank * copies * s.hidden * (1 if self.w.dtype == "fp8" else 2)
-        comb = per_rank * copies * s.hidden * 2
-        name = self._comm_name("all-to-all", self.g_stage)
-        out[name] += all_to_all(disp, self.g_stage) + all_to_all(comb, self.g_stage)
-        if l.tp > 1:
-            out[self._comm_name("TP all-gather", self.g_tp)] += all_gather(act, self.g_tp)
 
     def handoff(self, stage: int, nbytes: float) -> tuple[str, float]:
         g = self.g_pp[stage]
