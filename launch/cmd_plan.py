@@ -28,6 +28,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8", "fp32"), default="auto",
                    help="KV cache precision, about 2x the requests per GPU from bf16 to fp8 "
                         "(default auto: bf16, fp32 under fp32 weights)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="new requests per second, Poisson arrivals (default: closed loop at --concurrency)")
+    p.add_argument("--expert-imbalance", type=float, default=None,
+                   help="MoE: busiest EP rank's tokens over the mean, >= 1 (default: a published EPLB figure)")
     p.add_argument("--ttft-ms", type=float, default=None, help="SLO: time to first token")
     p.add_argument("--tpot-ms", type=float, default=None, help="SLO: time per output token")
     p.add_argument("--layouts", default=None, help="only these, comma-separated: TP8PP2,EP16,'2 x TP8'")
@@ -122,7 +126,8 @@ def run(args) -> int:
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] if args.layouts else None
     plans = []
     for c in _concurrencies(args.concurrency):
-        workload = Workload(isl=args.isl, osl=args.osl, concurrency=c, dtype=args.dtype, kv_dtype=args.kv_dtype)
+        workload = Workload(isl=args.isl, osl=args.osl, concurrency=c, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                            request_rate=args.request_rate, expert_imbalance=args.expert_imbalance)
         plan = plan_layouts(config, topology, workload, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms,
                             layouts=layouts, allow_cross_island=args.allow_cross_island)
         plans.append(_renamed(plan, name))

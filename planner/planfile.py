@@ -104,7 +104,8 @@ def from_plan(plan, config) -> SavedPlan:
     return SavedPlan(model=plan.model, shapes=model_shapes(config), layout=best.layout, replicas=best.replicas,
                      topology=plan.topology, placement=plan.placement, predictions=preds,
                      workload={"isl": w.isl, "osl": w.osl, "concurrency": w.concurrency, "dtype": w.dtype,
-                               "kv_dtype": w.kv_dtype},
+                               "kv_dtype": w.kv_dtype} | {k: getattr(w, k) for k in ("request_rate", "expert_imbalance")
+                                                           if getattr(w, k) is not None},
                      reasons=tuple(plan.reasons))
 
 

@@ -17,12 +17,23 @@ class Workload:
     concurrency: int = 64  # requests in flight across the whole cluster
     dtype: str = "auto"  # weight precision of the decoder layers; auto: the checkpoint's (checkpoint_dtype)
     kv_dtype: str = "auto"  # KV cache precision; auto: bf16 below fp32 weights, else fp32
+    # new requests per second across the cluster (Poisson arrivals, open loop); None: closed loop,
+    # each of the `concurrency` clients sends its next request when its last one ends
+    request_rate: float | None = None
+    # tokens on the busiest EP rank over the mean (1.0: perfectly balanced routing); None: the
+    # sourced default of planner/efficiency.py (EXPERT_IMBALANCE)
+    expert_imbalance: float | None = None
 
     def __post_init__(self):
         for name in ("isl", "osl", "concurrency"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be a positive integer")
+        if self.request_rate is not None and not _positive(self.request_rate):
+            raise ConfigError(f"request_rate={self.request_rate!r} must be a positive number of requests per second")
+        if self.expert_imbalance is not None and not (_positive(self.expert_imbalance) and self.expert_imbalance >= 1):
+            raise ConfigError(f"expert_imbalance={self.expert_imbalance!r} must be a number >= 1 "
+                              "(the busiest EP rank's tokens over the mean)")
         for name in ("dtype", "kv_dtype"):
             if getattr(self, name) not in DTYPES + ("auto",):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {', '.join(DTYPES)} or auto")
@@ -71,6 +82,10 @@ class Workload:
     def mean_decode_context(self) -> float:
         """Average tokens attended to over the decode of one request."""
         return self.isl + self.osl / 2
+
+
+def _positive(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < float("inf")
 
 
 def checkpoint_dtype(config) -> str:
