@@ -8,6 +8,7 @@ efficiency (efficiency.py); latency is the link's per-message figure from the to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -75,7 +76,10 @@ def all_reduce(nbytes: float, g: GroupLinks) -> float:
 
 
 def all_gather(nbytes: float, g: GroupLinks) -> float:
-    """All-gather of a tensor of `nbytes` in total (each rank holds nbytes/size)."""
+    """All-gather of a tensor of `nbytes` in total (each rank holds nbytes/size). The other
+    islands' (m-1)/m of it enters an island once, each of its k ranks bringing 1/k over its
+    own link (NCCL's rings cross between nodes on every NIC; cross_bw is a GPU's share of the
+    link), and is shared inside the island, as all_reduce's cross-island step is."""
     if g.size <= 1 or nbytes <= 0:
         return 0.0
     if (t := _measured("all_gather", nbytes, g)) is not None:
@@ -83,7 +87,7 @@ def all_gather(nbytes: float, g: GroupLinks) -> float:
     k, m = g.per_island, g.islands
     t = (k - 1) / k * nbytes / g.island_bw + _steps(k) * g.island_lat
     if m > 1:
-        t += (m - 1) / m * nbytes / g.cross_bw + _steps(m) * g.cross_lat
+        t += (m - 1) / m * (nbytes / k) / g.cross_bw + _steps(m) * g.cross_lat
     return t
 
 
@@ -101,6 +105,23 @@ def all_to_all(bytes_out: float, g: GroupLinks) -> float:
     t_remote = remote / g.cross_bw if remote else 0.0
     lat = 2 * (g.cross_lat if g.islands > 1 else g.island_lat)  # send, then completion signal
     return max(t_local, t_remote) + lat
+
+
+def island_first_all_to_all(cross_bytes: float, intra_bytes: float, g: GroupLinks) -> float:
+    """The MoE Dispatcher's island-first exchange (comm/dispatch.py; DeepEP's internode kernels
+    do the same): each rank sends `cross_bytes` to the ranks at its own position in the other
+    islands, over its own link between islands (one NIC per GPU on DGX nodes: the figure is per
+    GPU already), then `intra_bytes`, spread over its island's ranks (itself included). The
+    runtime runs the two legs one after the other, as two all-to-alls."""
+    if g.islands <= 1:
+        return all_to_all(intra_bytes, g)
+    cross = 0.0
+    if cross_bytes > 0:
+        cross = _measured("all_to_all", cross_bytes, g, size=g.islands)
+        if cross is None:
+            cross = cross_bytes / g.cross_bw + 2 * g.cross_lat  # send, then completion signal
+    island = dataclasses.replace(g, size=g.per_island, islands=1, cross_kind="")
+    return cross + all_to_all(intra_bytes, island)
 
 
 def send_recv(nbytes: float, senders: int, g: GroupLinks) -> float:

@@ -1,10 +1,35 @@
-"""One MoE layer's cost in a decode or prefill pass: the busiest EP rank's expert reads, the
-shared expert, and the exchange that brings tokens to their experts and back."""
+"""One MoE layer's cost in a decode or prefill pass, as the runtime runs it (layers/moe.py,
+comm/dispatch.py, comm/exchange.py): the busiest EP rank's expert reads and GEMMs, the shared
+expert, and the exchange that brings tokens to their experts and back.
+
+EP and expert TP (moe_tp) split the same work differently, and cost differently:
+- EP (ep > 1): whole experts on fewer ranks. Each token's copies go to the ranks holding its
+  selected experts (an all-to-all, or at decode sizes inside one island a gather); routing is
+  skewed, so the busiest rank gets more (token, expert) pairs than the mean: more GEMM rows and
+  more bytes to receive, and every rank waits for it at the combine.
+- moe_tp: every expert's intermediate dim split over moe_tp ranks. Each rank reads 1/moe_tp of
+  every active expert and runs every pair routed to it, so the work is balanced (no
+  imbalance), but the outputs are partial sums that an all_reduce over moe_tp adds up.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from atoll.planner.categories import EXPERTS, WEIGHTS
-from atoll.planner.collectives import all_gather, all_reduce, all_to_all
+from atoll.planner.collectives import all_gather, all_reduce, all_to_all, island_first_all_to_all
+
+# Expert imbalance: (token, expert) pairs routed to the busiest EP rank over the mean.
+# TensorRT-LLM's tech blog 4, "Scaling Expert Parallelism in TensorRT-LLM (Part 1)", Table 1:
+# DeepSeek-R1 on 32 GB200, EP32 with 8 experts per rank, a machine-translation dataset, local
+# batch 256, no EPLB: imbalance ratio (max - mean) / mean by rank 1.564, averaged over layers
+# and iterations, i.e. max / mean = 2.56 (with EPLB's redundant experts: 1.11). atoll places
+# experts in contiguous blocks with no redundant copies (comm.routing.expert_split): the no-EPLB
+# case. SGLang's large-scale EP blog (DeepSeek-V3 on 96 H100) agrees on the size: EPLB sped up
+# prefill 1.49x and decode 2.54x there.
+EXPERT_IMBALANCE = 2.56
+MEASURED_EXPERTS_PER_RANK = 8  # the layout that figure was measured on (256 experts / EP32)
 
 
 def expected_busiest_experts(tokens: int, experts: int, top_k: int, ranks: int) -> float:
@@ -24,33 +49,133 @@ def expected_busiest_experts(tokens: int, experts: int, top_k: int, ranks: int) 
     return total
 
 
+def expert_imbalance(workload, shapes, ep: int) -> float:
+    """Pairs on the busiest EP rank over the mean at large batches: the workload's
+    expert_imbalance, else EXPERT_IMBALANCE carried to this layout; 1.0 without EP (every
+    rank holds a slice of every expert)."""
+    if ep <= 1 or not shapes.experts:
+        return 1.0
+    k, local = shapes.top_k, shapes.experts_per_rank(ep)
+    f = workload.expert_imbalance
+    if f is None:
+        # The busiest rank's excess is its hot experts' excess spread over its `local` experts:
+        # Table 1's by-expert ratio, 1 + 10.948 / 8 = 2.37 by rank, is near the 2.56 measured by
+        # rank, so the excess scales as 1 / local: 1.78 at DeepSeek-V3's EP16, 1.39 at EP8.
+        f = 1 + (EXPERT_IMBALANCE - 1) * MEASURED_EXPERTS_PER_RANK / local
+    # no rank gets more than every token's pairs with its experts: min(k, local) per token
+    return min(f, ep * min(k, local) / k)
+
+
+def busiest_pairs(workload, shapes, tokens: int, ep: int) -> tuple[float, float]:
+    """(pairs, distinct experts) of the busiest EP rank for `tokens` tokens over the stage.
+
+    Two sources of skew, combined by max, not by product, so neither is counted twice: at tiny
+    batches the luck of the draw under uniform routing (expected_busiest_experts: the busiest
+    rank's distinct experts, each with tokens*k/(E*p) pairs, about one pair each at batch 1,
+    already several times the mean), at large batches the measured imbalance, whose figure
+    already holds the draw at its own batch (1024 pairs per rank). Skewed routing puts tokens
+    on fewer, hotter experts: it raises the busiest rank's pairs (GEMM rows, bytes received),
+    not its distinct experts (its weight reads, at most its `local` experts)."""
+    E, k = shapes.experts, shapes.top_k
+    local = shapes.experts_per_rank(ep)
+    p = 1.0 - (1.0 - k / E) ** tokens
+    distinct = expected_busiest_experts(tokens, E, k, ep)
+    drawn = distinct * tokens * k / (E * p)
+    # mean pairs of a rank with `local` experts (the runtime's first ranks hold one more)
+    skewed = tokens * k * local / E * expert_imbalance(workload, shapes, ep)
+    return min(max(drawn, skewed), tokens * min(k, local)), distinct
+
+
+def _links(stage, size: int, stride: int):
+    """Links of a group of `size` ranks of the stage `stride` apart (the moe_tp group is
+    consecutive ranks, the ep group steps over them: parallel.mesh's [ep, moe_tp] grid, the
+    dp group steps over tp), from the stage's. Concurrent groups share the links as the
+    stage's do. Islands are taken to be nodes, as in the presets."""
+    per = min(size, max(1, stage.per_island // stride))
+    islands = -(-size // per)
+    return dataclasses.replace(stage, size=size, per_island=per, islands=islands,
+                               cross_kind=stage.cross_kind if islands > 1 else "")
+
+
+def _gather_max_rows() -> int:
+    from atoll.layers.moe import gather_max_rows  # the runtime's threshold (ATOLL_MOE_GATHER_ROWS)
+
+    return gather_max_rows()
+
 
 def moe_layer(cm, out, *, n: int, n_all: int, act: float, wb: int):
     """Adds one MoE layer's expert reads, shared expert and exchange to `out` (seconds by
     category). n: tokens on one DP rank; n_all: tokens entering the layer over the stage."""
-    s, l = cm.s, cm.l
-    # routed experts: the busiest EP rank's distinct experts, each 1/moe_tp of its weights
-    busiest = expected_busiest_experts(n_all, s.experts, s.top_k, l.ep)
-    per_expert = s.expert / l.moe_tp
-    tokens_here = n_all * s.top_k / l.ep
-    cm._op(out, busiest * per_expert * wb, 2 * tokens_here * per_expert, EXPERTS)
+    s, l, w = cm.s, cm.l, cm.w
+    ep, mt, k = l.ep, l.moe_tp, s.top_k
+    # routed experts on the busiest EP rank: its distinct experts, each 1/moe_tp of its weights,
+    # and its pairs (skewed; with ep == 1 every rank runs its slice of every pair: balanced)
+    pairs, distinct = busiest_pairs(w, s, n_all, ep)
+    per_expert = s.expert / mt
+    cm._op(out, distinct * per_expert * wb, 2 * pairs * per_expert, EXPERTS, rows=pairs / max(distinct, 1.0))
     shared = s.shared_expert / l.tp
     if shared:
         cm._op(out, shared * wb + s.router * 2, 2 * n * shared, WEIGHTS)
-    if l.dp == 1:
-        # attention output is replicated on the stage: each rank runs its experts on every
-        # token and one all-reduce over the stage (== the TP group) combines them
-        out[cm._comm_name("TP all-reduce", cm.g_tp)] += all_reduce(act, cm.g_tp)
-        return
-    # DP attention: tokens go to the ranks holding their experts and back over the stage.
-    # A token's copies: one per selected expert (DeepEP low-latency style, no dedup) when
-    # experts are whole (ep >= top_k), one per EP group otherwise; each copy goes to all
-    # moe_tp shards of its expert. fp8 dispatch when the weights are fp8, bf16 combine.
-    per_rank = n / l.tp  # each TP rank of a DP group dispatches its slice of the tokens
-    copies = min(s.top_k, l.ep) * l.moe_tp
-    disp = per_rank * copies * s.hidden * (1 if cm.w.dtype == "fp8" else 2)
-    comb = per_rank * copies * s.hidden * 2
-    name = cm._comm_name("all-to-all", cm.g_stage)
-    out[name] += all_to_all(disp, cm.g_stage) + all_to_all(comb, cm.g_stage)
-    if l.tp > 1:
-        out[cm._comm_name("TP all-gather", cm.g_tp)] += all_gather(act, cm.g_tp)
+
+    row = s.hidden * w.act_bytes
+    g = cm.g_stage
+    g_ep, g_mt = _links(g, ep, mt), _links(g, mt, 1)
+    direct = l.tp == mt  # ep rank e is DP group e: its own tokens are its share (layers/moe.py)
+    rows = n if direct else n_all  # tokens an ep rank's group routes
+    if not direct and l.dp > 1:  # DP attention under split experts: the stage's tokens first
+        g_dp = _links(g, l.dp, l.tp)
+        out[cm._comm_name("MoE all-gather", g_dp)] += all_gather(n_all * row, g_dp)
+    reduced = rows  # rows of moe_tp partial sums each rank ends with
+    if ep > 1:
+        per_rank = rows if direct else math.ceil(rows / ep)
+        if g_ep.islands == 1 and per_rank <= _gather_max_rows():
+            # comm.exchange.gather_combine: fixed shapes, no counts; rows meet every ep rank
+            t = (all_gather(ep * per_rank * (row + 8 * k), g_ep) + all_gather(ep * per_rank * row, g_ep)
+                 if direct else all_reduce(rows * row, g_ep))  # reduce_scatter moves an all_gather's bytes
+            out[cm._comm_name("MoE gather", g_ep)] += t
+        else:
+            out[cm._comm_name("all-to-all", g_ep)] += _dispatch_combine(cm, g_ep, per_rank, n_all, pairs)
+            if not direct:  # each ep rank routed a chunk of the stage's tokens: gathered back
+                out[cm._comm_name("MoE all-gather", g_ep)] += all_gather(rows * row, g_ep)
+            reduced = per_rank
+    if mt > 1:  # moe_tp partial sums, added over the moe_tp group
+        out[cm._comm_name("TP all-reduce" if mt == l.tp else "MoE all-reduce", g_mt)] += all_reduce(reduced * row, g_mt)
+
+
+def _dispatch_combine(cm, g, per_rank: int, n_all: int, pairs: float) -> float:
+    """Seconds of the Dispatcher's dispatch and combine when each rank routes `per_rank`
+    tokens, the ep group routes `n_all` and the busiest rank receives `pairs` of them.
+
+    One copy per (token, expert) pair, as the runtime's flat dispatch moves rows; fp8 rows
+    when the weights are fp8 (DeepEP's dispatch), the combine in the activations' dtype. An
+    all-to-all lasts until its busiest rank has sent and received its bytes: the most a rank
+    sends (per_rank x k pairs) or the busiest rank's receipts, whichever is larger.
+
+    Across islands the runtime dispatches island first (comm/dispatch.py, as DeepEP's
+    internode kernels do): a token crosses once to each remote island holding any of its
+    experts, with its ids and weights (8 bytes a slot), to the rank at its own position there
+    (over its own NIC), which hands the pairs on inside that island; the combine sums them
+    there and sends one partial sum back across. Charging each pair across instead (k x (m-1)/m
+    copies a token, 4 of DeepSeek's 8 over 2 nodes against about 1) overcharged EP prefill over
+    the network several times over."""
+    s, w = cm.s, cm.w
+    k, ep = s.top_k, g.size
+    act_row = s.hidden * w.act_bytes
+    disp_row = s.hidden * (1 if w.dtype == "fp8" else w.act_bytes)
+    mean = n_all / ep  # tokens an ep rank routes on average (one DP rank may hold them all)
+    r = pairs / max(n_all * k / ep, 1e-9)  # the busiest rank's pairs over the mean
+    counts = 8 * s.experts  # each destination's rows per expert, exchanged first (host sizes)
+    if g.islands == 1:
+        sent = max(per_rank * k, pairs)
+        return (all_to_all(counts, g) + all_to_all(sent * disp_row, g)
+                + all_to_all(sent * act_row, g))
+    m, per_island = g.islands, g.per_island
+    touched = (m - 1) * (1 - (1 - 1 / m) ** k)  # remote islands a token's k experts reach
+    # the busiest island's excess is its busiest rank's, spread over the island's ranks
+    r_island = 1 + (r - 1) / per_island
+    cross = touched * max(per_rank, mean * r_island)  # rows over the rail, sent or received
+    # inside the island a rank hands on its own pairs there and those relayed to it
+    intra = max(k / m * (per_rank + (m - 1) * mean), pairs)
+    dispatch = (island_first_all_to_all(counts, counts, g)
+                + island_first_all_to_all(cross * (disp_row + 8 * k), intra * disp_row, g))
+    return dispatch + island_first_all_to_all(cross * act_row, intra * act_row, g)
