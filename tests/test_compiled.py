@@ -6,6 +6,7 @@ transformers, one graph per sequence bucket that a second run does not recompile
 import argparse
 
 import pytest
+import torch
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
@@ -99,6 +100,27 @@ def _runs_eagerly(rank, world, spec, requests):
     runner = ModelRunner(spec, ParallelContext.single())
     tokens = _tokens(run_requests(runner, requests))
     return runner.decode_step, tokens, dict(counters["stats"])
+
+
+@pytest.mark.timeout(240)
+def test_one_sequence_graph_matches_transformers(model_and_reference, compiling):
+    """max_num_seqs=1: one static one-row graph whose linears are row reductions."""
+    compiling.setenv("ATOLL_COMPILE_FREEZING", "1")
+    model_dir, expected = model_and_reference
+    llm = LLM(model_dir, layout="TP1", max_num_seqs=1, block_size=4)
+    requests = _requests(llm)
+    r = run_local(_eager_then_compiled_twice, 1, llm.spec(requests), requests, timeout_s=220)[0]
+    assert r["eager"] == expected and r["first"] == expected and r["second"] == expected
+    assert r["buckets"] == [1] and r["graphs_first"] == r["graphs_second"] == 1 and r["compiles"] == 1
+
+
+def test_row_product_is_linear():
+    from atoll.layers.packed import row_product
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((1, 96), (40, 96), (40,)))
+    torch.testing.assert_close(row_product(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(row_product(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.timeout(120)
