@@ -31,7 +31,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--request-rate", type=float, default=None,
                    help="new requests per second, Poisson arrivals (default: closed loop at --concurrency)")
     p.add_argument("--expert-imbalance", type=float, default=None,
-                   help="MoE: busiest EP rank's tokens over the mean, >= 1 (default: a published EPLB figure)")
+                   help="MoE: busiest EP rank's routed tokens over the mean, >= 1 (default: TensorRT-LLM's "
+                        "no-EPLB measurement, 2.56 at 8 experts per rank, scaled to the layout's experts per rank)")
     p.add_argument("--ttft-ms", type=float, default=None, help="SLO: time to first token")
     p.add_argument("--tpot-ms", type=float, default=None, help="SLO: time per output token")
     p.add_argument("--layouts", default=None, help="only these, comma-separated: TP8PP2,EP16,'2 x TP8'")

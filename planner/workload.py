@@ -20,8 +20,9 @@ class Workload:
     # new requests per second across the cluster (Poisson arrivals, open loop); None: closed loop,
     # each of the `concurrency` clients sends its next request when its last one ends
     request_rate: float | None = None
-    # tokens on the busiest EP rank over the mean (1.0: perfectly balanced routing); None: the
-    # sourced default of planner/efficiency.py (EXPERT_IMBALANCE)
+    # (token, expert) pairs on the busiest EP rank over the mean (1.0: perfectly balanced
+    # routing); None: planner/moe_cost.py's sourced EXPERT_IMBALANCE carried to the layout
+    # (moe_cost.expert_imbalance)
     expert_imbalance: float | None = None
 
     def __post_init__(self):
