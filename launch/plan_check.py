@@ -6,8 +6,12 @@ For each layout the planner predicts TTFT and TPOT for one replica on the given 
 workload on as many local ranks, one thread each (a CPU rank is one core, as the topology
 counts it), eager: `batch` random prompts of `isl` tokens arriving together, each generating
 `osl` tokens. Measured TTFT and TPOT are medians over requests, then over timed rounds; error
-= predicted / measured - 1. Predicted TTFT is the planner's prefill of that burst
-(CostModel.prefill_burst); TPOT is its decode step at concurrency `batch`. The prediction
+= predicted / measured - 1. The check runs a burst, not steady serving: every prompt is
+prefilled before any decode step, and the decode steps carry no prompt chunks. So the
+predictions it compares are the cost model's figures for that run, not the planner's
+steady-state ones (planner/serving.py, with chunks mixed into decode and queueing for the
+prefill): TTFT is the prefill of the burst (CostModel.prefill_burst), TPOT the pure decode step
+of `batch` sequences (CostModel.decode with no prompt chunks). The prediction
 takes the machine as one rank alone measured it at calibration, times the slowdown: the
 calibration's GEMM probe (calibrate.compute.probe_tflops), run by every rank at once after
 each timed round, outside the timed region, against its calibrated figure. On a machine
@@ -93,11 +97,12 @@ def predict(model_dir: str, topology, layout_text: str, *, batch: int, isl: int,
     layout = Layout.parse(layout_text).validate(config)
     topo = topology_for(topology, layout.world_size)
     workload = Workload(isl=isl, osl=osl, concurrency=batch, dtype="fp32", kv_dtype="fp32")  # CPU runs fp32
-    plan = plan_layouts(config, topo, workload, layouts=[f"1 x {layout}"])
-    p = plan.predictions[0]
+    plan = plan_layouts(config, topo, workload, layouts=[f"1 x {layout}"])  # validates, resolves the workload
     placement = Placement.build(layout, topo, allow_cross_island=True)
     cost = CostModel(config, shapes(config), topo, plan.workload, layout, placement, ranks=layout.world_size)
-    return {"ttft_s": cost.prefill_burst(batch), "tpot_s": p.tpot_s, "decode": p.decode}
+    # like with like: the bench's burst (all prompts, then pure decode), not steady serving
+    tpot, decode, _ = cost.decode(batch)
+    return {"ttft_s": cost.prefill_burst(batch), "tpot_s": tpot, "decode": decode}
 
 
 def probe_ref(topology) -> float | None:

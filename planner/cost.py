@@ -4,7 +4,12 @@ pipeline hand-offs; each time charged to the resource that binds it.
 Decode reads every weight a step touches and the KV cache it attends to, so it is bound by
 HBM bandwidth until the batch is large; prefill is bound by tensor-core FLOPs. Every op is
 max(bytes / HBM bandwidth, FLOPs / peak) with the efficiencies of efficiency.py; the
-communication of each layer is serial with its compute (no overlap assumed).
+communication of each layer is serial with its compute (no overlap assumed). A decode step may
+carry prompt chunks beside its decode tokens (chunked prefill): the weights are read once for
+both, the prompt tokens add their GEMM FLOPs, their causal attention and their share of the
+collectives (planner/serving.py turns such steps into steady-state TPOT and TTFT). Each
+decode step also pays a fixed floor per kernel it launches (efficiency.py: counted in atoll's
+own decode path).
 """
 
 from __future__ import annotations
@@ -17,6 +22,22 @@ from atoll.planner.categories import COMPUTE, KERNELS, KV, OVERHEAD, WEIGHTS
 from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, send_recv
 from atoll.planner.moe_cost import moe_layer
 from atoll.planner.shapes import Shapes, stage_split
+
+
+def layer_kernels(config, dense: bool) -> int:
+    """Kernels one decoder layer launches in a decode step (efficiency.py: counted in atoll's
+    own decode path), collectives apart."""
+    k = eff.KERNELS_NORMS
+    k += eff.KERNELS_MLA_ATTENTION if config.is_mla else eff.KERNELS_GQA_ATTENTION
+    if not config.is_mla and config.qk_norm:
+        k += eff.KERNELS_QK_NORM
+    if dense:
+        return k + eff.KERNELS_DENSE_MLP
+    k += eff.KERNELS_MOE + (eff.KERNELS_ROUTER_GROUPED if config.n_group > 1 or config.scoring == "sigmoid"
+                            else eff.KERNELS_ROUTER)
+    if config.shared_expert_intermediate_size:
+        k += eff.KERNELS_SHARED_EXPERT + (eff.KERNELS_SHARED_GATE if config.model_type == "qwen2_moe" else 0)
+    return k
 
 
 class CostModel:
@@ -59,15 +80,17 @@ class CostModel:
 
     # -- one pipeline stage ----------------------------------------------------------------
     def stage(self, stage: int, *, seqs_per_dp: int, active_dp: int, new_tokens: int, ctx: float,
-              prefill: bool) -> dict[str, float]:
+              prefill: bool, prompt_tokens: float = 0.0, prompt_rows: float = 0.0) -> dict[str, float]:
         """Seconds per category for one pass of a micro-batch through `stage`.
         seqs_per_dp: sequences on each active DP rank; new_tokens: tokens per sequence this pass
-        (1 in decode, the prompt in prefill); ctx: tokens each sequence attends to."""
+        (1 in decode, the prompt in prefill); ctx: tokens each sequence attends to.
+        prompt_tokens: prompt-chunk tokens mixed into a decode pass on the busiest DP rank, each
+        attending to half the prompt on average; prompt_rows: such tokens over the whole stage."""
         s, l, w = self.s, self.l, self.w
         out: dict[str, float] = defaultdict(float)
         wb, h, tp = w.weight_bytes, s.hidden, l.tp
-        n = seqs_per_dp * new_tokens  # tokens on one DP rank
-        n_all = n * active_dp  # tokens entering the MoE layers of the stage
+        n = seqs_per_dp * new_tokens + prompt_tokens  # tokens on one DP rank
+        n_all = seqs_per_dp * new_tokens * active_dp + prompt_rows  # tokens entering the MoE layers of the stage
         act = n * h * w.act_bytes  # activations of one DP rank, bytes
         start, end = self.stages[stage]
         n_dense = sum(1 for i in range(start, end) if s.dense_layers[i])
@@ -81,11 +104,13 @@ class CostModel:
             if prefill:  # causal attention core: half of the n x ctx score matrix, QK and PV
                 core = 2 * 2 * seqs_per_dp * new_tokens * ctx / 2 * (s.heads / tp) * s.head_dim
                 self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=new_tokens)
-            else:  # every sequence reads its cache: [ctx, kv] per rank
-                core = 4 * n * ctx * (s.heads / tp) * s.attn_dim
-                self._op(one, seqs_per_dp * ctx * kv_tok, core, KV, rows=n)
+            elif seqs_per_dp:  # every sequence reads its cache: [ctx, kv] per rank
+                core = 4 * seqs_per_dp * new_tokens * ctx * (s.heads / tp) * s.attn_dim
+                self._op(one, seqs_per_dp * ctx * kv_tok, core, KV, rows=seqs_per_dp)
+            if prompt_tokens:  # the chunks' causal attention: each token over half its prompt
+                core = 2 * 2 * prompt_tokens * w.isl / 2 * (s.heads / tp) * s.head_dim
+                self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=prompt_tokens)
             one[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
-            kernels = eff.KERNELS_PER_LAYER
             if is_dense:
                 mlp = s.dense_mlp / tp
                 self._op(one, mlp * wb, 2 * n * mlp, WEIGHTS, rows=n)
@@ -93,24 +118,26 @@ class CostModel:
             elif self.runtime:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
                 self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
             else:
-                kernels += eff.KERNELS_PER_MOE
                 moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
             if self.runtime:
                 one[OVERHEAD] += self.measured.layer_overhead(is_dense)
-            elif not prefill:
-                one[KERNELS] += kernels * eff.KERNEL_OVERHEAD_S
+            elif not prefill and seqs_per_dp:  # a prefill-only pass is costed as prefill: no floors
+                one[KERNELS] += layer_kernels(self.c, is_dense) * eff.KERNEL_OVERHEAD_S
             for k, v in one.items():
                 out[k] += v * count
         if stage == 0 and tp > 1:  # the vocab-parallel embedding sums its rows over tp
             out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
         if stage == l.pp - 1:  # LM head (bf16 under fp8 weights), logits of the last token of each sequence
             head = s.head / tp
-            self._op(out, head * w.embed_bytes, 2 * seqs_per_dp * head, WEIGHTS, rows=seqs_per_dp)
+            rows = max(seqs_per_dp, 1)
+            self._op(out, head * w.embed_bytes, 2 * rows * head, WEIGHTS, rows=rows)
             # each rank's vocab shard of the logits gathered over tp (layers.embedding.ParallelLMHead)
-            logits = seqs_per_dp * s.vocab * w.act_bytes
+            logits = rows * s.vocab * w.act_bytes
             out[self._comm_name("TP all-gather", self.g_tp)] += all_gather(logits, self.g_tp)
         if self.runtime:  # every rank runs each tick's scheduling, metadata and sampling
             out[OVERHEAD] += self.measured.tick_overhead(seqs_per_dp)
+        elif not prefill and seqs_per_dp and stage == 0:
+            out[KERNELS] += eff.KERNELS_PER_STEP * eff.KERNEL_OVERHEAD_S
         return dict(out)
 
     def handoff(self, stage: int, nbytes: float) -> tuple[str, float]:
@@ -130,21 +157,28 @@ class CostModel:
             total[k] += v
         return total
 
-    def decode(self, batch: int) -> tuple[float, dict[str, float], int]:
-        """(TPOT seconds, breakdown, micro-batches) for `batch` sequences on this replica."""
+    def decode(self, batch: int, prompts: float = 0.0, prompt_len: float = 0.0) -> tuple[float, dict[str, float], int]:
+        """(step seconds, breakdown, micro-batches) of one decode step of `batch` sequences on
+        this replica; with `prompts` prompt chunks of `prompt_len` tokens mixed in (chunked
+        prefill), spread over the micro-batches and DP ranks. `batch` 0 with prompts: a step
+        that only prefills."""
         l, w = self.l, self.w
-        micro = min(batch, l.pp)
+        micro = max(1, min(batch, l.pp))
         m = math.ceil(batch / micro)
         per_dp = math.ceil(m / l.dp)
         active = min(l.dp, m)
         ctx = w.mean_decode_context
-        parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False)
-                 for i in range(l.pp)]
+        lane = prompts / micro  # chunks in each micro-batch
+        # spread evenly over the DP ranks, as a scheduler balancing them would on average; the
+        # step a whole chunk makes its DP rank the slowest one is not modelled
+        busiest = lane / l.dp * prompt_len
+        parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False,
+                            prompt_tokens=busiest, prompt_rows=lane * prompt_len) for i in range(l.pp)]
         if self.runtime:  # the sampled tokens reach every rank each tick (engine.runner.tick)
             for p in parts:
                 for k, v in self.measured.tick_exchange(self, per_dp).items():
                     p[k] = p.get(k, 0.0) + v
-        total = self._through_stages(parts, per_dp * active * self.s.hidden * w.act_bytes)
+        total = self._through_stages(parts, (per_dp * active + lane * prompt_len) * self.s.hidden * w.act_bytes)
         chain = sum(total.values())
         slowest = max(sum(p.values()) for p in parts)
         tpot = max(chain, micro * slowest)

@@ -35,17 +35,37 @@ PCIE_EFFICIENCY = 0.80
 
 # A fixed cost per kernel in a CUDA-graph-replayed decode step: launch and tail of one kernel
 # is a few microseconds on Hopper (REFERENCE.md: "NVLink hop a few us"; small-kernel floors in
-# nsys traces are 2-5 us). Assumed 3 us, times the kernels of one decoder layer.
+# nsys traces are 2-5 us). Assumed 3 us, times the kernels a decode step launches.
 KERNEL_OVERHEAD_S = 3e-6
-KERNELS_PER_LAYER = 8  # norm, qkv, attention, o-proj, norm, gate/up, activation, down
-KERNELS_PER_MOE = 4  # router, top-k, grouped GEMM x2 (and permute) on top of the above
+
+# Kernels of one decode step, counted in atoll's own decode path (models/llama.py, models/deepseek.py,
+# layers/mla.py, layers/moe.py, layers/router.py): a CPU decode step of tiny Llama, Qwen3-MoE,
+# Qwen2-MoE and DeepSeek-V3 checkpoints (one rank) under torch.profiler, each outermost aten op
+# that computes counted as one kernel (views and allocations as none), and each Triton entry point a
+# GPU runs instead of its torch reference counted by its launches: rms_norm 1, rotary 1, paged decode
+# attention 1, fused_moe 6. Collectives are not kernels here: collectives.py charges their latency.
+KERNELS_NORMS = 2  # per layer: residual add + RMSNorm before attention and before the MLP (one Triton kernel each)
+KERNELS_GQA_ATTENTION = 7  # qkv GEMM, rotary, K and V cache writes, paged attention, o-proj, one copy
+KERNELS_QK_NORM = 2  # Qwen3's per-head q and k RMSNorm
+# MLA decode (layers/mla.py): q_a, q_a norm, q_b, kv_a, kv_a norm, rope (4 cats: de-interleave, q_latent
+# with q_rope, the cache entry), rotary, cache write, W_uk bmm, block gather, SDPA, W_uv bmm, o-proj, a copy
+KERNELS_MLA_ATTENTION = 17
+KERNELS_DENSE_MLP = 4  # gate/up GEMM, SiLU, multiply, down GEMM
+KERNELS_MOE = 11  # routed experts: expert-locality mask (5 element-wise ops) and fused_moe (align 3, 2 grouped GEMMs, unpermute)
+KERNELS_ROUTER = 5  # softmax top-k (Qwen3-MoE): gate GEMM, softmax, top-k, renormalising sum and divide
+KERNELS_ROUTER_GROUPED = 18  # DeepSeek-V3: fp32 gate, sigmoid, bias, group scores and top-k, mask, top-k, gather, renormalise, scale
+KERNELS_SHARED_EXPERT = 5  # a gated MLP (4) and its add to the routed output
+KERNELS_SHARED_GATE = 3  # Qwen2-MoE's sigmoid gate on the shared expert: GEMM, sigmoid, multiply
+KERNELS_PER_STEP = 10  # embedding, final norm, LM head, argmax, token index; rotary cos/sin and decode mask (4-7)
 
 # Memory kept out of the KV cache on every GPU: AIConfigurator models a fixed ~3.5 GB "other"
 # (CUDA context, CUDA graphs, allocator slack) plus communication buffers (REFERENCE.md).
 RESERVE_BYTES = 3.5e9
 # NCCL: default NCCL_BUFFSIZE 4 MiB x 2 (send, recv) x up to 32 channels per communicator.
 NCCL_BUFFER_BYTES = 256 * 2**20
-# Prefill is chunked: SGLang's default chunked-prefill size on 80 GB+ GPUs is 8192 tokens.
+# Prefill is chunked: SGLang's default chunked-prefill size on 80 GB+ GPUs is 8192 tokens. In
+# steady serving a step carries up to this many prompt tokens beside its decode tokens
+# (planner/serving.py).
 PREFILL_CHUNK_TOKENS = 8192
 
 # How far a prediction may be off: the band every predicted TPOT (and tokens/s) and TTFT carries
@@ -76,7 +96,19 @@ def table() -> list[tuple[str, float, str]]:
         ("Ethernet (TCP)", ETHERNET_EFFICIENCY, "iperf3 goodput ~94% of 10/25 GbE line rate"),
         ("PCIe", PCIE_EFFICIENCY, "bandwidthTest/nvbandwidth ~26/32 GB/s Gen4 x16"),
         ("kernel floor (s)", KERNEL_OVERHEAD_S, "assumed: a few us per graph-replayed kernel"),
+        ("kernels: norms per layer", KERNELS_NORMS, "counted: atoll decode step under torch.profiler"),
+        ("kernels: GQA attention", KERNELS_GQA_ATTENTION, "counted: tiny Llama decode step"),
+        ("kernels: q/k norm", KERNELS_QK_NORM, "counted: tiny Qwen3-MoE decode step"),
+        ("kernels: MLA attention", KERNELS_MLA_ATTENTION, "counted: tiny DeepSeek-V3 decode step"),
+        ("kernels: dense MLP", KERNELS_DENSE_MLP, "counted: tiny Llama decode step"),
+        ("kernels: routed experts", KERNELS_MOE, "counted: tiny Qwen3-MoE/DeepSeek-V3, fused_moe's 6 launches"),
+        ("kernels: softmax router", KERNELS_ROUTER, "counted: tiny Qwen3-MoE decode step"),
+        ("kernels: grouped router", KERNELS_ROUTER_GROUPED, "counted: tiny DeepSeek-V3 decode step"),
+        ("kernels: shared expert", KERNELS_SHARED_EXPERT, "counted: tiny DeepSeek-V3 decode step"),
+        ("kernels: shared-expert gate", KERNELS_SHARED_GATE, "counted: tiny Qwen2-MoE decode step"),
+        ("kernels: per step", KERNELS_PER_STEP, "counted: embedding, head, sampling, rotary tables"),
         ("reserve (bytes)", RESERVE_BYTES, "AIConfigurator's fixed ~3.5 GB per GPU"),
+        ("prefill chunk (tokens)", PREFILL_CHUNK_TOKENS, "SGLang's default chunked-prefill size, 80 GB+ GPUs"),
         ("TPOT band", PREDICTION_BAND_TPOT, "issue 14: 22 published figures, median predicted/measured 1.24"),
         ("TTFT band", PREDICTION_BAND_TTFT, "issue 14: TTFT 44 ms predicted vs 331 ms measured (queueing)"),
     ]

@@ -15,17 +15,25 @@ class Prediction:
     gpus: int  # GPUs in use: replicas x layout.world_size
     concurrency: int
     memory: MemoryFit
-    ttft_s: float
-    tpot_s: float
+    ttft_s: float  # steady serving, queueing included (planner/serving.py); inf when not sustainable
+    tpot_s: float  # mean decode step in steady serving, prompt chunks mixed in
     tokens_per_s_per_gpu: float  # output tokens per second per GPU in use
     tokens_per_s_per_user: float  # 1 / TPOT
-    decode: dict = field(repr=False, compare=False)  # seconds per category, one decode step
+    decode: dict = field(repr=False, compare=False)  # seconds per category, one (mean) decode step
     prefill: dict = field(repr=False, compare=False)  # seconds per category, one prompt
     meets_slo: bool = True
     reason: str = ""
     band: float = 0.0  # relative error TPOT and tokens/s may carry (efficiency.PREDICTION_BAND_TPOT or measured)
     ttft_band: float = 0.0
     tie: bool = False  # within the band of the recommended layout's tokens/s/GPU
+    arrival_rate: float = 0.0  # requests/s the cluster serves in steady state
+    offered_rate: float | None = None  # the workload's request_rate (open loop); None: closed loop
+    prefill_load: float = 0.0  # ρ of each replica's prefill: prompt work offered over what it can do
+    overload: str = ""  # why the offered load is not sustainable; "" when it is
+
+    @property
+    def sustainable(self) -> bool:
+        return not self.overload
 
     @property
     def name(self) -> str:
@@ -46,6 +54,8 @@ class Prediction:
                            "buffers": m.buffers / gib, "reserve": m.reserve / gib,
                            "shortfall": m.shortfall / gib},
             "ttft_ms": self.ttft_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
+            "arrival_rate_per_s": self.arrival_rate, "prefill_load": self.prefill_load,
+            "sustainable": self.sustainable, "overload": self.overload,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "tokens_per_s_per_user": self.tokens_per_s_per_user,
             "decode_ms": {k: v * 1e3 for k, v in self.decode.items()},
@@ -71,7 +81,7 @@ class Plan:
         return {
             "model": self.model, "topology": self.topology.describe(),
             "workload": {"isl": w.isl, "osl": w.osl, "concurrency": w.concurrency, "dtype": w.dtype,
-                         "kv_dtype": w.kv_dtype},
+                         "kv_dtype": w.kv_dtype, "request_rate": w.request_rate},
             "recommended": self.recommended.name if self.recommended else None,
             "reasons": list(self.reasons), "evaluated": self.evaluated,
             "placement": self.placement.to_dict() if self.placement else None,

@@ -19,6 +19,9 @@ def explain(p) -> str:
         m = p.memory
         return (f"{p.name}: does not fit, short by {m.shortfall / GIB:.1f} GiB per GPU "
                 f"(weights {m.weights / GIB:.1f} + KV {m.kv_cache / GIB:.1f} GiB of {m.capacity / GIB:.1f})")
+    if not p.sustainable:
+        return (f"{p.name}: not sustainable at {p.offered_rate:g} requests/s: {p.overload}; "
+                f"saturated it serves {p.arrival_rate:.3g} requests/s")
     d = _share(p.decode)
     text = f"{p.name}: decode bound by {d[0][0]} ({d[0][1]:.0%})"
     comm = [(k, v) for k, v in d[1:] if ("over" in k or "pipeline" in k) and v >= 0.01]
@@ -32,14 +35,20 @@ def explain(p) -> str:
 
 
 def recommend(predictions, *, ttft_ms: float | None = None, tpot_ms: float | None = None):
-    """(predictions annotated and sorted best first, recommended or None, reasons)."""
+    """(predictions annotated and sorted best first, recommended or None, reasons). Closed
+    loop: the highest tokens/s/GPU wins. Open loop (a request rate): every layout that sustains
+    the rate serves the same tokens/s, so the lowest TPOT wins."""
     def meets(p):
         return (ttft_ms is None or p.ttft_s * 1e3 <= ttft_ms) and (tpot_ms is None or p.tpot_s * 1e3 <= tpot_ms)
 
+    open_loop = any(p.offered_rate is not None for p in predictions)
+    score, what = ((lambda p: p.tokens_per_s_per_user, "tokens/s/user") if open_loop
+                   else (lambda p: p.tokens_per_s_per_gpu, "tokens/s/GPU"))
     preds = [dataclasses.replace(p, meets_slo=meets(p), reason=explain(p)) for p in predictions]
-    preds.sort(key=lambda p: (not p.fits, not p.meets_slo, -p.tokens_per_s_per_gpu, p.tpot_s))
+    preds.sort(key=lambda p: (not p.fits, not p.sustainable, not p.meets_slo, -score(p), p.tpot_s))
     fitting = [p for p in preds if p.fits]
-    ok = [p for p in fitting if p.meets_slo]
+    serving = [p for p in fitting if p.sustainable]
+    ok = [p for p in serving if p.meets_slo]
     reasons = []
     slo = " and ".join(x for x in (f"TTFT <= {ttft_ms:g} ms" if ttft_ms is not None else "",
                                    f"TPOT <= {tpot_ms:g} ms" if tpot_ms is not None else "") if x)
@@ -49,23 +58,30 @@ def recommend(predictions, *, ttft_ms: float | None = None, tpot_ms: float | Non
                        (f"; closest is {worst.name}, short by {worst.memory.shortfall / GIB:.1f} GiB per GPU"
                         if worst else ""))
         return preds, None, reasons
+    if not serving:
+        most = max(fitting, key=lambda p: p.arrival_rate)
+        reasons.append(f"no layout sustains {most.offered_rate:g} requests/s; the most is {most.name} at "
+                       f"{most.arrival_rate:.3g} requests/s ({most.overload})")
+        return preds, None, reasons
     if not ok:
-        near = min(fitting, key=lambda p: p.tpot_s)
+        near = min(serving, key=lambda p: p.tpot_s)
         reasons.append(f"no layout meets {slo}; the fastest is {near.name} at TTFT {near.ttft_s * 1e3:.0f} ms, "
                        f"TPOT {near.tpot_s * 1e3:.1f} ms")
         return preds, None, reasons
     best = ok[0]
-    ties = [p for p in ok[1:] if best.tokens_per_s_per_gpu <= (1 + best.band) * p.tokens_per_s_per_gpu]
+    ties = [p for p in ok[1:] if score(best) <= (1 + best.band) * score(p)]
     if ties:
         tied = {id(p) for p in ties}
         preds = [dataclasses.replace(p, tie=True) if id(p) in tied else p for p in preds]
         ok = [dataclasses.replace(p, tie=True) if id(p) in tied else p for p in ok]
         ties = ok[1:len(ties) + 1]
     among = f"{len(ok)} layouts that fit" + (f" and meet {slo}" if slo else "")
-    line = (f"recommended {best.name}: highest tokens/s/GPU ({best.tokens_per_s_per_gpu:.1f}) "
+    if open_loop:
+        among += f" and sustain {best.offered_rate:g} requests/s"
+    line = (f"recommended {best.name}: highest {what} ({score(best):.1f}) "
             f"among {among}, TPOT {best.tpot_s * 1e3:.1f} ms")
     if ties:
-        names = ", ".join(f"{p.name} ({best.tokens_per_s_per_gpu / p.tokens_per_s_per_gpu:.2f}x lower)"
+        names = ", ".join(f"{p.name} ({score(best) / score(p):.2f}x lower)"
                           for p in ties[:4]) + (f" and {len(ties) - 4} more" if len(ties) > 4 else "")
         line += (f"; a tie, not a choice: {names} within the predictions' +-{best.band:.0%} error "
                  f"(measure them before committing: atoll bench)")
@@ -73,13 +89,15 @@ def recommend(predictions, *, ttft_ms: float | None = None, tpot_ms: float | Non
     reasons.append(best.reason)
     if len(ok) > 1:
         second = ok[1]
-        ratio = best.tokens_per_s_per_gpu / second.tokens_per_s_per_gpu
-        reasons.append(f"runner-up {second.reason} ({ratio:.2f}x lower tokens/s/GPU)")
+        reasons.append(f"runner-up {second.reason} ({score(best) / score(second):.2f}x lower {what})")
     fastest = min(ok, key=lambda p: p.tpot_s)
     if fastest is not best:
         reasons.append(f"lowest latency: {fastest.name} at TPOT {fastest.tpot_s * 1e3:.1f} ms "
                        f"({fastest.tokens_per_s_per_user:.0f} tokens/s/user) but "
                        f"{fastest.tokens_per_s_per_gpu:.1f} tokens/s/GPU")
+    overloaded = [p for p in fitting if not p.sustainable]
+    if overloaded:
+        reasons.append(f"{len(overloaded)} layouts cannot sustain the load, e.g. {overloaded[0].reason}")
     misfits = [p for p in preds if not p.fits]
     if misfits:
         reasons.append(f"{len(misfits)} layouts do not fit, e.g. {misfits[0].reason}")

@@ -15,7 +15,9 @@ from atoll.parallel.layout import Layout, divisors
 from atoll.parallel.placement import Placement, tp_domain_size
 from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
+from atoll.planner import efficiency as eff
 from atoll.planner.plan import Prediction
+from atoll.planner.serving import steady_state
 
 _REPLICAS = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.+)$")
 
@@ -62,17 +64,28 @@ def evaluate(config, shapes, topology, workload, layout: Layout, replicas: int, 
     cost = CostModel(config, shapes, topology, workload, layout, placement, ranks=busy)
     conc = workload.concurrency
     batch = math.ceil(conc / replicas)
-    tpot, decode, micro = cost.decode(batch)
-    one, many, prefill = cost.prefill(batch)
-    ttft = one + (tpot / micro if batch > 1 else 0.0)  # a new prompt waits for the running step
-    cycle = many + workload.osl * tpot  # prefill all `batch` prompts, then decode them
+    offered = workload.request_rate
+    # steady serving: prompt chunks beside decode (TPOT), queueing for the prefill (TTFT)
+    st = steady_state(lambda n, k, length: cost.decode(n, k, length)[0], isl=workload.isl, osl=workload.osl,
+                      concurrency=batch, budget=eff.PREFILL_CHUNK_TOKENS,
+                      rate=None if offered is None else offered / replicas)
+    tpot = st.tpot_s
+    # the mean step's parts: the step at the mean decode batch and chunk count, scaled to TPOT
+    mean, decode, _ = cost.decode(max(1, round(st.decode_batch)), st.chunks_per_step, st.chunk_tokens)
+    decode = {k: v * tpot / mean for k, v in decode.items()}
+    _, _, prefill = cost.prefill(1)
     gpus = replicas * layout.world_size
+    # closed loop: each of the `conc` clients sends at a replica's per-client rate (with fewer
+    # clients than replicas some stand idle); open loop: every replica takes its share
+    rate = st.rate * (replicas if offered is not None else conc / batch)
     band, ttft_band = prediction_bands(topology)
     return Prediction(band=band, ttft_band=ttft_band,
         layout=layout, replicas=replicas, gpus=gpus, concurrency=conc,
         memory=memory_fit(config, shapes, topology, workload, layout, batch),
-        ttft_s=ttft, tpot_s=tpot, tokens_per_s_per_gpu=conc * workload.osl / cycle / gpus,
+        ttft_s=st.ttft_s, tpot_s=tpot, tokens_per_s_per_gpu=rate * workload.osl / gpus,
         tokens_per_s_per_user=1.0 / tpot, decode=decode, prefill=prefill,
+        arrival_rate=rate, offered_rate=offered, prefill_load=st.load,
+        overload=st.why,
     )
 
 

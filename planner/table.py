@@ -8,6 +8,8 @@ GIB = 2**30
 def _binds(p) -> str:
     if not p.fits:
         return f"short {p.memory.shortfall / GIB:.1f} GiB"
+    if not p.sustainable:
+        return f"overloaded: at most {p.arrival_rate:.3g} req/s"
     top = max(p.decode.items(), key=lambda kv: kv[1])[0]
     return top.replace("HBM reads of ", "HBM: ").replace(" over ", " / ")
 
@@ -29,6 +31,10 @@ def print_plans(plans, *, top: int = 10, console=None) -> None:
     console.print(f"[bold]{first.model}[/bold] on {first.topology.describe()}")
     console.print(f"isl {w.isl}, osl {w.osl}, weights {w.dtype}, KV {w.kv_dtype}; "
                   f"{first.evaluated} layouts evaluated per concurrency")
+    loop = (f"open loop, {w.request_rate:g} requests/s (Poisson)" if w.request_rate is not None
+            else "closed loop (each client sends its next request when its last ends)")
+    console.print(f"steady serving, {loop}: TPOT is the mean decode step with the new prompts' chunks "
+                  "mixed in, TTFT includes queueing for the prefill (planner/serving.py)", highlight=False)
     if first.predictions:
         p0 = first.predictions[0]
         cal = first.topology.calibration
@@ -45,10 +51,12 @@ def print_plans(plans, *, top: int = 10, console=None) -> None:
                           ("tok/s/user", "right"), ("decode bound by", "left")):
             t.add_column(col, justify=just)
         for p in rows_for(plan, top):
-            mark = "*" if p is plan.recommended else ("=" if p.tie else ("" if p.meets_slo else "slo"))
+            mark = "*" if p is plan.recommended else ("=" if p.tie else ("" if p.meets_slo and p.sustainable
+                                                                          else "slo" if p.sustainable else "!"))
             mem = f"{p.memory.used / GIB:.1f}/{p.memory.capacity / GIB:.0f}"
             style = None if p.fits else "dim"
-            t.add_row(mark, p.name, str(p.gpus), mem, f"{p.ttft_s * 1e3:.0f}", f"{p.tpot_s * 1e3:.1f}",
+            ttft = f"{p.ttft_s * 1e3:.0f}" if p.sustainable else "overloaded"
+            t.add_row(mark, p.name, str(p.gpus), mem, ttft, f"{p.tpot_s * 1e3:.1f}",
                       f"{p.tokens_per_s_per_gpu:.1f}", f"{p.tokens_per_s_per_user:.1f}", _binds(p), style=style)
         console.print(t)
         for r in plan.reasons:
