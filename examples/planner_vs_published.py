@@ -53,7 +53,9 @@ def compare(entry: dict) -> Comparison:
     topo = load_topology(entry["topology"], nodes=entry["nodes"])
     if entry.get("network"):
         topo = with_network(topo, entry["network"])
-    work = Workload(isl=entry["isl"], osl=entry["osl"], concurrency=entry["concurrency"])
+    # closed loop at `concurrency` unless the entry gives an open-loop request_rate (requests/s)
+    work = Workload(isl=entry["isl"], osl=entry["osl"], concurrency=entry["concurrency"],
+                    request_rate=entry.get("request_rate"))
     plan = plan_layouts(entry["model"], topo, work, layouts=list(entry["layouts"]))
     by_name = {str(p.layout): p for p in plan.predictions}
     p = by_name[entry["layouts"][0]]

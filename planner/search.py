@@ -17,7 +17,7 @@ from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
 from atoll.planner import efficiency as eff
 from atoll.planner.plan import Prediction
-from atoll.planner.serving import steady_state
+from atoll.planner.serving import poisson_weights, steady_state
 
 _REPLICAS = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.+)$")
 
@@ -70,8 +70,13 @@ def evaluate(config, shapes, topology, workload, layout: Layout, replicas: int, 
                       concurrency=batch, budget=eff.PREFILL_CHUNK_TOKENS,
                       rate=None if offered is None else offered / replicas)
     tpot = st.tpot_s
-    # the mean step's parts: the step at the mean decode batch and chunk count, scaled to TPOT
-    mean, decode, _ = cost.decode(max(1, round(st.decode_batch)), st.chunks_per_step, st.chunk_tokens)
+    # the mean step's parts: each chunk count's step weighted by its probability, at the
+    # nearest whole decode batch, scaled to TPOT
+    decode: dict[str, float] = {}
+    for k, weight in poisson_weights(st.chunks_per_step, st.chunk_cap):
+        for name, v in cost.decode(max(1, round(st.decode_batch)), k, st.chunk_tokens)[1].items():
+            decode[name] = decode.get(name, 0.0) + weight * v
+    mean = sum(decode.values())
     decode = {k: v * tpot / mean for k, v in decode.items()}
     _, _, prefill = cost.prefill(1)
     gpus = replicas * layout.world_size

@@ -46,6 +46,7 @@ class Steady:
     decode_batch: float  # sequences decoding in a step
     chunks_per_step: float  # mean prompt chunks in a step
     chunk_tokens: float  # tokens of one chunk
+    chunk_cap: int  # chunks one step can carry (the budget)
     load: float  # ρ: prefill work offered over what full-budget steps can do
     sustainable: bool = True
     why: str = ""  # when not sustainable, in words
@@ -60,20 +61,26 @@ def md1_wait(rate: float, service: float) -> float:
     return math.inf if rho >= 1 else rho * service / (2 * (1 - rho))
 
 
-def poisson_mean(f, mean: float, cap: int) -> float:
-    """E[f(min(K, cap))] for K ~ Poisson(mean)."""
+def poisson_weights(mean: float, cap: int) -> list[tuple[float, float]]:
+    """(k, probability) of min(K, cap) for K ~ Poisson(mean); a concentrated K (mean over
+    _POISSON_TERMS) as its mean alone."""
     if mean <= 0:
-        return f(0)
+        return [(0, 1.0)]
     if mean > _POISSON_TERMS:
-        return f(min(mean, cap))
-    total, mass, pmf = 0.0, 0.0, math.exp(-mean)
+        return [(min(mean, cap), 1.0)]
+    out, mass, pmf = [], 0.0, math.exp(-mean)
     for k in range(cap):
-        total += pmf * f(k)
+        out.append((k, pmf))
         mass += pmf
         if 1 - mass < 1e-7:
-            return total + (1 - mass) * f(k + 1)
+            return out + [(k + 1, 1 - mass)]
         pmf *= mean / (k + 1)
-    return total + (1 - mass) * f(cap)
+    return out + [(cap, 1 - mass)]
+
+
+def poisson_mean(f, mean: float, cap: int) -> float:
+    """E[f(min(K, cap))] for K ~ Poisson(mean)."""
+    return sum(w * f(k) for k, w in poisson_weights(mean, cap))
 
 
 class _Replica:
@@ -120,7 +127,8 @@ class _Replica:
             why = (f"{rate * self.osl * tpot:.0f} requests would be decoding at once per replica, more than "
                    f"the {self.b} the KV cache is planned for")
         return Steady(tpot_s=tpot, ttft_s=math.inf if why else ttft, rate=rate, decode_batch=1 + others,
-                      chunks_per_step=others_rate * tpot * self.chunks, chunk_tokens=self.chunk, load=load,
+                      chunks_per_step=others_rate * tpot * self.chunks, chunk_tokens=self.chunk,
+                      chunk_cap=self.cap, load=load,
                       sustainable=not why, why=why)
 
     def closed(self) -> Steady:
@@ -155,5 +163,6 @@ def steady_state(step, *, isl: int, osl: int, concurrency: int, budget: int, rat
     r.open = False
     sat = r.closed()
     return Steady(tpot_s=sat.tpot_s, ttft_s=math.inf, rate=sat.rate, decode_batch=sat.decode_batch,
-                  chunks_per_step=sat.chunks_per_step, chunk_tokens=sat.chunk_tokens, load=s.load,
+                  chunks_per_step=sat.chunks_per_step, chunk_tokens=sat.chunk_tokens, chunk_cap=sat.chunk_cap,
+                  load=s.load,
                   sustainable=False, why=s.why)

@@ -19,11 +19,11 @@ ENTRIES = published.load_entries()
 
 # predicted/measured when each known miss was recorded (examples/planner_vs_published.py)
 RECORDED_RATIO = {
-    "dsv3-h200-tp8-c1": 5.82,
-    "dsr1-2xh100-c1": 0.29,
-    "dsr1-2xh100-c25-itl": 0.38,
-    "dsr1-2xh100-c25-ttft": 0.15,
-    "llama405b-2xh100-eth-tp8pp2-vs-tp16": 2.40,
+    "dsv3-h200-tp8-c1": 2.56,
+    "dsr1-2xh100-c1": 0.61,
+    "dsr1-2xh100-c25-itl": 0.62,
+    "dsr1-2xh100-c25-ttft": 0.17,
+    "llama405b-2xh100-eth-tp8pp2-vs-tp16": 2.42,
 }
 
 
