@@ -32,10 +32,14 @@ closed-loop arrivals are costed as Poisson at their mean rate.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
 _POISSON_TERMS = 50  # beyond this mean the chunk count is concentrated: its mean stands for it
+# whole decode batches the cost model is asked for: every one up to _EXACT, then _SPACING apart
+# (a step's time is near linear in the batch between them; this bounds the calls per layout)
+_EXACT, _SPACING = 64, 0.03
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,17 @@ def poisson_mean(f, mean: float, cap: int) -> float:
     return sum(w * f(k) for k, w in poisson_weights(mean, cap))
 
 
+_GRID = sorted({round(_EXACT * (1 + _SPACING) ** i) for i in range(500)})
+
+
+def _bracket(n: float) -> tuple[int, int]:
+    """Neighbouring whole batches lo <= n < hi: every one below _EXACT, then the grid."""
+    if n < _EXACT or n >= _GRID[-1]:
+        return math.floor(n), math.floor(n) + 1
+    i = bisect.bisect_right(_GRID, n)
+    return _GRID[i - 1], _GRID[i]
+
+
 class _Replica:
     def __init__(self, step, *, isl: int, osl: int, concurrency: int, budget: int, open_loop: bool):
         self.isl, self.osl, self.b, self.open = isl, osl, concurrency, open_loop
@@ -92,9 +107,9 @@ class _Replica:
         self._step, self._memo = step, {}
 
     def step(self, n: float, k: float) -> float:
-        lo = math.floor(n)
+        lo, hi = _bracket(n)
         a = self._whole(lo, k)
-        return a if n == lo else a + (n - lo) * (self._whole(lo + 1, k) - a)
+        return a if n == lo else a + (n - lo) / (hi - lo) * (self._whole(hi, k) - a)
 
     def _whole(self, n: int, k: float) -> float:
         if (n, k) not in self._memo:
@@ -104,16 +119,24 @@ class _Replica:
     def at(self, rate: float) -> Steady:
         """The replica's steady state at `rate` requests/s."""
         others_rate = rate if self.open else rate * (self.b - 1) / self.b
-        others = 0.0
+
+        def others_at(t):  # requests decoding beside this one (Little)
+            return min(self.b - 1, others_rate * self.osl * t)
+
+        def mean_step(t):  # the mean step when a step takes t: its chunks arrive during it
+            return poisson_mean(lambda k: self.step(1 + others_at(t), k), others_rate * t * self.chunks, self.cap)
+
         tpot = self.step(1, 0)
-        for _ in range(50):
-            others = min(self.b - 1, others_rate * self.osl * tpot)
-            chunks = others_rate * tpot * self.chunks
-            new = poisson_mean(lambda k: self.step(1 + others, k), chunks, self.cap)
-            done = abs(new - tpot) <= 1e-9 * tpot
-            tpot = new
-            if done:
+        for _ in range(50):  # Steffensen's iteration (Aitken's delta-squared) on tpot = mean_step(tpot)
+            f1 = mean_step(tpot)
+            if abs(f1 - tpot) <= 1e-10 * tpot:
+                tpot = f1
                 break
+            f2 = mean_step(f1)
+            den = f2 - 2 * f1 + tpot
+            nxt = tpot - (f1 - tpot) ** 2 / den if den else f2
+            tpot = nxt if 0 < nxt < math.inf else f2
+        others = others_at(tpot)
         full = self.step(1 + others, self.cap)  # a step carrying all the prompt tokens it can
         service = self.isl * full / (self.cap * self.chunk)
         load = rate * service
@@ -132,21 +155,34 @@ class _Replica:
                       sustainable=not why, why=why)
 
     def closed(self) -> Steady:
-        """The closed loop's fixed point: rate * (TTFT + osl * TPOT) = concurrency."""
+        """The closed loop's fixed point: rate * (TTFT + osl * TPOT) = concurrency, by
+        Steffensen's iteration on rate = g(rate) = concurrency / E2E(rate), kept inside the
+        bracket its evaluations give (g falls as the rate grows: g(r) > r means r is too low)."""
         lo, hi = 0.0, math.inf
-        rate = self.b / (self.osl * self.step(self.b, 0) + self.chunks * self.step(self.b - 1, 1))
-        s = self.at(rate)
-        for _ in range(100):
-            target = self.b / s.e2e_s(self.osl)  # 0 when the TTFT is unbounded
-            if abs(target - rate) <= 1e-9 * rate or (hi < math.inf and hi - lo <= 1e-9 * hi):
-                break
-            if target > rate:
-                lo = rate
+        states = {}
+
+        def g(r):
+            nonlocal lo, hi
+            states[r] = self.at(r)
+            out = self.b / states[r].e2e_s(self.osl)  # 0 when the TTFT is unbounded
+            if out > r:
+                lo = max(lo, r)
             else:
-                hi = rate
-            rate = target if lo < target < hi else (lo + hi) / 2
-            s = self.at(rate)
-        return s
+                hi = min(hi, r)
+            return out
+
+        rate = self.b / (self.osl * self.step(self.b, 0) + self.chunks * self.step(self.b - 1, 1))
+        for _ in range(60):
+            g1 = g(rate)
+            if abs(g1 - rate) <= 1e-10 * rate or (hi < math.inf and hi - lo <= 1e-10 * hi):
+                break
+            g2 = g(g1) if g1 > 0 else 0.0
+            den = g2 - 2 * g1 + rate
+            nxt = rate - (g1 - rate) ** 2 / den if den else g2
+            if not lo < nxt < hi:
+                nxt = g2 if lo < g2 < hi else (lo + hi) / 2 if hi < math.inf else 2 * max(rate, g1)
+            rate = nxt
+        return states[rate] if rate in states else self.at(rate)
 
 
 def steady_state(step, *, isl: int, osl: int, concurrency: int, budget: int, rate: float | None = None) -> Steady:
