@@ -8,14 +8,15 @@ tokens; n may be fractional (interpolated between whole batches).
 
 Arrival rate λ per replica. Open loop: Poisson at the given rate. Closed loop: C clients, each
 sending its next request when its last one ends; by Little's law over a request's life
-λ = C / (TTFT + osl * TPOT), solved by a fixed-point iteration kept inside a shrinking bracket
-(the right side falls as λ grows, so the iterates bracket the solution).
+λ = C / (TTFT + osl * TPOT), solved by Steffensen's fixed-point iteration kept inside the
+bracket its evaluations give (the right side falls as λ grows).
 
 TPOT: the mean step a decoding request sees. The other requests' prompts arrive during it at
 rate λ_o (λ in open loop, Poisson arrivals seeing time averages; λ(C-1)/C in closed loop, its own
 client waiting for it), ceil(isl/budget) chunks each, so a step carries K ~ Poisson(λ_o TPOT
 chunks) chunks, at most what the budget holds; n = 1 + λ_o osl TPOT sequences decode (Little).
-TPOT = E[step(n, K, chunk)], itself a fixed point (the step time sets how many chunks arrive).
+TPOT = E[step(n, K, chunk)], itself a fixed point (the step time sets how many chunks arrive),
+found by Steffensen's iteration too.
 
 TTFT = half a step (the running step ends; none when nothing else is decoding)
      + the wait behind earlier prompts, M/D/1 (Poisson arrivals, deterministic service, one
