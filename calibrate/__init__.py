@@ -4,9 +4,11 @@ topology YAML the planner reads (topologies/calibration.py holds the `calibratio
     from atoll.calibrate import calibrate
     data = calibrate(quick=True)          # a dict: load_topology reads it once written as YAML
 
-On a CPU machine one rank is one core (one thread), as the `local` preset counts it: the GEMM,
-memory and overhead figures are one rank's, the collectives are gloo over 127.0.0.1 between
-ranks spawned by the local launcher, at every group size from 2 to `max_ranks`.
+The device is the one launch.device picks for a first local rank: with a GPU visible (and
+`device` auto or cuda) calibrate.gpu measures the GPU and NCCL; otherwise the CPU. On a CPU
+machine one rank is one core (one thread), as the `local` preset counts it: the GEMM, memory
+and overhead figures are one rank's, the collectives are gloo over 127.0.0.1 between ranks
+spawned by the local launcher, at every group size from 2 to `max_ranks`.
 """
 
 from __future__ import annotations
@@ -22,8 +24,21 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def calibrate(*, quick: bool = False, max_ranks: int | None = None, progress: bool = True,
-              command: str = "atoll calibrate") -> dict:
-    """The topology dict of this machine, measured; `quick` takes a few seconds (for tests)."""
+              command: str = "atoll calibrate", device: str = "auto") -> dict:
+    """The topology dict of this machine, measured; `quick` takes a few seconds (for tests).
+    device: auto, cuda or cpu, as launch.device decides it for local rank 0."""
+    from atoll.launch.device import bind
+    from atoll.launch.local import local_devices
+
+    chosen = bind(local_devices(device, 1)[0])  # the one device rule: cuda:0 if this machine shows a GPU
+    if chosen.startswith("cuda"):
+        from atoll.calibrate.gpu import calibrate_gpu
+
+        return calibrate_gpu(chosen, quick=quick, max_ranks=max_ranks, progress=progress, command=command)
+    return calibrate_cpu(quick=quick, max_ranks=max_ranks, progress=progress, command=command)
+
+
+def calibrate_cpu(*, quick: bool, max_ranks: int | None, progress: bool, command: str) -> dict:
     import torch
     from tqdm import tqdm
 
@@ -54,30 +69,7 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, progress: bo
             table = compute.gemm_tflops(getattr(torch, dtype), budget, rows=rows)
             cal["gemm_tflops"][name] = {m: round(v, 5) for m, v in table.items()}
             bar.update()
-
-        def gemm(m):
-            from atoll.topologies.calibration import Calibration
-
-            return Calibration.from_dict({"gemm_tflops": cal["gemm_tflops"]}).gemm_flops("fp32", m)
-
-        with tempfile.TemporaryDirectory(prefix="atoll-calibrate-") as tmp:
-            out_tokens = 6 if quick else 24
-            for kind, moe in (("dense", False), ("moe", True)):
-                bar.set_postfix_str(f"overhead {kind}")
-                samples = []
-                for layers in (1, 5):
-                    d = compute_dir(Path(tmp), layers, moe)
-                    for seqs in ((1, 8) if not moe else (8,)):
-                        step = compute.decode_step_s(d, seqs=seqs, out_tokens=out_tokens)
-                        samples.append((layers, seqs, max(0.0, step - compute.floor_s(d, seqs, bw, gemm))))
-                if not moe:
-                    tick, per_seq, per_layer = compute.fit_overheads(samples)
-                    cal["overhead_us"] |= {"step": round(tick * 1e6, 1), "per_seq": round(per_seq * 1e6, 2),
-                                           "dense_layer": round(per_layer * 1e6, 2)}
-                else:  # the tick and per-sequence parts as the dense runs; per MoE layer the slope
-                    (n0, _, t0), (n1, _, t1) = samples
-                    cal["overhead_us"]["moe_layer"] = round(max(0.0, (t1 - t0) / (n1 - n0)) * 1e6, 2)
-                bar.update()
+        measure_overheads(cal, bw, quick=quick, device="cpu", bar=bar)
         probe = compute.probe_tflops(0.1 if quick else 0.5)  # one rank alone, against the ranks at once below
     finally:
         torch.set_num_threads(threads)
@@ -100,6 +92,38 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, progress: bo
     cal["load_avg_1m"] = [round(x, 2) for x in load]
     cal["seconds"] = round(seconds, 1)
     return topology_dict(cal, cores)
+
+
+def measure_overheads(cal: dict, bw: float, *, quick: bool, device, bar) -> None:
+    """cal["overhead_us"] from eager decode steps of tiny checkpoints on `device` (see
+    calibrate.compute), beyond their floor at read bandwidth `bw` (bytes/s) and the fp32 GEMM
+    rates in cal["gemm_tflops"] (the tiny checkpoints are float32)."""
+    from atoll.calibrate import compute
+    from atoll.topologies.calibration import Calibration
+
+    rates = Calibration.from_dict({"gemm_tflops": cal["gemm_tflops"]})
+
+    def gemm(m):
+        return rates.gemm_flops("fp32", m)
+
+    with tempfile.TemporaryDirectory(prefix="atoll-calibrate-") as tmp:
+        out_tokens = 6 if quick else 24
+        for kind, moe in (("dense", False), ("moe", True)):
+            bar.set_postfix_str(f"overhead {kind}")
+            samples = []
+            for layers in (1, 5):
+                d = compute_dir(Path(tmp), layers, moe)
+                for seqs in ((1, 8) if not moe else (8,)):
+                    step = compute.decode_step_s(d, seqs=seqs, out_tokens=out_tokens, device=device)
+                    samples.append((layers, seqs, max(0.0, step - compute.floor_s(d, seqs, bw, gemm))))
+            if not moe:
+                tick, per_seq, per_layer = compute.fit_overheads(samples)
+                cal["overhead_us"] |= {"step": round(tick * 1e6, 1), "per_seq": round(per_seq * 1e6, 2),
+                                       "dense_layer": round(per_layer * 1e6, 2)}
+            else:  # the tick and per-sequence parts as the dense runs; per MoE layer the slope
+                (n0, _, t0), (n1, _, t1) = samples
+                cal["overhead_us"]["moe_layer"] = round(max(0.0, (t1 - t0) / (n1 - n0)) * 1e6, 2)
+            bar.update()
 
 
 def compute_dir(tmp: Path, layers: int, moe: bool) -> Path:
@@ -136,6 +160,7 @@ def topology_dict(cal: dict, cores: int) -> dict:
 def write_yaml(data: dict, path: str | Path) -> None:
     import yaml
 
-    header = ("# This machine, measured by `atoll calibrate` (atoll/calibrate). gpu: one rank = one core;\n"
+    rank = "one GPU" if data.get("calibration", {}).get("device") == "cuda" else "one rank = one core"
+    header = (f"# This machine, measured by `atoll calibrate` (atoll/calibrate). gpu: {rank};\n"
               "# calibration: the measured tables the planner's cost model uses (topologies/calibration.py).\n")
     Path(path).write_text(header + yaml.safe_dump(data, sort_keys=False, width=120))

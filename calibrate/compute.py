@@ -1,16 +1,21 @@
-"""One rank's compute, measured with the runtime's own code on one thread (a CPU rank is one
-core, as the topology counts it):
+"""One rank's compute, measured with the runtime's own code on the rank's device (a CPU rank
+is one core on one thread, as the topology counts it; a GPU rank is one GPU):
 
 - GEMM: `layers.packed.linear` (the runtime's F.linear) of x [rows, k] by weights [n, k],
-  cycling through enough weights to pass the last-level cache, as a decode step streams its
-  layers: at few rows this is the memory-bound rate a decode GEMM gets, at many the compute
-  rate a prefill gets. TFLOP/s = 2 rows k n / seconds.
-- Memory: `tensor.sum()` of a tensor larger than the caches, bytes read per second.
+  cycling through enough weights to pass the last-level cache (the GPU's L2), as a decode
+  step streams its layers: at few rows this is the memory-bound rate a decode GEMM gets, at
+  many the compute rate a prefill gets. TFLOP/s = 2 rows k n / seconds. On a GPU k = n =
+  8192 (a large model's hidden size: smaller products leave the tensor cores idle).
+- Memory: `tensor.sum()` of a tensor larger than the caches, bytes read per second; on a GPU
+  also `copy_` (bytes read + written per second).
 - Overhead: decode steps of tiny random checkpoints (calibrate.tiny) through ModelRunner and
   run_requests, at 1 and `layers` layers and 1 and `seqs` sequences, eager. The step's time
   beyond its FLOP/byte floor (its weight bytes / the measured bandwidth, its FLOPs / the GEMM
   rate at its rows) is split, by least squares over those runs, into a fixed part per tick, a
   part per sequence and a part per layer (dense; MoE from a qwen3_moe checkpoint).
+
+Every timing takes the device and synchronizes it (calibrate.timing), so a GPU's queued
+work is counted, not only its launches.
 """
 
 from __future__ import annotations
@@ -18,26 +23,27 @@ from __future__ import annotations
 import contextlib
 import io
 import statistics
-import time
+
+from atoll.calibrate.timing import is_cuda, sync, timed
 
 GEMM_K, GEMM_N = 1024, 1024
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
 PROBE_ROWS = 8
 STREAM_BYTES = 128 * 2**20  # past the last-level cache of the servers atoll meets (32 MiB here)
+# a GPU: a large model's hidden size, rows from one decode token to a long prefill chunk, and
+# weights past any L2 (50 MiB on H100/H200, 126 MiB on B200)
+GPU_K, GPU_N = 8192, 8192
+GPU_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+GPU_STREAM_BYTES = 2**30
 
 
-def timed(fn, budget_s: float, least: int = 2) -> float:
-    """Mean seconds of fn() over repeats filling budget_s (at least `least`), after one warm-up.
-    The mean, not the median: on a machine shared with other jobs a sustained run loses the
-    core for part of the time, and so do the runs the figures predict."""
-    fn()
-    count, t0 = 0, time.perf_counter()
-    while count < least or time.perf_counter() - t0 < budget_s:
-        fn()
-        count += 1
-        if count >= 200:
-            break
-    return (time.perf_counter() - t0) / count
+def shape_for(device) -> tuple[int, int]:
+    """(k, n) of the calibration's GEMMs on `device`."""
+    return (GPU_K, GPU_N) if is_cuda(device) else (GEMM_K, GEMM_N)
+
+
+def stream_bytes_for(device) -> int:
+    return GPU_STREAM_BYTES if is_cuda(device) else STREAM_BYTES
 
 
 def probe_tflops(budget_s: float = 0.5) -> float:
@@ -47,49 +53,72 @@ def probe_tflops(budget_s: float = 0.5) -> float:
     return gemm_tflops(torch.float32, budget_s, rows=(PROBE_ROWS,))[PROBE_ROWS]
 
 
-def gemm_tflops(dtype, budget_s: float, rows=ROWS) -> dict[int, float]:
+def gemm_tflops(dtype, budget_s: float, rows=ROWS, *, device="cpu", shape=None,
+                stream_bytes: int | None = None) -> dict[int, float]:
+    """TFLOP/s of x [rows, k] @ w.T, w [n, k] of `dtype`, for each row count, on `device`."""
     import torch
 
     from atoll.layers.packed import linear
 
+    k, n = shape or shape_for(device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    count = max(2, STREAM_BYTES // (GEMM_K * GEMM_N * itemsize))
-    ws = [torch.randn(GEMM_N, GEMM_K).to(dtype) for _ in range(count)]
+    count = max(2, (stream_bytes or stream_bytes_for(device)) // (k * n * itemsize))
+    ws = [torch.randn(n, k, device=device).to(dtype) for _ in range(count)]
     out = {}
     with torch.inference_mode():
         for m in rows:
-            x = torch.randn(m, GEMM_K).to(dtype)
-            use = ws if m <= 64 else ws[:2]  # prefill sizes are compute-bound: no need to stream
+            x = torch.randn(m, k, device=device).to(dtype)
+            # a CPU's prefill sizes are compute-bound: no need to stream; a GPU's stay
+            # memory-bound up to hundreds of rows, and its whole stream takes milliseconds
+            use = ws if m <= 64 or is_cuda(device) else ws[:2]
 
             def run():
                 for w in use:
                     linear(x, w)
 
-            out[m] = 2 * m * GEMM_K * GEMM_N * len(use) / timed(run, budget_s) / 1e12
+            out[m] = 2 * m * k * n * len(use) / timed(run, budget_s, device=device) / 1e12
     return out
 
 
-def read_gb_s(budget_s: float) -> float:
+def read_gb_s(budget_s: float, *, device="cpu", nbytes: int | None = None) -> float:
+    """GB/s read by `tensor.sum()` of a tensor past the caches."""
     import torch
 
-    t = torch.ones(STREAM_BYTES // 4)
-    return STREAM_BYTES / timed(lambda: t.sum(), budget_s, least=3) / 1e9
+    nbytes = nbytes or stream_bytes_for(device)
+    t = torch.ones(nbytes // 4, device=device)
+    return t.numel() * 4 / timed(lambda: t.sum(), budget_s, least=3, device=device) / 1e9
 
 
-def decode_step_s(model_dir, *, seqs: int, out_tokens: int) -> float:
-    """Median TPOT of `seqs` sequences of 8 prompt tokens through the runtime, eager, one rank."""
+def copy_gb_s(budget_s: float, *, device="cpu", nbytes: int | None = None) -> float:
+    """GB/s moved (read + written) by `dst.copy_(src)` of tensors past the caches."""
+    import torch
+
+    nbytes = nbytes or stream_bytes_for(device)
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), budget_s, least=3, device=device) / 1e9
+
+
+def decode_step_s(model_dir, *, seqs: int, out_tokens: int, device="cpu") -> float:
+    """Median TPOT of `seqs` sequences of 8 prompt tokens through the runtime, eager, one rank
+    on `device`. Each tick hands its sampled tokens to the host (engine.generate), which waits
+    for the device, so the TPOT holds the GPU's work as well as its launches."""
     from atoll.engine.generate import Request, run_requests
     from atoll.engine.runner import ModelRunner, RunSpec
     from atoll.engine.sampling import SamplingParams
     from atoll.parallel.mesh import ParallelContext
 
+    # a GPU's cache is sized to what the requests need, not to 90% of its memory
+    blocks = seqs * -(-(8 + out_tokens) // 16) + 2 if is_cuda(device) else None
     spec = RunSpec(model_dir=str(model_dir), layout="TP1", max_num_seqs=seqs, max_model_len=8 + out_tokens,
-                   max_num_batched_tokens=2048, enforce_eager=True)
+                   max_num_batched_tokens=2048, enforce_eager=True, num_blocks=blocks,
+                   device="cuda" if is_cuda(device) else "cpu")
     with contextlib.redirect_stderr(io.StringIO()):  # the cache summary line would break the progress bar
-        runner = ModelRunner(spec, ParallelContext.single("cpu"))
+        runner = ModelRunner(spec, ParallelContext.single(device))
     params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
     reqs = [Request(i, [(7 * i + j) % 200 + 1 for j in range(8)], params) for i in range(seqs)]
     run_requests(runner, reqs)  # warm-up
+    sync(device)
     runs = [run_requests(runner, reqs) for _ in range(2)]
     return statistics.median(r["metrics"]["tpot_s"] for res in runs for r in res)
 

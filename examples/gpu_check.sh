@@ -4,7 +4,7 @@
 #
 #   bash examples/gpu_check.sh [RESULTS]              # on the GPU machine (default gpu_check.txt)
 #   TRITON_INTERPRET=1 bash examples/gpu_check.sh     # no GPU: the kernel tests in Triton's interpreter
-#   CPU_WIRING=1 bash examples/gpu_check.sh           # no GPU, and b and c small on the CPU (their
+#   CPU_WIRING=1 bash examples/gpu_check.sh           # no GPU, and b, c and e small on the CPU (their
 #                                                     # wiring; the figures mean nothing)
 #
 # Steps, most telling first (each under its own time limit; a failed or timed-out step is
@@ -19,11 +19,15 @@
 #      side by side, with the targets printed next to the figures (not asserted): batch-1 decode
 #      within 1.25x of the HBM floor (of_bandwidth_floor >= 0.8), graphs on against off, batch 64
 #      at least 2x transformers' tokens/s. Each bench's JSON goes into the results file.
+#   e. `atoll calibrate --quick` on the GPU (calibrate/gpu.py): fp32/bf16/fp8 GEMM by rows, HBM
+#      read and copy, the eager decode step's overhead, and NCCL collectives where the machine
+#      has 2 or more GPUs; the topology YAML it writes (CAL_OUT, default calibrated.yaml beside
+#      RESULTS) is also copied into the results file
 #   a. the kernel tests (tests/test_kernels*.py, tests/test_paged_attention.py): compiled on the
 #      GPU, against the torch references, and a tiny MoE model's greedy tokens with kernels on/off
 #   d. atoll bench kernels (each kernel vs its reference vs the HBM/compute floor), if time is left
-# Without a GPU: a runs in the interpreter, b and c print one line each (they need a GPU) unless
-# CPU_WIRING=1, and so does d (a's tests run the kernel bench's --smoke).
+# Without a GPU: a runs in the interpreter, b, c and e print one line each (they need a GPU) unless
+# CPU_WIRING=1 (e then calibrates the CPU), and so does d (a's tests run the kernel bench's --smoke).
 # Exit status: the number of failed steps (0: all passed).
 set -uo pipefail
 cd "$(dirname "$0")/.."  # the repository root
@@ -154,6 +158,22 @@ if [ "$MODE" = gpu ] || [ "${CPU_WIRING:-0}" = 1 ]; then
   rm -rf "$CKPT"  # ~16 GB on the GPU machine
 else
   skip "c. atoll bench of a Llama-3-8B-shaped bf16 model, batch 1 and 64" "needs a GPU"
+fi
+
+# e. atoll calibrate on the device: the figures the planner's cost model takes on a calibrated topology
+CAL_OUT=${CAL_OUT:-$(dirname "$RESULTS")/calibrated.yaml}
+if [ "$MODE" = gpu ] || [ "${CPU_WIRING:-0}" = 1 ]; then
+  # on the GPU every GPU of the machine (collectives from 2 of them up); on the CPU two ranks
+  if [ "$MODE" = gpu ]; then CAL_ARGS=(--device cuda); else CAL_ARGS=(--device cpu --max-ranks 2); fi
+  rm -f "$CAL_OUT"
+  step "e. atoll calibrate --quick ${CAL_ARGS[*]}" "${CALIBRATE_LIMIT:-90}" \
+    atoll calibrate --quick --no-progress "${CAL_ARGS[@]}" --out "$CAL_OUT"
+  if [ -f "$CAL_OUT" ]; then
+    log "--- $CAL_OUT:"
+    tee -a "$RESULTS" < "$CAL_OUT"
+  fi
+else
+  skip "e. atoll calibrate on the GPU" "needs a GPU; the CPU calibration is tests/test_calibrate.py"
 fi
 
 # a. kernel tests: on the GPU the kernels compile; without one they run in the interpreter

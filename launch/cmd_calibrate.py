@@ -14,11 +14,15 @@ def add_parser(subparsers) -> None:
         description="Measure GEMM throughput at decode and prefill sizes per dtype, memory bandwidth, the runtime's "
                     "per-layer and per-step overhead, and all_reduce, all_gather, reduce_scatter, all_to_all, "
                     "broadcast and send/recv over the runtime's process groups at each group size; write a "
-                    "topology YAML for `atoll plan --topology` (and `atoll plan --check`).")
+                    "topology YAML for `atoll plan --topology` (and `atoll plan --check`). With a GPU visible "
+                    "it measures the GPU (fp32/bf16/fp8 GEMM, HBM) and NCCL between the node's GPUs; else one "
+                    "CPU core per rank and gloo.")
     p.add_argument("--out", default="calibrated.yaml", help="topology YAML to write (default calibrated.yaml)")
     p.add_argument("--quick", action="store_true", help="short timings, a few seconds (for tests; noisy)")
     p.add_argument("--max-ranks", type=int, default=None,
-                   help="largest group for the collectives (default: the core count)")
+                   help="largest group for the collectives (default: the core count, or the GPU count)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="what to measure: auto (a GPU if this machine shows one, else the CPU), cuda or cpu")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -41,18 +45,24 @@ def run(args) -> int:
     from atoll.topologies import load_topology
 
     command = "atoll calibrate" + (" --quick" if args.quick else "") + \
-        (f" --max-ranks {args.max_ranks}" if args.max_ranks else "")
-    data = calibrate(quick=args.quick, max_ranks=args.max_ranks, progress=not args.no_progress, command=command)
+        (f" --max-ranks {args.max_ranks}" if args.max_ranks else "") + \
+        (f" --device {args.device}" if args.device != "auto" else "")
+    data = calibrate(quick=args.quick, max_ranks=args.max_ranks, progress=not args.no_progress, command=command,
+                     device=args.device)
     write_yaml(data, out)
     topo = load_topology(str(out))  # what was written reads back
     cal = topo.calibration
     o = cal.overhead_us
     print(f"wrote {out}: {topo.describe()}")
     print("  read bandwidth per rank: " + ", ".join(f"{n} at once {v:.1f} GB/s" for n, v in cal.memory_gb_s.items()))
+    unit, scale = ("TFLOP/s", 1) if cal.gpu else ("GFLOP/s", 1e3)
     for dtype, table in cal.gemm_tflops.items():
-        print(f"  GEMM {dtype} GFLOP/s by rows: " + ", ".join(f"{m}: {v * 1e3:.1f}" for m, v in table.items()))
+        print(f"  GEMM {dtype} {unit} by rows: " + ", ".join(f"{m}: {v * scale:.1f}" for m, v in table.items()))
     print(f"  overhead us: step {o.get('step', 0):.0f}, per sequence {o.get('per_seq', 0):.1f}, "
-          f"dense layer {o.get('dense_layer', 0):.1f}, MoE layer {o.get('moe_layer', 0):.1f}")
+          f"dense layer {o.get('dense_layer', 0):.1f}, MoE layer {o.get('moe_layer', 0):.1f}"
+          + (" (eager steps; not used by the cost model)" if cal.gpu else ""))
+    if not cal.collectives:
+        print("  collectives: none measured (one rank); the planner uses the topology's link figures")
     for op, sizes in cal.collectives.items():
         print(f"  {op}: " + ", ".join(f"{n} ranks {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
                                       for n, (lat, bw) in sizes.items()))

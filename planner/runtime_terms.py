@@ -13,6 +13,13 @@ like with like.
   rank, whose torch path (no Triton on a CPU) runs every gathered row through every local
   expert, else the all_to_all dispatch and combine with a count exchange; DP first gathers the
   stage's tokens when the experts are not split like attention (tp != moe_tp).
+
+On a GPU node (calibration.device cuda) only the first of these applies: the GEMM rates and
+HBM read bandwidth are the GPU's measured ones, at a share of 1 (each rank has its own GPU),
+and planner/collectives.py takes NCCL's measured collectives. The overhead, MoE-exchange and
+tick terms stay CPU-only (CostModel.runtime): calibrate measured the GPU's overhead on eager
+steps, while the runtime captures its GPU decode step in CUDA graphs without that host
+dispatch, so there the sourced per-kernel floor and MoE model stand.
 """
 
 from __future__ import annotations

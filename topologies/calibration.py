@@ -2,7 +2,7 @@
 under `calibration:` and read by the planner's cost model in place of assumed constants.
 
     calibration:
-      device: cpu                 # what ran: cpu (gloo) or cuda (nccl)
+      device: cpu                 # what ran: cpu (gloo, one rank per core) or cuda (nccl, one rank per GPU)
       cores: 2                    # CPU cores of the machine (ranks beyond them share cores)
       how: "..."                  # the command, torch version, threads per rank, load average
       gemm_tflops:                # one rank: y = x @ w.T, x [rows, k], by dtype then rows
@@ -17,6 +17,11 @@ under `calibration:` and read by the planner's cost model in place of assumed co
       collectives:                # seconds = latency_us + bytes / gb_s, by op then group size
         all_reduce: {2: {latency_us: 60, gb_s: 1.5}}
       errors: {tpot: 0.12, ttft: 0.3}  # `atoll plan --check --record`: the model's median |error| here
+
+On a GPU node (device cuda) gemm_tflops holds fp32, bf16 and, where torch._scaled_mm runs
+there, fp8; memory_gb_s is one GPU's HBM read bandwidth; cpu_share is absent (each rank has
+its own GPU); overhead_us is the eager step, recorded but not costed (planner/runtime_terms.py);
+collectives are NCCL's, absent on a single GPU.
 
 Every number must be finite and positive (overheads may be 0); a missing entry falls back to
 the topology's links and the sourced constants of planner/efficiency.py.
@@ -122,16 +127,24 @@ class Calibration:
             return None
         return _interp(table, max(rows, 1.0)) * 1e12
 
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
     def memory_bytes_s(self, ranks: int) -> float | None:
         """Read bandwidth of one rank while `ranks` ranks read at once: measured, or beyond the
-        largest measured count m, that figure x m / ranks (more ranks share the same cores)."""
+        largest measured count m, that figure x m / ranks (more ranks share the same cores);
+        a GPU's own HBM is not shared, so past m the figure at m holds."""
         if not self.memory_gb_s:
             return None
-        return _at(self.memory_gb_s, ranks) * 1e9
+        return _at(self.memory_gb_s, ranks, shared=not self.gpu) * 1e9
 
     def share(self, ranks: int) -> float:
         """A rank's compute with `ranks` ranks computing at once, over one rank alone: measured
-        (a machine shared with other jobs gives less than a core each), else cores / ranks."""
+        (a machine shared with other jobs gives less than a core each), else cores / ranks;
+        1 on a GPU node, where each rank has its own GPU."""
+        if self.gpu:
+            return 1.0
         if self.cpu_share:
             return _at(self.cpu_share, ranks)
         return min(1.0, self.cores / max(ranks, 1))
@@ -162,15 +175,16 @@ class Calibration:
                 "errors": dict(self.errors), "cpu_share": dict(self.cpu_share)}
 
 
-def _at(table: dict[int, float], n: int) -> float:
-    """table[n]; between measured counts the next smaller; past the largest m, table[m] x m / n."""
+def _at(table: dict[int, float], n: int, *, shared: bool = True) -> float:
+    """table[n]; between measured counts the next smaller; past the largest m, table[m] x m / n
+    (`shared`: the n ranks share what m had), else table[m]."""
     if n in table:
         return table[n]
     below = [k for k in table if k < n]
     if not below:
         return table[min(table)]
     m = max(below)
-    return table[m] * (m / n if m == max(table) else 1.0)
+    return table[m] * (m / n if shared and m == max(table) else 1.0)
 
 
 def _interp(table: dict[int, float], x: float) -> float:
