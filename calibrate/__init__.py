@@ -117,12 +117,14 @@ def measure_overheads(cal: dict, bw: float, *, quick: bool, device, bar) -> None
                     step = compute.decode_step_s(d, seqs=seqs, out_tokens=out_tokens, device=device)
                     samples.append((layers, seqs, max(0.0, step - compute.floor_s(d, seqs, bw, gemm))))
             if not moe:
-                tick, per_seq, per_layer = compute.fit_overheads(samples)
+                tick, per_seq, per_layer, seq_layer = compute.fit_overheads(samples)
                 cal["overhead_us"] |= {"step": round(tick * 1e6, 1), "per_seq": round(per_seq * 1e6, 2),
-                                       "dense_layer": round(per_layer * 1e6, 2)}
-            else:  # the tick and per-sequence parts as the dense runs; per MoE layer the slope
-                (n0, _, t0), (n1, _, t1) = samples
-                cal["overhead_us"]["moe_layer"] = round(max(0.0, (t1 - t0) / (n1 - n0)) * 1e6, 2)
+                                       "dense_layer": round(per_layer * 1e6, 2), "seq_layer": round(seq_layer * 1e6, 3)}
+            else:  # the tick and per-sequence parts as the dense runs; per MoE layer the slope,
+                # less the per-sequence part of its attention (the dense fit's)
+                (n0, s, t0), (n1, _, t1) = samples
+                attn = cal["overhead_us"].get("seq_layer", 0.0) * 1e-6 * s
+                cal["overhead_us"]["moe_layer"] = round(max(0.0, (t1 - t0) / (n1 - n0) - attn) * 1e6, 2)
             bar.update()
 
 

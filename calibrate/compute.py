@@ -123,12 +123,14 @@ def decode_step_s(model_dir, *, seqs: int, out_tokens: int, device="cpu") -> flo
     return statistics.median(r["metrics"]["tpot_s"] for res in runs for r in res)
 
 
-def fit_overheads(samples: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+def fit_overheads(samples: list[tuple[int, int, float]]) -> tuple[float, float, float, float]:
     """samples: (layers, seqs, seconds beyond the floor) -> (per tick, per sequence, per
-    layer), least squares, each clipped at 0."""
+    layer, per sequence in each layer), least squares, each clipped at 0. The last is the
+    part of a layer that grows with the batch beyond its products: attention over each
+    sequence's cache (the block gather and SDPA), the activations' element-wise ops."""
     import torch
 
-    a = torch.tensor([[1.0, s, n] for n, s, _ in samples], dtype=torch.float64)
+    a = torch.tensor([[1.0, s, n, s * n] for n, s, _ in samples], dtype=torch.float64)
     y = torch.tensor([[t] for _, _, t in samples], dtype=torch.float64)
     sol = torch.linalg.lstsq(a, y).solution.flatten().tolist()
     return tuple(max(0.0, v) for v in sol)

@@ -120,7 +120,7 @@ class CostModel:
             else:
                 moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
             if self.runtime:
-                one[OVERHEAD] += self.measured.layer_overhead(is_dense)
+                one[OVERHEAD] += self.measured.layer_overhead(is_dense, seqs_per_dp)
             elif not prefill and seqs_per_dp:  # a prefill-only pass is costed as prefill: no floors
                 one[KERNELS] += layer_kernels(self.c, is_dense) * eff.KERNEL_OVERHEAD_S
             for k, v in one.items():

@@ -68,8 +68,9 @@ class Measured:
     def _over(self, name: str) -> float:
         return (self.cal.overhead_s(name) or 0.0) / self.share
 
-    def layer_overhead(self, dense: bool) -> float:
-        return self._over("dense_layer" if dense else "moe_layer")
+    def layer_overhead(self, dense: bool, seqs: int) -> float:
+        """One decoder layer beyond its products, for `seqs` sequences on this rank."""
+        return self._over("dense_layer" if dense else "moe_layer") + self._over("seq_layer") * seqs
 
     def tick_overhead(self, seqs: int) -> float:
         return self._over("step") + self._over("per_seq") * seqs

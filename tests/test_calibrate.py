@@ -30,7 +30,7 @@ def test_calibrate_writes_a_topology_that_reads_back(calibrated):
     # a decode GEMM (1 row) streams its weights: far below the rate at prefill sizes
     assert cal.gemm_tflops["fp32"][1] < cal.gemm_tflops["fp32"][256]
     assert {1, 2} <= set(cal.memory_gb_s)
-    assert set(cal.overhead_us) == {"step", "per_seq", "dense_layer", "moe_layer"}
+    assert set(cal.overhead_us) == {"step", "per_seq", "dense_layer", "moe_layer", "seq_layer"}
     assert set(cal.collectives) == set(OPS) and all(2 in cal.collectives[op] for op in OPS)
     lat, bw = cal.collectives["all_reduce"][2]
     assert 0 <= lat < 0.1 and bw > 1e6

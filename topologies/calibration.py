@@ -13,6 +13,7 @@ under `calibration:` and read by the planner's cost model in place of assumed co
         step: 350                 # per tick, whatever the model (scheduler, sampler, metadata)
         per_seq: 20               # per sequence in the tick
         dense_layer: 60           # per decoder layer with a dense MLP
+        seq_layer: 3              # per sequence in each decoder layer (optional)
         moe_layer: 160            # per decoder layer with routed experts
       collectives:                # seconds = latency_us + bytes / gb_s, by op then group size
         all_reduce: {2: {latency_us: 60, gb_s: 1.5}}
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from atoll.errors import ConfigError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
-OVERHEADS = ("step", "per_seq", "dense_layer", "moe_layer")
+OVERHEADS = ("step", "per_seq", "dense_layer", "moe_layer", "seq_layer")
 
 
 def _num(v, where: str, *, zero_ok: bool = False) -> float:
