@@ -35,7 +35,10 @@ PCIE_EFFICIENCY = 0.80
 
 # A fixed cost per kernel in a CUDA-graph-replayed decode step: launch and tail of one kernel
 # is a few microseconds on Hopper (REFERENCE.md: "NVLink hop a few us"; small-kernel floors in
-# nsys traces are 2-5 us). Assumed 3 us, times the kernels a decode step launches.
+# nsys traces are 2-5 us). Assumed 3 us, times the kernels a decode step launches. An upper
+# bound from this project's own H200 run (README, Running on GPUs): a CUDA-graph replay of the
+# Llama-3-8B-shaped batch-1 decode step took 5.11 ms against a 3.61 ms copy-bandwidth floor,
+# 1.5 ms over ~426 kernels (32 layers x 13 + 10): at most 3.5 us a kernel, GEMV shortfall included.
 KERNEL_OVERHEAD_S = 3e-6
 
 # Kernels of one decode step, counted in atoll's own decode path (models/llama.py, models/deepseek.py,
@@ -85,6 +88,12 @@ def link_efficiency(kind: str) -> float:
     return EFFICIENCY_LINK[kind]
 
 
+def _expert_imbalance() -> float:
+    from atoll.planner.moe_cost import EXPERT_IMBALANCE  # kept beside the MoE cost it scales
+
+    return EXPERT_IMBALANCE
+
+
 def table() -> list[tuple[str, float, str]]:
     """(name, value, source) for the README and `atoll plan --explain`."""
     return [
@@ -95,7 +104,7 @@ def table() -> list[tuple[str, float, str]]:
         ("InfiniBand/RoCE", RDMA_EFFICIENCY, "DeepEP internode 43 GB/s at EP16 of 50 GB/s NDR"),
         ("Ethernet (TCP)", ETHERNET_EFFICIENCY, "iperf3 goodput ~94% of 10/25 GbE line rate"),
         ("PCIe", PCIE_EFFICIENCY, "bandwidthTest/nvbandwidth ~26/32 GB/s Gen4 x16"),
-        ("kernel floor (s)", KERNEL_OVERHEAD_S, "assumed: a few us per graph-replayed kernel"),
+        ("kernel floor (s)", KERNEL_OVERHEAD_S, "assumed; at most 3.5 us in atoll's own H200 graph replay"),
         ("kernels: norms per layer", KERNELS_NORMS, "counted: atoll decode step under torch.profiler"),
         ("kernels: GQA attention", KERNELS_GQA_ATTENTION, "counted: tiny Llama decode step"),
         ("kernels: q/k norm", KERNELS_QK_NORM, "counted: tiny Qwen3-MoE decode step"),
@@ -107,6 +116,7 @@ def table() -> list[tuple[str, float, str]]:
         ("kernels: shared expert", KERNELS_SHARED_EXPERT, "counted: tiny DeepSeek-V3 decode step"),
         ("kernels: shared-expert gate", KERNELS_SHARED_GATE, "counted: tiny Qwen2-MoE decode step"),
         ("kernels: per step", KERNELS_PER_STEP, "counted: embedding, head, sampling, rotary tables"),
+        ("expert imbalance", _expert_imbalance(), "TensorRT-LLM blog 4, Table 1: EP32 no EPLB, 8 experts/rank"),
         ("reserve (bytes)", RESERVE_BYTES, "AIConfigurator's fixed ~3.5 GB per GPU"),
         ("prefill chunk (tokens)", PREFILL_CHUNK_TOKENS, "SGLang's default chunked-prefill size, 80 GB+ GPUs"),
         ("TPOT band", PREDICTION_BAND_TPOT, "issue 14: 22 published figures, median predicted/measured 1.24"),
