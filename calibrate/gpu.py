@@ -22,10 +22,10 @@ import os
 import socket
 import time
 
+from atoll.calibrate import DTYPES
 from atoll.calibrate.timing import sync, timed
 from atoll.errors import ConfigError
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 QUICK_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 
 

@@ -1,43 +1,44 @@
 """The compiled decode step: a decode micro-batch padded to a bucket and run through
 `torch.compile`d code that sees tensors only.
 
-Buckets. A decode micro-batch of n sequences runs at the smallest sequence bucket >= n of
-2, 4, 8, ... and max_num_seqs (the last bucket; MIN_ROWS below says why not 1), or at 1
-when max_num_seqs is 1; its block tables are padded to a power-of-two number of blocks (at least 2, at most max_model_len / block_size). Padding rows
-write their key and value into a scratch block that the schedulers never hand out (the
-cache's last block), attend to it alone, and their outputs are dropped. The step reads
-per-bucket input buffers (token ids or received activations, positions, cache slots,
-context lengths) and a block table, filled by device copies from the micro-batch's
-metadata: no `.item()`, `.tolist()` or host list inside, no shape that depends on the data.
+Buckets. A decode micro-batch of n sequences runs at the smallest sequence bucket >= n of 2,
+4, 8, ... and max_num_seqs (the last bucket; MIN_ROWS below says why not 1), or at 1 when
+max_num_seqs is 1; its block tables are padded to a power-of-two number of blocks (at least
+2, at most max_model_len / block_size). Padding rows write their key and value into a
+scratch block that the schedulers never hand out (the cache's last block), attend to it
+alone, and their outputs are dropped. The step reads per-bucket input buffers (token ids or
+received activations, positions, cache slots, context lengths) and a block table, filled by
+device copies from the micro-batch's metadata: no `.item()`, `.tolist()` or host list
+inside, no shape that depends on the data.
 
-Graphs: one per stage, compiled on first use (a 30-layer stage takes ~40-60 s of inductor
-on a 2-core CPU), the sequence count and the block-table width symbolic (`mark_dynamic`),
-so it serves every bucket and context length without recompiling: a graph per (sequences,
-blocks) pair would multiply the compiles, and with freezing the packed weights. With
-max_num_seqs 1 (a latency run, as `atoll bench --batch 1` configures it) the one graph is
-static at one row and every linear is a row reduction (layers.packed.row_product), which
-inductor turns into one vectorised pass over the weight: SmolLM2's 121 linears took 15-23 ms
-that way against 26-29 ms through oneDNN at two rows, side by side on a 2-core AMD EPYC. It
-stays out of the shared graph: a run whose batch drains to one sequence would stall a minute
-compiling a second graph for its last tokens. The buckets
-still bound the shapes that run (engine.graphs captures one CUDA graph per bucket). Rank 0
-prints a line on stderr whenever the step compiles: how long it took, and the buckets.
+Graphs: one per stage, compiled on first use (a 30-layer stage takes ~40-60 s of inductor on
+a 2-core CPU), the sequence count and the block-table width symbolic (`mark_dynamic`), so it
+serves every bucket and context length without recompiling: a graph per (sequences, blocks)
+pair would multiply the compiles, and with freezing the packed weights. With max_num_seqs 1
+(a latency run, as `atoll bench --batch 1` configures it) the one graph is static at one row
+and every linear is a row reduction (layers.packed.row_product), which inductor turns into
+one vectorised pass over the weight: SmolLM2's 121 linears took 15-23 ms that way against
+26-29 ms through oneDNN at two rows, side by side on a 2-core AMD EPYC. It stays out of the
+shared graph: a run whose batch drains to one sequence would stall a minute compiling a
+second graph for its last tokens. The buckets still bound the shapes that run (engine.graphs
+captures one CUDA graph per bucket). Rank 0 prints a line on stderr whenever the step
+compiles: how long it took, and the buckets.
 
 Collectives. TP's all_reduce / all_gather (comm.Group -> torch.distributed) are traced:
 dynamo turns them into functional collectives, which inductor calls in place in the graph,
 over gloo on CPU (NCCL on CUDA, where the same graph is capturable). PP's send/recv stay
 outside: the runner receives into the bucket's buffer and sends the real rows on.
 
-CPU: inductor with freezing (`torch._inductor.config.freezing`): parameters become
-constants and every linear weight is prepacked once for oneDNN (inductor packs for oneDNN,
-not MKL as layers/packed.py does, when the row count is symbolic; on this AMD EPYC oneDNN's
-float32 GEMM streams SmolLM2's weights 1.5-2x faster than MKL at 1-16 rows, and F.linear,
-which transformers and the eager step run, is MKL). Freezing costs that packed copy of the
+CPU: inductor with freezing (`torch._inductor.config.freezing`): parameters become constants
+and every linear weight is prepacked once for oneDNN (inductor packs for oneDNN, not MKL as
+layers/packed.py does, when the row count is symbolic; on this AMD EPYC oneDNN's float32
+GEMM streams SmolLM2's weights 1.5-2x faster than MKL at 1-16 rows, and F.linear, which
+transformers and the eager step run, is MKL). Freezing costs that packed copy of the
 weights, so it is used only when a copy on every rank of the machine fits in a quarter of
 its available memory; and frozen graphs hold packed tensors, which inductor's FX graph cache
-cannot store: a frozen graph is compiled again by every run (the one-row graph packs
-nothing and is cached: 52 s the first run, 19 s the next, for SmolLM2). ATOLL_COMPILE_FREEZING=0 turns
-freezing off (F.linear's MKL then, ~2x slower here); the graph is then cached on disk
+cannot store: a frozen graph is compiled again by every run (the one-row graph packs nothing
+and is cached: 52 s the first run, 19 s the next, for SmolLM2). ATOLL_COMPILE_FREEZING=0
+turns freezing off (F.linear's MKL then, ~2x slower here); the graph is then cached on disk
 (TORCHINDUCTOR_CACHE_DIR, default $ATOLL_CACHE/inductor or ~/.cache/atoll/inductor) and a
 later run loads it in seconds. On CUDA the decode step is captured as CUDA graphs instead
 (engine.graphs).
@@ -184,8 +185,8 @@ class CompiledDecode:
         tables[:n, :blocks] = meta.block_tables[:, :blocks]
         if self.max_blocks > 2:  # one graph for every width 2..max_blocks
             torch._dynamo.mark_dynamic(tables, 1, min=2, max=self.max_blocks)
-        for t in (inp.x, inp.positions, inp.block, inp.offset, inp.lengths, tables):  # one graph, every bucket
-            if size > 1:
+        if size > 1:  # one graph for every bucket (the one-row graph is static)
+            for t in (inp.x, inp.positions, inp.block, inp.offset, inp.lengths, tables):
                 torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=max(4, self.buckets[-1]))
         if not self.compiles and not getattr(self, "_announced", False) and self.rank == 0:
             self._announced = True  # the first call compiles: say why the run pauses here

@@ -45,6 +45,7 @@ import statistics
 import sys
 import time
 
+from atoll.calibrate.timing import sync
 from atoll.engine.config import DEVICES, DTYPES
 from atoll.errors import ConfigError
 
@@ -166,20 +167,12 @@ def decode_weight_bytes(model, batch: int) -> int:
     return total
 
 
-def _sync(device) -> None:
-    """Wait for the device's queued work (CUDA); a no-op on CPU."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_atoll(runner, requests, pipelined: bool = True) -> dict:
     import torch
 
     from atoll.engine.generate import run_requests
 
-    _sync(runner.device)
+    sync(runner.device)
     t0 = time.perf_counter()
     results = run_requests(runner, requests, pipelined=pipelined)  # syncs each step (.tolist())
     total = time.perf_counter() - t0
@@ -199,19 +192,19 @@ def _time_transformers(model, input_ids, n: int) -> dict:
     stamps, device = [], input_ids.device
 
     def stamp(ids, scores):  # called once per generated token, after its forward
-        _sync(device)  # generate syncs each step anyway (its stopping check)
+        sync(device)  # generate syncs each step anyway (its stopping check)
         stamps.append(time.perf_counter())
         return scores
 
     eos = model.generation_config.eos_token_id
     pad = eos[0] if isinstance(eos, list) else eos
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              max_new_tokens=n, min_new_tokens=n, pad_token_id=pad,
                              logits_processor=LogitsProcessorList([stamp]))
-    _sync(device)
+    sync(device)
     end = time.perf_counter()
     new = out[:, input_ids.shape[1]:]
     return {"total_s": end - t0, "tokens": [int(new.shape[1])] * len(new),
@@ -228,15 +221,15 @@ def _time_memory(src, dst, times: int = 3) -> tuple[float, float]:
     src.sum(), dst.sum()
     copy, read = [], []
     for _ in range(times):
-        _sync(src.device)
+        sync(src.device)
         t0 = time.perf_counter()
         for _ in range(reps):
             dst.copy_(src)
-        _sync(src.device)
+        sync(src.device)
         t1 = time.perf_counter()
         for _ in range(reps):
             src.sum(), dst.sum()
-        _sync(src.device)
+        sync(src.device)
         copy.append((t1 - t0) / reps)
         read.append((time.perf_counter() - t1) / reps)
     return statistics.median(copy), statistics.median(read)

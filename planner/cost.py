@@ -21,6 +21,7 @@ from atoll.planner import efficiency as eff
 from atoll.planner.categories import COMPUTE, KERNELS, KV, OVERHEAD, WEIGHTS
 from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, send_recv
 from atoll.planner.moe_cost import moe_layer
+from atoll.planner.runtime_terms import Measured
 from atoll.planner.shapes import Shapes, stage_split
 
 
@@ -53,8 +54,6 @@ class CostModel:
         # atoll's own runtime as calibrated on a CPU: its overheads, MoE exchange and tick exchange
         self.runtime = self.cal is not None and self.cal.device == "cpu" and bool(self.cal.overhead_us)
         if self.cal is not None:
-            from atoll.planner.runtime_terms import Measured
-
             self.measured = Measured(self.cal, workload, min(ranks or layout.world_size, topology.num_gpus))
             self.hbm = self.measured.bandwidth or self.hbm
         self.stages = stage_split(config, layout.pp)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from atoll.layers.moe import gather_max_rows  # the runtime's threshold (ATOLL_MOE_GATHER_ROWS)
 from atoll.planner.categories import EXPERTS, WEIGHTS
 from atoll.planner.collectives import all_gather, all_reduce, all_to_all, island_first_all_to_all
 
@@ -97,12 +98,6 @@ def _links(stage, size: int, stride: int):
                                cross_kind=stage.cross_kind if islands > 1 else "")
 
 
-def _gather_max_rows() -> int:
-    from atoll.layers.moe import gather_max_rows  # the runtime's threshold (ATOLL_MOE_GATHER_ROWS)
-
-    return gather_max_rows()
-
-
 def moe_layer(cm, out, *, n: int, n_all: int, act: float, wb: int):
     """Adds one MoE layer's expert reads, shared expert and exchange to `out` (seconds by
     category). n: tokens on one DP rank; n_all: tokens entering the layer over the stage."""
@@ -128,7 +123,7 @@ def moe_layer(cm, out, *, n: int, n_all: int, act: float, wb: int):
     reduced = rows  # rows of moe_tp partial sums each rank ends with
     if ep > 1:
         per_rank = rows if direct else math.ceil(rows / ep)
-        if g_ep.islands == 1 and per_rank <= _gather_max_rows():
+        if g_ep.islands == 1 and per_rank <= gather_max_rows():
             # comm.exchange.gather_combine: fixed shapes, no counts; rows meet every ep rank
             t = (all_gather(ep * per_rank * (row + 8 * k), g_ep) + all_gather(ep * per_rank * row, g_ep)
                  if direct else all_reduce(rows * row, g_ep))  # reduce_scatter moves an all_gather's bytes

@@ -26,17 +26,10 @@ from __future__ import annotations
 
 import math
 
+from atoll.layers.moe import gather_max_rows  # the runtime's threshold (ATOLL_MOE_GATHER_ROWS)
+from atoll.planner.categories import EXPERTS, WEIGHTS
 from atoll.planner.collectives import all_gather, all_reduce, all_to_all
-
-EXPERTS = "HBM reads of expert weights"
-WEIGHTS = "HBM reads of weights"
-COMPUTE = "compute"
-
-
-def gather_max_rows() -> int:
-    from atoll.layers.moe import gather_max_rows as rows  # the runtime's threshold (ATOLL_MOE_GATHER_ROWS)
-
-    return rows()
+from atoll.planner.moe_cost import expected_busiest_experts
 
 
 def _reduce_scatter(nbytes: float, g) -> float:
@@ -122,8 +115,6 @@ class Measured:
                 exchange += all_reduce(seen * row, g_ep)
         else:  # all_to_all dispatch and combine of this rank's rows (a count exchange first)
             routed = per_rank * s.top_k  # (token, expert) pairs this rank sends, uniform routing
-            from atoll.planner.moe_cost import expected_busiest_experts
-
             busiest = expected_busiest_experts(per_rank * l.ep, s.experts, s.top_k, l.ep)
             here = routed  # pairs arriving here, on average
             cm._op(out, busiest * per_expert * wb, 2 * here * per_expert, EXPERTS,

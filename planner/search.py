@@ -97,7 +97,5 @@ def evaluate(config, shapes, topology, workload, layout: Layout, replicas: int, 
 def prediction_bands(topology) -> tuple[float, float]:
     """(TPOT, TTFT) relative error bands: what `atoll plan --check --record` measured on this
     topology, else the sourced defaults of efficiency.py."""
-    from atoll.planner import efficiency as eff
-
     errors = topology.calibration.errors if topology.calibration is not None else {}
     return errors.get("tpot", eff.PREDICTION_BAND_TPOT), errors.get("ttft", eff.PREDICTION_BAND_TTFT)

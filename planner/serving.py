@@ -34,6 +34,7 @@ closed-loop arrivals are costed as Poisson at their mean rate.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -99,6 +100,13 @@ def _bracket(n: float) -> tuple[int, int]:
     return _GRID[i - 1], _GRID[i]
 
 
+def _aitken(x: float, f1: float, f2: float) -> float:
+    """Steffensen's next estimate of the fixed point x = f(x) from f1 = f(x), f2 = f(f1)
+    (Aitken's delta-squared); f2 where the differences vanish."""
+    den = f2 - 2 * f1 + x
+    return x - (f1 - x) ** 2 / den if den else f2
+
+
 class _Replica:
     def __init__(self, step, *, isl: int, osl: int, concurrency: int, budget: int, open_loop: bool):
         self.isl, self.osl, self.b, self.open = isl, osl, concurrency, open_loop
@@ -134,8 +142,7 @@ class _Replica:
                 tpot = f1
                 break
             f2 = mean_step(f1)
-            den = f2 - 2 * f1 + tpot
-            nxt = tpot - (f1 - tpot) ** 2 / den if den else f2
+            nxt = _aitken(tpot, f1, f2)
             tpot = nxt if 0 < nxt < math.inf else f2
         others = others_at(tpot)
         full = self.step(1 + others, self.cap)  # a step carrying all the prompt tokens it can
@@ -178,8 +185,7 @@ class _Replica:
             if abs(g1 - rate) <= 1e-10 * rate or (hi < math.inf and hi - lo <= 1e-10 * hi):
                 break
             g2 = g(g1) if g1 > 0 else 0.0
-            den = g2 - 2 * g1 + rate
-            nxt = rate - (g1 - rate) ** 2 / den if den else g2
+            nxt = _aitken(rate, g1, g2)
             if not lo < nxt < hi:
                 nxt = g2 if lo < g2 < hi else (lo + hi) / 2 if hi < math.inf else 2 * max(rate, g1)
             rate = nxt
@@ -198,8 +204,4 @@ def steady_state(step, *, isl: int, osl: int, concurrency: int, budget: int, rat
     if s.sustainable:
         return s
     r.open = False
-    sat = r.closed()
-    return Steady(tpot_s=sat.tpot_s, ttft_s=math.inf, rate=sat.rate, decode_batch=sat.decode_batch,
-                  chunks_per_step=sat.chunks_per_step, chunk_tokens=sat.chunk_tokens, chunk_cap=sat.chunk_cap,
-                  load=s.load,
-                  sustainable=False, why=s.why)
+    return dataclasses.replace(r.closed(), ttft_s=math.inf, load=s.load, sustainable=False, why=s.why)
