@@ -63,6 +63,7 @@ def _layers(rank, world):
     kv_head = rank * KV // world if world > KV else None
     if kv_head is None:
         errors["k"] = (tp.all_gather(k) - F.linear(x, w["k"])).abs().max().item()
+        errors["v"] = (tp.all_gather(v) - F.linear(x, w["v"])).abs().max().item()
     else:
         sl = slice(kv_head * HEAD_DIM, (kv_head + 1) * HEAD_DIM)
         errors["k"] = (k - F.linear(x, w["k"][sl])).abs().max().item()
@@ -83,6 +84,8 @@ def _layers(rank, world):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sharded_layers_match_unsharded(tp):
     for rank, errors in enumerate(run_local(_layers, tp, timeout_s=150)):
+        # every projection compared at every tp: a name missing here was never checked
+        assert set(errors) == {"column", "row", "gate", "up", "q", "k", "v", "embedding", "lm_head"}, errors
         for name, err in errors.items():
             assert err < 1e-5, f"rank {rank} {name}: max error {err}"
 
