@@ -14,6 +14,7 @@ from atoll.engine.compiled import block_bucket, seq_buckets
 from atoll.engine.config import EngineConfig, add_cli_options, from_args
 from atoll.engine.generate import run_requests
 from atoll.engine.runner import ModelRunner
+from atoll.errors import InputError
 from atoll.launch.local import run_local
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext
@@ -142,7 +143,7 @@ def test_enforce_eager_is_a_cli_switch_and_a_keyword():
     assert from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
     assert from_args(parser.parse_args([])).enforce_eager is False
     assert "no torch.compile" in parser.format_help()
-    with pytest.raises(Exception, match="enforce_eager"):
+    with pytest.raises(InputError, match=r"^enforce_eager='yes' must be True or False$"):
         EngineConfig(enforce_eager="yes")
 
 
