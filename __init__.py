@@ -9,10 +9,14 @@ __all__ = ["AtollError", "LLM", "SamplingParams", "Layout", "__version__"]
 
 def __getattr__(name):
     # Lazy so `import atoll` stays cheap and never imports torch.distributed eagerly.
-    if name in ("LLM", "SamplingParams"):
-        from atoll import engine
+    if name == "LLM":  # the engine's LLM with the local launcher
+        from atoll.launch.api import LLM
 
-        return getattr(engine, name)
+        return LLM
+    if name == "SamplingParams":
+        from atoll.engine.sampling import SamplingParams
+
+        return SamplingParams
     if name == "Layout":
         from atoll.parallel.layout import Layout
 

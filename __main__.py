@@ -1,4 +1,4 @@
-from atoll.launch.cli import main
+from atoll.cli.main import main
 
 if __name__ == "__main__":
     main()

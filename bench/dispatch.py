@@ -42,7 +42,7 @@ are recorded per group and reported (the most any rank slept per iteration); the
 transfer over loopback still happens underneath, so the simulated link adds to it.
 
 --exchange-sweep runs a different comparison on the same ranks, islands and link: the
-all_to_all against comm.exchange.gather_combine by rows per rank (launch/bench_dispatch_sweep.py).
+all_to_all against comm.exchange.gather_combine by rows per rank (bench/dispatch_sweep.py).
 
 Each rank asks glibc to keep freed memory (mallopt), as PyTorch's caching allocator does on GPU:
 with glibc's defaults a freed 16 MiB buffer often goes back to the OS and the next one costs
@@ -142,7 +142,7 @@ def check(args) -> dict:
 def run(args) -> int:
     from atoll.launch.local import run_local
 
-    from atoll.launch.bench_dispatch_sweep import _sweep_rank, render_sweep
+    from atoll.bench.dispatch_sweep import _sweep_rank, render_sweep
 
     cfg = check(args)
     result = run_local(_sweep_rank if cfg["sweep"] else _rank, cfg["ep"], cfg, timeout_s=590)[0]

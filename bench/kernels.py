@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub) -> None:
-    """For launch/cmd_bench.py's BENCHES: `atoll bench kernels`."""
+    """For cli/bench.py's BENCHES: `atoll bench kernels`."""
     p = sub.add_parser("kernels", help="Triton kernels vs torch reference vs device floor",
                        description=__doc__.split("\n\n")[1])
     add_arguments(p)
@@ -215,7 +215,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atoll.kernels.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m atoll.bench.kernels", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     from atoll.errors import AtollError
 

@@ -46,7 +46,7 @@ import sys
 import time
 
 from atoll.calibrate.timing import sync
-from atoll.engine.config import DEVICES, DTYPES
+from atoll.config import DEVICES, DTYPES
 from atoll.errors import ConfigError
 
 
@@ -108,7 +108,7 @@ def run(args) -> int:
     cfg |= {"model": str(args.model), "layout": str(llm.layout),
             "threads": {"atoll_per_rank": threads, "ranks": world, "transformers": threads * world}}
     load = os.getloadavg()[0]
-    result = run_local(_rank, world, cfg, spec, requests, threads=threads, timeout_s=3600, device=spec.device)[0]
+    result = run_local(_rank, world, cfg, spec, requests, threads=threads, timeout_s=3600, device=spec.engine.device)[0]
     result["load_avg_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
     cores = os.cpu_count() or 1
     # after each round and at the end (the figure at the start mostly tells what ran before)
@@ -133,7 +133,7 @@ def prepare(model, layout, *, batch: int, input_len: int, output_len: int, seed:
     import torch
 
     from atoll.engine.kv_sizing import cpu_blocks
-    from atoll.engine.llm import LLM
+    from atoll.launch.api import LLM
     from atoll.engine.sampling import SamplingParams
 
     B, L, N = batch, input_len, output_len
@@ -235,15 +235,13 @@ def _time_memory(src, dst, times: int = 3) -> tuple[float, float]:
     return statistics.median(copy), statistics.median(read)
 
 
-def _rank(rank: int, world: int, cfg: dict, spec, requests) -> dict | None:
+def _rank(rank: int, world: int, cfg: dict, spec, requests, device: str = "cpu") -> dict | None:
     import torch
 
     from atoll.engine.runner import ModelRunner
-    from atoll.launch.device import rank_device
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
-    device = rank_device()  # bound by the launcher before any tensor or process group existed
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)

@@ -126,7 +126,7 @@ def alone(topology, ranks: int):
     return dataclasses.replace(topology, calibration=one)
 
 
-def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int) -> dict | None:
+def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int, device: str = "cpu") -> dict | None:
     import contextlib
     import io
 
@@ -134,12 +134,10 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int) -> di
 
     from atoll.calibrate.compute import probe_tflops
     from atoll.engine.runner import ModelRunner
-    from atoll.launch.bench_model import time_atoll
-    from atoll.launch.device import rank_device
+    from atoll.bench.model import time_atoll
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
-    device = rank_device()
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     with contextlib.redirect_stderr(io.StringIO()):  # the cache summary line would break the progress bar
@@ -164,7 +162,7 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int) -> di
 
 
 def measure(model_dir: str, layout: str, *, batch: int, isl: int, osl: int, rounds: int, warmup: int) -> dict:
-    from atoll.launch.bench_model import prepare
+    from atoll.bench.model import prepare
     from atoll.launch.local import run_local
 
     llm, spec, requests = prepare(model_dir, layout, batch=batch, input_len=isl, output_len=osl, device="cpu",

@@ -57,7 +57,7 @@ def run(args) -> int:
         raise ConfigError(f"layout {llm.layout}: the prefix bench runs layouts without dp")
     load = [os.getloadavg()[0]]
     result = run_local(_rank, llm.layout.world_size, spec, requests, args.rounds, timeout_s=3600,
-                       device=spec.device)[0]
+                       device=spec.engine.device)[0]
     load.append(os.getloadavg()[0])
     result |= {"model": args.model, "layout": str(llm.layout), "requests": args.requests,
                "system_len": args.system_len, "unique_len": args.unique_len, "output_len": args.output_len,
@@ -72,7 +72,7 @@ def prepare(args):
 
     import torch
 
-    from atoll.engine.llm import LLM
+    from atoll.launch.api import LLM
     from atoll.engine.sampling import SamplingParams
 
     length = args.system_len + args.unique_len + args.output_len
@@ -88,16 +88,14 @@ def prepare(args):
     return llm, replace(llm.spec(requests), enable_prefix_caching=True), requests
 
 
-def _rank(rank: int, world: int, spec, requests, rounds: int) -> dict | None:
+def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
     from dataclasses import replace
 
     from atoll.engine.generate import run_requests
     from atoll.engine.runner import ModelRunner
-    from atoll.launch.device import rank_device
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
-    device = rank_device()
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)

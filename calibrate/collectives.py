@@ -69,14 +69,12 @@ def _ops(g, nbytes: int, device):
     return out, n * 4
 
 
-def collectives_rank(rank: int, world: int, quick: bool) -> dict | None:
+def collectives_rank(rank: int, world: int, quick: bool, device: str = "cpu") -> dict | None:
     import torch
 
-    from atoll.launch.device import rank_device
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
-    device = rank_device()  # bound by the launcher: cuda:<rank> with NCCL, or cpu with gloo
     ctx = ParallelContext.create(Layout(tp=world), rank, device)
     g = ctx.tp
     gpu = is_cuda(device)

@@ -110,7 +110,7 @@ def decode_step_s(model_dir, *, seqs: int, out_tokens: int, device="cpu") -> flo
 
     # a GPU's cache is sized to what the requests need, not to 90% of its memory
     blocks = seqs * -(-(8 + out_tokens) // 16) + 2 if is_cuda(device) else None
-    spec = RunSpec(model_dir=str(model_dir), layout="TP1", max_num_seqs=seqs, max_model_len=8 + out_tokens,
+    spec = RunSpec.of(model_dir=str(model_dir), layout="TP1", max_num_seqs=seqs, max_model_len=8 + out_tokens,
                    max_num_batched_tokens=2048, enforce_eager=True, num_blocks=blocks,
                    device="cuda" if is_cuda(device) else "cpu")
     with contextlib.redirect_stderr(io.StringIO()):  # the cache summary line would break the progress bar

@@ -2,7 +2,7 @@
 
 Each benchmark is a module in BENCHES with `add_parser(subparsers)` that adds its own parser and
 `set_defaults(run=...)`; `atoll bench NAME --help` lists its options. Plain `atoll bench` (no
-name) is the model bench (launch/bench_model.py, also `atoll bench model`): its options are the
+name) is the model bench (bench/model.py, also `atoll bench model`): its options are the
 `bench` parser's own, so `atoll bench --batch 1` works.
 """
 
@@ -11,16 +11,16 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from atoll.launch import bench_model
+from atoll.bench import model as bench_model
 
 # benchmark name -> module (imports heavy packages lazily inside its run())
 BENCHES = {
-    "model": "atoll.launch.bench_model",
-    "dispatch": "atoll.launch.bench_dispatch",
-    "exchange": "atoll.launch.bench_exchange",
-    "kernels": "atoll.kernels.bench",
-    "prefix": "atoll.launch.bench_prefix",
-    "disagg": "atoll.launch.bench_disagg",
+    "model": "atoll.bench.model",
+    "dispatch": "atoll.bench.dispatch",
+    "exchange": "atoll.bench.exchange",
+    "kernels": "atoll.bench.kernels",
+    "prefix": "atoll.bench.prefix",
+    "disagg": "atoll.bench.disagg",
 }
 
 

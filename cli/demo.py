@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from rich.console import Console
 
-    from atoll.engine.llm import LLM
+    from atoll.launch.api import LLM
     from atoll.engine.sampling import SamplingParams
     from atoll.models.gguf import demo_model_dir
 

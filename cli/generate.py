@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from atoll.config import add_cli_options, from_args, resolve
+
 
 def add_model_options(p) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N")
@@ -14,9 +16,7 @@ def add_model_options(p) -> None:
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=None, metavar="N")
     p.add_argument("--layout", default=None, help="e.g. TP2PP2, DP2EP2 (instead of -tp/-pp/-dp/-ep); auto: plan "
                                                   "on this machine's topology for these requests")
-    from atoll.engine.config import add_cli_options
-
-    add_cli_options(p)
+    add_cli_options(p, defaults=resolve())  # ATOLL_* variables set the defaults
 
 
 def add_sampling_options(p) -> None:
@@ -80,8 +80,7 @@ def sampling_params(args):
 def make_llm(args, model_dir, layout=None):
     from dataclasses import asdict
 
-    from atoll.engine.config import from_args
-    from atoll.engine.llm import LLM
+    from atoll.launch.api import LLM
 
     return LLM(model_dir, layout=layout or args.layout, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
@@ -93,7 +92,7 @@ def run(args) -> int:
     prompts file, the output path, the model; then each request on its own (a bad one
     becomes its own error line). Results are written as they finish (launch.requests)."""
     from atoll.launch.launchers import check_launcher, detect
-    from atoll.launch.requests import Line, check_output, read_prompts
+    from atoll.cli.requests import Line, check_output, read_prompts
 
     launcher = detect() if args.launcher == "auto" else args.launcher
     defaults = sampling_params(args)
@@ -216,7 +215,7 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     from atoll.engine.worker import generate_worker
     from atoll.errors import AtollError
     from atoll.launch.launchers import launch
-    from atoll.launch.requests import ResultWriter
+    from atoll.cli.requests import ResultWriter
 
     writer = ResultWriter(args.output, enabled=_writes_output(launcher))
     failed = [i for i, ln in enumerate(lines) if ln.error is not None]
@@ -330,7 +329,7 @@ def _progress(launcher: str, total: int, done, *, bar: bool):
     """(Reports here, what the workers get): a queue for local ranks; the Reports itself for
     rank 0 of torchrun/mpirun (it is this process); nothing for Ray (its actors cannot reach
     the driver's queue: results are written when the run ends) or other ranks."""
-    from atoll.launch.progress import ProgressBar, Reports
+    from atoll.cli.progress import ProgressBar, Reports
 
     if launcher == "ray" or not _writes_output(launcher):
         return None, None

@@ -12,13 +12,13 @@ from atoll.errors import AtollError
 
 # subcommand -> module; modules import heavy packages lazily inside run()
 COMMANDS = {
-    "generate": "atoll.launch.cmd_generate",
-    "demo": "atoll.launch.cmd_demo",
-    "convert": "atoll.launch.cmd_convert",
-    "plan": "atoll.launch.cmd_plan",
-    "calibrate": "atoll.launch.cmd_calibrate",
-    "topo": "atoll.launch.cmd_topo",
-    "bench": "atoll.launch.cmd_bench",
+    "generate": "atoll.cli.generate",
+    "demo": "atoll.cli.demo",
+    "convert": "atoll.cli.convert",
+    "plan": "atoll.cli.plan",
+    "calibrate": "atoll.cli.calibrate",
+    "topo": "atoll.cli.topo",
+    "bench": "atoll.cli.bench",
 }
 
 

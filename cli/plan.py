@@ -94,7 +94,7 @@ def check_plot_path(path: str) -> None:
 
 def run(args) -> int:
     if args.check:
-        from atoll.launch.plan_check import run_check
+        from atoll.bench.plan_check import run_check
 
         args.concurrency_check = _concurrencies(args.concurrency or "8")[0]
         return run_check(args)

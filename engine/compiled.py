@@ -237,21 +237,21 @@ def build(runner):
     the CPU; None (every step eager): eager forced, an MoE model on the CPU, or one with
     dp > 1 on CUDA (its fixed-shape exchange needs one bucket on every DP rank)."""
     spec = runner.spec
-    if eager_forced(spec.enforce_eager) or runner.config.is_mla:  # MLA (DeepSeek) decodes eagerly
+    if eager_forced(spec.engine.enforce_eager) or runner.config.is_mla:  # MLA (DeepSeek) decodes eagerly
         return None
     if runner.device.type == "cuda":
         if runner.config.is_moe and runner.ctx.layout.dp > 1:
             return None  # the fixed-shape MoE exchange needs every DP rank at one bucket: not yet
         from atoll.engine.graphs import GraphedDecode
 
-        return GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,
-                             max_model_len=spec.max_model_len, block_size=spec.block_size,
+        return GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs,
+                             max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
                              scratch_block=runner.num_blocks, rank=runner.ctx.rank)
     if runner.device.type != "cpu" or runner.config.is_moe:
         return None
     _thread_lock_for_tqdm()
-    return CompiledDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,
-                          max_model_len=spec.max_model_len, block_size=spec.block_size,
+    return CompiledDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs,
+                          max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
                           scratch_block=runner.num_blocks, rank=runner.ctx.rank,
                           freezing=freezing_fits(runner.model, runner.ranks_here))
 

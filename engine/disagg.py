@@ -77,7 +77,7 @@ def route(requests: list[Request], *, min_tokens: int, block_size: int, prefix_c
     return remote, local, replica
 
 
-def disagg_worker(rank: int, world_size: int, job: Job):
+def disagg_worker(rank: int, world_size: int, job: Job, device: str = "cpu"):
     """Every rank of the job: build its engine's part, run it. Returns a dict: results
     (index -> result) on each decode replica's first rank, adopted (indices whose KV came
     from the prefill engine), sent (index -> KV bytes this prefill rank sent)."""
@@ -85,10 +85,8 @@ def disagg_worker(rank: int, world_size: int, job: Job):
 
     from atoll.comm.group import Group
     from atoll.engine.runner import ModelRunner
-    from atoll.launch.device import rank_device
     from atoll.parallel.parts import bases, create_part
 
-    device = rank_device()
     layouts = job.layouts
     engine, ctx = create_part(layouts, rank, device, job.options)
     world = Group(dist.group.WORLD, range(world_size), rank, "job", device)
@@ -201,23 +199,21 @@ class EngineFailure(RankFailure):
 
 
 def generate_disagg(llm, requests: list[Request], *, timeout_s: float | None = None) -> list[dict]:
-    """Run `requests` (LLM.prepare's) on llm.prefill_layout + llm.layout under the local
+    """Run `requests` (LLM.prepare's) on llm.prefill_layout + llm.layout under llm's
     launcher; one result per request, in order, each with metrics prefilled_on ("prefill" or
     "decode") and kv_bytes_sent."""
-    from atoll.launch.local import run_local
-
     o, prefill, decode = llm.options, llm.prefill_layout, llm.layout
     remote, local, replica = route(requests, min_tokens=o.disagg_min_prompt_tokens, block_size=o.block_size,
                                    prefix_caching=o.enable_prefix_caching, dp=decode.dp)
     first = [replace(r, params=replace(r.params, max_tokens=1)) for r in remote]
     seqs = min(o.max_num_seqs, max(1, -(-len(remote) // prefill.pp)))
     # the prefill engine never decodes: no compiled decode step or CUDA graphs to build there
-    job = Job(prefill=replace(llm.spec(first or None), layout=str(prefill), cache_seqs=seqs, enforce_eager=True),
+    pspec = llm.spec(first or None)
+    job = Job(prefill=replace(pspec, layout=str(prefill), cache_seqs=seqs, engine=replace(pspec.engine, enforce_eager=True)),
               decode=llm.spec(requests), remote=tuple(remote), local=tuple(local), replica=replica,
               options=llm.context_options())
     try:
-        values = run_local(disagg_worker, prefill.world_size + decode.world_size, job, timeout_s=timeout_s,
-                           device=job.decode.device)
+        values = llm.run(disagg_worker, prefill.world_size + decode.world_size, job, timeout_s=timeout_s)
     except RankFailure as e:
         from atoll.parallel.parts import engine_of
 

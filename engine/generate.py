@@ -48,9 +48,9 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
     index -> result, of `requests` and the inbox's."""
     spec = runner.spec
     depth = runner.ctx.layout.pp
-    lanes = Lanes(num_blocks=runner.num_blocks, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
+    lanes = Lanes(num_blocks=runner.num_blocks, block_size=spec.engine.block_size, max_num_seqs=spec.engine.max_num_seqs,
                   max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
-                  depth=depth, pipelined=pipelined, prefix_caching=spec.enable_prefix_caching)
+                  depth=depth, pipelined=pipelined, prefix_caching=spec.engine.enable_prefix_caching)
     arrivals = deque(sorted(requests, key=lambda r: (r.arrival_step, r.index)))
     inflight: deque[MicroBatch | None] = deque()  # inflight[s]: the micro-batch at stage s
     results: dict[int, dict] = {}
@@ -68,7 +68,7 @@ def run_requests(runner, requests: list[Request], progress=None, *, pipelined: b
                 _settle(seq, lanes, results, started, spec.max_model_len, decode, tick, on_finish)
         lane = lanes.at(tick)
         chunks = lane.schedule(tick) if lane is not None else []
-        mb = MicroBatch.of(chunks, spec.block_size, device=runner.device) if chunks else None
+        mb = MicroBatch.of(chunks, spec.engine.block_size, device=runner.device) if chunks else None
         busy = bool(arrivals or lanes.has_work() or any(b is not None for b in inflight)
                     or (inbox is not None and inbox.pending))
         go, mb = runner.agree(busy, mb)

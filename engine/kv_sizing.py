@@ -72,10 +72,10 @@ def profile_activation_peak(runner, tokens: int) -> int:
     spec, cfg, dev = runner.spec, runner.config, runner.device
     seq_len = min(tokens, spec.max_model_len)
     lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
-    per = blocks_per_seq(seq_len, spec.block_size)
+    per = blocks_per_seq(seq_len, spec.engine.block_size)
     scratch = runner.new_cache(per * len(lens))
     tables = [list(range(i * per, (i + 1) * per)) for i in range(len(lens))]
-    meta = AttentionMetadata.build(tables, [0] * len(lens), lens, spec.block_size, device=dev)
+    meta = AttentionMetadata.build(tables, [0] * len(lens), lens, spec.engine.block_size, device=dev)
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)

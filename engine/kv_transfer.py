@@ -88,7 +88,7 @@ def send(runner, messages: list[Message], rank: int, blocks: list[int], tokens: 
     first = runner.model.model.start
     mine = set(heads_held(cfg.num_key_value_heads, ctx.layout.tp, ctx.coords.tp))
     local = {h: i for i, h in enumerate(sorted(mine))}
-    block, offset = _positions(blocks, tokens, runner.spec.block_size, runner.device)
+    block, offset = _positions(blocks, tokens, runner.spec.engine.block_size, runner.device)
     sent = 0
     for m in messages:
         if m.src != rank:
@@ -110,7 +110,7 @@ def receive(runner, messages: list[Message], rank: int, blocks: list[int], token
     first = runner.model.model.start
     mine = sorted(heads_held(cfg.num_key_value_heads, ctx.layout.tp, ctx.coords.tp))
     local = {h: i for i, h in enumerate(mine)}
-    block, offset = _positions(blocks, tokens, runner.spec.block_size, runner.device)
+    block, offset = _positions(blocks, tokens, runner.spec.engine.block_size, runner.device)
     got = 0
     for m in messages:
         if m.dst != rank:

@@ -6,8 +6,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from atoll import config
+from atoll.engine.disagg import generate_disagg
+from atoll.engine.runner import RunSpec
 from atoll.engine.sampling import SamplingParams
-from atoll.errors import InputError
+from atoll.engine.worker import generate_worker
+from atoll.errors import ConfigError, InputError, LaunchError
 from atoll.models.checkpoint import Checkpoint
 from atoll.models.config import ModelConfig
 from atoll.parallel.layout import Layout
@@ -82,21 +86,26 @@ def _token_ids(ids, vocab_size: int, name: str) -> list[int]:
 
 
 class LLM:
-    """`LLM(model, layout=..., **options)`: options are EngineConfig's fields (engine/config.py:
-    device, dtype, max_num_seqs, max_model_len, max_num_batched_tokens, block_size,
-    kv_cache_gb, num_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, ...),
-    with the same defaults as the CLI. `prefill="TP2", decode="TP4"` instead of a layout runs
-    disaggregated prefill and decode (engine.disagg); `self.layout` is then the decode engine's."""
+    """`LLM(model, layout=..., launcher=..., **options)`: options are EngineConfig's fields
+    (config/engine.py: device, dtype, max_num_seqs, max_model_len, block_size, kv_cache_gb,
+    enforce_eager, enable_prefix_caching, kernels, ...), over the ATOLL_* environment, with the
+    same defaults as the CLI. `prefill="TP2", decode="TP4"` instead of a layout runs
+    disaggregated prefill and decode (engine.disagg); `self.layout` is then the decode engine's.
+
+    `launcher` runs a function on every rank: launcher(fn, world_size, *args, device=...,
+    timeout_s=..., **kwargs) -> every rank's return value, as launch.local.run_local does. The
+    engine imports no launcher; `atoll.LLM` (launch.api) is this class handed the local one."""
 
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, expert_parallel_size: int | None = None,
-                 **options):
-        from atoll.engine.config import EngineConfig
-
+                 launcher=None, **options):
+        self.launcher = launcher
         try:
-            self.options = EngineConfig(**options)
-        except TypeError as e:  # an unknown keyword
+            self.options = config.resolve(options)
+        except TypeError as e:  # a keyword of the wrong kind
+            raise InputError(f"LLM: {e}") from None
+        except ConfigError as e:  # an unknown keyword, or a bad ATOLL_* variable
             raise InputError(f"LLM: {e}") from None
         self.model_dir = Path(model)
         self.config = ModelConfig.load(self.model_dir)
@@ -123,7 +132,7 @@ class LLM:
         self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size
         self.max_model_len = min(o.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        self.max_num_batched_tokens = o.max_num_batched_tokens or max(2048, self.max_model_len)
+        self.max_num_batched_tokens = o.batched_tokens(self.max_model_len)
         blocks = self._explicit_blocks()
         if blocks is not None:
             from atoll.engine.kv_sizing import check_fits
@@ -155,13 +164,12 @@ class LLM:
 
         from atoll.engine.kv_sizing import explicit_blocks
         from atoll.engine.runner import resolve_dtype
-        from atoll.launch.device import visible_gpus
         from atoll.models.cache_bytes import kv_bytes_per_block
 
         o = self.options
         if o.num_blocks is None and o.kv_cache_gb is None:
             return None
-        device = torch.device("cuda" if o.device != "cpu" and visible_gpus() else "cpu")
+        device = torch.device("cuda" if o.device != "cpu" and torch.cuda.is_available() else "cpu")
         itemsize = resolve_dtype(o.dtype, self.config, device).itemsize
         return explicit_blocks(bytes_per_block=kv_bytes_per_block(self.config, self.layout, itemsize, o.block_size),
                                kv_cache_gb=o.kv_cache_gb, num_blocks=o.num_blocks)
@@ -249,25 +257,21 @@ class LLM:
         once, so a short prompt does not reserve max_num_seqs x max_model_len of memory."""
         from atoll.engine.runner import RunSpec
 
-        o, max_len, seqs = self.options, self.max_model_len, None
+        max_len, seqs = self.max_model_len, None
         if requests:
             need = max(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
             max_len = min(max_len, need)
             per_lane = -(-len(requests) // (self.layout.pp * self.layout.dp))
             seqs = min(self.max_num_seqs, per_lane)
-        return RunSpec(str(self.model_dir), str(self.layout), dtype=o.dtype, max_num_seqs=self.max_num_seqs,
-                       max_model_len=max_len, max_num_batched_tokens=self.max_num_batched_tokens,
-                       block_size=self.block_size, num_blocks=o.num_blocks, kv_cache_gb=o.kv_cache_gb,
-                       gpu_memory_utilization=o.gpu_memory_utilization, device=o.device, cache_seqs=seqs,
-                       enforce_eager=o.enforce_eager, enable_prefix_caching=o.enable_prefix_caching)
+        return RunSpec(str(self.model_dir), str(self.layout), self.options, max_model_len=max_len,
+                       max_num_batched_tokens=self.max_num_batched_tokens, cache_seqs=seqs)
 
     def context_options(self, islands=None, nodes=None):
         """What each rank's ParallelContext needs besides the layout: islands and nodes (rank ->
         island id, node id; None: one per host) and the MoE dispatch options."""
         from atoll.parallel.mesh import ContextOptions
 
-        return ContextOptions(islands=islands, nodes=nodes, dispatch=self.options.dispatch,
-                              capacity_factor=self.options.moe_capacity_factor)
+        return ContextOptions(islands=islands, nodes=nodes, engine=self.options)
 
     def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
         """One RequestOutput per request: prompts[k], requests[k] and results[k] belong together."""
@@ -283,17 +287,19 @@ class LLM:
             outs.append(RequestOutput(rid, text, tokens, reason, res["metrics"]))
         return outs
 
+    def run(self, fn, world_size: int, *args, timeout_s: float | None = None, **kwargs) -> list:
+        """fn on every rank through this LLM's launcher; every rank's value."""
+        if self.launcher is None:
+            raise LaunchError("this LLM was made without a launcher: use atoll.LLM, or pass launcher= "
+                              "(e.g. atoll.launch.local.run_local)")
+        return self.launcher(fn, world_size, *args, timeout_s=timeout_s, device=self.options.device, **kwargs)
+
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
                  *, chat: bool = False, timeout_s: float | None = None) -> list[RequestOutput]:
-        from atoll.engine.worker import generate_worker
-        from atoll.launch.local import run_local
-
         requests = self.prepare(prompts, params, chat=chat)
         if self.prefill_layout is not None:
-            from atoll.engine.disagg import generate_disagg
-
             return self.finish(prompts, requests, generate_disagg(self, requests, timeout_s=timeout_s))
         spec = self.spec(requests)
-        results = run_local(generate_worker, self.layout.world_size, spec, requests,
-                            timeout_s=timeout_s, device=spec.device, parallel=self.context_options())[0]
+        results = self.run(generate_worker, self.layout.world_size, spec, requests, timeout_s=timeout_s,
+                           parallel=self.context_options())[0]
         return self.finish(prompts, requests, results)

@@ -3,39 +3,41 @@ micro-batches in flight one stage on and hands sampled tokens to every rank."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from atoll import config
+from atoll.config import EngineConfig
+from atoll.kernels import backend
 from atoll.models.cache_bytes import kv_bytes_per_block, make_cache
 from atoll.models import ModelConfig, build_model
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.parallel.mesh import ParallelContext
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in config.DTYPES}
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What every rank needs to build its part of the model; picklable. Made by LLM.spec from
-    the EngineConfig (engine/config.py holds the defaults and their meaning)."""
+    """What every rank needs to build its part of the model; picklable. The engine options
+    are the run's EngineConfig (config/engine.py holds every default); the rest is what the
+    driver resolved for this run."""
 
     model_dir: str
     layout: str
-    dtype: str | None = None  # None: the checkpoint's torch_dtype on CUDA, float32 on CPU
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized on the rank (engine.kv_sizing)
-    kv_cache_gb: float | None = None
-    gpu_memory_utilization: float = 0.9
-    device: str = "cpu"  # what was asked for; launch.device binds each rank's own
+    engine: EngineConfig
+    max_model_len: int  # this run's context: the config's or the model's, bounded by the requests
+    max_num_batched_tokens: int  # the config's, else EngineConfig.batched_tokens(max_model_len)
     cache_seqs: int | None = None  # sequences per lane the default CPU cache holds (None: max_num_seqs)
-    enforce_eager: bool = False  # no compiled decode step (engine.compiled)
-    enable_prefix_caching: bool = True  # share cached KV blocks of common prefixes (engine.blocks)
+
+    @classmethod
+    def of(cls, model_dir, layout, *, max_model_len: int, cache_seqs: int | None = None, **options) -> "RunSpec":
+        """A spec from engine options given as keywords (tests, calibration)."""
+        engine = EngineConfig(**options)
+        return cls(str(model_dir), str(layout), engine, max_model_len, engine.batched_tokens(max_model_len),
+                   cache_seqs)
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -49,16 +51,18 @@ def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.devi
 
 
 class ModelRunner:
-    def __init__(self, spec: RunSpec, ctx: ParallelContext):
+    def __init__(self, spec: RunSpec, ctx: ParallelContext, *, ranks_here: int | None = None):
+        """ranks_here: ranks sharing this machine's memory (the launcher says; default the layout's)."""
         self.spec, self.ctx = spec, ctx
         self.device = ctx.device
+        backend.configure(spec.engine.kernels)  # this rank's kernel path (kernels.backend)
         self.config = ModelConfig.load(spec.model_dir)
-        self.dtype = resolve_dtype(spec.dtype, self.config, self.device)
+        self.dtype = resolve_dtype(spec.engine.dtype, self.config, self.device)
         self.model = build_model(self.config, ctx, dtype=self.dtype, device=self.device).eval()
         self.checkpoint = Checkpoint(spec.model_dir)
         # each slice goes to the device as it is read; every rank checks that some rank read each tensor
         load_weights(self.model, self.checkpoint, world=ctx.world)
-        self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.block_size)
+        self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.engine.block_size)
         self.num_blocks = self._size_cache()
         # one block more than the schedulers hand out: the compiled step's padding rows write there
         self.cache = self.new_cache(self.num_blocks + 1)
@@ -68,40 +72,40 @@ class ModelRunner:
         self._sending = None  # the isend of the last activations, until it completes
         from atoll.engine import compiled
 
-        self.ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.layout.world_size))  # sharing its memory
+        self.ranks_here = ranks_here or ctx.layout.world_size
         self.decode_step = compiled.build(self)  # None: every step eager
-        self.packer = _packer(self.model, self.ranks_here) if self.decode_step is None else None
+        self.packer = _packer(self.model, self.ranks_here, spec.engine.mkl_pack) if self.decode_step is None else None
         self.stats: dict = {}
 
     def new_cache(self, blocks: int):
         """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind."""
         return make_cache(self.config, self.ctx.tp.size, layers=self.model.num_local_layers, blocks=blocks,
-                          block_size=self.spec.block_size, dtype=self.dtype, device=self.device)
+                          block_size=self.spec.engine.block_size, dtype=self.dtype, device=self.device)
 
     def _size_cache(self) -> int:
         """Blocks per rank, the same on every rank (engine.kv_sizing)."""
         from atoll.engine import kv_sizing as kv
 
         spec = self.spec
-        blocks = kv.explicit_blocks(bytes_per_block=self.bytes_per_block, kv_cache_gb=spec.kv_cache_gb,
-                                    num_blocks=spec.num_blocks)
+        blocks = kv.explicit_blocks(bytes_per_block=self.bytes_per_block, kv_cache_gb=spec.engine.kv_cache_gb,
+                                    num_blocks=spec.engine.num_blocks)
         if blocks is None and self.device.type == "cuda":
             peak = kv.profile_activation_peak(self, spec.max_num_batched_tokens)
             free, total = torch.cuda.mem_get_info(self.device)
-            blocks = kv.budget_blocks(total=total, utilization=spec.gpu_memory_utilization,
+            blocks = kv.budget_blocks(total=total, utilization=spec.engine.gpu_memory_utilization,
                                       used_after_load=total - free, activation_peak=peak,
                                       bytes_per_block=self.bytes_per_block)
         elif blocks is None:
-            blocks = kv.cpu_blocks(block_size=spec.block_size, max_num_seqs=spec.cache_seqs or spec.max_num_seqs,
+            blocks = kv.cpu_blocks(block_size=spec.engine.block_size, max_num_seqs=spec.cache_seqs or spec.engine.max_num_seqs,
                                    max_model_len=spec.max_model_len, lanes=self.ctx.layout.pp)
         if self.ctx.layout.world_size > 1:  # every rank schedules the same blocks
             t = torch.tensor([blocks], dtype=torch.long, device=self.device)
             blocks = int(self.ctx.world.all_reduce(t, op="min")[0])
-        kv.check_fits(blocks, block_size=spec.block_size, max_model_len=spec.max_model_len)
+        kv.check_fits(blocks, block_size=spec.engine.block_size, max_model_len=spec.max_model_len)
         if self.ctx.rank == 0:
             import sys
 
-            print("atoll: " + kv.summary(blocks, block_size=spec.block_size, bytes_per_block=self.bytes_per_block,
+            print("atoll: " + kv.summary(blocks, block_size=spec.engine.block_size, bytes_per_block=self.bytes_per_block,
                                          max_model_len=spec.max_model_len), file=sys.stderr, flush=True)
         return blocks
 
@@ -115,7 +119,7 @@ class ModelRunner:
         if some and mb is None:
             from atoll.engine.lanes import MicroBatch
 
-            mb = MicroBatch.of([], self.spec.block_size, device=self.device)
+            mb = MicroBatch.of([], self.spec.engine.block_size, device=self.device)
         return bool(busy), mb
 
     def start_run(self) -> None:
@@ -167,7 +171,7 @@ class ModelRunner:
             tokens = out if ctx.rank == self.sampler_rank else torch.empty(seqs, dtype=torch.long, device=self.device)
             return ctx.world.broadcast(tokens, src=self.sampler_rank)
         # each DP replica samples its own sequences; one all_reduce hands every rank its row
-        table = torch.zeros(ctx.layout.dp, self.spec.max_num_seqs, dtype=torch.long, device=self.device)
+        table = torch.zeros(ctx.layout.dp, self.spec.engine.max_num_seqs, dtype=torch.long, device=self.device)
         if ctx.rank == self.sampler_rank and seqs:
             table[ctx.coords.dp, :seqs] = out
         return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]
@@ -178,8 +182,9 @@ class ModelRunner:
             self._sending = None
 
 
-def _packer(model, ranks_here: int):
-    """MKL-packed decode weights for a CPU float32 model (layers.packed), or None: also when
+def _packer(model, ranks_here: int, enabled: bool):
+    """MKL-packed decode weights for a CPU float32 model (layers.packed) when the config's
+    mkl_pack asks for them, or None: also when
     the second copy of the weights would take more than a quarter of this machine's free
     memory, shared by its ranks."""
     from atoll.engine.blocks import copy_fits
@@ -189,7 +194,7 @@ def _packer(model, ranks_here: int):
 
     kinds = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)
     weights = [m.weight for m in model.modules() if isinstance(m, kinds)]
-    if not packed.available() or not weights or weights[0].device.type != "cpu":
+    if not enabled or not packed.mkl_can_pack() or not weights or weights[0].device.type != "cpu":
         return None
     if not copy_fits(sum(w.numel() * w.element_size() for w in weights), ranks_here):
         return None

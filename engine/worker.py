@@ -10,24 +10,23 @@ from atoll.parallel.mesh import ContextOptions, ParallelContext
 
 
 def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Request], progress=None,
-                    parallel: ContextOptions | None = None, stats: bool = False):
+                    parallel: ContextOptions | None = None, stats: bool = False, device: str = "cpu",
+                    node: str | None = None, ranks_here: int | None = None):
     """Build this rank's stage, run every request; rank 0 returns the results, others None.
     `parallel`: the ranks' islands and the MoE dispatch options (parallel.mesh.ContextOptions).
     `stats`: rank 0 returns (results, bytes by link class summed over every rank) instead:
     parallel.links counts the run's own traffic (the counters are zeroed before it).
 
     `progress`, if given, is the parent's channel (a multiprocessing queue from the local
-    launcher, or any object with put(), such as launch.progress.Reports on rank 0 under
+    launcher, or any object with put(), such as cli.progress.Reports on rank 0 under
     torchrun/mpirun). Rank 0 puts ("step", requests done, tokens made) after each step, and
     each replica's first rank puts ("done", request index, result) as each of its requests
-    finishes, so the parent can write it before the run ends."""
-    from atoll.launch.device import rank_device
-
+    finishes, so the parent can write it before the run ends. `device`, `node` and
+    `ranks_here` come from the launcher (launch.device.call_rank)."""
     layout = Layout.parse(spec.layout)
-    device = rank_device()  # bound by the launcher before any tensor or process group existed
-    ctx = ParallelContext.create(layout, rank, device, parallel) if world_size > 1 \
+    ctx = ParallelContext.create(layout, rank, device, parallel, node=node) if world_size > 1 \
         else ParallelContext.single(device, parallel)
-    runner = ModelRunner(spec, ctx)
+    runner = ModelRunner(spec, ctx, ranks_here=ranks_here)
     mine = requests[ctx.coords.dp::layout.dp]  # each DP replica serves its own requests
     leader = ctx.coords.tp == 0 and ctx.is_first_stage  # the rank that holds its replica's results
     report = _scaled_reporter(progress, layout.dp) if progress is not None and rank == 0 else None

@@ -183,7 +183,7 @@ step "a. kernel tests" "${KERNEL_LIMIT:-120}" python -m pytest -q -p no:cachepro
 
 # d. the kernel bench, with what time is left
 if [ "$MODE" = gpu ]; then
-  if atoll bench --help 2>/dev/null | grep -qw kernels; then BENCH=(atoll bench kernels); else BENCH=(python -m atoll.kernels.bench); fi
+  if atoll bench --help 2>/dev/null | grep -qw kernels; then BENCH=(atoll bench kernels); else BENCH=(python -m atoll.bench.kernels); fi
   step "d. bench kernels" "${BENCH_LIMIT:-60}" "${BENCH[@]}" --rep-ms 20
 else
   skip "d. bench kernels" "needs a GPU; its --smoke run is in a's tests"

@@ -87,7 +87,7 @@ def main() -> int:
 
     from transformers.utils import logging
 
-    from atoll.engine.llm import LLM
+    from atoll.launch.api import LLM
     from atoll.engine.sampling import SamplingParams
 
     logging.set_verbosity_error()

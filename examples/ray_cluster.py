@@ -17,13 +17,14 @@ request; results print as JSON lines.
 """
 
 import argparse
+import functools
 import json
 
-from atoll.engine.llm import LLM
+from atoll.config import DEVICES
 from atoll.engine.sampling import SamplingParams
-from atoll.engine.worker import generate_worker
-from atoll.launch.device import DEVICES
+from atoll.launch.api import LLM
 from atoll.launch.ray_launcher import run_ray
+from atoll.parallel.layout import Layout
 
 
 def main() -> None:
@@ -39,11 +40,10 @@ def main() -> None:
     args = p.parse_args()
 
     prompts = args.prompt + [[int(t) for t in ids.split(",")] for ids in args.prompt_ids]
-    llm = LLM(args.model, layout=args.layout)
-    requests = llm.prepare(prompts, SamplingParams(max_tokens=args.max_new_tokens))
-    results = run_ray(generate_worker, llm.layout.world_size, llm.spec(), requests,
-                      address=args.address, device=args.device, tp_size=llm.layout.tp)[0]
-    for out in llm.finish(prompts, requests, results):
+    # a TP group's ranks stay on one node
+    launcher = functools.partial(run_ray, address=args.address, tp_size=Layout.parse(args.layout).tp)
+    llm = LLM(args.model, layout=args.layout, device=args.device, launcher=launcher)
+    for out in llm.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens)):
         print(json.dumps(out.to_json()))
 
 

@@ -3,8 +3,8 @@
     from atoll.kernels import fused_moe, rms_norm, rotary_
 
 The Triton path runs when every tensor is on CUDA and triton imports; the torch reference
-(kernels/reference.py) runs otherwise. ATOLL_KERNELS=torch forces the reference,
-ATOLL_KERNELS=triton forces Triton (on CPU only under TRITON_INTERPRET=1; see
+(kernels/reference.py) runs otherwise. The config's kernels=torch forces the reference,
+kernels=triton forces Triton (on CPU only under TRITON_INTERPRET=1; see
 backend.interpreter()). Importing this package does not import triton.
 """
 

@@ -1,12 +1,14 @@
 """Which path a kernel call takes: the Triton kernel or its torch reference.
 
-    ATOLL_KERNELS=auto    (default) Triton when every tensor is on CUDA and triton imports
-    ATOLL_KERNELS=torch   always the torch reference (kernels off)
-    ATOLL_KERNELS=triton  always Triton; on CPU tensors that needs Triton's interpreter,
-                          TRITON_INTERPRET=1 set before triton is first imported (interpreter()
-                          below does that for tests)
+    auto    (default) Triton when every tensor is on CUDA and triton imports
+    torch   always the torch reference (kernels off)
+    triton  always Triton; on CPU tensors that needs Triton's interpreter,
+            TRITON_INTERPRET=1 set before triton is first imported (interpreter()
+            below does that for tests)
 
-The variable is read on every call, so a test or a benchmark can flip it between calls.
+The mode is the config's `kernels` field (--kernels, LLM(kernels=...), env ATOLL_KERNELS): a
+rank's runner sets it once with `configure` before its model runs; `using(mode)` sets it for
+a block (tests, benchmarks).
 triton is imported only when the Triton path is taken, so `import atoll.kernels` works
 without it.
 """
@@ -23,8 +25,8 @@ import torch
 
 from atoll.errors import AtollError
 
-ENV = "ATOLL_KERNELS"
 MODES = ("auto", "torch", "triton")
+_mode = "auto"
 # the modules holding @triton.jit functions; each records INTERPRETED at import
 TRITON_MODULES = tuple(f"atoll.kernels.triton_{m}" for m in ("moe_align", "grouped_gemm", "unpermute",
                                                               "rms_norm", "rotary", "paged_attention"))
@@ -35,10 +37,26 @@ class KernelError(AtollError):
 
 
 def mode() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    return _mode
+
+
+def configure(value: str) -> None:
+    """Set this process's kernel mode (the config's `kernels`)."""
+    global _mode
     if value not in MODES:
-        raise KernelError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
-    return value
+        raise KernelError(f"kernels={value!r} is not one of {', '.join(MODES)}")
+    _mode = value
+
+
+@contextlib.contextmanager
+def using(value: str):
+    """The kernel mode `value` inside this block, the previous one after it."""
+    saved = _mode
+    configure(value)
+    try:
+        yield
+    finally:
+        configure(saved)
 
 
 @functools.cache
@@ -74,12 +92,12 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if m == "auto":
         return on_cuda and triton_available()
     if not on_cuda and not interpreting():
-        raise KernelError(f"{ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        raise KernelError("kernels=triton on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)")
     if not on_cuda and triton_interpreted() is False:
         raise KernelError("triton was imported before TRITON_INTERPRET=1 was set; its interpreter "
                           "needs the variable set before the first import")
     if not triton_available():
-        raise KernelError(f"{ENV}=triton but triton is not importable: pip install triton")
+        raise KernelError("kernels=triton but triton is not importable: pip install triton")
     return True
 
 
@@ -104,7 +122,7 @@ def interpreter():
     """Inside this block kernel calls take the Triton path on CPU tensors, run by Triton's
     interpreter: how tests check the kernels (and a model's parity with the kernels forced on)
     on a machine without a GPU. It sets TRITON_INTERPRET=1 for the rest of the process (triton
-    cannot switch back once imported) and ATOLL_KERNELS=triton until the block ends.
+    cannot switch back once imported) and the kernel mode triton until the block ends.
 
     Raises KernelError if triton was already imported in this process without the interpreter;
     then run in a fresh process with TRITON_INTERPRET=1 set from the start."""
@@ -115,12 +133,5 @@ def interpreter():
     if not triton_available():
         raise KernelError("Triton's interpreter needs triton: pip install triton")
     _sync_modules()
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = "triton"
-    try:
+    with using("triton"):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved

@@ -1,5 +1,5 @@
 """The kernels' public entry points: check the inputs, then run the Triton kernel or the torch
-reference (backend.use_triton decides; ATOLL_KERNELS=torch forces the reference).
+reference (backend.use_triton decides; the config's kernels=torch forces the reference).
 
     moe_align(topk_ids [T, k], experts, block_m, *, expert_offset=0) -> MoeAlignment
     grouped_gemm(a, w [E, N_w, K], align, *, gather, silu_mul, weights) -> [max_rows, N]

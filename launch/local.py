@@ -19,6 +19,7 @@ import socket
 import time
 import traceback
 
+from atoll.launch.device import call_rank
 from atoll.errors import LaunchError, RankFailure
 
 _POLL_S = 0.1
@@ -87,7 +88,7 @@ def _entry(fn, rank, world_size, port, results, threads, device, beats, parent, 
             from atoll.launch.device import bind
 
             bind(device)
-        value = fn(rank, world_size, *args, **kwargs)
+        value = call_rank(fn, rank, world_size, args, kwargs)
         # plain pickle copies tensors by value; the queue's own pickler would share them
         # through file descriptors that vanish when this process exits
         results.put(("ok", rank, pickle.dumps(value)))

@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 
+from atoll.launch.device import call_rank
 from atoll.errors import LaunchError, LayoutError, RankFailure
 
 _ENV_RANK = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -118,7 +119,7 @@ def _run(comm, fn, rank, size, local_rank, requested, args, kwargs, timeout_s):
     device = decide(requested, local_rank)  # MPI's own view of the node, not an env variable
     if size == 1:
         bind(device)
-        return fn(rank, size, *args, **kwargs)
+        return call_rank(fn, rank, size, args, kwargs)
     addr = _master_address(comm)
     listen = None
     if rank == 0:
@@ -131,6 +132,6 @@ def _run(comm, fn, rank, size, local_rank, requested, args, kwargs, timeout_s):
     pin_interface("127.0.0.1" if addr.startswith("127.") else route_ip_to(addr))
     rendezvous(rank, size, addr, int(port), device=device, requested=requested, listen=listen,
                timeout_s=timeout_s)
-    value = fn(rank, size, *args, **kwargs)
+    value = call_rank(fn, rank, size, args, kwargs)
     dist.destroy_process_group()  # only after success: a failed rank aborts the job instead
     return value

@@ -34,6 +34,7 @@ import sys
 import time
 import traceback
 
+from atoll.launch.device import call_rank
 from atoll.errors import LaunchError, RankFailure
 from atoll.launch.ray_placement import span
 
@@ -94,7 +95,7 @@ class _RankActor:
                            listen=getattr(self, "_listen", None))
             else:
                 bind(device)
-            return ("ok", fn(rank, world_size, *args, **kwargs))
+            return ("ok", call_rank(fn, rank, world_size, args, kwargs))
         except BaseException as e:  # report to the driver; the driver kills every actor
             from atoll.errors import AtollError
 

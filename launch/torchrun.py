@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from atoll.launch.device import call_rank
 from atoll.errors import LayoutError
 
 
@@ -39,7 +40,7 @@ def run_torchrun(fn, world_size: int, *args, device: str = "cpu", placement=None
     try:
         if placement is not None:
             check_placement(placement, rank, world, local_rank_from_env(), strict_placement, dist.is_initialized())
-        return rank, fn(rank, world, *args, **kwargs)
+        return rank, call_rank(fn, rank, world, args, kwargs)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

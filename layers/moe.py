@@ -9,8 +9,8 @@ back over ep.
 
 Dispatch: island-first (the Dispatcher's hierarchical path, on the context's rail and
 ep_island subgroups) when the ep group spans more than one island, flat inside one;
-ctx.options.dispatch ("flat", "hierarchical") overrides, ctx.options.capacity_factor caps
-each expert's rows (None: dropless). Keywords given to SparseMoE win over the context's.
+the run's config (ctx.options.engine) may force "flat" or "hierarchical" (dispatch), and its
+moe_capacity_factor caps each expert's rows (None: dropless). Keywords given to SparseMoE win over the context's.
 
 Exchange. Decode-sized steps skip the all_to_all for comm.exchange.gather_combine, whose
 shapes are fixed (the all_to_all reads split sizes on the host): each ep rank runs its
@@ -18,12 +18,12 @@ experts on every row of the ep group and the partial sums are added (see there).
 the rows are gathered over ep (every rank padded to the largest count, which eager mode
 reads with row_counts) and reduce-scattered back. Otherwise the stage's tokens are already
 on every ep rank after the dp gather (with dp 1 there is none): replicated, one all_reduce.
-exchange="auto" takes it when the rows per ep rank are at most GATHER_MAX_ROWS and the
+exchange="auto" takes it when the rows per ep rank are at most moe_gather_rows (config/engine.py
+says how its default was measured) and the
 dispatch is flat and dropless: capacity drops need the all_to_all's counts, and where the ep
 group spans islands the island-first all_to_all sends each token across once, not to every
 rank. "gather" / "alltoall" force one (gather stays exact with hierarchical; it refuses a
-capacity_factor). The default comes from ATOLL_MOE_EXCHANGE; ATOLL_MOE_GATHER_ROWS overrides
-GATHER_MAX_ROWS.
+capacity_factor). The default is the config's moe_exchange.
 
 static (set by the compiled decode step): never read a device value on the host, so always
 gather_combine and no count exchange; every DP rank of the stage must pass the same row
@@ -32,7 +32,6 @@ count (the compiled step pads them to one bucket).
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 import torch
@@ -43,6 +42,7 @@ from atoll.comm.dispatch import Dispatcher
 from atoll.comm.exchange import gather_combine
 from atoll.comm.gather import all_gather_rows, row_counts
 from atoll.comm.group import Group
+from atoll.config import MOE_EXCHANGES, EngineConfig
 from atoll.errors import ConfigError
 from atoll.kernels import fused_moe
 from atoll.kernels.backend import use_triton
@@ -121,12 +121,10 @@ class Experts(nn.Module):
 def make_dispatcher(ctx, num_experts: int, *, islands=None, hierarchical: bool | None = None,
                     capacity_factor: float | None = None, grouped: bool = True) -> Dispatcher:
     """The Dispatcher over ctx.ep, island-first when its ep group spans islands (see above)."""
-    from atoll.errors import ConfigError
-
-    options = getattr(ctx, "options", None)
-    mode = options.dispatch if options is not None else "auto"
-    if capacity_factor is None and options is not None:
-        capacity_factor = options.capacity_factor
+    engine = _engine(ctx)
+    mode = engine.dispatch
+    if capacity_factor is None:
+        capacity_factor = engine.moe_capacity_factor
     subgroups = {}
     if islands is None and hasattr(ctx, "ep_islands"):
         islands = ctx.ep_islands
@@ -141,43 +139,13 @@ def make_dispatcher(ctx, num_experts: int, *, islands=None, hierarchical: bool |
                       hierarchical=hierarchical, grouped=grouped, **subgroups)
 
 
-EXCHANGE_ENV = "ATOLL_MOE_EXCHANGE"
-EXCHANGES = ("auto", "alltoall", "gather")
-GATHER_ROWS_ENV = "ATOLL_MOE_GATHER_ROWS"
-# Rows per ep rank up to which "auto" takes gather_combine. gather / all_to_all wall time,
-# 4 gloo ranks on a 2-core CPU shared with other work (load average 6-11), 32 experts top-4,
-# experts computed on both sides (medians of the slowest rank over 100 iterations; the
-# replicated rows and the 64-row column over 60):
-#   python -m atoll bench exchange --hidden 256 --inter 128 --iters 100 [--replicated]
-#   rows per rank            1     4     8    16    32    64
-#   own rows, hidden 256   1.21  1.08  1.12  1.35  1.48  2.24
-#   own rows, hidden 64    1.13  1.25  1.12  1.15  1.13  1.07
-#   replicated, hidden 256 0.62  0.53  0.61  0.68  0.77  1.33
-#   replicated, hidden 64  0.47  0.47  0.46  0.52  0.55  0.61
-# Replicated tokens: one all_reduce against the count exchange, two all_to_alls and a gather
-# back. Own rows: 1.1-1.25x to 8 rows over gloo (its reduce_scatter is a whole all_reduce;
-# eager also pays a count exchange to agree), beyond that the experts' dense work on ep x rows
-# rows grows. 8 takes the clear win and stays near even where it loses; the compiled step
-# gathers at any size. Re-measure on NCCL, where the all_to_all's host sync costs more.
-GATHER_MAX_ROWS = 8
+EXCHANGES = MOE_EXCHANGES
 
 
-def exchange_default() -> str:
-    """ATOLL_MOE_EXCHANGE: auto (default), alltoall or gather."""
-    value = os.environ.get(EXCHANGE_ENV, "auto").strip().lower() or "auto"
-    if value not in EXCHANGES:
-        raise ConfigError(f"{EXCHANGE_ENV}={value!r} is not one of {', '.join(EXCHANGES)}")
-    return value
-
-
-def gather_max_rows() -> int:
-    """ATOLL_MOE_GATHER_ROWS, else GATHER_MAX_ROWS."""
-    value = os.environ.get(GATHER_ROWS_ENV, "").strip()
-    if not value:
-        return GATHER_MAX_ROWS
-    if not value.isdigit():
-        raise ConfigError(f"{GATHER_ROWS_ENV}={value!r} must be a whole number of rows")
-    return int(value)
+def _engine(ctx) -> EngineConfig:
+    """The run's EngineConfig, from ctx.options (a detached or hand-made ctx: the defaults)."""
+    options = getattr(ctx, "options", None)
+    return getattr(options, "engine", None) or EngineConfig()
 
 
 class SparseMoE(nn.Module):
@@ -200,13 +168,14 @@ class SparseMoE(nn.Module):
                                           capacity_factor=capacity_factor, grouped=False)
         self.experts = Experts(self.dispatcher.local_experts, hidden, inter, ctx.moe_tp, dtype=dtype)
         self.direct = ctx.layout.tp == ctx.layout.moe_tp
-        self.exchange = exchange_default() if exchange is None else exchange
+        engine = _engine(ctx)
+        self.exchange = engine.moe_exchange if exchange is None else exchange
         if self.exchange not in EXCHANGES:
             raise ConfigError(f"exchange={self.exchange!r} is not one of {', '.join(EXCHANGES)}")
         if self.exchange == "gather" and self.dispatcher.capacity_factor is not None:
             raise ConfigError(f"exchange=gather is dropless: capacity_factor={self.dispatcher.capacity_factor} "
                               "needs the all-to-all")
-        self.gather_max_rows = gather_max_rows()
+        self.gather_max_rows = engine.moe_gather_rows
         self.static = False  # the compiled decode step sets it: no host reads of device values
         self.exchange_bytes: Counter = Counter()  # gather_combine's bytes sent, per link class
 

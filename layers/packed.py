@@ -7,12 +7,11 @@ product is used only for exactly that many rows; it matches F.linear to float32 
 and repacks when decode has run at another size for a few steps in a row. The price is one
 more copy of the weights in memory: the runner packs only when that copy fits in a quarter
 of the free memory its machine's ranks share. Off by default (not bit for bit F.linear on every
-CPU, and not faster on every one); ATOLL_MKL_PACK=1 turns it on.
+CPU, and not faster on every one); the config's mkl_pack (--mkl-pack, env ATOLL_MKL_PACK=1)
+turns it on.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +33,6 @@ def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     at one row (see engine/compiled.py: the one-sequence graph)."""
     out = (weight * x).sum(-1).unsqueeze(0)
     return out if bias is None else out + bias
-
-
-def available() -> bool:
-    return os.environ.get("ATOLL_MKL_PACK", "0") == "1" and mkl_can_pack()
 
 
 def mkl_can_pack() -> bool:

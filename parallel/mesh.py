@@ -6,7 +6,7 @@ MoE layers see the same tp*dp ranks as an [ep, moe_tp] grid (moe_tp innermost).
 
 Islands and nodes: every rank sits in one island (an NVLink domain; by default its node) and
 one node, given as rank -> island id and rank -> node id (from a plan's placement; by default
-one per host, or per Ray node under Ray: launch.net.NODE_VAR). Each ep group splits into
+one per node: the host, or the Ray node under Ray, as the launcher names it). Each ep group splits into
 its islands ("ep_island" groups, ep order inside) and, when those are all one size s, into s
 "ep_rail" groups: the ranks at the same position in each island, island order inside. The MoE dispatcher's island-first path moves
 rows across islands over a rail and inside an island over its ep_island group only.
@@ -14,36 +14,29 @@ rows across islands over a rail and inside an island over its ep_island group on
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import torch
 
 from atoll.comm.group import Group
-from atoll.engine.config import DISPATCH
+from atoll.config import EngineConfig
 from atoll.parallel.layout import Layout
 
 KINDS = ("tp", "dp", "pp", "ep", "moe_tp", "stage", "world", "ep_island", "ep_rail")
-DISPATCH_MODES = DISPATCH  # the same choices as EngineConfig.dispatch (--dispatch)
 
 
 @dataclass(frozen=True)
 class ContextOptions:
     """What a worker needs besides the layout to make its ParallelContext; picklable.
-    islands: rank -> island id (None: the ranks of one host form one island); nodes: rank ->
-    node id (None: one per host); dispatch: MoE token dispatch, auto = island-first when an
-    ep group spans islands, else flat; capacity_factor: None = dropless."""
+    islands: rank -> island id (None: the ranks of one node form one island); nodes: rank ->
+    node id (None: one per node); engine: the run's EngineConfig, whose MoE switches (dispatch,
+    moe_capacity_factor, moe_exchange, moe_gather_rows) the layers read from ctx.options."""
     islands: tuple[int, ...] | None = None
-    dispatch: str = "auto"
-    capacity_factor: float | None = None
     nodes: tuple[int, ...] | None = None
+    engine: EngineConfig = EngineConfig()
 
     def __post_init__(self):
-        from atoll.errors import ConfigError
-
-        if self.dispatch not in DISPATCH_MODES:
-            raise ConfigError(f"dispatch={self.dispatch!r} is not one of {', '.join(DISPATCH_MODES)}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ConfigError(f"moe_capacity_factor={self.capacity_factor} must be positive")
         for name in ("islands", "nodes"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
@@ -143,16 +136,17 @@ class ParallelContext:
 
     @classmethod
     def create(cls, layout: Layout, rank: int, device="cpu",
-               options: ContextOptions | None = None) -> "ParallelContext":
+               options: ContextOptions | None = None, node: str | None = None) -> "ParallelContext":
         """Make every group; all ranks must call this together (new_group is collective).
-        Without islands (nodes) in `options`, the ranks of one host form one island (node)."""
+        Without islands (nodes) in `options`, the ranks of one node form one island (node):
+        `node` names this rank's (its launcher says; default the host name)."""
         import dataclasses
 
         import torch.distributed as dist
 
         options = options or ContextOptions()
         if (options.islands is None or options.nodes is None) and layout.world_size > 1:
-            hosts = host_islands(layout.world_size)
+            hosts = host_islands(layout.world_size, node)
             options = dataclasses.replace(options, islands=options.islands or hosts, nodes=options.nodes or hosts)
         made: dict[tuple, object] = {}  # ranks -> process group, so an ep_island equal to its ep shares it
         groups = {}
@@ -201,14 +195,12 @@ class ParallelContext:
         return {k: sum(g.bytes.values()) for k, g in self.groups.items()}
 
 
-def host_islands(world_size: int) -> tuple[int, ...]:
-    """rank -> island id, one island per host (collective: every rank calls it). A host is
-    what launch.net.node_name says: the Ray node under Ray, else the host name."""
+def host_islands(world_size: int, node: str | None = None) -> tuple[int, ...]:
+    """rank -> island id, one island per node (collective: every rank calls it with its own
+    node name, default the host name; the Ray launcher names Ray's nodes)."""
     import torch.distributed as dist
 
-    from atoll.launch.net import node_name
-
     hosts = [None] * world_size
-    dist.all_gather_object(hosts, node_name())
+    dist.all_gather_object(hosts, node or socket.gethostname())
     ids: dict[str, int] = {}
     return tuple(ids.setdefault(h, len(ids)) for h in hosts)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from atoll.layers.moe import gather_max_rows  # the runtime's threshold (ATOLL_MOE_GATHER_ROWS)
+from atoll.planner.workload import gather_max_rows  # the runtime's threshold (the config's moe_gather_rows)
 from atoll.planner.categories import EXPERTS, WEIGHTS
 from atoll.planner.collectives import all_gather, all_reduce, all_to_all, island_first_all_to_all
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from atoll.config import resolve
 from atoll.errors import ConfigError
 
 DTYPES = ("bf16", "fp8", "fp32")
@@ -99,3 +101,11 @@ def checkpoint_dtype(config) -> str:
         return "fp8"
     torch_dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     return "fp32" if torch_dtype in ("float32", "torch.float32") else "bf16"
+
+
+@functools.cache
+def gather_max_rows() -> int:
+    """The rows per ep rank up to which the runtime's MoE layer gathers instead of the
+    all-to-all: the config's moe_gather_rows as this process resolves it (its default, or
+    ATOLL_MOE_GATHER_ROWS), read once."""
+    return resolve().moe_gather_rows

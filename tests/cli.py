@@ -2,7 +2,7 @@
 
 import pytest
 
-from atoll.launch.cli import main
+from atoll.cli.main import main
 
 
 def run_cli(capsys, *argv):

@@ -5,7 +5,7 @@ PROMPTS = [[5, 7, 9], [100, 3], [42]]
 
 def generate_requests(model_dir):
     """(spec, requests) for greedy TP2PP2 generation; the same on every rank and process."""
-    from atoll.engine.llm import LLM
+    from atoll.launch.api import LLM
     from atoll.engine.sampling import SamplingParams
 
     llm = LLM(model_dir, layout="TP2PP2")

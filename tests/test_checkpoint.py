@@ -45,7 +45,7 @@ def test_each_rank_reads_its_slice(tiny_model):
                 n *= s
             sizes[name] = n
     stage_bytes = [sum(n for k, n in sizes.items() if _stage_of(k, bounds) == s) for s in range(layout.pp)]
-    out = run_local(_read, 4, RunSpec(str(d), str(layout), max_model_len=64), timeout_s=200)
+    out = run_local(_read, 4, RunSpec.of(str(d), str(layout), max_model_len=64), timeout_s=200)
     for rank, (nbytes, names) in enumerate(out):
         stage = rank // layout.tp
         assert {_stage_of(n, bounds) for n in names} == {stage}, f"rank {rank} read another stage's tensors"

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from atoll.launch.cli import main
+from atoll.cli.main import main
 
 
 def _fails(capsys, argv, pattern):

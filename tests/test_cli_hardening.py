@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from atoll.launch.cli import main
+from atoll.cli.main import main
 from atoll.models import gguf
 
 
@@ -62,7 +62,7 @@ def test_argparse_error_from_a_real_process():
 
 NO_TORCH = """
 import sys
-from atoll.launch.cli import build_parser, main
+from atoll.cli.main import build_parser, main
 build_parser()
 for argv in (["--help"], ["plan", "--help"], ["generate", "--help"], ["bench", "--help"]):
     try:
@@ -367,7 +367,7 @@ def test_topo_gpu_flag_without_from_smi(capsys):
 
 def test_a_multi_line_user_error_prints_as_one_line(capsys, monkeypatch):
     from atoll.errors import ConfigError
-    from atoll.launch import cmd_topo
+    from atoll.cli import topo as cmd_topo
 
     def run(args):
         raise ConfigError("first part\n  second part\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll.launch.cli import main
+from atoll.cli.main import main
 
 DATA = Path(__file__).parent / "data"
 

@@ -11,7 +11,7 @@ from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
 from atoll.engine.compiled import block_bucket, seq_buckets
-from atoll.engine.config import EngineConfig, add_cli_options, from_args
+from atoll.config import EngineConfig, add_cli_options, from_args
 from atoll.engine.generate import run_requests
 from atoll.engine.runner import ModelRunner
 from atoll.errors import InputError

@@ -172,7 +172,7 @@ def _config_dir_as_transformers_writes_it(tmp_path):
 
 
 def test_plan_preset_and_config_directory_give_the_same_shapes(tmp_path, capsys):
-    from atoll.launch.cli import main
+    from atoll.cli.main import main
     from atoll.layers.mla import softmax_scale
     from atoll.layers.rotary import rope_frequencies
     from atoll.planner.shapes import shapes

@@ -7,7 +7,7 @@ import pytest
 from device_fns import generate_on_meta_default
 from reference import reference_tokens
 
-from atoll.engine.llm import LLM
+from atoll.launch.api import LLM
 from atoll.engine.sampling import SamplingParams
 from atoll.launch.local import run_local
 

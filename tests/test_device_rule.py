@@ -3,7 +3,7 @@ from its environment, without processes or GPUs (GPU counts are passed in)."""
 
 import pytest
 
-from atoll.engine.config import EngineConfig
+from atoll.config import EngineConfig
 from atoll.errors import InputError
 from atoll.launch.device import (DeviceError, agree, agree_through_store, backend_for, decide,
                                  local_rank_from_env)
@@ -122,7 +122,7 @@ def test_engine_config_names_the_bad_option(bad, match):
 def test_cli_flags_come_from_the_config():
     import argparse
 
-    from atoll.engine.config import add_cli_options, from_args
+    from atoll.config import add_cli_options, from_args
 
     p = argparse.ArgumentParser()
     add_cli_options(p)

@@ -199,7 +199,7 @@ def test_a_failed_job_rank_is_named_by_engine_and_its_rank_there():
 
 
 def test_disaggregation_options_are_checked_before_any_rank_starts(models):
-    from atoll.engine.config import EngineConfig
+    from atoll.config import EngineConfig
     from atoll.errors import AtollError, InputError
 
     with pytest.raises(InputError, match="--prefill and --decode together"):

@@ -20,7 +20,7 @@ NEW = 12
 
 
 def _logits(model_dir, block_size):
-    spec = RunSpec(str(model_dir), "TP1", max_model_len=64, block_size=block_size, max_num_seqs=3)
+    spec = RunSpec.of(str(model_dir), "TP1", max_model_len=64, block_size=block_size, max_num_seqs=3)
     runner = ModelRunner(spec, ParallelContext.single())
     prompts = [list(p) for p in PROMPTS[:3]]
     per_seq = -(-64 // block_size)
@@ -74,11 +74,13 @@ def test_late_arrivals_match_transformers(model_and_reference, layout, num_block
 def _thousand(rank, world, spec, requests):
     ctx = ParallelContext.create(Layout.parse(spec.layout), rank)
     runner = ModelRunner(spec, ctx)
+    cache = [t.data_ptr() for t in runner.cache.k + runner.cache.v]
     first = run_requests(runner, requests[:100])
     rss_100 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rest = run_requests(runner, requests)
     rss_all = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return first, rest, rss_100, rss_all
+    same_cache = cache == [t.data_ptr() for t in runner.cache.k + runner.cache.v]
+    return first, rest, rss_100, rss_all, same_cache, runner.cache.bytes
 
 
 @pytest.mark.timeout(400)
@@ -90,15 +92,28 @@ def test_thousand_requests_at_tp2(tiny_model):
     prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 30))] for _ in range(1000)]
     params = [SamplingParams(max_tokens=rng.randint(1, 10), ignore_eos=True) for _ in prompts]
     requests = llm.prepare(prompts, params)
-    first, results, rss_100, rss_all = run_local(_thousand, 2, llm.spec(), requests, timeout_s=380)[0]
+    first, results, rss_100, rss_all, same_cache, cache_bytes = run_local(_thousand, 2, llm.spec(), requests,
+                                                                          timeout_s=380)[0]
     assert len(results) == 1000
     for p, r in zip(params, results):
         assert len(r["token_ids"]) == p.max_tokens and r["finish_reason"] == "length"
     assert [r["token_ids"] for r in results[:100]] == [r["token_ids"] for r in first]
-    # the cache is allocated once: 10x the requests may not grow the peak by more than 10%
+    # the cache is allocated once (the same tensors after 1000 requests), and the peak holds it
+    # (ru_maxrss in KiB): 10x the requests may not grow the peak by more than 10%
+    assert same_cache and rss_100 * 1024 > cache_bytes > 0
     assert rss_all <= rss_100 * 1.10, (rss_100, rss_all)
-    # admitted in order, so request i waits at most for the waves ahead of it
+    # every request arrives at step 0, so queued_steps is the step it was admitted at: in order...
     queued = [r["metrics"]["queued_steps"] for r in results]
+    assert queued == sorted(queued)
+    # ...and each one holds a slot for at least its max_tokens steps
+    assert all(r["metrics"]["finished_step"] - q >= p.max_tokens - 1 for p, r, q in zip(params, results, queued))
+    # request i waits at least until i - 15 earlier ones have left the 16 slots: 16 x its queued
+    # steps cover their slot-steps, at least the i - 15 smallest max_tokens among those ahead
+    need = [sum(sorted(p.max_tokens for p in params[:i])[:i - 15]) if i > 15 else 0 for i in range(1000)]
+    assert all(16 * q >= n for q, n in zip(queued, need)), [(i, q, n) for i, (q, n) in enumerate(zip(queued, need))
+                                                           if 16 * q < n][:5]
+    assert queued[999] >= -(-need[999] // 16) > 300  # ~985 requests of 5.5 tokens on average, 16 at a time
+    # and at most for the waves ahead of it: a wave needs at most its prefill step and 10 tokens
     waves = [i // 16 for i in range(1000)]
-    bound = max(waves) * (1 + 10 + 1) + 40  # a wave needs at most its prefill step and 10 tokens
+    bound = max(waves) * (1 + 10 + 1) + 40
     assert max(queued) <= bound

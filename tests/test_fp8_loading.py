@@ -88,7 +88,7 @@ def test_each_rank_holds_its_dequantized_slice(pairs, family, layout):
 
 def _logits(rank, world, model_dir, layout):
     """Each step's last-token logits [STEPS, seqs, vocab] and the greedy tokens fed back."""
-    spec = RunSpec(str(model_dir), layout, max_model_len=64, max_num_seqs=len(PROMPTS), num_blocks=16)
+    spec = RunSpec.of(str(model_dir), layout, max_model_len=64, max_num_seqs=len(PROMPTS), num_blocks=16)
     ctx = ParallelContext.single() if world == 1 else ParallelContext.create(Layout.parse(layout), rank)
     runner = ModelRunner(spec, ctx)
     size = spec.block_size

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from atoll.errors import CheckpointError, ConfigError
-from atoll.launch.cli import main
+from atoll.cli.main import main
 from atoll.models import gguf
 
 CHAT = ["What is the capital of France?", "Write a haiku about rain."]

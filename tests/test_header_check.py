@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from atoll.engine.llm import LLM
+from atoll.launch.api import LLM
 from atoll.errors import CheckpointError
 
 

@@ -40,7 +40,7 @@ def test_summary_line():
 
 def test_a_short_prompt_gets_a_small_cache(tiny_model):
     """The default CPU cache holds what the requests need, not max_num_seqs x the model's context."""
-    from atoll.engine.llm import LLM
+    from atoll.launch.api import LLM
     from atoll.engine.sampling import SamplingParams
 
     llm = LLM(tiny_model("llama"), layout="PP2", device="cpu")  # context 256, 32 seqs per lane

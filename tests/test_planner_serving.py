@@ -170,7 +170,7 @@ def test_kernel_floor_counts_the_decode_path():
 
 def test_plan_check_predicts_the_burst_not_steady_serving(tmp_path):
     from atoll.calibrate.tiny import write_tiny
-    from atoll.launch.plan_check import predict
+    from atoll.bench.plan_check import predict
     from atoll.models.config import ModelConfig
 
     d = write_tiny(tmp_path / "llama", layers=2)

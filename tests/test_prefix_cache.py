@@ -164,7 +164,7 @@ def test_blocks_back_in_the_pool_when_requests_end(dense):
 def test_cli_flag_turns_it_off():
     import argparse
 
-    from atoll.engine.config import EngineConfig, add_cli_options, from_args
+    from atoll.config import EngineConfig, add_cli_options, from_args
 
     p = argparse.ArgumentParser()
     add_cli_options(p)
@@ -188,8 +188,17 @@ def test_compiled_decode_step_takes_a_cache_hit(dense, monkeypatch, tmp_path):
     requests = llm.prepare(PROMPTS[:2], SamplingParams(max_tokens=NEW, ignore_eos=True))
     requests[1].arrival_step = 2
     runner = ModelRunner(llm.spec(requests), ParallelContext.single())
-    if runner.decode_step is None:
-        pytest.skip("the model's decode step does not compile here")
+    # eager lifted, a dense model on the CPU (or CUDA): the step is always built, never skipped
+    step = runner.decode_step
+    assert step is not None
+    ran = []  # (request, start, count) of every chunk the compiled step ran, one list a call
+    call = type(step).__call__
+    monkeypatch.setattr(type(step), "__call__", lambda self, x, mb: (
+        ran.append([(c.seq.request.index, c.start, c.count) for c in mb.chunks]), call(self, x, mb))[1])
     results = run_requests(runner, requests)
     assert [r["token_ids"] for r in results] == expected[:2]
-    assert results[1]["metrics"]["cached_tokens"] == 12 and runner.decode_step.buckets_run
+    assert results[1]["metrics"]["cached_tokens"] == 12
+    # request 1's first chunk starts after its 12 cached tokens, beside request 0's decode, compiled
+    hit = [batch for batch in ran if (1, 12, 1) in batch]
+    assert len(hit) == 1 and len(hit[0]) == 2 and hit[0][0][0] == 0, ran
+    assert step.buckets_run == [2]  # two sequences at most: the smallest bucket only

@@ -260,8 +260,8 @@ def test_a_rank_failure_keeps_what_finished(capsys, tiny_model, tmp_path, monkey
 
 
 def test_writer_streams_each_line_once_then_orders_the_file(tmp_path, capsys):
-    from atoll.launch.progress import Reports
-    from atoll.launch.requests import ResultWriter
+    from atoll.cli.progress import Reports
+    from atoll.cli.requests import ResultWriter
 
     out = tmp_path / "out.jsonl"
     w = ResultWriter(out)

@@ -12,7 +12,7 @@ import torch
 from fp8_quant import write_fp8_pair
 from safetensors.torch import load_file, save_file
 
-from atoll.engine.llm import LLM
+from atoll.launch.api import LLM
 from atoll.engine.runner import ModelRunner, RunSpec
 from atoll.errors import CheckpointError, RankFailure
 from atoll.launch.local import run_local
@@ -38,7 +38,7 @@ def _rewrite(src, dst, change=None, config=None):
 
 
 def _load(rank, world, model_dir, layout):
-    ModelRunner(RunSpec(model_dir, layout, max_model_len=64), ParallelContext.create(Layout.parse(layout), rank))
+    ModelRunner(RunSpec.of(model_dir, layout, max_model_len=64), ParallelContext.create(Layout.parse(layout), rank))
 
 
 def _one_line(err) -> str:

@@ -1,0 +1,119 @@
+"""EngineConfig: every engine option and behaviour switch, one default each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from atoll.errors import InputError
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cuda", "cpu")
+DISPATCH = ("auto", "flat", "hierarchical")  # MoE token dispatch
+KERNEL_MODES = ("auto", "torch", "triton")
+MOE_EXCHANGES = ("auto", "alltoall", "gather")
+# The rows per ep rank up to which the MoE layer gathers every rank's rows instead of the
+# all-to-all (layers/moe.py; the planner costs the same threshold). Measured on the 2-core
+# CPU over gloo, eager, EP2, all-to-all time over gather time (> 1: gather faster; the
+# replicated rows and the 64-row column over 60):
+#   python -m atoll bench exchange --hidden 256 --inter 128 --iters 100 [--replicated]
+#   rows per rank            1     4     8    16    32    64
+#   own rows, hidden 256   1.21  1.08  1.12  1.35  1.48  2.24
+#   own rows, hidden 64    1.13  1.25  1.12  1.15  1.13  1.07
+#   replicated, hidden 256 0.62  0.53  0.61  0.68  0.77  1.33
+#   replicated, hidden 64  0.47  0.47  0.46  0.52  0.55  0.61
+# Replicated tokens: one all_reduce against the count exchange, two all_to_alls and a gather
+# back. Own rows: 1.1-1.25x to 8 rows over gloo (its reduce_scatter is a whole all_reduce;
+# eager also pays a count exchange to agree), beyond that the experts' dense work on ep x rows
+# rows grows. 8 takes the clear win and stays near even where it loses; the compiled step
+# gathers at any size. Re-measure on NCCL, where the all_to_all's host sync costs more.
+MOE_GATHER_MAX_ROWS = 8
+
+
+def _opt(default, help: str, *, choices=None, cli: bool = True):
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+
+
+def default_cache_dir() -> Path:
+    return Path("~/.cache/atoll").expanduser()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = _opt("auto", "auto: CUDA when every rank sees a GPU, else CPU", choices=DEVICES)
+    dtype: str | None = _opt(None, "compute dtype (default: the checkpoint's torch_dtype on CUDA, "
+                                   "float32 on CPU)", choices=DTYPES)
+    max_num_seqs: int = _opt(32, "sequences per micro-batch (under PP, pp micro-batches are in flight)")
+    max_model_len: int | None = _opt(None, "context length (default: the model's)")
+    max_num_batched_tokens: int | None = _opt(None, "tokens per micro-batch (default: max(2048, context))")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_gb: float | None = _opt(None, "KV cache per rank in GiB (default: CUDA, from "
+                                           "--gpu-memory-utilization; CPU, what the requests need)")
+    num_blocks: int | None = _opt(None, "KV cache blocks per rank (instead of --kv-cache-gb)")
+    gpu_memory_utilization: float = _opt(0.9, "share of each GPU's memory for weights, activations "
+                                              "and KV cache")
+    enforce_eager: bool = _opt(False, "run the decode step eagerly: no torch.compile, no CUDA graphs "
+                                      "(env ATOLL_ENFORCE_EAGER)")
+    compile_freezing: bool = _opt(True, "CPU compiled step: freeze the weights into the graph, packed for "
+                                        "oneDNN, when a copy fits (env ATOLL_COMPILE_FREEZING)")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already computed "
+                                             "(engine.blocks)")
+    prefill: str | None = _opt(None, "disaggregated prefill: the prefill engine's layout (e.g. TP2), beside "
+                                     "--decode; the job runs both engines (engine.disagg)")
+    decode: str | None = _opt(None, "disaggregated prefill: the decode engine's layout (e.g. TP4), beside --prefill")
+    disagg_min_prompt_tokens: int = _opt(0, "with --prefill/--decode, prompts whose uncached part is shorter "
+                                            "than this are prefilled by the decode engine itself")
+    dispatch: str = _opt("auto", "MoE token dispatch: auto (island-first when an EP group spans islands, "
+                                 "else flat), flat or hierarchical", choices=DISPATCH)
+    moe_capacity_factor: float | None = _opt(None, "each expert keeps at most this factor x its even share "
+                                                   "of a step's (token, expert) pairs (default: dropless)")
+    moe_exchange: str = _opt("auto", "MoE exchange over the ep group: auto (gather up to --moe-gather-rows "
+                                     "rows per rank, else all-to-all), alltoall or gather (env ATOLL_MOE_EXCHANGE)",
+                             choices=MOE_EXCHANGES)
+    moe_gather_rows: int = _opt(MOE_GATHER_MAX_ROWS, "rows per ep rank up to which auto gathers "
+                                                     "(env ATOLL_MOE_GATHER_ROWS)")
+    kernels: str = _opt("auto", "auto: Triton kernels on CUDA, torch elsewhere; torch or triton force one "
+                                "(env ATOLL_KERNELS)", choices=KERNEL_MODES)
+    mkl_pack: bool = _opt(False, "eager CPU decode: pack linear weights for MKL at the decode batch size "
+                                 "(env ATOLL_MKL_PACK)")
+    collective_timeout_s: float = _opt(120.0, "seconds a collective may wait for a peer before the job fails "
+                                              "(env ATOLL_COLLECTIVE_TIMEOUT_S)")
+    cache_dir: str | None = _opt(None, "where atoll keeps converted models and compiled graphs "
+                                       "(default ~/.cache/atoll; env ATOLL_CACHE)")
+
+    def __post_init__(self):
+        for name, choices in (("device", DEVICES), ("dispatch", DISPATCH), ("kernels", KERNEL_MODES),
+                              ("moe_exchange", MOE_EXCHANGES)):
+            if getattr(self, name) not in choices:
+                raise InputError(f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_blocks",
+                     "moe_gather_rows"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InputError(f"{name}={value!r} must be a whole number of at least 1")
+        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0):
+                raise InputError(f"{name}={value!r} must be a positive number")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InputError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        for name in ("enforce_eager", "compile_freezing", "enable_prefix_caching", "mkl_pack"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
+        if (self.prefill is None) != (self.decode is None):
+            raise InputError("give --prefill and --decode together (the two engines' layouts)")
+        m = self.disagg_min_prompt_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise InputError(f"disagg_min_prompt_tokens={m!r} must be a whole number of at least 0")
+
+    def batched_tokens(self, max_model_len: int) -> int:
+        """Tokens per micro-batch: max_num_batched_tokens, else max(2048, max_model_len)."""
+        return self.max_num_batched_tokens or max(2048, max_model_len)
+
+    @property
+    def cache_path(self) -> Path:
+        """cache_dir expanded, or the default."""
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
