@@ -23,14 +23,23 @@ class Source:
         self.name = name
         self._slice = slice_
         self._ckpt = checkpoint
+        self._shape = tuple(slice_.get_shape())
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self._slice.get_shape())
+        return self._shape
 
     def __getitem__(self, index):
         import torch
 
+        from atoll.models.shape_check import slice_stops
+
+        past = [(d, s) for d, s in enumerate(slice_stops(index, len(self._shape))) if s and s > self._shape[d]]
+        if past:  # safetensors would hand back a shorter slice; the header check names it before this
+            d, stop = past[0]
+            raise CheckpointError(f"tensor {self.name} does not fit the model config: "
+                                  f"{self._ckpt.path_of(self.name)} stores it as {self._shape}, the model "
+                                  f"reads dim {d} to {stop}")
         with torch.device("cpu"):  # a host view of the file; the weight_loader copies it to the device
             t = self._slice[index]
         self._ckpt.bytes_read += t.numel() * t.element_size()
@@ -41,18 +50,15 @@ class Source:
 def tensor_names(directory: str | Path) -> set[str]:
     """The tensor names a checkpoint directory holds, from its index or its files' headers
     (the 8-byte length and the JSON header of each safetensors file: no tensor is read)."""
+    from atoll.models.safetensors_header import read_header
+
     d = Path(directory)
     index = d / INDEX
     try:
         if index.exists():
             return set(json.loads(index.read_text())["weight_map"])
-        names = set()
-        for f in sorted(d.glob("*.safetensors")):
-            with open(f, "rb") as fh:
-                size = int.from_bytes(fh.read(8), "little")
-                names |= set(json.loads(fh.read(size))) - {"__metadata__"}
-        return names
-    except (OSError, ValueError, KeyError, TypeError):
+        return {name for f in sorted(d.glob("*.safetensors")) for name in read_header(f)}
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
         return set()  # unreadable here: Checkpoint says why when the weights are loaded
 
 
@@ -62,6 +68,7 @@ class Checkpoint:
         if not self.dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         self._files: dict[str, object] = {}
+        self._keys: dict[str, set] = {}  # file -> the tensors its header lists
         self.weight_map = self._weight_map()
         self.bytes_read = 0
         self.tensors_read: dict[str, int] = {}
@@ -85,7 +92,10 @@ class Checkpoint:
                                       "in the checkpoint directory")
             for f in sorted(set(weight_map.values())):
                 if not (self.dir / f).is_file():
-                    raise CheckpointError(f"shard {f} listed in {INDEX} is missing from {self.dir}")
+                    names = sorted(k for k, v in weight_map.items() if v == f)
+                    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+                    raise CheckpointError(f"shard {f} listed in {INDEX} for tensor {names[0]}{more} is missing "
+                                          f"from {self.dir}")
             return weight_map
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
@@ -97,24 +107,55 @@ class Checkpoint:
         if handle is None:
             from safetensors import safe_open
 
+            from atoll.models.safetensors_header import read_header
+
+            path = self.dir / filename
+            keys = set(read_header(path))  # a truncated file: named with the tensor it cuts
             try:
-                handle = safe_open(str(self.dir / filename), framework="pt")
+                handle = safe_open(str(path), framework="pt")
             except Exception as e:  # safetensors raises its own error type for bad headers
-                raise CheckpointError(f"cannot read {self.dir / filename}: corrupt safetensors header ({e})") from None
-            self._files[filename] = handle
+                raise CheckpointError(f"cannot read {path}: corrupt safetensors header ({e})") from None
+            self._files[filename], self._keys[filename] = handle, keys
         return handle
 
+    def _slice(self, name: str):
+        """The safetensors slice of `name`, from the file the weight map names; a file that
+        does not hold it (an index pointing at the wrong shard) is named with the index."""
+        f = self.weight_map[name]
+        if name not in self._held(f):
+            where = [g for g in sorted(set(self.weight_map.values()) - {f}) if name in self._held(g)]
+            raise CheckpointError(f"{self.dir / INDEX} maps tensor {name} to {f}, which does not hold it"
+                                  + (f" (it is in {where[0]})" if where else ""))
+        return self._open(f).get_slice(name)
+
+    def _held(self, filename: str) -> set:
+        """The tensor names file `filename`'s header lists."""
+        self._open(filename)
+        return self._keys[filename]
+
     def check(self) -> None:
-        """Open every shard's header once, so bad files fail before any rank starts."""
+        """Every shard's header read once and every tensor found where the index says, so a
+        truncated, corrupt or misplaced file fails before any rank starts."""
         for f in sorted(set(self.weight_map.values())):
             self._open(f)
+        for name in self.weight_map:
+            self._slice(name)
 
-    def header(self, name: str) -> HeaderSource:
-        return HeaderSource(name, self._open(self.weight_map[name]).get_slice(name))
+    def path_of(self, name: str) -> Path:
+        """The file holding tensor `name`."""
+        return self.dir / self.weight_map[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def header(self, name: str):
+        from atoll.models.shape_check import HeaderSource
+
+        return HeaderSource(name, self.shape(name))
 
     def dtype(self, name: str) -> str:
         """The tensor's dtype as safetensors names it ("BF16", "F8_E4M3"), from its header."""
-        return self._open(self.weight_map[name]).get_slice(name).get_dtype()
+        return self._slice(name).get_dtype()
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -122,12 +163,12 @@ class Checkpoint:
     def get(self, name: str) -> Source:
         if name not in self.weight_map:
             raise CheckpointError(f"checkpoint {self.dir} has no tensor {name}")
-        return Source(name, self._open(self.weight_map[name]).get_slice(name), self)
+        return Source(name, self._slice(name), self)
 
     def total_bytes(self) -> int:
         total = 0
         for name in self.weight_map:
-            s = self._open(self.weight_map[name]).get_slice(name)
+            s = self._slice(name)
             n = 1
             for d in s.get_shape():
                 n *= d
@@ -139,38 +180,22 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
 
-class HeaderSource:
-    """A checkpoint tensor known only by its safetensors header: indexing gives a meta tensor
-    of the slice's shape, so a model built on `meta` can run every weight_loader (shapes
-    checked, nothing read) before any rank starts."""
-
-    def __init__(self, name: str, slice_):
-        import torch
-
-        self.name = name
-        self._full = torch.empty(tuple(slice_.get_shape()), device="meta")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self._full.shape)
-
-    def __getitem__(self, index):
-        return self._full[index]
-
-
 def check_layout_fits(model_dir, config, layout) -> None:
     """Every rank's weight slices checked against the checkpoint's headers, in this process:
-    the first and last rank of each pipeline stage build their part on `meta` and run their
-    weight_loaders over header-only sources (sharding is uniform, so the ends of each stage
-    stand for the ranks between). Raises the CheckpointError the rank would have raised, and
+    first each tensor whole against the config (models/shape_check.py: a wrong shape is named
+    with its file and both shapes), then the first and last rank of each pipeline stage build
+    their part on `meta` and run their weight_loaders over header-only sources (sharding is
+    uniform, so the ends of each stage stand for the ranks between). Raises the CheckpointError the rank would have raised, and
     names a tensor that no stage has a parameter for (the ranks check expert ids too)."""
     import torch
 
     from atoll.models import build_model
+    from atoll.models.shape_check import check_shapes
     from atoll.models.strict import check_all_read
     from atoll.parallel.mesh import ParallelContext
 
     ckpt = Checkpoint(model_dir)
+    check_shapes(ckpt, config)  # every tensor whole, against the config, before any slicing
     stage = layout.stage_size
     ranks = sorted({r for p in range(layout.pp) for r in (p * stage, p * stage + stage - 1)})
     offered = set()
@@ -225,7 +250,8 @@ def load_weights(model, ckpt: Checkpoint, *, get=None, world=None) -> Loaded:
             try:
                 took = param.weight_loader(param, src, shard)
             except ValueError as e:
-                raise CheckpointError(f"tensor {name} does not fit the model config: {e}") from None
+                raise CheckpointError(f"tensor {name} does not fit the model config: {e}; "
+                                      f"{ckpt.path_of(name)} stores it as {tuple(src.shape)}") from None
             parts = {name, fp8.scale_of(name)} if isinstance(src, fp8.Fp8Source) else {name}
             done.offered |= parts
             if took is not False:
