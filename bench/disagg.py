@@ -41,14 +41,13 @@ def run(args) -> int:
         from atoll.models.gguf import demo_model_dir
 
         args.model = str(demo_model_dir(progress=not args.json))
-    os.environ["ATOLL_ENFORCE_EAGER"] = "1"
     load_before = os.getloadavg()[0]
     rng = random.Random(args.seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     runs = {}
     for name, kw in (("colocated " + args.colocated, {"layout": args.colocated}),
                      (f"{args.prefill} -> {args.decode}", {"prefill": args.prefill, "decode": args.decode})):
-        llm = LLM(args.model, **kw)
+        llm = LLM(args.model, enforce_eager=True, **kw)
         vocab = llm.config.vocab_size
         rng.seed(args.seed)
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-from atoll.bench.dispatch import CLASSES, GROUPS, keep_freed_memory, make_groups, time_sides
+from atoll.bench.dispatch_groups import CLASSES, GROUPS, keep_freed_memory, make_groups, time_sides
 
 
 def _sweep_rank(rank: int, world: int, cfg: dict) -> dict:

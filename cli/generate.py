@@ -6,6 +6,8 @@ import sys
 import time
 
 from atoll.config import add_cli_options, from_args, resolve
+from atoll.config.sampling import SamplingParams
+from atoll.errors import InputError
 
 
 def add_model_options(p) -> None:
@@ -20,11 +22,12 @@ def add_model_options(p) -> None:
 
 
 def add_sampling_options(p) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    d = SamplingParams()  # the library's defaults are the flags' defaults
+    p.add_argument("--max-new-tokens", type=int, default=d.max_tokens, help=f"default {d.max_tokens}")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end a request when its text contains TEXT (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
@@ -65,9 +68,6 @@ FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_
 
 
 def sampling_params(args):
-    from atoll.engine.sampling import SamplingParams
-    from atoll.errors import InputError
-
     try:
         return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))

@@ -14,6 +14,8 @@ from atoll.engine.worker import generate_worker
 from atoll.errors import ConfigError, InputError, LaunchError
 from atoll.models.checkpoint import Checkpoint
 from atoll.models.config import ModelConfig
+from atoll.models.jsonfile import read_json_object
+from atoll.models.shape_check import check_layout_fits
 from atoll.parallel.layout import Layout
 
 
@@ -49,7 +51,6 @@ def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[i
     ids = set(config.eos_token_id)
     gen = model_dir / "generation_config.json"
     if gen.exists():
-        from atoll.engine.tokenizer import read_json_object
         from atoll.errors import CheckpointError
 
         eos = read_json_object(gen).get("eos_token_id")
@@ -124,8 +125,6 @@ class LLM:
             raise LayoutError(f"layout {self.layout}: attention data parallelism (dp > 1) is for MoE "
                               f"models; for {self.config.model_type} run replicas of a tp/pp layout")
         Checkpoint(self.model_dir).check()
-        from atoll.models.checkpoint import check_layout_fits
-
         check_layout_fits(self.model_dir, self.config, self.layout)  # shapes, before any rank starts
         o = self.options
         self.device, self.dtype = o.device, o.dtype
@@ -147,8 +146,6 @@ class LLM:
         self.stop_ids = default_stop_ids(self.model_dir, self.config, self.tokenizer)
 
     def _prefill_layout(self, text: str) -> Layout:
-        from atoll.models.checkpoint import check_layout_fits
-
         layout = Layout.parse(text).validate(self.config)
         if layout.dp > 1:
             raise InputError(f"--prefill {layout}: the prefill engine is one replica (dp 1)")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from atoll.errors import CheckpointError
+from atoll.models.jsonfile import first_line as _first_line, read_json_object
 
 
 def _token_text(tok, path: Path, key: str) -> str | None:
@@ -14,24 +14,6 @@ def _token_text(tok, path: Path, key: str) -> str | None:
         raise CheckpointError(f"{path}: {key}={tok!r} must be a token string or "
                               '{"content": "..."}')
     return text
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def read_json_object(path: Path, error=CheckpointError) -> dict:
-    """A checkpoint's JSON file that must hold an object; `error` naming it if not."""
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path} is not valid JSON: {_first_line(e)}") from None
-    except OSError as e:
-        raise error(f"cannot read {path}: {e.strerror}") from None
-    if not isinstance(d, dict):
-        raise error(f"{path} does not hold a JSON object")
-    return d
 
 
 class Tokenizer:

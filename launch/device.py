@@ -3,8 +3,8 @@
 Every launcher calls `decide` in the rank's process before any tensor or process group
 exists, `agree` once the rendezvous store is up (so `auto` is CUDA only when every rank of
 the job sees a GPU), then `bind`. Nothing else in atoll picks a device or a backend: the
-launchers hand the bound device to the rank's function (`call_rank`: a function with a `device`
-keyword gets it), and the runtime names it on every tensor it makes.
+launchers hand the bound device to the rank's function (launch.rank.call_rank: a function with
+a `device` keyword gets it), and the runtime names it on every tensor it makes.
 
     requested  this rank sees a GPU for its local rank    does not
     cpu        cpu + gloo                                 cpu + gloo
@@ -19,7 +19,6 @@ Ray launchers, which pass it.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Mapping
 
@@ -112,22 +111,3 @@ def rank_device() -> str:
     """The device the launcher bound in this process; "cpu" when none did (in-process use)."""
     return _bound or "cpu"
 
-
-def call_rank(fn, rank: int, world_size: int, args=(), kwargs=None):
-    """fn(rank, world_size, *args, **kwargs), handing the rank the facts its launcher knows,
-    each to a function that takes that keyword: `device` (the device bound here), `node` (the
-    node it runs on: the launcher's name for it, else the host name) and `ranks_here` (ranks
-    sharing this machine). How every launcher calls a rank's function."""
-    from atoll.launch.net import node_name
-
-    kwargs = dict(kwargs or {})
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin or a callable without a signature
-        params = {}
-    facts = {"device": rank_device, "node": node_name,
-             "ranks_here": lambda: int(os.environ.get("LOCAL_WORLD_SIZE", world_size))}
-    for name, fact in facts.items():
-        if name in params and name not in kwargs:
-            kwargs[name] = fact()
-    return fn(rank, world_size, *args, **kwargs)

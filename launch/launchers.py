@@ -33,12 +33,9 @@ def check_launcher(name: str, *, device: str = "cpu", world_size: int = 1) -> No
         local_devices(device, world_size)
 
     if name == "torchrun":
-        from atoll.launch.torchrun import in_torchrun
+        from atoll.launch.torchrun import require_torchrun
 
-        if not in_torchrun():
-            raise LaunchError("--launcher torchrun needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
-                              "MASTER_PORT): start with `torchrun --nproc-per-node N -m atoll generate ...`, "
-                              "or use --launcher local")
+        require_torchrun()
 
 
 def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str | None = None,

@@ -6,7 +6,8 @@ collective timeout: each rank's heartbeat thread stamps a shared clock every sec
 rank frozen by SIGSTOP (or anything that stops the whole process) is named after
 STALL_S. The same thread ends the rank when its parent is gone, whatever killed it, so no
 rank outlives the job as an orphan. Collectives time out after COLLECTIVE_TIMEOUT_S
-(ATOLL_COLLECTIVE_TIMEOUT_S, default 120 s, well under gloo's 10 minutes).
+(the config's collective_timeout_s, env ATOLL_COLLECTIVE_TIMEOUT_S, default 120 s, well
+under gloo's 10 minutes).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import socket
 import time
 import traceback
 
-from atoll.launch.device import call_rank
+from atoll import config
+from atoll.launch.rank import call_rank
 from atoll.errors import LaunchError, RankFailure
 
 _POLL_S = 0.1
@@ -36,7 +38,7 @@ def free_port() -> int:
 
 
 def collective_timeout_s() -> float:
-    return float(os.environ.get("ATOLL_COLLECTIVE_TIMEOUT_S", "120"))
+    return config.resolve().collective_timeout_s
 
 
 def init_distributed(rank: int, world_size: int, addr: str, port: int, *, device: str = "cpu",

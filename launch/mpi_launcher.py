@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 
-from atoll.launch.device import call_rank
+from atoll.launch.rank import call_rank
 from atoll.errors import LaunchError, LayoutError, RankFailure
 
 _ENV_RANK = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")

@@ -34,7 +34,7 @@ import sys
 import time
 import traceback
 
-from atoll.launch.device import call_rank
+from atoll.launch.rank import call_rank
 from atoll.errors import LaunchError, RankFailure
 from atoll.launch.ray_placement import span
 

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import os
 
-from atoll.launch.device import call_rank
-from atoll.errors import LayoutError
+from atoll.launch.rank import call_rank
+from atoll.errors import LaunchError, LayoutError
 
 
 def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def require_torchrun() -> None:
+    """torchrun's job, or a LaunchError saying how to start one."""
+    if not in_torchrun():
+        raise LaunchError("--launcher torchrun needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+                          "MASTER_PORT): start with `torchrun --nproc-per-node N -m atoll generate ...`, "
+                          "or use --launcher local")
 
 
 def run_torchrun(fn, world_size: int, *args, device: str = "cpu", placement=None,
@@ -23,9 +31,7 @@ def run_torchrun(fn, world_size: int, *args, device: str = "cpu", placement=None
 
     from atoll.launch.device import agree_through_store, backend_for, bind, decide, local_rank_from_env
 
-    from atoll.launch.launchers import check_launcher
-
-    check_launcher("torchrun")
+    require_torchrun()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != world_size:
         raise LayoutError(f"the layout needs {world_size} ranks but torchrun started {world}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from atoll.errors import CheckpointError
+from atoll.models.safetensors_header import HeaderSource, slice_stops
 
 INDEX = "model.safetensors.index.json"
 
@@ -31,8 +32,6 @@ class Source:
 
     def __getitem__(self, index):
         import torch
-
-        from atoll.models.shape_check import slice_stops
 
         past = [(d, s) for d, s in enumerate(slice_stops(index, len(self._shape))) if s and s > self._shape[d]]
         if past:  # safetensors would hand back a shorter slice; the header check names it before this
@@ -149,8 +148,6 @@ class Checkpoint:
         return tuple(self._slice(name).get_shape())
 
     def header(self, name: str):
-        from atoll.models.shape_check import HeaderSource
-
         return HeaderSource(name, self.shape(name))
 
     def dtype(self, name: str) -> str:
@@ -178,32 +175,6 @@ class Checkpoint:
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
-
-
-def check_layout_fits(model_dir, config, layout) -> None:
-    """Every rank's weight slices checked against the checkpoint's headers, in this process:
-    first each tensor whole against the config (models/shape_check.py: a wrong shape is named
-    with its file and both shapes), then the first and last rank of each pipeline stage build
-    their part on `meta` and run their weight_loaders over header-only sources (sharding is
-    uniform, so the ends of each stage stand for the ranks between). Raises the CheckpointError the rank would have raised, and
-    names a tensor that no stage has a parameter for (the ranks check expert ids too)."""
-    import torch
-
-    from atoll.models import build_model
-    from atoll.models.shape_check import check_shapes
-    from atoll.models.strict import check_all_read
-    from atoll.parallel.mesh import ParallelContext
-
-    ckpt = Checkpoint(model_dir)
-    check_shapes(ckpt, config)  # every tensor whole, against the config, before any slicing
-    stage = layout.stage_size
-    ranks = sorted({r for p in range(layout.pp) for r in (p * stage, p * stage + stage - 1)})
-    offered = set()
-    for rank in ranks:
-        ctx = ParallelContext.detached(layout, rank, device="meta")
-        model = build_model(config, ctx, dtype=torch.float32)
-        offered |= load_weights(model, ckpt, get=ckpt.header).offered
-    check_all_read(ckpt, offered, config)
 
 
 @dataclass

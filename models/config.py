@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from atoll.errors import ConfigError
+from atoll.models.jsonfile import read_json_object
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
@@ -219,7 +220,6 @@ class ModelConfig:
             raise ConfigError(f"no config.json at {p}")
         if not f.is_file():
             raise ConfigError(f"{f} is a directory, not a config.json file")
-        from atoll.engine.tokenizer import read_json_object
 
         d = read_json_object(f, ConfigError)
         try:

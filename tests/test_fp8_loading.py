@@ -91,7 +91,7 @@ def _logits(rank, world, model_dir, layout):
     spec = RunSpec.of(str(model_dir), layout, max_model_len=64, max_num_seqs=len(PROMPTS), num_blocks=16)
     ctx = ParallelContext.single() if world == 1 else ParallelContext.create(Layout.parse(layout), rank)
     runner = ModelRunner(spec, ctx)
-    size = spec.block_size
+    size = spec.engine.block_size
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(PROMPTS))]
     prompts = [list(p) for p in PROMPTS]
     outs = []

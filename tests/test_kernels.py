@@ -24,6 +24,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from atoll import kernels  # noqa: E402
 from atoll.kernels import backend, reference  # noqa: E402
 from atoll.kernels.backend import KernelError  # noqa: E402
+from atoll.config import resolve  # noqa: E402
+from atoll.errors import InputError  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 IN_PROCESS = ON_GPU or backend.triton_interpreted() is not False
@@ -55,8 +57,8 @@ def triton_path(monkeypatch):
     monkeypatch.setattr("atoll.kernels.ops.reference", _NoReference())
     monkeypatch.setattr("atoll.kernels.moe.reference", _NoReference())
     if ON_GPU:
-        monkeypatch.setenv(backend.ENV, "triton")
-        yield
+        with backend.using("triton"):
+            yield
     else:
         with backend.interpreter():
             yield
@@ -79,26 +81,27 @@ def test_import_does_not_import_triton():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_auto_picks_reference_on_cpu_and_triton_on_cuda(monkeypatch):
-    monkeypatch.delenv(backend.ENV, raising=False)
+def test_auto_picks_reference_on_cpu_and_triton_on_cuda():
+    assert backend.mode() == "auto"
     assert not backend.use_triton(torch.ones(2))
     fake_cuda = types.SimpleNamespace(is_cuda=True)
     assert backend.use_triton(fake_cuda)
     assert not backend.use_triton(fake_cuda, torch.ones(2))  # any CPU tensor: reference
 
 
-def test_env_forces_reference(monkeypatch):
-    monkeypatch.setenv(backend.ENV, "torch")
-    assert not backend.use_triton(types.SimpleNamespace(is_cuda=True))
+def test_mode_torch_forces_reference():
+    with backend.using("torch"):
+        assert not backend.use_triton(types.SimpleNamespace(is_cuda=True))
+    assert backend.mode() == "auto" and backend.use_triton(types.SimpleNamespace(is_cuda=True))
 
 
 def test_bad_env_value_and_cpu_without_interpreter_are_clear_errors(monkeypatch):
-    monkeypatch.setenv(backend.ENV, "cuda")
-    with pytest.raises(KernelError, match="ATOLL_KERNELS='cuda' is not one of auto, torch, triton"):
-        backend.use_triton(torch.ones(1))
-    monkeypatch.setenv(backend.ENV, "triton")
+    with pytest.raises(KernelError, match="kernels='cuda' is not one of auto, torch, triton"):
+        backend.configure("cuda")
+    with pytest.raises(InputError, match="kernels 'cuda' is not one of auto, torch, triton"):
+        resolve(environ={"ATOLL_KERNELS": "cuda"})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(KernelError, match="needs TRITON_INTERPRET=1"):
+    with backend.using("triton"), pytest.raises(KernelError, match="needs TRITON_INTERPRET=1"):
         backend.use_triton(torch.ones(1))
 
 

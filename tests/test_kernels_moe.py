@@ -8,7 +8,7 @@ import torch
 from test_kernels import DEVICE, TOL, assert_close, triton_path  # noqa: F401  (triton_path: fixture)
 
 from atoll import kernels  # noqa: E402
-from atoll.kernels import reference  # noqa: E402
+from atoll.kernels import backend, reference  # noqa: E402
 from atoll.kernels.configs import GemmConfig, MoeConfig  # noqa: E402
 
 HIDDEN, INTER = 48, 40  # neither a multiple of the small tiles below
@@ -240,9 +240,8 @@ def test_fused_moe_matches_transformers_mixtral_experts(request, monkeypatch, pa
         want = experts(x, ids, topk_weights)
         if path == "triton":
             request.getfixturevalue("triton_path")
-        else:
-            monkeypatch.setenv("ATOLL_KERNELS", "torch")
-        got = kernels.fused_moe(x, experts.gate_up_proj, experts.down_proj, ids, topk_weights, config=SMALL)
+        with backend.using("triton" if path == "triton" else "torch"):
+            got = kernels.fused_moe(x, experts.gate_up_proj, experts.down_proj, ids, topk_weights, config=SMALL)
     assert_close(got, want)
 
 

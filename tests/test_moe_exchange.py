@@ -13,10 +13,11 @@ from reference import reference_cache
 from atoll.comm.dispatch import Dispatcher
 from atoll.comm.exchange import gather_combine
 from atoll.comm.group import Group
-from atoll.errors import ConfigError
+from atoll.config import resolve
+from atoll.errors import ConfigError, InputError
 from atoll.kernels import reference
 from atoll.launch.local import run_local
-from atoll.layers.moe import Experts, exchange_default
+from atoll.layers.moe import Experts
 
 HIDDEN, INTER = 16, 8
 # (experts, top-k, rows per rank): 6 over 4 ranks splits [2, 2, 1, 1], 5 over 2 [3, 2]
@@ -149,12 +150,13 @@ def test_gather_combine_skips_other_ranks_experts():
     torch.testing.assert_close(got, reference.fused_moe(x, ex.w13, ex.w2, ids, w), rtol=1e-5, atol=1e-5)
 
 
-def test_exchange_choice_is_checked(monkeypatch):
-    monkeypatch.setenv("ATOLL_MOE_EXCHANGE", "sideways")
-    with pytest.raises(ConfigError, match="ATOLL_MOE_EXCHANGE='sideways' is not one of auto, alltoall, gather"):
-        exchange_default()
-    monkeypatch.setenv("ATOLL_MOE_EXCHANGE", "Gather")
-    assert exchange_default() == "gather"
+def test_exchange_choice_is_checked():
+    with pytest.raises(InputError, match="moe_exchange 'sideways' is not one of auto, alltoall, gather"):
+        resolve(environ={"ATOLL_MOE_EXCHANGE": "sideways"})
+    assert resolve(environ={"ATOLL_MOE_EXCHANGE": "Gather"}).moe_exchange == "gather"
+    assert resolve({"moe_exchange": "alltoall"}, environ={"ATOLL_MOE_EXCHANGE": "gather"}).moe_exchange == "alltoall"
+    with pytest.raises(ConfigError, match="ATOLL_MOE_GATHER_ROWS='x' must be a whole number"):
+        resolve(environ={"ATOLL_MOE_GATHER_ROWS": "x"})
 
 
 # --- greedy tokens through the model, each exchange forced ---

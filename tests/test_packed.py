@@ -1,4 +1,4 @@
-"""MKL-packed decode weights (opt-in, ATOLL_MKL_PACK=1): F.linear to float32 tolerance (bit for
+"""MKL-packed decode weights (opt-in: the config's mkl_pack, env ATOLL_MKL_PACK=1): F.linear to float32 tolerance (bit for
 bit on some CPUs, not on every one), packed only for a batch size that persists."""
 
 import pytest
@@ -8,11 +8,6 @@ import torch.nn.functional as F
 from atoll.layers import packed
 
 pytestmark = pytest.mark.skipif(not packed.mkl_can_pack(), reason="torch without MKL packed GEMM")
-
-
-@pytest.fixture(autouse=True)
-def packing_on(monkeypatch):
-    monkeypatch.setenv("ATOLL_MKL_PACK", "1")
 
 
 def test_packed_linear_is_f_linear():
@@ -42,9 +37,9 @@ def test_packs_after_a_size_persists_and_only_float32_cpu_weights():
     assert packer.rows == 4
 
 
-def test_off_unless_asked_for(monkeypatch):
-    assert packed.available()
-    monkeypatch.setenv("ATOLL_MKL_PACK", "0")
-    assert not packed.available()
-    monkeypatch.delenv("ATOLL_MKL_PACK")
-    assert not packed.available()
+def test_off_unless_asked_for():
+    from atoll.config import resolve
+
+    assert resolve(environ={}).mkl_pack is False
+    assert resolve(environ={"ATOLL_MKL_PACK": "1"}).mkl_pack is True
+    assert resolve(environ={"ATOLL_MKL_PACK": "0"}).mkl_pack is False
