@@ -314,15 +314,9 @@ def _placement(args) -> dict:
 def _writes_output(launcher: str) -> bool:
     """Whether this process writes the output: always, except under torchrun/mpirun, where
     every rank runs this command and rank 0 writes."""
-    import os
+    from atoll.launch.launchers import is_first_rank
 
-    if launcher == "torchrun":
-        return os.environ.get("RANK", "0") == "0"
-    if launcher == "mpi":
-        from atoll.launch.mpi_launcher import _ENV_RANK
-
-        return next((os.environ[k] for k in _ENV_RANK if k in os.environ), "0") == "0"
-    return True
+    return is_first_rank(launcher)
 
 
 def _progress(launcher: str, total: int, done, *, bar: bool):

@@ -22,6 +22,20 @@ def detect() -> str:
     return "local"
 
 
+def is_first_rank(name: str) -> bool:
+    """Whether this process is rank 0 of its job: always for local and Ray (the driver),
+    by the launcher's variables under torchrun (RANK) and mpirun (its world rank)."""
+    import os
+
+    if name == "torchrun":
+        return os.environ.get("RANK", "0") == "0"
+    if name == "mpi":
+        from atoll.launch.mpi_launcher import _ENV_RANK
+
+        return next((os.environ[k] for k in _ENV_RANK if k in os.environ), "0") == "0"
+    return True
+
+
 def check_launcher(name: str, *, device: str = "cpu", world_size: int = 1) -> None:
     """torchrun and mpi join a job their launcher started: refuse them outside one. The local
     launcher's ranks all live here, so their devices are checked here too."""

@@ -118,7 +118,7 @@ def cluster():
     ray = pytest.importorskip("ray", reason="the Ray launcher tests need `pip install ray`")
     from ray.cluster_utils import Cluster
 
-    from atoll.launch.ray_launcher import loopback_only
+    from atoll.launch.ray_cluster import loopback_only
 
     with loopback_only():  # every Ray server the cluster starts stays on 127.0.0.1
         c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))

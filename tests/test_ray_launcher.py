@@ -17,7 +17,8 @@ from launch_fns import collective, device_report, die_on_rank, raise_on_rank  # 
 
 from atoll.errors import LaunchError, RankFailure  # noqa: E402
 from atoll.launch.device import DeviceError  # noqa: E402
-from atoll.launch.ray_launcher import gpu_index, node_groups, run_ray  # noqa: E402
+from atoll.launch.ray_cluster import node_groups  # noqa: E402
+from atoll.launch.ray_launcher import gpu_index, run_ray  # noqa: E402
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(300)
