@@ -8,6 +8,8 @@ kernels=triton forces Triton (on CPU only under TRITON_INTERPRET=1; see
 backend.interpreter()). Importing this package does not import triton.
 """
 
+import importlib
+
 __all__ = ["KernelError", "MoeAlignment", "fused_moe", "grouped_gemm", "interpreter", "moe_align",
            "rms_norm", "rotary_", "unpermute_reduce", "use_triton"]
 
@@ -20,8 +22,6 @@ _WHERE = {"MoeAlignment": "alignment", "KernelError": "backend", "interpreter": 
 def __getattr__(name):
     if name not in _WHERE:
         raise AttributeError(f"module 'atoll.kernels' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f"atoll.kernels.{_WHERE[name]}"), name)
     globals()[name] = value  # bound once, as an eager import would
     return value
