@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from atoll.kernels.backend import use_triton
+from atoll.kernels.ops import paged_decode_attention
 
 
 @dataclass
@@ -187,8 +188,6 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
     if q.shape[0] == 0:  # an idle DP replica still runs the layer (its MoE joins the collectives)
         return q
     if meta.is_decode and use_triton(q, k_cache):  # reads the paged cache in place
-        from atoll.kernels.ops import paged_decode_attention
-
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens(),
                                       sliding_window=sliding_window, scale=scale)
     if meta.is_decode:
