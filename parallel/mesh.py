@@ -14,10 +14,12 @@ rows across islands over a rail and inside an island over its ep_island group on
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from atoll.comm.group import Group
 from atoll.config import EngineConfig
@@ -140,10 +142,6 @@ class ParallelContext:
         """Make every group; all ranks must call this together (new_group is collective).
         Without islands (nodes) in `options`, the ranks of one node form one island (node):
         `node` names this rank's (its launcher says; default the host name)."""
-        import dataclasses
-
-        import torch.distributed as dist
-
         options = options or ContextOptions()
         if (options.islands is None or options.nodes is None) and layout.world_size > 1:
             hosts = host_islands(layout.world_size, node)
@@ -198,8 +196,6 @@ class ParallelContext:
 def host_islands(world_size: int, node: str | None = None) -> tuple[int, ...]:
     """rank -> island id, one island per node (collective: every rank calls it with its own
     node name, default the host name; the Ray launcher names Ray's nodes)."""
-    import torch.distributed as dist
-
     hosts = [None] * world_size
     dist.all_gather_object(hosts, node or socket.gethostname())
     ids: dict[str, int] = {}

@@ -9,6 +9,10 @@ every engine's groups, in the same order, and keeps those of its own engine.
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch.distributed as dist
+
 from atoll.comm.group import Group
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ContextOptions, ParallelContext, group_ranks
@@ -35,10 +39,6 @@ def create_part(layouts: list[Layout], rank: int, device="cpu",
                 options: ContextOptions | None = None) -> tuple[int, ParallelContext]:
     """(engine index, this rank's ParallelContext inside its engine). All job ranks call it
     together. Every rank is taken to be on one host (the local launcher): one island."""
-    import dataclasses
-
-    import torch.distributed as dist
-
     total = sum(lay.world_size for lay in layouts)
     mine, local = engine_of(layouts, rank)
     groups = {}

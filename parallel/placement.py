@@ -9,9 +9,10 @@ TP over PCIe inside a box is normal, TP over the network is what we refuse by de
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
-from atoll.errors import LayoutError
+from atoll.errors import LaunchError, LayoutError
 from atoll.parallel.layout import Layout
 
 
@@ -116,8 +117,6 @@ def placement_mismatches(placement: Placement, hosts: list[str], gpus: list[int]
     by_name = any(n in hosts or n in short for n in names)
     host_of: dict[int, str] = {}  # planned node -> the host most of its ranks run on, one host each
     if not by_name:
-        from collections import Counter
-
         for node in placement.nodes:
             seen = Counter(hosts[r] for r in placement.ranks_on(node)).most_common()
             free = [h for h, _ in seen if h not in host_of.values()]
@@ -142,7 +141,5 @@ def check_job_placement(placement: Placement, hosts: list[str], gpus: list[int],
     more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
     line = f"the job's ranks differ from the plan: {', '.join(diff[:4])}{more}"
     if strict:
-        from atoll.errors import LaunchError
-
         raise LaunchError(line + " (--strict-placement)")
     return line
