@@ -9,10 +9,10 @@ step runs eagerly on both sides. The 1-minute load average is read before and af
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
+
+from atoll.bench.harness import Run
 
 
 def add_parser(sub) -> None:
@@ -37,17 +37,13 @@ def run(args) -> int:
     from atoll.engine.kv_transfer import analytic_bytes
     from atoll.parallel.layout import Layout
 
-    if args.model is None:
-        from atoll.models.gguf import demo_model_dir
-
-        args.model = str(demo_model_dir(progress=not args.json))
-    load_before = os.getloadavg()[0]
+    bench = Run(args.model, quiet=args.json)
     rng = random.Random(args.seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     runs = {}
     for name, kw in (("colocated " + args.colocated, {"layout": args.colocated}),
                      (f"{args.prefill} -> {args.decode}", {"prefill": args.prefill, "decode": args.decode})):
-        llm = LLM(args.model, enforce_eager=True, **kw)
+        llm = LLM(bench.model, enforce_eager=True, **kw)
         vocab = llm.config.vocab_size
         rng.seed(args.seed)
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
@@ -67,15 +63,16 @@ def run(args) -> int:
     report = {"runs": {k: {f: v for f, v in r.items() if f != "tokens"} for k, r in runs.items()},
               "analytic_kv_mib": args.requests * analytic_bytes(llm.config, Layout.parse(args.decode),
                                                                 args.prompt_len, itemsize) / 2**20,
-              "identical": first["tokens"] == second["tokens"],
-              "load_before": load_before, "load_after": os.getloadavg()[0]}
-    if args.json:
-        print(json.dumps(report))
-        return 0
+              "identical": first["tokens"] == second["tokens"]}
+    bench.note()
+    bench.emit(report, as_json=args.json, render=render)
+    return 0
+
+
+def render(report: dict) -> None:
     print(f"{'':26s}{'wall (s)':>10s}{'TTFT med (s)':>14s}{'TPOT med (s)':>14s}{'KV sent (MiB)':>15s}")
     for name, r in report["runs"].items():
         print(f"{name:26s}{r['wall_s']:10.2f}{r['ttft_s']:14.3f}{r['tpot_s']:14.4f}{r['kv_mib']:15.2f}")
     print(f"analytic KV {report['analytic_kv_mib']:.2f} MiB; tokens identical: "
-          f"{'yes' if report['identical'] else 'NO'}; load average (1 min) {load_before:.2f} before, "
-          f"{report['load_after']:.2f} after, on {os.cpu_count()} cores")
-    return 0
+          f"{'yes' if report['identical'] else 'NO'}; load average (1 min) {report['load_avg_1m'][0]:.2f} "
+          f"before, {report['load_avg_1m'][-1]:.2f} after, on {report['cores']} cores")

@@ -51,12 +51,11 @@ with glibc's defaults a freed 16 MiB buffer often goes back to the OS and the ne
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import time
 
 from atoll.bench.dispatch_groups import CLASSES, GROUPS, keep_freed_memory, make_groups, time_sides
+from atoll.bench.harness import Run
 from atoll.errors import ConfigError
 
 SWEEP_ROWS = "1,2,4,8,16,32,64"
@@ -144,11 +143,9 @@ def run(args) -> int:
     from atoll.bench.dispatch_sweep import _sweep_rank, render_sweep
 
     cfg = check(args)
-    result = run_local(_sweep_rank if cfg["sweep"] else _rank, cfg["ep"], cfg, timeout_s=590)[0]
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        (render_sweep if cfg["sweep"] else render)(result)
+    with Run(needs_model=False) as bench:
+        result = run_local(_sweep_rank if cfg["sweep"] else _rank, cfg["ep"], cfg, timeout_s=590)[0]
+    bench.emit(result, as_json=args.json, render=render_sweep if cfg["sweep"] else render)
     return 0
 
 

@@ -15,10 +15,10 @@ gather side runs more of it (layers/moe.py Experts.weighted), which is its cost 
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
+from atoll.bench.harness import Run
 from atoll.errors import ConfigError
 
 
@@ -62,16 +62,21 @@ def run(args) -> int:
     from atoll.launch.local import run_local
 
     cfg = check(args)
-    result = run_local(_rank, cfg["ep"], cfg, timeout_s=590, threads=1)[0]
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
+    with Run(needs_model=False) as bench:
+        result = run_local(_rank, cfg["ep"], cfg, timeout_s=590, threads=1)[0]
+    bench.emit(result | {"config": cfg}, as_json=args.json, render=render)
+    return 0
+
+
+def render(result: dict) -> None:
+    cfg = result["config"]
     print(f"ep {cfg['ep']}, {cfg['experts']} experts top-{cfg['topk']}, hidden {cfg['hidden']}, inter "
           f"{cfg['inter']}, {'replicated' if cfg['replicated'] else 'own'} rows; medians of {cfg['iters']}, ms")
     print(f"{'rows/rank':>9} {'all_to_all':>10} {'gather':>8} {'gather/a2a':>10}")
     for r in result["rows"]:
         print(f"{r['rows']:>9} {r['alltoall_ms']:>10.3f} {r['gather_ms']:>8.3f} {r['ratio']:>10.2f}")
-    return 0
+    print(f"load average (1 min) {result['load_avg_1m'][0]:.2f} before, {result['load_avg_1m'][-1]:.2f} after, "
+          f"on {result['cores']} cores")
 
 
 def _rank(rank: int, world: int, cfg: dict) -> dict:

@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 
+from atoll.bench.harness import Run
 from atoll.errors import ConfigError
 
 DENSE_LAYOUTS = ("TP1", "TP2", "PP2", "TP2PP2")
@@ -134,7 +135,7 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int, devic
 
     from atoll.calibrate.compute import probe_tflops
     from atoll.engine.runner import ModelRunner
-    from atoll.bench.model import time_atoll
+    from atoll.bench.model_rank import time_atoll
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
@@ -192,7 +193,7 @@ def run_check(args) -> int:
               "(run `atoll calibrate --out this.yaml` and check against that)", file=sys.stderr)
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] if args.layouts else None
     todo = [(name, d, lay) for name, d, lays in check_models(args.model, layouts) for lay in lays]
-    load = [os.getloadavg()[0]]
+    bench = Run(needs_model=False)
     ref = probe_ref(topology)
     rows = []
     for name, d, lay in tqdm(todo, desc="check", unit="layout", dynamic_ncols=True, disable=args.format == "json"):
@@ -206,19 +207,14 @@ def run_check(args) -> int:
                      **{f"predicted_{k}": pred[k] for k in ("ttft_s", "tpot_s")},
                      **{f"measured_{k}": meas[k] for k in ("ttft_s", "tpot_s")},
                      "ttft_error": pred["ttft_s"] / meas["ttft_s"] - 1, "tpot_error": pred["tpot_s"] / meas["tpot_s"] - 1})
-        load.append(os.getloadavg()[0])
-    result = {"topology": args.topology, "cores": os.cpu_count(), "batch": batch, "isl": isl, "osl": osl,
-              "rounds": args.rounds, "rows": rows, "load_avg_1m": [round(x, 2) for x in load],
+        bench.note()
+    result = {"topology": args.topology, "batch": batch, "isl": isl, "osl": osl, "rounds": args.rounds, "rows": rows,
               "median_abs_tpot_error": statistics.median(abs(r["tpot_error"]) for r in rows),
               "median_abs_ttft_error": statistics.median(abs(r["ttft_error"]) for r in rows)}
+    result = bench.record(result)
     if args.record:
         record(args.topology, result)
-    if args.format == "json":
-        import json
-
-        print(json.dumps(result, indent=1))
-    else:
-        render(result)
+    bench.emit(result, as_json=args.format == "json", render=render)
     return 0
 
 

@@ -18,11 +18,10 @@ prefill. The 1-minute load average is read before and after.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 
+from atoll.bench.harness import Run
 from atoll.errors import ConfigError
 
 
@@ -48,28 +47,22 @@ def run(args) -> int:
     for name in ("requests", "system_len", "unique_len", "output_len", "rounds", "max_num_seqs"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
-    if args.model is None:
-        from atoll.models.gguf import demo_model_dir
-
-        args.model = str(demo_model_dir(progress=not args.json))
-    llm, spec, requests = prepare(args)
-    if llm.layout.dp > 1:
-        raise ConfigError(f"layout {llm.layout}: the prefix bench runs layouts without dp")
-    load = [os.getloadavg()[0]]
-    result = run_local(_rank, llm.layout.world_size, spec, requests, args.rounds, timeout_s=3600,
-                       device=spec.engine.device)[0]
-    load.append(os.getloadavg()[0])
+    with Run(args.model, quiet=args.json) as bench:
+        args.model = bench.model
+        llm, spec, requests = prepare(args)
+        if llm.layout.dp > 1:
+            raise ConfigError(f"layout {llm.layout}: the prefix bench runs layouts without dp")
+        result = run_local(_rank, llm.layout.world_size, spec, requests, args.rounds, timeout_s=3600,
+                           device=spec.engine.device)[0]
     result |= {"model": args.model, "layout": str(llm.layout), "requests": args.requests,
                "system_len": args.system_len, "unique_len": args.unique_len, "output_len": args.output_len,
-               "rounds": args.rounds, "cores": os.cpu_count(), "load_avg_1m": [round(x, 2) for x in load]}
-    print(json.dumps(result, indent=2) if args.json else render(result))
+               "rounds": args.rounds}
+    bench.emit(result, as_json=args.json, render=render)
     return 0
 
 
 def prepare(args):
     """(LLM, RunSpec, requests): the shared system prompt plus each request's own tokens."""
-    from dataclasses import replace
-
     import torch
 
     from atoll.launch.api import LLM
@@ -85,12 +78,10 @@ def prepare(args):
     system = torch.randint(0, llm.config.vocab_size, (args.system_len,), generator=gen).tolist()
     own = torch.randint(0, llm.config.vocab_size, (args.requests, args.unique_len), generator=gen).tolist()
     requests = llm.prepare([system + o for o in own], SamplingParams(max_tokens=args.output_len, ignore_eos=True))
-    return llm, replace(llm.spec(requests), enable_prefix_caching=True), requests
+    return llm, llm.spec(requests).with_engine(enable_prefix_caching=True), requests
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
-    from dataclasses import replace
-
     from atoll.engine.generate import run_requests
     from atoll.engine.runner import ModelRunner
     from atoll.parallel.layout import Layout
@@ -103,7 +94,7 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
     runs = {False: [], True: []}
     for i in range(rounds):
         for caching in ((False, True) if i % 2 == 0 else (True, False)):
-            runner.spec = replace(spec, enable_prefix_caching=caching)
+            runner.spec = spec.with_engine(enable_prefix_caching=caching)
             ctx.world.barrier()
             runs[caching].append(measure(runner, requests))
     runner.spec = spec

@@ -208,8 +208,8 @@ def generate_disagg(llm, requests: list[Request], *, timeout_s: float | None = N
     first = [replace(r, params=replace(r.params, max_tokens=1)) for r in remote]
     seqs = min(o.max_num_seqs, max(1, -(-len(remote) // prefill.pp)))
     # the prefill engine never decodes: no compiled decode step or CUDA graphs to build there
-    pspec = llm.spec(first or None)
-    job = Job(prefill=replace(pspec, layout=str(prefill), cache_seqs=seqs, engine=replace(pspec.engine, enforce_eager=True)),
+    job = Job(prefill=replace(llm.spec(first or None).with_engine(enforce_eager=True), layout=str(prefill),
+                              cache_seqs=seqs),
               decode=llm.spec(requests), remote=tuple(remote), local=tuple(local), replica=replica,
               options=llm.context_options())
     try:
