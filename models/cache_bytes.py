@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atoll.layers.attention import KVCache
+from atoll.parallel.pipeline import stage_layers
+
 
 @dataclass(frozen=True)
 class TokenShape:
@@ -49,15 +52,11 @@ def kv_bytes_per_token_layer(*, kv_heads: int, head_dim: int, tp: int, itemsize:
 
 def kv_bytes_per_block(config, layout, itemsize: int, block_size: int) -> int:
     """One block of the largest pipeline stage's cache on one rank."""
-    from atoll.parallel.pipeline import stage_layers
-
     layers = max(end - start for start, end in stage_layers(config, layout.pp))
     return int(block_size * layers * token_shape(config, layout.tp).bytes(itemsize))
 
 
 def make_cache(config, tp: int, *, layers: int, blocks: int, block_size: int, dtype, device):
     """The paged cache of `layers` layers on one rank (layers.attention.KVCache; keys only for MLA)."""
-    from atoll.layers.attention import KVCache
-
     s = token_shape(config, tp)
     return KVCache(layers, blocks, s.heads, block_size, s.dim, dtype, device=device, values=s.values)

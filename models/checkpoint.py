@@ -11,8 +11,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from atoll.errors import CheckpointError
-from atoll.models.safetensors_header import HeaderSource, slice_stops
+from atoll.models import fp8
+from atoll.models.safetensors_header import HeaderSource, read_header, slice_stops
+from atoll.models.strict import check_all_read, check_filled, is_fp8_scale, source
+from atoll.models.unused import known_unused
 
 INDEX = "model.safetensors.index.json"
 
@@ -31,8 +37,6 @@ class Source:
         return self._shape
 
     def __getitem__(self, index):
-        import torch
-
         past = [(d, s) for d, s in enumerate(slice_stops(index, len(self._shape))) if s and s > self._shape[d]]
         if past:  # safetensors would hand back a shorter slice; the header check names it before this
             d, stop = past[0]
@@ -49,8 +53,6 @@ class Source:
 def tensor_names(directory: str | Path) -> set[str]:
     """The tensor names a checkpoint directory holds, from its index or its files' headers
     (the 8-byte length and the JSON header of each safetensors file: no tensor is read)."""
-    from atoll.models.safetensors_header import read_header
-
     d = Path(directory)
     index = d / INDEX
     try:
@@ -104,10 +106,6 @@ class Checkpoint:
     def _open(self, filename: str):
         handle = self._files.get(filename)
         if handle is None:
-            from safetensors import safe_open
-
-            from atoll.models.safetensors_header import read_header
-
             path = self.dir / filename
             keys = set(read_header(path))  # a truncated file: named with the tensor it cuts
             try:
@@ -201,10 +199,6 @@ def load_weights(model, ckpt: Checkpoint, *, get=None, world=None) -> Loaded:
     checkpoint, so does a tensor that no rank read and models/unused.py does not list for the
     family (every rank of world must call this: they agree through one all_reduce).
     """
-    from atoll.models import fp8
-    from atoll.models.strict import check_all_read, check_filled, is_fp8_scale, source
-    from atoll.models.unused import known_unused
-
     get = get or ckpt.get  # ckpt.header: shapes only (check_layout_fits)
     config = getattr(model, "config", None)  # None: a bare module (a test's block) skips nothing
     block = fp8.block_size(getattr(config, "raw", None) or {})

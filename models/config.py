@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from atoll.errors import ConfigError
@@ -225,9 +225,7 @@ class ModelConfig:
         try:
             config = cls.from_dict(d)
             if config.tie_word_embeddings and p.is_dir():
-                from dataclasses import replace
-
-                from atoll.models.checkpoint import tensor_names
+                from atoll.models.checkpoint import tensor_names  # lazy: imports torch; ModelConfig does not
 
                 # a tied model that still stores its own lm_head.weight: transformers then keeps
                 # that tensor as the head (it ties only when the two are equal), and so does atoll

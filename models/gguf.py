@@ -16,6 +16,8 @@ import struct
 import sys
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from atoll.config import resolve
 from atoll.errors import CheckpointError, ConfigError
 
@@ -127,8 +129,7 @@ def convert_gguf(gguf_path, out_dir, *, dtype=None, overwrite: bool = False,
     _check_gguf_file(gguf_path)
     _check_out_dir(out_dir, overwrite, _legacy_demo)
     _require_convert_packages()
-    import torch
-    from tqdm.auto import tqdm
+    import torch  # lazy: gguf.py is otherwise torch-free (cache_dir, demo_model_dir)
 
     dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else (dtype or torch.float32)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -163,7 +164,7 @@ def _step(bar, name: str) -> None:
 
 
 def _convert_into(gguf_path: Path, tmp: Path, dtype, bar) -> None:
-    import torch
+    import torch  # lazy: gguf.py is otherwise torch-free
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -213,7 +214,7 @@ def _write_config(model, tmp: Path, dtype, version: str) -> None:
 def _write_weights(model, path: Path, dtype) -> None:
     """Each storage once: tied weights keep their first name (embed_tokens), as
     transformers' own save drops `lm_head.weight` when embeddings are tied."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: imports torch
 
     tensors, seen = {}, set()
     for key, t in model.state_dict().items():

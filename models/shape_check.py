@@ -14,8 +14,12 @@ from __future__ import annotations
 import torch
 
 from atoll.errors import CheckpointError
+from atoll.models import build_model
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.models.safetensors_header import HeaderSource, slice_stops
+from atoll.models.strict import check_all_read
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
 
 
 class ProbeSlice(torch.Tensor):
@@ -55,10 +59,6 @@ def check_shapes(ckpt, config) -> None:
     rank started: the whole model's weight_loaders run over ShapeProbes on one meta rank. A
     dimension a loader reads to a bound must end there; one it reads whole (`:`) is compared
     when it is copied. Raises CheckpointError naming the first tensor that differs and its file."""
-    from atoll.models import build_model
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ParallelContext
-
     model = build_model(config, ParallelContext.detached(Layout(), 0, device="meta"), dtype=torch.float32)
     reach: dict[str, list] = {}
     load_weights(model, ckpt, get=lambda name: ShapeProbe(name, ckpt.shape(name), reach))
@@ -79,10 +79,6 @@ def check_layout_fits(model_dir, config, layout) -> None:
     their part on `meta` and run their weight_loaders over header-only sources (sharding is
     uniform, so the ends of each stage stand for the ranks between). Raises the CheckpointError
     the rank would have raised, and names a tensor that no stage has a parameter for (the ranks check expert ids too)."""
-    from atoll.models import build_model
-    from atoll.models.strict import check_all_read
-    from atoll.parallel.mesh import ParallelContext
-
     ckpt = Checkpoint(model_dir)
     check_shapes(ckpt, config)  # every tensor whole, against the config, before any slicing
     stage = layout.stage_size

@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from atoll.errors import CheckpointError
 from atoll.models import fp8
+from atoll.models.unused import known_unused
 
 LOADABLE = ("F32", "F16", "BF16", "F64")  # safetensors' names, cast to the compute dtype as copied
 
@@ -59,10 +62,6 @@ def check_all_read(ckpt, read: set, config, world=None) -> None:
     """Every checkpoint tensor was read by some rank of `world` (a Group; None: this process
     alone), or is known unused for config's family; else name the first one nobody read.
     Every rank of world must call it: the ranks agree through one all_reduce."""
-    import torch
-
-    from atoll.models.unused import known_unused
-
     names = ckpt.names()
     flags = [int(n in read) for n in names]
     if world is not None and world.size > 1:
