@@ -4,7 +4,8 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name):
-    # Lazy (PEP 562): `atoll.engine.config` is read to build the CLI, which must not import torch.
+    # lazy (PEP 562): importing any atoll.engine.<module> runs this file, and LLM brings the whole
+    # runtime (torch, models, layers); engine.blocks and engine.tokenizer stay torch-free
     if name in ("LLM", "RequestOutput"):
         from atoll.engine import llm
 

@@ -12,8 +12,10 @@ recently used named one (its name is forgotten).
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
 from array import array
+from collections import OrderedDict
+
+import psutil
 
 
 def block_hash(parent: bytes | None, tokens) -> bytes:
@@ -123,6 +125,4 @@ def copy_fits(nbytes: int, ranks_here: int) -> bool:
 
 def available_memory() -> int:
     """Bytes this machine can still give (psutil's available memory)."""
-    import psutil
-
     return psutil.virtual_memory().available

@@ -29,16 +29,20 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
+from atoll.comm.group import Group
 from atoll.engine import kv_transfer
 from atoll.engine.blocks import block_hash
 from atoll.engine.generate import Request, run_requests
-from atoll.engine.runner import RunSpec
+from atoll.engine.runner import ModelRunner, RunSpec
 from atoll.engine.sampling import SamplerState
-from atoll.errors import AtollError, RankFailure
 from atoll.engine.scheduler import Sequence
+from atoll.errors import AtollError, RankFailure
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ContextOptions
+from atoll.parallel.parts import bases, create_part, engine_of
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,6 @@ def disagg_worker(rank: int, world_size: int, job: Job, device: str = "cpu"):
     """Every rank of the job: build its engine's part, run it. Returns a dict: results
     (index -> result) on each decode replica's first rank, adopted (indices whose KV came
     from the prefill engine), sent (index -> KV bytes this prefill rank sent)."""
-    import torch.distributed as dist
-
-    from atoll.comm.group import Group
-    from atoll.engine.runner import ModelRunner
-    from atoll.parallel.parts import bases, create_part
-
     layouts = job.layouts
     engine, ctx = create_part(layouts, rank, device, job.options)
     world = Group(dist.group.WORLD, range(world_size), rank, "job", device)
@@ -125,8 +123,6 @@ def _prefill(runner, world, job: Job, decode_base: int) -> dict[int, int]:
 def _store():
     """The job's rendezvous store: headers go through it, so the decode ranks can check for
     one without blocking (a gloo irecv reports completion only once waited on)."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
     return _get_default_store()
 
 
@@ -215,8 +211,6 @@ def generate_disagg(llm, requests: list[Request], *, timeout_s: float | None = N
     try:
         values = llm.run(disagg_worker, prefill.world_size + decode.world_size, job, timeout_s=timeout_s)
     except RankFailure as e:
-        from atoll.parallel.parts import engine_of
-
         engine, local_rank = engine_of([prefill, decode], e.rank)
         raise EngineFailure(("prefill", "decode")[engine], local_rank, e) from e
     results, adopted, sent = {}, set(), {}

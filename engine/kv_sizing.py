@@ -10,7 +10,10 @@ Every rank of a job runs the same scheduler, so all take the smallest count (min
 
 from __future__ import annotations
 
+import torch
+
 from atoll.errors import InputError
+from atoll.layers.attention import AttentionMetadata
 
 
 def blocks_per_seq(max_model_len: int, block_size: int) -> int:
@@ -65,10 +68,6 @@ def profile_activation_peak(runner, tokens: int) -> int:
     """Bytes the device allocates above what it holds now while this stage runs a prefill of
     `tokens` tokens (sequences of up to max_model_len) into a throwaway cache. Every rank of the
     job calls it together (its MoE and TP collectives run)."""
-    import torch
-
-    from atoll.layers.attention import AttentionMetadata
-
     spec, cfg, dev = runner.spec, runner.config, runner.device
     seq_len = min(tokens, spec.max_model_len)
     lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])

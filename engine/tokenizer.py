@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
 from atoll.errors import CheckpointError
 from atoll.models.jsonfile import first_line as _first_line, read_json_object
 
@@ -18,8 +22,6 @@ def _token_text(tok, path: Path, key: str) -> str | None:
 
 class Tokenizer:
     def __init__(self, directory: str | Path):
-        from tokenizers import Tokenizer as HFTokenizer
-
         d = self.dir = Path(directory)
         path = d / "tokenizer.json"
         if not path.exists():
@@ -62,8 +64,6 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat template")
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise CheckpointError(f"chat template: {message}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from atoll.engine.generate import Request, run_requests
 from atoll.engine.runner import ModelRunner, RunSpec
 from atoll.parallel import links
@@ -41,8 +43,6 @@ def generate_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Re
         counted = links.rank_bytes(ctx, runner.model, compiled=runner.decode_step is not None)
         sent = _gather(counted, rank, world_size)
     if layout.dp > 1:
-        import torch.distributed as dist
-
         parts = [None] * world_size if rank == 0 else None
         dist.gather_object(results if leader else {}, parts, dst=0)
         if rank == 0:
@@ -57,8 +57,6 @@ def _gather(mine, rank: int, world_size: int) -> list | None:
     """Every rank's `mine` on rank 0 (a list there, None elsewhere)."""
     if world_size == 1:
         return [mine]
-    import torch.distributed as dist
-
     parts = [None] * world_size if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
     return parts
