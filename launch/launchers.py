@@ -6,15 +6,18 @@ this process is already one rank among many (launched by torchrun or mpirun).
 
 from __future__ import annotations
 
+import os
+
 from atoll.errors import InputError
+from atoll.launch.local import local_devices, run_local
+from atoll.launch.mpi_launcher import _ENV_RANK, in_mpi, run_mpi
+from atoll.launch.ray_launcher import run_ray
+from atoll.launch.torchrun import in_torchrun, require_torchrun, run_torchrun
 
 LAUNCHERS = ("auto", "local", "torchrun", "ray", "mpi")
 
 
 def detect() -> str:
-    from atoll.launch.mpi_launcher import in_mpi
-    from atoll.launch.torchrun import in_torchrun
-
     if in_torchrun():
         return "torchrun"
     if in_mpi():
@@ -25,13 +28,9 @@ def detect() -> str:
 def is_first_rank(name: str) -> bool:
     """Whether this process is rank 0 of its job: always for local and Ray (the driver),
     by the launcher's variables under torchrun (RANK) and mpirun (its world rank)."""
-    import os
-
     if name == "torchrun":
         return os.environ.get("RANK", "0") == "0"
     if name == "mpi":
-        from atoll.launch.mpi_launcher import _ENV_RANK
-
         return next((os.environ[k] for k in _ENV_RANK if k in os.environ), "0") == "0"
     return True
 
@@ -39,16 +38,10 @@ def is_first_rank(name: str) -> bool:
 def check_launcher(name: str, *, device: str = "cpu", world_size: int = 1) -> None:
     """torchrun and mpi join a job their launcher started: refuse them outside one. The local
     launcher's ranks all live here, so their devices are checked here too."""
-    from atoll.errors import LaunchError
-
     if name == "local":
-        from atoll.launch.local import local_devices
-
         local_devices(device, world_size)
 
     if name == "torchrun":
-        from atoll.launch.torchrun import require_torchrun
-
         require_torchrun()
 
 
@@ -64,22 +57,14 @@ def launch(fn, world_size: int, *args, launcher: str = "auto", ray_address: str 
         raise InputError(f"unknown launcher {launcher!r}; choose one of {', '.join(LAUNCHERS)}")
     name = detect() if launcher == "auto" else launcher
     if name == "local":
-        from atoll.launch.local import run_local
-
         return True, run_local(fn, world_size, *args, device=device, **kwargs)[0]
     if name == "ray":
-        from atoll.launch.ray_launcher import run_ray
-
         return True, run_ray(fn, world_size, *args, address=ray_address, device=device, placement=placement,
                              strict_placement=strict_placement, tp_size=tp_size, **kwargs)[0]
     if name == "torchrun":
-        from atoll.launch.torchrun import run_torchrun
-
         rank, value = run_torchrun(fn, world_size, *args, device=device, placement=placement,
                                    strict_placement=strict_placement, **kwargs)
     else:
-        from atoll.launch.mpi_launcher import run_mpi
-
         rank, value = run_mpi(fn, world_size, *args, device=device, placement=placement,
                               strict_placement=strict_placement, **kwargs)
     return rank == 0, value

@@ -12,17 +12,21 @@ under gloo's 10 minutes).
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 
 from atoll import config
+from atoll.errors import AtollError, LaunchError, RankFailure
+from atoll.launch.device import DeviceError, agree, bind, check_requested, decide, visible_gpus
+from atoll.launch.net import pin_interface, rendezvous
 from atoll.launch.rank import call_rank
-from atoll.errors import LaunchError, RankFailure
 
 _POLL_S = 0.1
 _BEAT_S = 0.5
@@ -45,8 +49,6 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, *, device
                      timeout_s: float | None = None) -> str:
     """Bind `device` and join the process group (its backend follows the device); rank 0
     serves the rendezvous store on addr:port only. Returns the device."""
-    from atoll.launch.net import pin_interface, rendezvous
-
     pin_interface(addr)  # gloo's own sockets on the same interface (lo for 127.0.0.1)
     listen = None
     if rank == 0:
@@ -77,26 +79,20 @@ def _heartbeat(beats, rank: int, parent: int) -> None:
 
 
 def _entry(fn, rank, world_size, port, results, threads, device, beats, parent, args, kwargs):
-    import threading
-
     threading.Thread(target=_heartbeat, args=(beats, rank, parent), daemon=True, name="atoll-heartbeat").start()
-    import torch
+    import torch  # lazy: after the heartbeat starts (importing torch takes seconds); launch/ is torch-free
 
     torch.set_num_threads(threads)
     try:
         if world_size > 1:
             init_distributed(rank, world_size, "127.0.0.1", port, device=device)
         else:
-            from atoll.launch.device import bind
-
             bind(device)
         value = call_rank(fn, rank, world_size, args, kwargs)
         # plain pickle copies tensors by value; the queue's own pickler would share them
         # through file descriptors that vanish when this process exits
         results.put(("ok", rank, pickle.dumps(value)))
     except BaseException as e:  # report every failure to the driver, then leave
-        from atoll.errors import AtollError
-
         line = str(e) if isinstance(e, AtollError) else f"{type(e).__name__}: {e}"
         results.put(("error", rank, line, traceback.format_exc()))
         results.close()
@@ -110,8 +106,6 @@ def _entry(fn, rank, world_size, port, results, threads, device, beats, parent, 
 def local_devices(requested: str, world_size: int, gpus: int | None = None) -> list[str]:
     """Each local rank's device: rank r on cuda:r when this machine shows a GPU per rank.
     More ranks than GPUs is an error unless the device is cpu (auto with no GPU is cpu)."""
-    from atoll.launch.device import DeviceError, agree, check_requested, decide, visible_gpus
-
     check_requested(requested)
     if requested == "cpu":
         return ["cpu"] * world_size
@@ -130,8 +124,6 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
     process group exists. fn must be importable (module level). Raises RankFailure naming the
     first rank that raised or died, after ending every other rank.
     """
-    import multiprocessing as mp
-
     devices = local_devices(device, world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -16,9 +16,13 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 
+from atoll.errors import AtollError, LaunchError, LayoutError, RankFailure
+from atoll.launch.device import bind, decide
+from atoll.launch.net import listen_socket, pin_interface, rendezvous, route_ip_to
 from atoll.launch.rank import call_rank
-from atoll.errors import LaunchError, LayoutError, RankFailure
+from atoll.parallel.placement import check_job_placement
 
 _ENV_RANK = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 # errors that only say a peer went away: the peer's own failure (its abort line, or mpirun's
@@ -56,8 +60,6 @@ def _master_address(comm) -> str:
     others = [h for h in hosts if h != hosts[0]]
     if not others:
         return "127.0.0.1"
-    from atoll.launch.net import route_ip_to
-
     try:
         return route_ip_to(others[0])
     except OSError:
@@ -77,7 +79,7 @@ def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: 
     rank, size = comm.Get_rank(), comm.Get_size()
     if size != world_size:
         raise LayoutError(f"the layout needs {world_size} ranks but mpirun started {size}")
-    import torch
+    import torch  # lazy: launch/ is torch-free until a rank runs
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this host
     local_rank, local_size = local.Get_rank(), local.Get_size()
@@ -87,8 +89,6 @@ def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: 
     host = socket.gethostname()
     try:
         if placement is not None:  # every rank's host and local rank (its GPU) against the plan
-            from atoll.parallel.placement import check_job_placement
-
             every = comm.allgather((host, local_rank))
             line = check_job_placement(placement, [h for h, _ in every], [g for _, g in every],
                                        strict=strict_placement)
@@ -96,14 +96,10 @@ def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: 
                 print(f"atoll: warning: {line}", file=sys.stderr, flush=True)
         value = _run(comm, fn, rank, size, local_rank, device, args, kwargs, timeout_s)
     except BaseException as e:
-        from atoll.errors import AtollError
-
         line = str(e) if isinstance(e, AtollError) else f"{type(e).__name__}: {e}"
         if not abort_on_error:
             raise RankFailure(rank, line, node=host) from e
         if any(p in line for p in _PEER_GONE):
-            import time
-
             time.sleep(_PEER_GRACE_S)  # mpirun usually ends this rank first, naming the real one
         print(f"atoll: error: rank {rank} on {host} failed: {line}", file=sys.stderr, flush=True)
         comm.Abort(2)
@@ -112,9 +108,6 @@ def run_mpi(fn, world_size: int, *args, abort_on_error: bool = True, timeout_s: 
 
 def _run(comm, fn, rank, size, local_rank, requested, args, kwargs, timeout_s):
     import torch.distributed as dist
-
-    from atoll.launch.device import bind, decide
-    from atoll.launch.net import listen_socket, pin_interface, rendezvous, route_ip_to
 
     device = decide(requested, local_rank)  # MPI's own view of the node, not an env variable
     if size == 1:

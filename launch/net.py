@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from datetime import timedelta
+
+from atoll.errors import LaunchError
+from atoll.launch.device import agree_through_store, backend_for, bind
 
 NODE_VAR = "ATOLL_NODE"  # set by a launcher whose nodes are not hosts: the Ray launcher's node id
 
@@ -78,20 +83,13 @@ def rendezvous(rank: int, world_size: int, addr: str, port: int, *, device: str 
     torch's own tcp:// rendezvous listens on every interface. Rank 0 then waits for every
     rank to check in and names the ones that did not, instead of a bare collective timeout.
     """
-    from datetime import timedelta
-
     import torch.distributed as dist
-
-    from atoll.errors import LaunchError
-    from atoll.launch.device import agree_through_store, backend_for, bind
 
     fd = listen.detach() if (rank == 0 and listen is not None) else None
     store = dist.TCPStore(addr, port, world_size, rank == 0, timedelta(seconds=timeout_s),
                           wait_for_workers=False, master_listen_fd=fd)
     store.set(f"atoll/arrived/{rank}", "1")
     if rank == 0:
-        import time
-
         deadline = time.monotonic() + arrive_timeout_s
         missing = list(range(world_size))
         while missing:

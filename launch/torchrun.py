@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
 
-from atoll.launch.rank import call_rank
 from atoll.errors import LaunchError, LayoutError
+from atoll.launch.device import agree_through_store, backend_for, bind, decide, local_rank_from_env
+from atoll.launch.rank import call_rank
+from atoll.parallel.placement import check_job_placement
 
 
 def in_torchrun() -> bool:
@@ -28,8 +32,6 @@ def run_torchrun(fn, world_size: int, *args, device: str = "cpu", placement=None
     With a plan's placement every rank's host and LOCAL_RANK (its GPU) are checked against it:
     rank 0 prints one line naming the ranks that differ, or every rank refuses when strict."""
     import torch.distributed as dist
-
-    from atoll.launch.device import agree_through_store, backend_for, bind, decide, local_rank_from_env
 
     require_torchrun()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -54,12 +56,7 @@ def run_torchrun(fn, world_size: int, *args, device: str = "cpu", placement=None
 
 def check_placement(placement, rank: int, world: int, local_rank: int, strict: bool, gather: bool) -> None:
     """Every rank's (host, local rank) against the plan; rank 0 prints the one line."""
-    import socket
-    import sys
-
     import torch.distributed as dist
-
-    from atoll.parallel.placement import check_job_placement
 
     me = (socket.gethostname(), local_rank)
     every = [None] * world
