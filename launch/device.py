@@ -45,7 +45,7 @@ def local_rank_from_env(env: Mapping[str, str] | None = None) -> int:
 
 def visible_gpus() -> int:
     """CUDA devices this process can see (0 with a CPU build of torch)."""
-    import torch
+    import torch  # lazy: launch/ is torch-free until a rank runs
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -100,7 +100,7 @@ def bind(device: str) -> str:
     """Make `device` this process's device (torch.cuda.set_device for a GPU); returns it."""
     global _bound
     if device.startswith("cuda"):
-        import torch
+        import torch  # lazy: as above
 
         torch.cuda.set_device(torch.device(device))
     _bound = device
