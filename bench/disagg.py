@@ -65,7 +65,7 @@ def run(args) -> int:
                                                                 args.prompt_len, itemsize) / 2**20,
               "identical": first["tokens"] == second["tokens"]}
     bench.note()
-    bench.emit(report, as_json=args.json, render=render)
+    bench.emit(report, as_json=args.json, render=render, indent=None)  # one line
     return 0
 
 

@@ -57,13 +57,13 @@ class Run:
                                       "the run: other work shared the machine, so these figures understate both sides")
         return result
 
-    def emit(self, result: dict, *, as_json: bool, render, more_loads=()) -> dict:
+    def emit(self, result: dict, *, as_json: bool, render, more_loads=(), indent: int | None = 2) -> dict:
         """Print the result (with the load recorded) as one JSON object or through render."""
         result = self.record(result, more_loads=more_loads)
         if "load_warning" in result:
             print(f"atoll bench: warning: {result['load_warning']}", file=sys.stderr, flush=True)
         if as_json:
-            print(json.dumps(result, indent=2))
+            print(json.dumps(result, indent=indent))
         else:
             text = render(result)
             if text is not None:

@@ -214,7 +214,7 @@ def run_check(args) -> int:
     result = bench.record(result)
     if args.record:
         record(args.topology, result)
-    bench.emit(result, as_json=args.format == "json", render=render)
+    bench.emit(result, as_json=args.format == "json", render=render, indent=1)
     return 0
 
 

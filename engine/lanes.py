@@ -123,3 +123,7 @@ class Lanes:
 
     def finish(self, seq: Sequence) -> None:
         self.schedulers[seq.lane].finish(seq)
+
+    def end(self, seq: Sequence) -> None:
+        """The sequence leaves its lane, waiting or running (Scheduler.end)."""
+        self.schedulers[seq.lane].end(seq)

@@ -27,7 +27,7 @@ from atoll.engine.sampling import SamplerState
 
 @dataclass(eq=False)  # a sequence is itself: compared by identity
 class Sequence:
-    request: object  # engine.generate.Request
+    request: object  # engine.request.Request
     state: SamplerState
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
@@ -172,3 +172,10 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.release(seq.blocks)
+
+    def end(self, seq: Sequence) -> None:
+        """A sequence leaves, running (its blocks freed) or still waiting (it holds none)."""
+        if seq in self.running:
+            self.finish(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

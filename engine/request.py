@@ -1,0 +1,42 @@
+"""A request as the ranks see it, when it ends, and the result it ends with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atoll.config.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_step: int = 0  # the step at which it joins a fixed run (tests model late arrivals with it)
+
+
+def finish_reason(seq, max_len: int, decode=None) -> str | None:
+    """"stop", "length" or None (not finished) after the sequence's last token."""
+    p = seq.request.params
+    if seq.output[-1] in p.stop_token_ids:
+        return "stop"
+    if p.stop and decode is not None:  # every rank decodes the same tokens, so all agree
+        text = decode(seq.output[-64:])  # a stop string ends within the last few tokens
+        if any(stop in text for stop in p.stop):
+            return "stop"
+    if len(seq.output) >= p.max_tokens or len(seq.tokens) >= max_len:
+        return "length"
+    return None
+
+
+def result_of(seq, reason: str, started: float, now: float, step: int) -> dict:
+    n = len(seq.output)
+    first = seq.first_token_at
+    ttft = (first - started) if first is not None else now - started
+    return {"token_ids": seq.output, "finish_reason": reason,
+            "metrics": {"ttft_s": ttft, "tpot_s": (now - first) / (n - 1) if n > 1 else 0.0,
+                        "prompt_tokens": len(seq.request.prompt_token_ids), "output_tokens": n,
+                        "cached_tokens": seq.cached_tokens,
+                        "queued_steps": (seq.first_scheduled_step - seq.arrived_step
+                                         if seq.first_scheduled_step is not None else None),
+                        "finished_step": step, "preemptions": seq.preemptions}}
