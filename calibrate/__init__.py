@@ -27,19 +27,19 @@ def calibrate(*, quick: bool = False, max_ranks: int | None = None, progress: bo
               command: str = "atoll calibrate", device: str = "auto") -> dict:
     """The topology dict of this machine, measured; `quick` takes a few seconds (for tests).
     device: auto, cuda or cpu, as launch.device decides it for local rank 0."""
-    from atoll.launch.device import bind
+    from atoll.launch.device import bind  # lazy: `atoll --help` imports this package (bench reads calibrate.timing)
     from atoll.launch.local import local_devices
 
     chosen = bind(local_devices(device, 1)[0])  # the one device rule: cuda:0 if this machine shows a GPU
     if chosen.startswith("cuda"):
-        from atoll.calibrate.gpu import calibrate_gpu
+        from atoll.calibrate.gpu import calibrate_gpu  # lazy: torch; and gpu imports this package
 
         return calibrate_gpu(chosen, quick=quick, max_ranks=max_ranks, progress=progress, command=command)
     return calibrate_cpu(quick=quick, max_ranks=max_ranks, progress=progress, command=command)
 
 
 def calibrate_cpu(*, quick: bool, max_ranks: int | None, progress: bool, command: str) -> dict:
-    import torch
+    import torch  # lazy: as in calibrate()
     from tqdm import tqdm
 
     from atoll.calibrate import collectives, compute
@@ -98,7 +98,7 @@ def measure_overheads(cal: dict, bw: float, *, quick: bool, device, bar) -> None
     """cal["overhead_us"] from eager decode steps of tiny checkpoints on `device` (see
     calibrate.compute), beyond their floor at read bandwidth `bw` (bytes/s) and the fp32 GEMM
     rates in cal["gemm_tflops"] (the tiny checkpoints are float32)."""
-    from atoll.calibrate import compute
+    from atoll.calibrate import compute  # lazy: as in calibrate()
     from atoll.topologies.calibration import Calibration
 
     rates = Calibration.from_dict({"gemm_tflops": cal["gemm_tflops"]})
@@ -129,7 +129,7 @@ def measure_overheads(cal: dict, bw: float, *, quick: bool, device, bar) -> None
 
 
 def compute_dir(tmp: Path, layers: int, moe: bool) -> Path:
-    from atoll.calibrate.tiny import write_tiny
+    from atoll.calibrate.tiny import write_tiny  # lazy: as in calibrate()
 
     d = tmp / f"{'moe' if moe else 'dense'}-{layers}"
     return d if (d / "config.json").exists() else write_tiny(d, layers=layers, moe=moe)
@@ -139,7 +139,7 @@ def topology_dict(cal: dict, cores: int) -> dict:
     """This machine as a topology: one node of `cores` ranks (one per core), the measured
     figures in gpu and links (the shared-memory link from send_recv between two ranks), and
     the whole calibration beside them for the cost model."""
-    import psutil
+    import psutil  # lazy: as in calibrate()
 
     fp32, bf16 = cal["gemm_tflops"]["fp32"], cal["gemm_tflops"]["bf16"]
     sr = cal["collectives"].get("send_recv", {}).get(2, {"gb_s": 5.0, "latency_us": 10.0})
@@ -160,7 +160,7 @@ def topology_dict(cal: dict, cores: int) -> dict:
 
 
 def write_yaml(data: dict, path: str | Path) -> None:
-    import yaml
+    import yaml  # lazy: as in calibrate()
 
     rank = "one GPU" if data.get("calibration", {}).get("device") == "cuda" else "one rank = one core"
     header = (f"# This machine, measured by `atoll calibrate` (atoll/calibrate). gpu: {rank};\n"

@@ -17,7 +17,12 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
+from atoll.calibrate.compute import probe_tflops
 from atoll.calibrate.timing import is_cuda, sync
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
 
 SMALL = 64  # bytes: the latency
 LARGE = 4 * 2**20  # bytes: the bandwidth
@@ -41,8 +46,6 @@ def _per_call(fn, reps: int, group, device, rounds: int = 3) -> float:
 
 
 def _ops(g, nbytes: int, device):
-    import torch
-
     n = max(1, nbytes // 4)  # float32 elements
     size = g.size
     x = torch.ones(n, device=device)
@@ -70,11 +73,6 @@ def _ops(g, nbytes: int, device):
 
 
 def collectives_rank(rank: int, world: int, quick: bool, device: str = "cpu") -> dict | None:
-    import torch
-
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ParallelContext
-
     ctx = ParallelContext.create(Layout(tp=world), rank, device)
     g = ctx.tp
     gpu = is_cuda(device)
@@ -101,8 +99,6 @@ def collectives_rank(rank: int, world: int, quick: bool, device: str = "cpu") ->
     g.all_reduce(gb_s)
     rate = torch.zeros(1, dtype=torch.float64, device=device)
     if not gpu:  # the GEMM probe on every rank at once: what a rank computes beside `world` - 1 busy neighbours
-        from atoll.calibrate.compute import probe_tflops
-
         g.barrier()
         rate += probe_tflops(0.1 if quick else 0.5)
         g.all_reduce(rate)

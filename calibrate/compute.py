@@ -22,9 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import statistics
 
+import torch
+
 from atoll.calibrate.timing import is_cuda, sync, timed
+from atoll.engine.generate import Request, run_requests
+from atoll.engine.runner import ModelRunner, RunSpec
+from atoll.engine.sampling import SamplingParams
+from atoll.layers.packed import linear
+from atoll.models.config import ModelConfig
+from atoll.parallel.mesh import ParallelContext
+from atoll.planner.shapes import shapes
 
 GEMM_K, GEMM_N = 1024, 1024
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
@@ -48,18 +58,12 @@ def stream_bytes_for(device) -> int:
 
 def probe_tflops(budget_s: float = 0.5) -> float:
     """The machine's speed now, as the calibration's fp32 GEMM at 8 rows measures it."""
-    import torch
-
     return gemm_tflops(torch.float32, budget_s, rows=(PROBE_ROWS,))[PROBE_ROWS]
 
 
 def gemm_tflops(dtype, budget_s: float, rows=ROWS, *, device="cpu", shape=None,
                 stream_bytes: int | None = None) -> dict[int, float]:
     """TFLOP/s of x [rows, k] @ w.T, w [n, k] of `dtype`, for each row count, on `device`."""
-    import torch
-
-    from atoll.layers.packed import linear
-
     k, n = shape or shape_for(device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     count = max(2, (stream_bytes or stream_bytes_for(device)) // (k * n * itemsize))
@@ -82,8 +86,6 @@ def gemm_tflops(dtype, budget_s: float, rows=ROWS, *, device="cpu", shape=None,
 
 def read_gb_s(budget_s: float, *, device="cpu", nbytes: int | None = None) -> float:
     """GB/s read by `tensor.sum()` of a tensor past the caches."""
-    import torch
-
     nbytes = nbytes or stream_bytes_for(device)
     t = torch.ones(nbytes // 4, device=device)
     return t.numel() * 4 / timed(lambda: t.sum(), budget_s, least=3, device=device) / 1e9
@@ -91,8 +93,6 @@ def read_gb_s(budget_s: float, *, device="cpu", nbytes: int | None = None) -> fl
 
 def copy_gb_s(budget_s: float, *, device="cpu", nbytes: int | None = None) -> float:
     """GB/s moved (read + written) by `dst.copy_(src)` of tensors past the caches."""
-    import torch
-
     nbytes = nbytes or stream_bytes_for(device)
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
@@ -103,11 +103,6 @@ def decode_step_s(model_dir, *, seqs: int, out_tokens: int, device="cpu") -> flo
     """Median TPOT of `seqs` sequences of 8 prompt tokens through the runtime, eager, one rank
     on `device`. Each tick hands its sampled tokens to the host (engine.generate), which waits
     for the device, so the TPOT holds the GPU's work as well as its launches."""
-    from atoll.engine.generate import Request, run_requests
-    from atoll.engine.runner import ModelRunner, RunSpec
-    from atoll.engine.sampling import SamplingParams
-    from atoll.parallel.mesh import ParallelContext
-
     # a GPU's cache is sized to what the requests need, not to 90% of its memory
     blocks = seqs * -(-(8 + out_tokens) // 16) + 2 if is_cuda(device) else None
     spec = RunSpec.of(model_dir=str(model_dir), layout="TP1", max_num_seqs=seqs, max_model_len=8 + out_tokens,
@@ -128,8 +123,6 @@ def fit_overheads(samples: list[tuple[int, int, float]]) -> tuple[float, float, 
     layer, per sequence in each layer), least squares, each clipped at 0. The last is the
     part of a layer that grows with the batch beyond its products: attention over each
     sequence's cache (the block gather and SDPA), the activations' element-wise ops."""
-    import torch
-
     a = torch.tensor([[1.0, s, n, s * n] for n, s, _ in samples], dtype=torch.float64)
     y = torch.tensor([[t] for _, _, t in samples], dtype=torch.float64)
     sol = torch.linalg.lstsq(a, y).solution.flatten().tolist()
@@ -139,12 +132,7 @@ def fit_overheads(samples: list[tuple[int, int, float]]) -> tuple[float, float, 
 def floor_s(model_dir, seqs: int, bw: float, gemm) -> float:
     """A decode step's FLOP/byte floor: weight bytes over the read bandwidth, or FLOPs over the
     GEMM rate at its rows, whichever is more (the planner's roofline, from these figures)."""
-    import json
-
     cfg = json.loads((model_dir / "config.json").read_text())
-    from atoll.models.config import ModelConfig
-    from atoll.planner.shapes import shapes
-
     s = shapes(ModelConfig.from_dict(cfg))
     params = s.active_params - s.embed
     return max(params * 4 / bw, 2 * seqs * params / gemm(seqs))

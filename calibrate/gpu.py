@@ -22,9 +22,17 @@ import os
 import socket
 import time
 
-from atoll.calibrate import DTYPES
+import torch
+from tqdm import tqdm
+
+from atoll.calibrate import DTYPES, collectives, compute, measure_overheads
+from atoll.calibrate.compute import shape_for, stream_bytes_for
 from atoll.calibrate.timing import sync, timed
-from atoll.errors import ConfigError
+from atoll.errors import AtollError, ConfigError
+from atoll.launch.device import visible_gpus
+from atoll.launch.local import run_local
+from atoll.topologies.discover import discover, preset_for_gpu
+from atoll.topologies.load import load_topology
 
 QUICK_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 
@@ -37,10 +45,6 @@ def fp8_gemm_tflops(budget_s: float, rows, *, device, shape=None,
                     stream_bytes: int | None = None) -> tuple[dict[int, float], str]:
     """({rows: TFLOP/s} of torch._scaled_mm, e4m3 x e4m3 -> bf16 with scale 1, "" or why some
     or all row counts were left out). Device-generic: a CPU build of torch may run it too."""
-    import torch
-
-    from atoll.calibrate.compute import shape_for, stream_bytes_for
-
     if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
         return {}, f"torch {torch.__version__} has no torch._scaled_mm"
     k, n = shape or shape_for(device)
@@ -72,9 +76,6 @@ def fp8_gemm_tflops(budget_s: float, rows, *, device, shape=None,
 def nvlink_islands(gpus: int) -> list[list[int]] | None:
     """This node's NVLink-connected GPU sets as NVML or `nvidia-smi topo -m` show them, when
     they describe exactly the `gpus` GPUs torch sees; else None (not known)."""
-    from atoll.errors import AtollError
-    from atoll.topologies.discover import discover
-
     try:
         topo = discover()
     except (AtollError, OSError, ValueError):
@@ -86,13 +87,6 @@ def nvlink_islands(gpus: int) -> list[list[int]] | None:
 
 def calibrate_gpu(device: str, *, quick: bool, max_ranks: int | None, progress: bool, command: str) -> dict:
     """The topology dict of this GPU node, measured on `device` (cuda:0, bound by the caller)."""
-    import torch
-    from tqdm import tqdm
-
-    from atoll.calibrate import collectives, compute, measure_overheads
-    from atoll.launch.device import visible_gpus
-    from atoll.launch.local import run_local
-
     gpus = visible_gpus()
     if max_ranks is not None and max_ranks > gpus:
         raise ConfigError(f"--max-ranks {max_ranks}: this node shows {gpus} GPU(s) and the collectives "
@@ -164,9 +158,6 @@ def gpu_topology_dict(cal: dict, *, host: str, gpu_name: str, memory_gib: float,
     `islands` groups GPUs, else PCIe) from send_recv between two GPUs (else all_reduce); the
     links not measured here from the preset for this GPU name (data sheets), else the
     defaults discovery uses."""
-    from atoll.topologies.discover import preset_for_gpu
-    from atoll.topologies.load import load_topology
-
     gemm = cal["gemm_tflops"]
     preset = preset_for_gpu(gpu_name)
     sourced = load_topology(preset) if preset else None

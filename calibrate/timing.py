@@ -17,7 +17,7 @@ def is_cuda(device) -> bool:
 def sync(device) -> None:
     """Wait for the work queued on `device` (nothing to wait for on a CPU)."""
     if is_cuda(device):
-        import torch
+        import torch  # lazy: `atoll --help` imports this module (bench's model_rank)
 
         torch.cuda.synchronize(device)
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
             rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32")
@@ -16,9 +19,6 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_
 
 def write_tiny(out: Path, *, layers: int, moe: bool = False, seed: int = 0, **overrides) -> Path:
     """A llama (or qwen3_moe with `moe`) checkpoint of `layers` layers in `out`."""
-    import torch
-    from safetensors.torch import save_file
-
     cfg = {**TINY, "num_hidden_layers": layers, **(MOE if moe else {}), **overrides}
     cfg["model_type"] = "qwen3_moe" if moe else "llama"
     h, d, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
