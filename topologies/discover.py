@@ -11,8 +11,10 @@ import dataclasses
 import shutil
 import subprocess
 
+import yaml
+
 from atoll.errors import ConfigError
-from atoll.topologies.load import load_topology, topology_from_dict
+from atoll.topologies.load import PRESET_DIR, load_topology, topology_from_dict
 from atoll.topologies.schema import GpuSpec, Link, Node, Topology
 from atoll.topologies.smi import parse_smi_topo
 
@@ -147,10 +149,6 @@ def topology_from_ray(*, preset: str | None = None, address: str = "auto") -> To
         raise ConfigError(f"Ray nodes have different GPU counts {counts}; describe them in a YAML file")
     kinds = [k for n in alive for k in n["Resources"] if k.startswith("accelerator_type:")]
     base = preset or (preset_for_gpu(kinds[0].split(":", 1)[1]) if kinds else None) or "dgx-h100"
-    import yaml
-
-    from atoll.topologies.load import PRESET_DIR
-
     d = yaml.safe_load((PRESET_DIR / f"{base}.yaml").read_text())
     gpn = counts[0]
     isl = d.get("islands", 1)

@@ -16,12 +16,14 @@ A file describes one node type and, optionally, how many nodes:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import yaml
 
 from atoll.errors import ConfigError
+from atoll.topologies.calibration import Calibration
 from atoll.topologies.schema import GpuSpec, Link, Node, Topology
 
 
@@ -156,8 +158,6 @@ def topology_from_dict(d: dict, *, nodes: int | None = None, gpus_per_node: int 
     topo_nodes = tuple(Node(name=str(n), gpus=gpn, gpu=gpu) for n in node_names)
     calibration = None
     if d.get("calibration") is not None:  # measured by `atoll calibrate`
-        from atoll.topologies.calibration import Calibration
-
         calibration = Calibration.from_dict(d["calibration"], where=f"{where}: calibration")
     return Topology(name=name, nodes=topo_nodes, islands=tuple(islands),
                     island_link=nvlink or pcie, node_link=pcie, network=network,
@@ -193,8 +193,6 @@ _NETWORKS = {"infiniband": (False, 5.0), "roce": (False, 8.0), "ethernet": (True
 
 def with_network(topology: Topology, spec: str) -> Topology:
     """Replace the inter-node links: "ethernet:25" is one 25 Gb/s port per node."""
-    import dataclasses
-
     kind, _, rate = spec.partition(":")
     if kind not in _NETWORKS or not rate.replace(".", "", 1).isdigit() or float(rate) <= 0:
         raise ConfigError(f"network {spec!r}: expected KIND:GBITS with KIND one of "
