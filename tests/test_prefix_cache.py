@@ -183,6 +183,8 @@ def test_compiled_decode_step_takes_a_cache_hit(dense, monkeypatch, tmp_path):
 
     monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("ATOLL_CACHE", str(tmp_path))
+    monkeypatch.setenv("ATOLL_COMPILE", "always")  # compile at once, whatever a policy would weigh
     model_dir, expected = dense
     llm = LLM(model_dir, block_size=4, max_model_len=32, max_num_seqs=4)
     requests = llm.prepare(PROMPTS[:2], SamplingParams(max_tokens=NEW, ignore_eos=True))
