@@ -250,7 +250,7 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
         else:
             spec = llm.spec(requests)
             _, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
-                                ray_address=args.ray_address, device=spec.device, progress=progress,
+                                ray_address=args.ray_address, device=spec.engine.device, progress=progress,
                                 parallel=args.context, tp_size=llm.layout.tp, stats=args.stats,
                                 **_placement(args))
         if args.stats and results is not None and llm.prefill_layout is None:

@@ -12,7 +12,7 @@ under gloo's 10 minutes).
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import multiprocessing
 import os
 import pickle
 import queue
@@ -33,6 +33,7 @@ _BEAT_S = 0.5
 STALL_S = 10.0  # no heartbeat for this long: the rank is stopped
 START_S = 120.0  # a rank that never beat within this long after spawning did not start
 _HOST = socket.gethostname()  # every local rank runs on this node
+_SPAWN = multiprocessing.get_context("spawn")
 
 
 def free_port() -> int:
@@ -124,52 +125,84 @@ def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
     process group exists. fn must be importable (module level). Raises RankFailure naming the
     first rank that raised or died, after ending every other rank.
     """
-    devices = local_devices(device, world_size)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // world_size)
-    beats = ctx.Array("d", world_size, lock=False)  # each rank's last heartbeat (time.monotonic)
-    procs = [ctx.Process(target=_entry, daemon=True, args=(fn, r, world_size, port, results, threads,
-                                                           devices[r], beats, os.getpid(), args, kwargs))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    spawned = time.monotonic()
-    values: dict[int, object] = {}
-    exited_at: dict[int, float] = {}
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    job = LocalJob(fn, world_size, *args, threads=threads, device=device, **kwargs)
     try:
-        while len(values) < world_size:
-            try:
-                msg = results.get(timeout=_POLL_S)
-            except queue.Empty:
-                msg = None
-            if msg is not None:
-                if msg[0] == "error":
-                    _raise_dead(procs, exclude=msg[1])  # a killed peer is the cause, not the symptom
-                    raise RankFailure(msg[1], msg[2], node=_HOST) from _RemoteTraceback(msg[3])
-                values[msg[1]] = pickle.loads(msg[2])
-                continue
-            now = time.monotonic()
-            for rank, p in enumerate(procs):
-                if rank in values or p.exitcode is None:
-                    continue
-                if p.exitcode != 0:
-                    if p.exitcode > 0:  # it may have reported its own error; a signal sends none
-                        _raise_reported(results)
-                    raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
-                # exited cleanly: its result may still be in the pipe; allow a moment
-                if now - exited_at.setdefault(rank, now) > 5.0:
-                    raise RankFailure(rank, "exited without a result", node=_HOST)
-            _check_heartbeats(procs, beats, values, now, spawned)
-            if deadline is not None and now > deadline:
-                missing = [r for r in range(world_size) if r not in values]
-                raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
+        return job.wait(timeout_s)
     finally:
-        _stop(procs)
-    return [values[r] for r in range(world_size)]
+        job.stop()
+
+
+def channel():
+    """A queue a local rank and the driver can share: give it to LocalJob among fn's arguments."""
+    return _SPAWN.Queue()
+
+
+class LocalJob:
+    """world_size spawned processes running fn(rank, world_size, *args, **kwargs), started at
+    once. `check()` raises RankFailure for the first rank that raised, died or stopped beating
+    (without waiting); `wait()` collects every rank's value; `stop()` ends them all."""
+
+    def __init__(self, fn, world_size: int, *args, threads: int | None = None, device: str = "cpu", **kwargs):
+        devices = local_devices(device, world_size)
+        self.world_size = world_size
+        self._results = _SPAWN.Queue()
+        port = free_port()
+        if threads is None:
+            threads = max(1, (os.cpu_count() or 1) // world_size)
+        self._beats = _SPAWN.Array("d", world_size, lock=False)  # each rank's last heartbeat (time.monotonic)
+        self.procs = [_SPAWN.Process(target=_entry, daemon=True,
+                                     args=(fn, r, world_size, port, self._results, threads, devices[r], self._beats,
+                                           os.getpid(), args, kwargs))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self._spawned = time.monotonic()
+        self.values: dict[int, object] = {}
+        self._exited_at: dict[int, float] = {}
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def check(self, wait_s: float = 0.0) -> None:
+        """Take what the ranks reported (waiting up to wait_s for it) and raise RankFailure for
+        the first rank that raised, died, left without a result or stopped beating."""
+        procs, values = self.procs, self.values
+        try:
+            msg = self._results.get(timeout=wait_s) if wait_s > 0 else self._results.get_nowait()
+        except queue.Empty:
+            msg = None
+        if msg is not None:
+            if msg[0] == "error":
+                _raise_dead(procs, exclude=msg[1])  # a killed peer is the cause, not the symptom
+                raise RankFailure(msg[1], msg[2], node=_HOST) from _RemoteTraceback(msg[3])
+            values[msg[1]] = pickle.loads(msg[2])
+            return
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            if rank in values or p.exitcode is None:
+                continue
+            if p.exitcode != 0:
+                if p.exitcode > 0:  # it may have reported its own error; a signal sends none
+                    _raise_reported(self._results)
+                raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
+            # exited cleanly: its result may still be in the pipe; allow a moment
+            if now - self._exited_at.setdefault(rank, now) > 5.0:
+                raise RankFailure(rank, "exited without a result", node=_HOST)
+        _check_heartbeats(procs, self._beats, values, now, self._spawned)
+
+    def wait(self, timeout_s: float | None = None) -> list:
+        """Every rank's value, in rank order."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(self.values) < self.world_size:
+            self.check(wait_s=_POLL_S)
+            if deadline is not None and time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if r not in self.values]
+                raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
+        return [self.values[r] for r in range(self.world_size)]
+
+    def stop(self) -> None:
+        _stop(self.procs)
 
 
 def _check_heartbeats(procs, beats, values, now: float, spawned: float) -> None:
