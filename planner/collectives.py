@@ -9,10 +9,14 @@ efficiency (efficiency.py); latency is the link's per-message figure from the to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from atoll.planner.efficiency import link_efficiency
+from atoll.planner.parts import is_many, vmax
 
 
 @dataclass(frozen=True)
@@ -48,66 +52,78 @@ class GroupLinks:
     def kind(self) -> str:
         return self.cross_kind or self.island_kind
 
+    @functools.cached_property
+    def island(self) -> "GroupLinks":
+        """The part of the group inside one island."""
+        return dataclasses.replace(self, size=self.per_island, islands=1, cross_kind="")
+
 
 def _steps(n: int) -> int:
     return math.ceil(math.log2(n)) if n > 1 else 0
 
 
-def _measured(op: str, nbytes: float, g: GroupLinks, size: int | None = None) -> float | None:
+def _moving(nbytes, t):
+    """t where there are bytes to move, else 0 (numbers, or arrays of them)."""
+    if is_many(nbytes):
+        return np.where(nbytes > 0, t, 0.0)
+    return t if nbytes > 0 else 0.0
+
+
+def _measured(op: str, nbytes, g: GroupLinks, size: int | None = None):
     """latency + bytes / bandwidth of `op` as `atoll calibrate` measured it over `size` ranks
     (default the group's); None where the topology holds no such figure."""
     fig = g.measured.collective(op, size or g.size) if g.measured is not None else None
     return None if fig is None else fig[0] + nbytes / fig[1]
 
 
-def all_reduce(nbytes: float, g: GroupLinks) -> float:
+def all_reduce(nbytes, g: GroupLinks):
     """Hierarchical all-reduce: reduce-scatter/all-gather inside the island (ring bandwidth
     2(k-1)/k), all-reduce of the 1/k shard between islands; latency of a tree (2 log2 n hops).
-    Measured instead where the topology is calibrated."""
-    if g.size <= 1 or nbytes <= 0:
+    Measured instead where the topology is calibrated. `nbytes` may be an array."""
+    if g.size <= 1:
         return 0.0
     if (t := _measured("all_reduce", nbytes, g)) is not None:
-        return t
+        return _moving(nbytes, t)
     k, m = g.per_island, g.islands
     t = 2 * (k - 1) / k * nbytes / g.island_bw + 2 * _steps(k) * g.island_lat
     if m > 1:
         t += 2 * (m - 1) / m * (nbytes / k) / g.cross_bw + 2 * _steps(m) * g.cross_lat
-    return t
+    return _moving(nbytes, t)
 
 
-def all_gather(nbytes: float, g: GroupLinks) -> float:
+def all_gather(nbytes, g: GroupLinks):
     """All-gather of a tensor of `nbytes` in total (each rank holds nbytes/size). The other
     islands' (m-1)/m of it enters an island once, each of its k ranks bringing 1/k over its
     own link (NCCL's rings cross between nodes on every NIC; cross_bw is a GPU's share of the
     link), and is shared inside the island, as all_reduce's cross-island step is."""
-    if g.size <= 1 or nbytes <= 0:
+    if g.size <= 1:
         return 0.0
     if (t := _measured("all_gather", nbytes, g)) is not None:
-        return t
+        return _moving(nbytes, t)
     k, m = g.per_island, g.islands
     t = (k - 1) / k * nbytes / g.island_bw + _steps(k) * g.island_lat
     if m > 1:
         t += (m - 1) / m * (nbytes / k) / g.cross_bw + _steps(m) * g.cross_lat
-    return t
+    return _moving(nbytes, t)
 
 
-def all_to_all(bytes_out: float, g: GroupLinks) -> float:
+def all_to_all(bytes_out, g: GroupLinks):
     """Each rank sends `bytes_out`, spread evenly over the group's ranks (MoE dispatch with
     uniform routing): the share for ranks in other islands crosses the slower link, in
     parallel with the NVLink share; one message latency of the slowest link class."""
-    if g.size <= 1 or bytes_out <= 0:
+    if g.size <= 1:
         return 0.0
     if (t := _measured("all_to_all", bytes_out, g)) is not None:
-        return t
+        return _moving(bytes_out, t)
     local = bytes_out * (g.per_island - 1) / g.size
     remote = bytes_out * (g.size - g.per_island) / g.size
     t_local = local / g.island_bw
-    t_remote = remote / g.cross_bw if remote else 0.0
+    t_remote = remote / g.cross_bw if g.size > g.per_island else 0.0
     lat = 2 * (g.cross_lat if g.islands > 1 else g.island_lat)  # send, then completion signal
-    return max(t_local, t_remote) + lat
+    return _moving(bytes_out, vmax(t_local, t_remote) + lat)
 
 
-def island_first_all_to_all(cross_bytes: float, intra_bytes: float, g: GroupLinks) -> float:
+def island_first_all_to_all(cross_bytes, intra_bytes, g: GroupLinks):
     """The MoE Dispatcher's island-first exchange (comm/dispatch.py; DeepEP's internode kernels
     do the same): each rank sends `cross_bytes` to the ranks at its own position in the other
     islands, over its own link between islands (one NIC per GPU on DGX nodes: the figure is per
@@ -115,20 +131,15 @@ def island_first_all_to_all(cross_bytes: float, intra_bytes: float, g: GroupLink
     runtime runs the two legs one after the other, as two all-to-alls."""
     if g.islands <= 1:
         return all_to_all(intra_bytes, g)
-    cross = 0.0
-    if cross_bytes > 0:
-        cross = _measured("all_to_all", cross_bytes, g, size=g.islands)
-        if cross is None:
-            cross = cross_bytes / g.cross_bw + 2 * g.cross_lat  # send, then completion signal
-    island = dataclasses.replace(g, size=g.per_island, islands=1, cross_kind="")
-    return cross + all_to_all(intra_bytes, island)
+    cross = _measured("all_to_all", cross_bytes, g, size=g.islands)
+    if cross is None:
+        cross = cross_bytes / g.cross_bw + 2 * g.cross_lat  # send, then completion signal
+    return _moving(cross_bytes, cross) + all_to_all(intra_bytes, g.island)
 
 
-def send_recv(nbytes: float, senders: int, g: GroupLinks) -> float:
+def send_recv(nbytes, senders: int, g: GroupLinks):
     """A pipeline hand-off of `nbytes` split over `senders` parallel rank pairs."""
-    if nbytes <= 0:
-        return 0.0
     if (t := _measured("send_recv", nbytes / senders, g, size=2)) is not None:  # each pair in parallel
-        return t
+        return _moving(nbytes, t)
     bw, lat = (g.cross_bw, g.cross_lat) if g.islands > 1 else (g.island_bw, g.island_lat)
-    return nbytes / senders / bw + lat
+    return _moving(nbytes, nbytes / senders / bw + lat)

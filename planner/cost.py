@@ -10,19 +10,29 @@ both, the prompt tokens add their GEMM FLOPs, their causal attention and their s
 collectives (planner/serving.py turns such steps into steady-state TPOT and TTFT). Each
 decode step also pays a fixed floor per kernel it launches (efficiency.py: counted in atoll's
 own decode path).
+
+`decode` costs one step; `step_times` and `decode_many` cost many at once, batches and chunk
+counts given as arrays (parts.py: the same arithmetic, the same numbers to the last bit), as
+the search does for a layout's whole table of steps (steps.py). A decoder layer of one kind is
+costed once per pass and charged to every stage that holds such layers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections import defaultdict
+
+import numpy as np
 
 from atoll.planner import efficiency as eff
-from atoll.planner.categories import COMPUTE, KERNELS, KV, OVERHEAD, WEIGHTS
+from atoll.planner.categories import KERNELS, KV, OVERHEAD, WEIGHTS
 from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, send_recv
-from atoll.planner.moe_cost import moe_layer
+from atoll.planner.moe_cost import moe_layer, sub_links
+from atoll.planner.parts import Many, Parts, parts_for, vceil, vmax, vmin
 from atoll.planner.runtime_terms import Measured
 from atoll.planner.shapes import Shapes, stage_split
+
+PIPELINE_WAIT = "pipeline: waiting for the slowest stage"
 
 
 def layer_kernels(config, dense: bool) -> int:
@@ -56,147 +66,213 @@ class CostModel:
         if self.cal is not None:
             self.measured = Measured(self.cal, workload, min(ranks or layout.world_size, topology.num_gpus))
             self.hbm = self.measured.bandwidth or self.hbm
+        # measured GEMM rates are looked up one size at a time: a calibrated machine costs steps one by one
+        self.vectorises = self.cal is None
         self.stages = stage_split(config, layout.pp)
+        self.n_dense = [sum(1 for i in range(a, b) if shapes.dense_layers[i]) for a, b in self.stages]
         tp, st = layout.tp, layout.stage_size
         self.g_tp = GroupLinks.of(list(range(tp)), placement, topology)
         self.g_stage = GroupLinks.of(list(range(st)), placement, topology)
         self.g_world = GroupLinks.of(list(range(layout.world_size)), placement, topology)
         self.g_pp = [GroupLinks.of(list(range(s * st, s * st + tp)) + list(range((s + 1) * st, (s + 1) * st + tp)),
                                    placement, topology) for s in range(layout.pp - 1)]
+        self._sub: dict[tuple[int, int], GroupLinks] = {}
 
     # -- helpers ---------------------------------------------------------------------------
-    def _op(self, out, nbytes: float, flops: float, mem_kind: str, peak: float | None = None,
-            rows: float | None = None):
+    def _op(self, out, nbytes, flops, mem_kind: str, peak: float | None = None, rows=None, when=True):
         """rows: the GEMM's rows (tokens), for a calibrated rate at that size."""
         rate = peak or self.flops
         if self.cal is not None and rows is not None:
             rate = self.measured.gemm(rows) or rate
-        t_mem, t_cmp = nbytes / self.hbm, flops / rate
-        out[mem_kind if t_mem >= t_cmp else COMPUTE] += max(t_mem, t_cmp)
+        out.add_op(mem_kind, nbytes / self.hbm, flops / rate, when)
 
     def _comm_name(self, what: str, g: GroupLinks) -> str:
         return f"{what} over {g.kind}"
 
-    # -- one pipeline stage ----------------------------------------------------------------
-    def stage(self, stage: int, *, seqs_per_dp: int, active_dp: int, new_tokens: int, ctx: float,
-              prefill: bool, prompt_tokens: float = 0.0, prompt_rows: float = 0.0) -> dict[str, float]:
-        """Seconds per category for one pass of a micro-batch through `stage`.
-        seqs_per_dp: sequences on each active DP rank; new_tokens: tokens per sequence this pass
-        (1 in decode, the prompt in prefill); ctx: tokens each sequence attends to.
-        prompt_tokens: prompt-chunk tokens mixed into a decode pass on the busiest DP rank, each
-        attending to half the prompt on average; prompt_rows: such tokens over the whole stage."""
+    def links(self, size: int, stride: int) -> GroupLinks:
+        """The links of a group of `size` ranks of a stage, `stride` apart (moe_cost.sub_links)."""
+        if (size, stride) not in self._sub:
+            self._sub[(size, stride)] = sub_links(self.g_stage, size, stride)
+        return self._sub[(size, stride)]
+
+    # -- one decoder layer and one pipeline stage ------------------------------------------
+    def layer(self, dense: bool, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
+              prompt_tokens=0.0, prompt_rows=0.0):
+        """Seconds per category of one decoder layer (dense or MoE) in one pass; the arguments
+        are stage()'s."""
         s, l, w = self.s, self.l, self.w
-        out: dict[str, float] = defaultdict(float)
         wb, h, tp = w.weight_bytes, s.hidden, l.tp
         n = seqs_per_dp * new_tokens + prompt_tokens  # tokens on one DP rank
         n_all = seqs_per_dp * new_tokens * active_dp + prompt_rows  # tokens entering the MoE layers of the stage
         act = n * h * w.act_bytes  # activations of one DP rank, bytes
-        start, end = self.stages[stage]
-        n_dense = sum(1 for i in range(start, end) if s.dense_layers[i])
         attn_w = s.attn_sharded / tp + s.attn_replicated
-        kv_tok = s.kv_bytes_per_token_layer(tp, w.kv_bytes)
-        for is_dense, count in ((True, n_dense), (False, end - start - n_dense)):
-            if not count:
-                continue
-            one: dict[str, float] = defaultdict(float)  # one layer of this kind; the rest repeat it
-            self._op(one, attn_w * wb, 2 * n * attn_w, WEIGHTS, rows=n)
-            if prefill:  # causal attention core: half of the n x ctx score matrix, QK and PV
-                core = 2 * 2 * seqs_per_dp * new_tokens * ctx / 2 * (s.heads / tp) * s.head_dim
-                self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=new_tokens)
-            elif seqs_per_dp:  # every sequence reads its cache: [ctx, kv] per rank
-                core = 4 * seqs_per_dp * new_tokens * ctx * (s.heads / tp) * s.attn_dim
-                self._op(one, seqs_per_dp * ctx * kv_tok, core, KV, rows=seqs_per_dp)
-            if prompt_tokens:  # the chunks' causal attention: each token over half its prompt
-                core = 2 * 2 * prompt_tokens * w.isl / 2 * (s.heads / tp) * s.head_dim
-                self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=prompt_tokens)
-            one[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
-            if is_dense:
-                mlp = s.dense_mlp / tp
-                self._op(one, mlp * wb, 2 * n * mlp, WEIGHTS, rows=n)
-                one[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
-            elif self.runtime:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
-                self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
-            else:
-                moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
-            if self.runtime:
-                one[OVERHEAD] += self.measured.layer_overhead(is_dense, seqs_per_dp)
-            elif not prefill and seqs_per_dp:  # a prefill-only pass is costed as prefill: no floors
-                one[KERNELS] += layer_kernels(self.c, is_dense) * eff.KERNEL_OVERHEAD_S
-            for k, v in one.items():
-                out[k] += v * count
+        one = parts_for(seqs_per_dp, prompt_tokens, prompt_rows)
+        self._op(one, attn_w * wb, 2 * n * attn_w, WEIGHTS, rows=n)
+        if prefill:  # causal attention core: half of the n x ctx score matrix, QK and PV
+            core = 2 * 2 * seqs_per_dp * new_tokens * ctx / 2 * (s.heads / tp) * s.head_dim
+            self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=new_tokens)
+        else:  # every sequence reads its cache: [ctx, kv] per rank
+            kv_tok = s.kv_bytes_per_token_layer(tp, w.kv_bytes)
+            core = 4 * seqs_per_dp * new_tokens * ctx * (s.heads / tp) * s.attn_dim
+            self._op(one, seqs_per_dp * ctx * kv_tok, core, KV, rows=seqs_per_dp, when=seqs_per_dp != 0)
+        # the chunks' causal attention: each token over half its prompt
+        core = 2 * 2 * prompt_tokens * w.isl / 2 * (s.heads / tp) * s.head_dim
+        self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=prompt_tokens,
+                 when=prompt_tokens != 0)
+        tp_all_reduce = self._comm_name("TP all-reduce", self.g_tp)
+        one.add(tp_all_reduce, all_reduce(act, self.g_tp))
+        if dense:
+            mlp = s.dense_mlp / tp
+            self._op(one, mlp * wb, 2 * n * mlp, WEIGHTS, rows=n)
+            one.add(tp_all_reduce, all_reduce(act, self.g_tp))
+        elif self.runtime:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
+            self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
+        else:
+            moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
+        if self.runtime:
+            one[OVERHEAD] += self.measured.layer_overhead(dense, seqs_per_dp)
+        elif not prefill:  # a prefill-only pass is costed as prefill: no floors
+            one.add(KERNELS, layer_kernels(self.c, dense) * eff.KERNEL_OVERHEAD_S, when=seqs_per_dp != 0)
+        return one
+
+    def stage(self, stage: int, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
+              prompt_tokens=0.0, prompt_rows=0.0, layers: dict | None = None):
+        """Seconds per category for one pass of a micro-batch through `stage`.
+        seqs_per_dp: sequences on each active DP rank; new_tokens: tokens per sequence this pass
+        (1 in decode, the prompt in prefill); ctx: tokens each sequence attends to.
+        prompt_tokens: prompt-chunk tokens mixed into a decode pass on the busiest DP rank, each
+        attending to half the prompt on average; prompt_rows: such tokens over the whole stage.
+        layers: the pass's layers by kind, costed once and shared by every stage of the pass.
+        Numbers give a dict (parts.Parts); arrays of sequences or prompt tokens a parts.Many."""
+        s, l, w = self.s, self.l, self.w
+        kw = dict(seqs_per_dp=seqs_per_dp, active_dp=active_dp, new_tokens=new_tokens, ctx=ctx,
+                  prefill=prefill, prompt_tokens=prompt_tokens, prompt_rows=prompt_rows)
+        layers = {} if layers is None else layers
+        out = parts_for(seqs_per_dp, prompt_tokens, prompt_rows)
+        start, end = self.stages[stage]
+        n_dense = self.n_dense[stage]
+        for dense, count in ((True, n_dense), (False, end - start - n_dense)):
+            if count:
+                if dense not in layers:
+                    layers[dense] = self.layer(dense, **kw)
+                out.merge(layers[dense], count)  # the stage's `count` layers of this kind
+        tp = l.tp
+        act = (seqs_per_dp * new_tokens + prompt_tokens) * s.hidden * w.act_bytes
         if stage == 0 and tp > 1:  # the vocab-parallel embedding sums its rows over tp
-            out[self._comm_name("TP all-reduce", self.g_tp)] += all_reduce(act, self.g_tp)
+            out.add(self._comm_name("TP all-reduce", self.g_tp), all_reduce(act, self.g_tp))
         if stage == l.pp - 1:  # LM head (bf16 under fp8 weights), logits of the last token of each sequence
             head = s.head / tp
-            rows = max(seqs_per_dp, 1)
+            rows = vmax(seqs_per_dp, 1)
             self._op(out, head * w.embed_bytes, 2 * rows * head, WEIGHTS, rows=rows)
             # each rank's vocab shard of the logits gathered over tp (layers.embedding.ParallelLMHead)
             logits = rows * s.vocab * w.act_bytes
-            out[self._comm_name("TP all-gather", self.g_tp)] += all_gather(logits, self.g_tp)
+            out.add(self._comm_name("TP all-gather", self.g_tp), all_gather(logits, self.g_tp))
         if self.runtime:  # every rank runs each tick's scheduling, metadata and sampling
             out[OVERHEAD] += self.measured.tick_overhead(seqs_per_dp)
-        elif not prefill and seqs_per_dp and stage == 0:
-            out[KERNELS] += eff.KERNELS_PER_STEP * eff.KERNEL_OVERHEAD_S
-        return dict(out)
+        elif not prefill and stage == 0:
+            out.add(KERNELS, eff.KERNELS_PER_STEP * eff.KERNEL_OVERHEAD_S, when=seqs_per_dp != 0)
+        return out
 
-    def handoff(self, stage: int, nbytes: float) -> tuple[str, float]:
+    def handoff(self, stage: int, nbytes) -> tuple[str, float]:
         g = self.g_pp[stage]
         return f"PP send/recv over {g.kind}", send_recv(nbytes, self.l.tp, g)
 
     # -- whole steps -----------------------------------------------------------------------
-    def _through_stages(self, parts: list[dict[str, float]], handoff_bytes: float) -> dict[str, float]:
+    def _through_stages(self, parts: list, handoff_bytes):
         """Breakdown of one pass through every stage: each stage's parts summed by name, plus
         the activations handed from each stage to the next."""
-        total: dict[str, float] = defaultdict(float)
+        total = Many(parts[0].size) if isinstance(parts[0], Many) else Parts()
         for p in parts:
-            for k, v in p.items():
-                total[k] += v
+            total.merge(p)
         for i in range(self.l.pp - 1):
-            k, v = self.handoff(i, handoff_bytes)
-            total[k] += v
+            total.add(*self.handoff(i, handoff_bytes))
         return total
+
+    def _passes(self, kw: dict) -> list:
+        """Every stage's part of one pass (stage()'s arguments `kw`); stages alike (as many
+        layers of each kind, neither first nor last) share one, costed once, except where the
+        runtime's terms are added to each afterwards."""
+        layers: dict = {}
+        alike: dict = {}
+        out = []
+        for i, (a, b) in enumerate(self.stages):
+            key = (self.n_dense[i], b - a, i == 0, i == self.l.pp - 1) if not self.runtime else i
+            if key not in alike:
+                alike[key] = self.stage(i, layers=layers, **kw)
+            out.append(alike[key])
+        return out
+
+    def _decode(self, batch, prompts, prompt_len):
+        """(step seconds, breakdown, micro-batches) for a batch and chunk count, or arrays of them."""
+        l, w = self.l, self.w
+        micro = vmax(1, vmin(batch, l.pp))
+        m = vceil(batch / micro)
+        per_dp = vceil(m / l.dp)
+        active = vmin(l.dp, m)
+        ctx = w.mean_decode_context
+        lane = prompts / micro  # chunks in each micro-batch
+        # spread evenly over the DP ranks, as a scheduler balancing them would on average; the
+        # step a whole chunk makes its DP rank the slowest one is not modelled
+        busiest = lane / l.dp * prompt_len
+        parts = self._passes(dict(seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False,
+                                  prompt_tokens=busiest, prompt_rows=lane * prompt_len))
+        if self.runtime:  # the sampled tokens reach every rank each tick (engine.runner.tick)
+            for p in parts:
+                for k, v in self.measured.tick_exchange(self, per_dp).items():
+                    p[k] += v
+        total = self._through_stages(parts, (per_dp * active + lane * prompt_len) * self.s.hidden * w.act_bytes)
+        chain = total.total()
+        if l.pp == 1:
+            slowest = chain  # the one stage is the whole pass
+        else:
+            sums = {id(p): p.total() for p in parts}
+            slowest = functools.reduce(vmax, [sums[id(p)] for p in parts])
+        tpot = vmax(chain, micro * slowest)
+        total.add(PIPELINE_WAIT, tpot - chain, when=tpot > chain)
+        return tpot, total, micro
 
     def decode(self, batch: int, prompts: float = 0.0, prompt_len: float = 0.0) -> tuple[float, dict[str, float], int]:
         """(step seconds, breakdown, micro-batches) of one decode step of `batch` sequences on
         this replica; with `prompts` prompt chunks of `prompt_len` tokens mixed in (chunked
         prefill), spread over the micro-batches and DP ranks. `batch` 0 with prompts: a step
         that only prefills."""
-        l, w = self.l, self.w
-        micro = max(1, min(batch, l.pp))
-        m = math.ceil(batch / micro)
-        per_dp = math.ceil(m / l.dp)
-        active = min(l.dp, m)
-        ctx = w.mean_decode_context
-        lane = prompts / micro  # chunks in each micro-batch
-        # spread evenly over the DP ranks, as a scheduler balancing them would on average; the
-        # step a whole chunk makes its DP rank the slowest one is not modelled
-        busiest = lane / l.dp * prompt_len
-        parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False,
-                            prompt_tokens=busiest, prompt_rows=lane * prompt_len) for i in range(l.pp)]
-        if self.runtime:  # the sampled tokens reach every rank each tick (engine.runner.tick)
-            for p in parts:
-                for k, v in self.measured.tick_exchange(self, per_dp).items():
-                    p[k] = p.get(k, 0.0) + v
-        total = self._through_stages(parts, (per_dp * active + lane * prompt_len) * self.s.hidden * w.act_bytes)
-        chain = sum(total.values())
-        slowest = max(sum(p.values()) for p in parts)
-        tpot = max(chain, micro * slowest)
-        if tpot > chain:
-            total["pipeline: waiting for the slowest stage"] = tpot - chain
+        tpot, total, micro = self._decode(batch, prompts, prompt_len)
         return tpot, dict(total), micro
+
+    def step_times(self, batches, prompts, prompt_len: float) -> np.ndarray:
+        """decode(b, k, prompt_len)[0] for every pair of the arrays `batches` and `prompts`."""
+        b, k = _arrays(batches, prompts)
+        if not self.vectorises:
+            return np.array([self.decode(int(x), float(y), prompt_len)[0] for x, y in zip(b, k)])
+        with np.errstate(divide="ignore", invalid="ignore"):  # a step of nothing (0, 0) is never asked for
+            return self._decode(b, k, prompt_len)[0]
+
+    def decode_many(self, batches, prompts, prompt_len: float) -> list[dict[str, float]]:
+        """decode(b, k, prompt_len)[1], the breakdown, for every pair of the arrays."""
+        b, k = _arrays(batches, prompts)
+        if not self.vectorises:
+            return [self.decode(int(x), float(y), prompt_len)[1] for x, y in zip(b, k)]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            total = self._decode(b, k, prompt_len)[1]
+        return total.singles()
 
     def prefill(self, requests: int) -> tuple[float, float, dict[str, float]]:
         """(time for one request to pass all stages, bottleneck-stage time per `requests`
         requests, breakdown of the one-request pass)."""
         l, w = self.l, self.w
-        one = [self.stage(i, seqs_per_dp=1, active_dp=1, new_tokens=w.isl, ctx=w.isl, prefill=True)
+        layers: dict = {}
+        one = [self.stage(i, seqs_per_dp=1, active_dp=1, new_tokens=w.isl, ctx=w.isl, prefill=True, layers=layers)
                for i in range(l.pp)]
         total = self._through_stages(one, w.isl * self.s.hidden * w.act_bytes)
         per_dp = math.ceil(requests / l.dp)
         active = min(l.dp, requests)
-        many = max(sum(self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=w.isl,
-                                  ctx=w.isl, prefill=True).values()) for i in range(l.pp))
-        return sum(total.values()), many, dict(total)
+        if (per_dp, active) != (1, 1):
+            layers = {}
+            many = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=w.isl, ctx=w.isl, prefill=True,
+                               layers=layers) for i in range(l.pp)]
+        else:
+            many = one  # the same passes
+        return sum(total.values()), max(sum(p.values()) for p in many), dict(total)
 
     def prefill_burst(self, batch: int) -> float:
         """Median time to first token when `batch` prompts arrive together, as the bench runs
@@ -206,7 +282,14 @@ class CostModel:
         micro = min(batch, l.pp)
         per_dp = math.ceil(math.ceil(batch / micro) / l.dp)
         active = min(l.dp, math.ceil(batch / micro))
-        parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=w.isl, ctx=w.isl, prefill=True)
-                 for i in range(l.pp)]
+        layers: dict = {}
+        parts = [self.stage(i, seqs_per_dp=per_dp, active_dp=active, new_tokens=w.isl, ctx=w.isl, prefill=True,
+                            layers=layers) for i in range(l.pp)]
         through = sum(self._through_stages(parts, per_dp * active * w.isl * self.s.hidden * w.act_bytes).values())
         return through + (micro - 1) / 2 * max(sum(p.values()) for p in parts)
+
+
+def _arrays(batches, prompts) -> tuple[np.ndarray, np.ndarray]:
+    b = np.asarray(batches, dtype=float).ravel()
+    k = np.broadcast_to(np.asarray(prompts, dtype=float), b.shape).copy()
+    return b, k

@@ -61,6 +61,18 @@ KERNELS_SHARED_EXPERT = 5  # a gated MLP (4) and its add to the routed output
 KERNELS_SHARED_GATE = 3  # Qwen2-MoE's sigmoid gate on the shared expert: GEMM, sigmoid, multiply
 KERNELS_PER_STEP = 10  # embedding, final norm, LM head, argmax, token index; rotary cos/sin and decode mask (4-7)
 
+# Expert imbalance: (token, expert) pairs routed to the busiest EP rank over the mean (used by
+# moe_cost.expert_imbalance, which carries it to each layout's experts per rank).
+# TensorRT-LLM's tech blog 4, "Scaling Expert Parallelism in TensorRT-LLM (Part 1)", Table 1:
+# DeepSeek-R1 on 32 GB200, EP32 with 8 experts per rank, a machine-translation dataset, local
+# batch 256, no EPLB: imbalance ratio (max - mean) / mean by rank 1.564, averaged over layers
+# and iterations, i.e. max / mean = 2.56 (with EPLB's redundant experts: 1.11). atoll places
+# experts in contiguous blocks with no redundant copies (comm.routing.expert_split): the no-EPLB
+# case. SGLang's large-scale EP blog (DeepSeek-V3 on 96 H100) agrees on the size: EPLB sped up
+# prefill 1.49x and decode 2.54x there.
+EXPERT_IMBALANCE = 2.56
+MEASURED_EXPERTS_PER_RANK = 8  # the layout that figure was measured on (256 experts / EP32)
+
 # Memory kept out of the KV cache on every GPU: AIConfigurator models a fixed ~3.5 GB "other"
 # (CUDA context, CUDA graphs, allocator slack) plus communication buffers (REFERENCE.md).
 RESERVE_BYTES = 3.5e9
@@ -88,12 +100,6 @@ def link_efficiency(kind: str) -> float:
     return EFFICIENCY_LINK[kind]
 
 
-def _expert_imbalance() -> float:
-    from atoll.planner.moe_cost import EXPERT_IMBALANCE  # kept beside the MoE cost it scales
-
-    return EXPERT_IMBALANCE
-
-
 def table() -> list[tuple[str, float, str]]:
     """(name, value, source) for the README and `atoll plan --explain`."""
     return [
@@ -116,7 +122,7 @@ def table() -> list[tuple[str, float, str]]:
         ("kernels: shared expert", KERNELS_SHARED_EXPERT, "counted: tiny DeepSeek-V3 decode step"),
         ("kernels: shared-expert gate", KERNELS_SHARED_GATE, "counted: tiny Qwen2-MoE decode step"),
         ("kernels: per step", KERNELS_PER_STEP, "counted: embedding, head, sampling, rotary tables"),
-        ("expert imbalance", _expert_imbalance(), "TensorRT-LLM blog 4, Table 1: EP32 no EPLB, 8 experts/rank"),
+        ("expert imbalance", EXPERT_IMBALANCE, "TensorRT-LLM blog 4, Table 1: EP32 no EPLB, 8 experts/rank"),
         ("reserve (bytes)", RESERVE_BYTES, "AIConfigurator's fixed ~3.5 GB per GPU"),
         ("prefill chunk (tokens)", PREFILL_CHUNK_TOKENS, "SGLang's default chunked-prefill size, 80 GB+ GPUs"),
         ("TPOT band", PREDICTION_BAND_TPOT, "issue 14: 22 published figures, median predicted/measured 1.24"),

@@ -15,29 +15,44 @@ EP and expert TP (moe_tp) split the same work differently, and cost differently:
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
+
+import numpy as np
 
 from atoll.planner.workload import gather_max_rows  # the runtime's threshold (the config's moe_gather_rows)
 from atoll.planner.categories import EXPERTS, WEIGHTS
 from atoll.planner.collectives import all_gather, all_reduce, all_to_all, island_first_all_to_all
-
-# Expert imbalance: (token, expert) pairs routed to the busiest EP rank over the mean.
-# TensorRT-LLM's tech blog 4, "Scaling Expert Parallelism in TensorRT-LLM (Part 1)", Table 1:
-# DeepSeek-R1 on 32 GB200, EP32 with 8 experts per rank, a machine-translation dataset, local
-# batch 256, no EPLB: imbalance ratio (max - mean) / mean by rank 1.564, averaged over layers
-# and iterations, i.e. max / mean = 2.56 (with EPLB's redundant experts: 1.11). atoll places
-# experts in contiguous blocks with no redundant copies (comm.routing.expert_split): the no-EPLB
-# case. SGLang's large-scale EP blog (DeepSeek-V3 on 96 H100) agrees on the size: EPLB sped up
-# prefill 1.49x and decode 2.54x there.
-EXPERT_IMBALANCE = 2.56
-MEASURED_EXPERTS_PER_RANK = 8  # the layout that figure was measured on (256 experts / EP32)
+# the expert imbalance and the layout it was measured on: sourced in efficiency.py
+from atoll.planner.efficiency import EXPERT_IMBALANCE, MEASURED_EXPERTS_PER_RANK
+from atoll.planner.parts import is_many, vall, vany, vceil, vmax, vmin, vnot, vpow, vwhere
 
 
-def expected_busiest_experts(tokens: int, experts: int, top_k: int, ranks: int) -> float:
+def expected_busiest_experts(tokens, experts: int, top_k: int, ranks: int):
     """Expected number of distinct experts the busiest EP rank runs for `tokens` tokens, under
     uniform top-k routing: each rank's count is Binomial(local, p), p = 1-(1-k/E)^tokens,
     local = ceil(E/ranks) as the runtime splits them (comm.routing.expert_split: the busiest
-    rank holds the extra one), and E[max of `ranks` draws] = sum_x (1 - F(x)^ranks)."""
+    rank holds the extra one), and E[max of `ranks` draws] = sum_x (1 - F(x)^ranks).
+    `tokens` may be an array: the same for each."""
+    return _expected_busiest(tokens, 1.0 - vpow(1.0 - top_k / experts, tokens), experts, top_k, ranks)
+
+
+def _expected_busiest(tokens, p, experts: int, top_k: int, ranks: int):
+    """expected_busiest_experts given p; each token count's sum is remembered: the search
+    asks for the same counts on every layout."""
+    local = -(-experts // ranks)
+    if not is_many(tokens):
+        return local * p if ranks == 1 or p >= 1.0 else _busiest(tokens, experts, top_k, ranks)
+    out = local * p
+    if ranks > 1:
+        few = p < 1.0
+        if few.any():
+            some, back = np.unique(tokens[few], return_inverse=True)
+            out[few] = np.array([_busiest(t, experts, top_k, ranks) for t in some.tolist()])[back]
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _busiest(tokens: float, experts: int, top_k: int, ranks: int) -> float:
     local = -(-experts // ranks)
     p = 1.0 - (1.0 - top_k / experts) ** tokens
     if ranks == 1 or p >= 1.0:
@@ -67,7 +82,7 @@ def expert_imbalance(workload, shapes, ep: int) -> float:
     return min(f, ep * min(k, local) / k)
 
 
-def busiest_pairs(workload, shapes, tokens: int, ep: int) -> tuple[float, float]:
+def busiest_pairs(workload, shapes, tokens, ep: int) -> tuple[float, float]:
     """(pairs, distinct experts) of the busiest EP rank for `tokens` tokens over the stage.
 
     Two sources of skew, combined by max, not by product, so neither is counted twice: at tiny
@@ -79,15 +94,15 @@ def busiest_pairs(workload, shapes, tokens: int, ep: int) -> tuple[float, float]
     not its distinct experts (its weight reads, at most its `local` experts)."""
     E, k = shapes.experts, shapes.top_k
     local = shapes.experts_per_rank(ep)
-    p = 1.0 - (1.0 - k / E) ** tokens
-    distinct = expected_busiest_experts(tokens, E, k, ep)
+    p = 1.0 - vpow(1.0 - k / E, tokens)
+    distinct = _expected_busiest(tokens, p, E, k, ep)
     drawn = distinct * tokens * k / (E * p)
     # mean pairs of a rank with `local` experts (the runtime's first ranks hold one more)
     skewed = tokens * k * local / E * expert_imbalance(workload, shapes, ep)
-    return min(max(drawn, skewed), tokens * min(k, local)), distinct
+    return vmin(vmax(drawn, skewed), tokens * min(k, local)), distinct
 
 
-def _links(stage, size: int, stride: int):
+def sub_links(stage, size: int, stride: int):
     """Links of a group of `size` ranks of the stage `stride` apart (the moe_tp group is
     consecutive ranks, the ep group steps over them: parallel.mesh's [ep, moe_tp] grid, the
     dp group steps over tp), from the stage's. Concurrent groups share the links as the
@@ -98,46 +113,49 @@ def _links(stage, size: int, stride: int):
                                cross_kind=stage.cross_kind if islands > 1 else "")
 
 
-def moe_layer(cm, out, *, n: int, n_all: int, act: float, wb: int):
+def moe_layer(cm, out, *, n, n_all, act, wb: int):
     """Adds one MoE layer's expert reads, shared expert and exchange to `out` (seconds by
-    category). n: tokens on one DP rank; n_all: tokens entering the layer over the stage."""
+    category). n: tokens on one DP rank; n_all: tokens entering the layer over the stage
+    (numbers, or arrays of them: parts.py)."""
     s, l, w = cm.s, cm.l, cm.w
     ep, mt, k = l.ep, l.moe_tp, s.top_k
     # routed experts on the busiest EP rank: its distinct experts, each 1/moe_tp of its weights,
     # and its pairs (skewed; with ep == 1 every rank runs its slice of every pair: balanced)
     pairs, distinct = busiest_pairs(w, s, n_all, ep)
     per_expert = s.expert / mt
-    cm._op(out, distinct * per_expert * wb, 2 * pairs * per_expert, EXPERTS, rows=pairs / max(distinct, 1.0))
+    cm._op(out, distinct * per_expert * wb, 2 * pairs * per_expert, EXPERTS, rows=pairs / vmax(distinct, 1.0))
     shared = s.shared_expert / l.tp
     if shared:
         cm._op(out, shared * wb + s.router * 2, 2 * n * shared, WEIGHTS)
 
     row = s.hidden * w.act_bytes
-    g = cm.g_stage
-    g_ep, g_mt = _links(g, ep, mt), _links(g, mt, 1)
+    g_ep, g_mt = cm.links(ep, mt), cm.links(mt, 1)
     direct = l.tp == mt  # ep rank e is DP group e: its own tokens are its share (layers/moe.py)
     rows = n if direct else n_all  # tokens an ep rank's group routes
     if not direct and l.dp > 1:  # DP attention under split experts: the stage's tokens first
-        g_dp = _links(g, l.dp, l.tp)
-        out[cm._comm_name("MoE all-gather", g_dp)] += all_gather(n_all * row, g_dp)
+        g_dp = cm.links(l.dp, l.tp)
+        out.add(cm._comm_name("MoE all-gather", g_dp), all_gather(n_all * row, g_dp))
     reduced = rows  # rows of moe_tp partial sums each rank ends with
     if ep > 1:
-        per_rank = rows if direct else math.ceil(rows / ep)
-        if g_ep.islands == 1 and per_rank <= gather_max_rows():
-            # comm.exchange.gather_combine: fixed shapes, no counts; rows meet every ep rank
+        per_rank = rows if direct else vceil(rows / ep)
+        # comm.exchange.gather_combine at decode sizes inside one island: fixed shapes, no
+        # counts; rows meet every ep rank. Else the all-to-all dispatch and combine.
+        gather = g_ep.islands == 1 and per_rank <= gather_max_rows()
+        if vany(gather):
             t = (all_gather(ep * per_rank * (row + 8 * k), g_ep) + all_gather(ep * per_rank * row, g_ep)
                  if direct else all_reduce(rows * row, g_ep))  # reduce_scatter moves an all_gather's bytes
-            out[cm._comm_name("MoE gather", g_ep)] += t
-        else:
-            out[cm._comm_name("all-to-all", g_ep)] += _dispatch_combine(cm, g_ep, per_rank, n_all, pairs)
+            out.add(cm._comm_name("MoE gather", g_ep), t, when=gather)
+        if not vall(gather):
+            out.add(cm._comm_name("all-to-all", g_ep), _dispatch_combine(cm, g_ep, per_rank, n_all, pairs),
+                    when=vnot(gather))
             if not direct:  # each ep rank routed a chunk of the stage's tokens: gathered back
-                out[cm._comm_name("MoE all-gather", g_ep)] += all_gather(rows * row, g_ep)
-            reduced = per_rank
+                out.add(cm._comm_name("MoE all-gather", g_ep), all_gather(rows * row, g_ep), when=vnot(gather))
+            reduced = vwhere(gather, rows, per_rank)
     if mt > 1:  # moe_tp partial sums, added over the moe_tp group
-        out[cm._comm_name("TP all-reduce" if mt == l.tp else "MoE all-reduce", g_mt)] += all_reduce(reduced * row, g_mt)
+        out.add(cm._comm_name("TP all-reduce" if mt == l.tp else "MoE all-reduce", g_mt), all_reduce(reduced * row, g_mt))
 
 
-def _dispatch_combine(cm, g, per_rank: int, n_all: int, pairs: float) -> float:
+def _dispatch_combine(cm, g, per_rank, n_all, pairs):
     """Seconds of the Dispatcher's dispatch and combine when each rank routes `per_rank`
     tokens, the ep group routes `n_all` and the busiest rank receives `pairs` of them.
 
@@ -158,19 +176,19 @@ def _dispatch_combine(cm, g, per_rank: int, n_all: int, pairs: float) -> float:
     act_row = s.hidden * w.act_bytes
     disp_row = s.hidden * (1 if w.dtype == "fp8" else w.act_bytes)
     mean = n_all / ep  # tokens an ep rank routes on average (one DP rank may hold them all)
-    r = pairs / max(n_all * k / ep, 1e-9)  # the busiest rank's pairs over the mean
+    r = pairs / vmax(n_all * k / ep, 1e-9)  # the busiest rank's pairs over the mean
     counts = 8 * s.experts  # each destination's rows per expert, exchanged first (host sizes)
     if g.islands == 1:
-        sent = max(per_rank * k, pairs)
+        sent = vmax(per_rank * k, pairs)
         return (all_to_all(counts, g) + all_to_all(sent * disp_row, g)
                 + all_to_all(sent * act_row, g))
     m, per_island = g.islands, g.per_island
     touched = (m - 1) * (1 - (1 - 1 / m) ** k)  # remote islands a token's k experts reach
     # the busiest island's excess is its busiest rank's, spread over the island's ranks
     r_island = 1 + (r - 1) / per_island
-    cross = touched * max(per_rank, mean * r_island)  # rows over the rail, sent or received
+    cross = touched * vmax(per_rank, mean * r_island)  # rows over the rail, sent or received
     # inside the island a rank hands on its own pairs there and those relayed to it
-    intra = max(k / m * (per_rank + (m - 1) * mean), pairs)
+    intra = vmax(k / m * (per_rank + (m - 1) * mean), pairs)
     dispatch = (island_first_all_to_all(counts, counts, g)
                 + island_first_all_to_all(cross * (disp_row + 8 * k), intra * disp_row, g))
     return dispatch + island_first_all_to_all(cross * act_row, intra * act_row, g)

@@ -7,17 +7,19 @@ crossing is allowed; dense models take no DP or EP (replicas are their data para
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
 from atoll.errors import AtollError, ConfigError
 from atoll.parallel.layout import Layout, divisors
 from atoll.parallel.placement import Placement, tp_domain_size
+from atoll.planner import efficiency as eff
 from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
-from atoll.planner import efficiency as eff
 from atoll.planner.plan import Prediction
-from atoll.planner.serving import poisson_weights, steady_state
+from atoll.planner.serving import Replicas, poisson_weights
+from atoll.planner.steps import Tables
 
 _REPLICAS = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.+)$")
 
@@ -59,39 +61,107 @@ def enumerate_layouts(config, topology, *, allow_cross_island: bool = False) -> 
 
 def evaluate(config, shapes, topology, workload, layout: Layout, replicas: int, *,
              allow_cross_island: bool = False) -> Prediction:
-    placement = Placement.build(layout, topology, allow_cross_island=allow_cross_island)
-    busy = min(topology.gpus_per_node, replicas * layout.world_size)  # ranks at work on one node
-    cost = CostModel(config, shapes, topology, workload, layout, placement, ranks=busy)
-    conc = workload.concurrency
-    batch = math.ceil(conc / replicas)
-    offered = workload.request_rate
+    """One layout at one workload (evaluate_all on one candidate)."""
+    return evaluate_all(config, shapes, topology, [workload], [(layout, replicas)],
+                        allow_cross_island=allow_cross_island)[0][0]
+
+
+def evaluate_all(config, shapes, topology, workloads, cands, *, allow_cross_island: bool = False,
+                 progress=None) -> list[list[Prediction]]:
+    """Predictions of every candidate (layout, replicas) at every workload: [workload][candidate].
+
+    What does not depend on the concurrency is done once per layout: its placement, its cost
+    model, its table of steps (steps.py) and its prefill; the fixed points of steady serving
+    are solved for every layout and workload at once (serving.Replicas). Workloads that differ
+    in more than concurrency and request rate (prompt or output lengths, precisions) get their
+    own tables. progress(done, total): called as each layout's steps are costed, twice a layout
+    and group (its table, then its mean step's breakdown)."""
+    placements = [Placement.build(lay, topology, allow_cross_island=allow_cross_island) for lay, _ in cands]
+    groups: dict = {}
+    for i, w in enumerate(workloads):  # the cost model reads neither concurrency nor request rate
+        groups.setdefault(dataclasses.replace(w, concurrency=1, request_rate=None), []).append(i)
+    out: list[list] = [[] for _ in workloads]
+    if not cands:
+        return out
+    count = _Count(2 * len(cands) * len(groups), progress)
+    for members in groups.values():
+        for i, preds in zip(members, _evaluate_group(config, shapes, topology, [workloads[i] for i in members],
+                                                     cands, placements, count)):
+            out[i] = preds
+    return out
+
+
+class _Count:
+    """Units done so far, told to progress(done, total) (nothing without one)."""
+
+    def __init__(self, total: int, progress):
+        self.done, self.total, self.progress = 0, total, progress
+
+    def __call__(self, n: int = 1) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _evaluate_group(config, shapes, topology, workloads, cands, placements, progress):
+    w0 = workloads[0]
+    costs = [CostModel(config, shapes, topology, w0, lay, pl, ranks=min(topology.gpus_per_node, reps * lay.world_size))
+             for (lay, reps), pl in zip(cands, placements)]
+    # lanes: every candidate at every workload, workload-major
+    lanes = [(wi, ci) for wi in range(len(workloads)) for ci in range(len(cands))]
+    batch = [math.ceil(workloads[wi].concurrency / cands[ci][1]) for wi, ci in lanes]
+    offered = [workloads[wi].request_rate for wi, _ in lanes]
+    rates = [math.nan if r is None else r / cands[ci][1] for r, (_, ci) in zip(offered, lanes)]
+    replicas = Replicas(None, isl=w0.isl, osl=w0.osl, concurrency=batch, budget=eff.PREFILL_CHUNK_TOKENS,
+                        open_loop=[r is not None for r in offered])
+    most = [0] * len(cands)  # the largest batch of each layout's lanes
+    for b, (_, ci) in zip(batch, lanes):
+        most[ci] = max(most[ci], b)
+    replicas.steps = Tables(costs, most, chunk=replicas.chunk, cap=replicas.cap, lay=[ci for _, ci in lanes],
+                            progress=progress)
     # steady serving: prompt chunks beside decode (TPOT), queueing for the prefill (TTFT)
-    st = steady_state(lambda n, k, length: cost.decode(n, k, length)[0], isl=workload.isl, osl=workload.osl,
-                      concurrency=batch, budget=eff.PREFILL_CHUNK_TOKENS,
-                      rate=None if offered is None else offered / replicas)
-    tpot = st.tpot_s
-    # the mean step's parts: each chunk count's step weighted by its probability, at the
-    # nearest whole decode batch, scaled to TPOT
-    decode: dict[str, float] = {}
-    for k, weight in poisson_weights(st.chunks_per_step, st.chunk_cap):
-        for name, v in cost.decode(max(1, round(st.decode_batch)), k, st.chunk_tokens)[1].items():
-            decode[name] = decode.get(name, 0.0) + weight * v
-    mean = sum(decode.values())
-    decode = {k: v * tpot / mean for k, v in decode.items()}
-    _, _, prefill = cost.prefill(1)
-    gpus = replicas * layout.world_size
-    # closed loop: each of the `conc` clients sends at a replica's per-client rate (with fewer
-    # clients than replicas some stand idle); open loop: every replica takes its share
-    rate = st.rate * (replicas if offered is not None else conc / batch)
+    solved = replicas.solve(rates)
+    steady = [solved.lane(i) for i in range(len(lanes))]
+    # the mean step's parts: each chunk count's step weighted by its probability, at the nearest
+    # whole decode batch, scaled to TPOT; each layout's steps costed together
+    weights = [poisson_weights(st.chunks_per_step, st.chunk_cap) for st in steady]
+    wanted: list[dict] = [{} for _ in cands]
+    for i, (_, ci) in enumerate(lanes):
+        nb = max(1, round(steady[i].decode_batch))
+        for k, _ in weights[i]:
+            wanted[ci].setdefault((nb, k), None)
+    for ci, cm in enumerate(costs):
+        pairs = list(wanted[ci])
+        for pair, parts in zip(pairs, cm.decode_many([b for b, _ in pairs], [k for _, k in pairs], replicas.chunk)):
+            wanted[ci][pair] = parts
+        progress(1)
+    prefills = [cm.prefill(1)[2] for cm in costs]
     band, ttft_band = prediction_bands(topology)
-    return Prediction(band=band, ttft_band=ttft_band,
-        layout=layout, replicas=replicas, gpus=gpus, concurrency=conc,
-        memory=memory_fit(config, shapes, topology, workload, layout, batch),
-        ttft_s=st.ttft_s, tpot_s=tpot, tokens_per_s_per_gpu=rate * workload.osl / gpus,
-        tokens_per_s_per_user=1.0 / tpot, decode=decode, prefill=prefill,
-        arrival_rate=rate, offered_rate=offered, prefill_load=st.load,
-        overload=st.why,
-    )
+    memory: dict = {}
+    out = [[None] * len(cands) for _ in workloads]
+    for i, (wi, ci) in enumerate(lanes):
+        (layout, reps), w, st = cands[ci], workloads[wi], steady[i]
+        nb = max(1, round(st.decode_batch))
+        decode: dict[str, float] = {}
+        for k, weight in weights[i]:
+            for name, v in wanted[ci][(nb, k)].items():
+                decode[name] = decode.get(name, 0.0) + weight * v
+        tpot = st.tpot_s
+        mean = sum(decode.values())
+        decode = {k: v * tpot / mean for k, v in decode.items()}
+        gpus = reps * layout.world_size
+        # closed loop: each of the `conc` clients sends at a replica's per-client rate (with fewer
+        # clients than replicas some stand idle); open loop: every replica takes its share
+        rate = st.rate * (reps if offered[i] is not None else w.concurrency / batch[i])
+        if (ci, batch[i]) not in memory:
+            memory[(ci, batch[i])] = memory_fit(config, shapes, topology, w, layout, batch[i])
+        out[wi][ci] = Prediction(
+            band=band, ttft_band=ttft_band, layout=layout, replicas=reps, gpus=gpus, concurrency=w.concurrency,
+            memory=memory[(ci, batch[i])], ttft_s=st.ttft_s, tpot_s=tpot,
+            tokens_per_s_per_gpu=rate * w.osl / gpus, tokens_per_s_per_user=1.0 / tpot, decode=decode,
+            prefill=dict(prefills[ci]), arrival_rate=rate, offered_rate=offered[i], prefill_load=st.load,
+            overload=st.why)
+    return out
 
 
 def prediction_bands(topology) -> tuple[float, float]:

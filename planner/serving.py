@@ -29,19 +29,34 @@ without bound; likewise when more requests would be decoding than the concurrenc
 was planned for. Such a load is not sustainable. A closed loop always is: a slower server
 slows its own arrivals. Assumed: every request isl in and osl out; steps are not preempted;
 closed-loop arrivals are costed as Poisson at their mean rate.
+
+Many replicas are solved at once, in lanes (one per layout and workload of a search): every
+iteration above runs for all the lanes still iterating, as numpy arrays; each lane takes the
+steps and makes the decisions it would alone, so its numbers are those of solving it alone, to
+the last bit (exp and pow go through the C library, as math's do). A lane's steps come from
+its layout's table of whole batches (steps.py), each row costed once for every workload.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
+
+import numpy as np
+
+from atoll.errors import ConfigError
 
 _POISSON_TERMS = 50  # beyond this mean the chunk count is concentrated: its mean stands for it
 # whole decode batches the cost model is asked for: every one up to _EXACT, then _SPACING apart
 # (a step's time is near linear in the batch between them; this bounds the calls per layout)
 _EXACT, _SPACING = 64, 0.03
+# ... as one row list: a step of n sequences lies between ROWS[i] <= n < ROWS[i + 1]
+ROWS = np.array(list(range(_EXACT)) + sorted({round(_EXACT * (1 + _SPACING) ** i) for i in range(500)}), float)
+_WIDTH = np.diff(ROWS)
+# the chunk counts a lane's Poisson series can reach before its tail is under 1e-7 (mean <= 50)
+MAX_TERMS = 100
+_EXP, _POW = np.frompyfunc(math.exp, 1, 1), np.frompyfunc(pow, 2, 1)
 
 
 @dataclass(frozen=True)
@@ -89,119 +104,262 @@ def poisson_mean(f, mean: float, cap: int) -> float:
     return sum(w * f(k) for k, w in poisson_weights(mean, cap))
 
 
-_GRID = sorted({round(_EXACT * (1 + _SPACING) ** i) for i in range(500)})
-
-
-def _bracket(n: float) -> tuple[int, int]:
-    """Neighbouring whole batches lo <= n < hi: every one below _EXACT, then the grid."""
-    if n < _EXACT or n >= _GRID[-1]:
-        return math.floor(n), math.floor(n) + 1
-    i = bisect.bisect_right(_GRID, n)
-    return _GRID[i - 1], _GRID[i]
-
-
-def _aitken(x: float, f1: float, f2: float) -> float:
+def _aitken(x, f1, f2):
     """Steffensen's next estimate of the fixed point x = f(x) from f1 = f(x), f2 = f(f1)
-    (Aitken's delta-squared); f2 where the differences vanish."""
+    (Aitken's delta-squared); f2 where the differences vanish. Arrays of lanes."""
     den = f2 - 2 * f1 + x
-    return x - (f1 - x) ** 2 / den if den else f2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den != 0, x - _POW(f1 - x, 2).astype(float) / den, f2)
 
 
-class _Replica:
-    def __init__(self, step, *, isl: int, osl: int, concurrency: int, budget: int, open_loop: bool):
-        self.isl, self.osl, self.b, self.open = isl, osl, concurrency, open_loop
+@dataclass
+class Lanes:
+    """Steady states of many replicas: arrays over the lanes, as Steady's fields."""
+    tpot_s: np.ndarray
+    ttft_s: np.ndarray
+    rate: np.ndarray
+    decode_batch: np.ndarray
+    chunks_per_step: np.ndarray
+    load: np.ndarray
+    why: list
+    chunk_tokens: float
+    chunk_cap: int
+
+    @classmethod
+    def empty(cls, size: int, chunk: float, cap: int) -> "Lanes":
+        z = [np.zeros(size) for _ in range(6)]
+        return cls(*z, why=[""] * size, chunk_tokens=chunk, chunk_cap=cap)
+
+    def put(self, idx: np.ndarray, other: "Lanes") -> None:
+        for f in ("tpot_s", "ttft_s", "rate", "decode_batch", "chunks_per_step", "load"):
+            getattr(self, f)[idx] = getattr(other, f)
+        for i, why in zip(idx.tolist(), other.why):
+            self.why[i] = why
+
+    def lane(self, i: int) -> Steady:
+        return Steady(tpot_s=float(self.tpot_s[i]), ttft_s=float(self.ttft_s[i]), rate=float(self.rate[i]),
+                      decode_batch=float(self.decode_batch[i]), chunks_per_step=float(self.chunks_per_step[i]),
+                      chunk_tokens=self.chunk_tokens, chunk_cap=self.chunk_cap, load=float(self.load[i]),
+                      sustainable=not self.why[i], why=self.why[i])
+
+
+class Replicas:
+    """The lanes' replicas: `steps` gives their steps at whole batches (steps.Tables, or Calls
+    of a function), concurrency (requests a replica holds) and open_loop are arrays over the
+    lanes."""
+
+    def __init__(self, steps, *, isl: int, osl: int, concurrency, budget: int, open_loop):
+        self.isl, self.osl, self.steps = isl, osl, steps
+        self.b = np.asarray(concurrency, dtype=float)
+        if self.b.size and self.b.max() >= ROWS[-2]:
+            raise ConfigError(f"{self.b.max():.0f} requests on one replica: past the largest batch the planner "
+                              f"costs ({ROWS[-2]:.0f})")
+        self.open = np.array(open_loop, dtype=bool)
         self.chunks = math.ceil(isl / budget)  # chunks of one prompt, one step each
         self.chunk = isl / self.chunks
         self.cap = max(1, int(budget // math.ceil(self.chunk)))  # chunks one step can carry
-        self._step, self._memo = step, {}
+        self.terms = min(self.cap, MAX_TERMS)  # the Poisson series' columns: 0 .. terms
+        self._ks = np.arange(1, self.terms, dtype=float)
 
-    def step(self, n: float, k: float) -> float:
-        lo, hi = _bracket(n)
-        a = self._whole(lo, k)
-        return a if n == lo else a + (n - lo) / (hi - lo) * (self._whole(hi, k) - a)
+    @staticmethod
+    def _frac(n):
+        """(row, where n lies between the row's whole batch and the next: 0 at the row)."""
+        r = np.searchsorted(ROWS, n, side="right") - 1
+        return r, (n - ROWS[r]) / _WIDTH[r]
 
-    def _whole(self, n: int, k: float) -> float:
-        if (n, k) not in self._memo:
-            self._memo[(n, k)] = self._step(n, k, self.chunk)
-        return self._memo[(n, k)]
+    def step(self, idx, n, k):
+        """Steps of n (fractional) sequences and k chunks, interpolated between whole batches
+        (a step at a whole batch is its row's: + 0 x the difference)."""
+        r, frac = self._frac(n)
+        a, d = self.steps.at(idx, r, k)
+        return a + frac * d
 
-    def at(self, rate: float) -> Steady:
-        """The replica's steady state at `rate` requests/s."""
-        others_rate = rate if self.open else rate * (self.b - 1) / self.b
+    def mean_step(self, idx, n, mean):
+        """E[step(n, min(K, cap))], K ~ Poisson(mean), for each lane (poisson_mean's sum)."""
+        if not idx.size or (mean.min() > 0 and mean.max() <= _POISSON_TERMS):
+            return self._series(idx, n, mean)
+        none, many = mean <= 0, mean > _POISSON_TERMS
+        out = np.empty(idx.size)
+        if none.any():
+            out[none] = 1.0 * self.step(idx[none], n[none], 0)
+        if many.any():
+            out[many] = 1.0 * self.step(idx[many], n[many], np.minimum(mean[many], self.cap))
+        series = ~(none | many)
+        if series.any():
+            out[series] = self._series(idx[series], n[series], mean[series])
+        return out
 
-        def others_at(t):  # requests decoding beside this one (Little)
-            return min(self.b - 1, others_rate * self.osl * t)
+    def _series(self, idx, n, mean):
+        """poisson_mean's sum, term by term in its order: pmf_0 = exp(-mean), pmf_k+1 = pmf_k x
+        mean/(k+1) until 1 - mass < 1e-7 at some k < cap (or k = cap - 1), then the tail."""
+        t, lanes = self.terms, np.arange(idx.size)
+        pmf = np.empty((idx.size, t))
+        pmf[:, 0] = _EXP(-mean)
+        np.divide(mean[:, None], self._ks, out=pmf[:, 1:])
+        pmf = np.cumprod(pmf, axis=1)
+        mass = np.cumsum(pmf, axis=1)
+        stops = 1 - mass < 1e-7
+        if t == self.cap:
+            stops[:, -1] = True  # no stop before: the tail is at the cap
+        elif not stops.any(axis=1).all():
+            raise ValueError(f"a Poisson mean of {mean.max():.3g} chunks needs more than {t} terms")
+        stop = stops.argmax(axis=1)
+        r, frac = self._frac(n)
+        a, d = self.steps.upto(idx, r, t)
+        f = a + frac[:, None] * d
+        head = np.cumsum(pmf * f[:, :t], axis=1)[lanes, stop]
+        return head + (1 - mass[lanes, stop]) * f[lanes, stop + 1]
+
+    def at(self, idx, rate) -> Lanes:
+        """The lanes' steady states at `rate` requests/s each."""
+        b, osl, open_ = self.b[idx], self.osl, self.open[idx]
+        others_rate = np.where(open_, rate, rate * (b - 1) / b)
+        # the lanes still iterating, and their terms: requests decoding beside this one (Little)
+        # are min(b - 1, others_rate * osl * t), chunks arriving during a step of t others_rate * t * chunks
+        live, ids, most, per_t, rates = np.arange(idx.size), idx, b - 1, others_rate * osl, others_rate
 
         def mean_step(t):  # the mean step when a step takes t: its chunks arrive during it
-            return poisson_mean(lambda k: self.step(1 + others_at(t), k), others_rate * t * self.chunks, self.cap)
+            return self.mean_step(ids, 1 + np.minimum(most, per_t * t), rates * t * self.chunks)
 
-        tpot = self.step(1, 0)
+        tpot = self.step(idx, np.ones(idx.size), 0)
+        t = tpot
         for _ in range(50):  # Steffensen's iteration (Aitken's delta-squared) on tpot = mean_step(tpot)
-            f1 = mean_step(tpot)
-            if abs(f1 - tpot) <= 1e-10 * tpot:
-                tpot = f1
-                break
+            f1 = mean_step(t)
+            done = np.abs(f1 - t) <= 1e-10 * t
+            if done.any():
+                tpot[live[done]] = f1[done]
+                keep = ~done
+                live, ids, most, per_t, rates = live[keep], ids[keep], most[keep], per_t[keep], rates[keep]
+                if not live.size:
+                    break
+                t, f1 = t[keep], f1[keep]
             f2 = mean_step(f1)
-            nxt = _aitken(tpot, f1, f2)
-            tpot = nxt if 0 < nxt < math.inf else f2
-        others = others_at(tpot)
-        full = self.step(1 + others, self.cap)  # a step carrying all the prompt tokens it can
+            nxt = _aitken(t, f1, f2)
+            t = np.where((0 < nxt) & (nxt < math.inf), nxt, f2)
+            tpot[live] = t
+        others = np.minimum(b - 1, others_rate * osl * tpot)
+        full = self.step(idx, 1 + others, self.cap)  # a step carrying all the prompt tokens it can
         service = self.isl * full / (self.cap * self.chunk)
         load = rate * service
-        # the prompts ahead of this one come from the other clients (all arrivals in open loop)
-        ttft = (tpot / 2 if others > 0 else 0.0) + md1_wait(others_rate, service) + self.chunks * self.step(others, 1)
-        why = ""
-        if self.open and load >= 1:
-            why = (f"prompts arrive faster than the steps prefill them (prefill load {load:.2f} >= 1 "
-                   f"at {rate:.3g} requests/s per replica)")
-        elif self.open and rate * self.osl * tpot > self.b:
-            why = (f"{rate * self.osl * tpot:.0f} requests would be decoding at once per replica, more than "
-                   f"the {self.b} the KV cache is planned for")
-        return Steady(tpot_s=tpot, ttft_s=math.inf if why else ttft, rate=rate, decode_batch=1 + others,
-                      chunks_per_step=others_rate * tpot * self.chunks, chunk_tokens=self.chunk,
-                      chunk_cap=self.cap, load=load,
-                      sustainable=not why, why=why)
+        rho = others_rate * service  # the prompts ahead of this one come from the other clients
+        with np.errstate(divide="ignore"):
+            wait = np.where(rho >= 1, math.inf, rho * service / (2 * (1 - rho)))  # md1_wait
+        ttft = np.where(others > 0, tpot / 2, 0.0) + wait + self.chunks * self.step(idx, others, 1)
+        busy = rate * osl * tpot
+        why = [""] * idx.size
+        for i in np.flatnonzero(open_ & ((load >= 1) | (busy > b))).tolist():
+            why[i] = (f"prompts arrive faster than the steps prefill them (prefill load {load[i]:.2f} >= 1 "
+                      f"at {rate[i]:.3g} requests/s per replica)" if load[i] >= 1 else
+                      f"{busy[i]:.0f} requests would be decoding at once per replica, more than "
+                      f"the {int(b[i])} the KV cache is planned for")
+            ttft[i] = math.inf
+        return Lanes(tpot_s=tpot, ttft_s=ttft, rate=np.asarray(rate, dtype=float), decode_batch=1 + others,
+                     chunks_per_step=others_rate * tpot * self.chunks, load=load, why=why,
+                     chunk_tokens=self.chunk, chunk_cap=self.cap)
 
-    def closed(self) -> Steady:
+    def closed(self, idx) -> Lanes:
         """The closed loop's fixed point: rate * (TTFT + osl * TPOT) = concurrency, by
         Steffensen's iteration on rate = g(rate) = concurrency / E2E(rate), kept inside the
         bracket its evaluations give (g falls as the rate grows: g(r) > r means r is too low)."""
-        lo, hi = 0.0, math.inf
-        states = {}
+        b, osl = self.b[idx], self.osl
+        lo, hi = np.zeros(idx.size), np.full(idx.size, math.inf)
+        out = Lanes.empty(idx.size, self.chunk, self.cap)
 
-        def g(r):
-            nonlocal lo, hi
-            states[r] = self.at(r)
-            out = self.b / states[r].e2e_s(self.osl)  # 0 when the TTFT is unbounded
-            if out > r:
-                lo = max(lo, r)
-            else:
-                hi = min(hi, r)
-            return out
+        def g(i, r):
+            st = self.at(idx[i], r)
+            with np.errstate(divide="ignore"):
+                v = b[i] / (st.ttft_s + osl * st.tpot_s)  # 0 when the TTFT is unbounded
+            up = v > r
+            lo[i[up]] = np.maximum(lo[i[up]], r[up])
+            hi[i[~up]] = np.minimum(hi[i[~up]], r[~up])
+            return v, st
 
-        rate = self.b / (self.osl * self.step(self.b, 0) + self.chunks * self.step(self.b - 1, 1))
+        rate = b / (osl * self.step(idx, b, 0) + self.chunks * self.step(idx, b - 1, 1))
+        live = np.arange(idx.size)
         for _ in range(60):
-            g1 = g(rate)
-            if abs(g1 - rate) <= 1e-10 * rate or (hi < math.inf and hi - lo <= 1e-10 * hi):
+            if not live.size:
                 break
-            g2 = g(g1) if g1 > 0 else 0.0
-            nxt = _aitken(rate, g1, g2)
-            if not lo < nxt < hi:
-                nxt = g2 if lo < g2 < hi else (lo + hi) / 2 if hi < math.inf else 2 * max(rate, g1)
-            rate = nxt
-        return states[rate] if rate in states else self.at(rate)
+            r = rate[live]
+            g1, st = g(live, r)
+            done = (np.abs(g1 - r) <= 1e-10 * r) | ((hi[live] < math.inf) & (hi[live] - lo[live] <= 1e-10 * hi[live]))
+            out.put(live[done], _select(st, done))
+            live, r, g1 = live[~done], r[~done], g1[~done]
+            g2 = np.zeros(live.size)
+            pos = g1 > 0
+            if pos.any():
+                g2[pos] = g(live[pos], g1[pos])[0]
+            nxt = _aitken(r, g1, g2)
+            l, h = lo[live], hi[live]
+            inside = (l < nxt) & (nxt < h)
+            with np.errstate(invalid="ignore"):
+                other = np.where((l < g2) & (g2 < h), g2, np.where(h < math.inf, (l + h) / 2, 2 * np.maximum(r, g1)))
+            rate[live] = np.where(inside, nxt, other)
+        if live.size:
+            out.put(live, self.at(idx[live], rate[live]))
+        return out
+
+    def solve(self, rates=None) -> Lanes:
+        """Every lane's steady state: closed loop, or open loop at `rates` (an array; NaN for a
+        closed-loop lane). An open-loop rate a lane cannot sustain comes back with its reason,
+        TTFT inf, and TPOT and rate of the saturated replica (the closed loop)."""
+        n = self.b.size
+        out = Lanes.empty(n, self.chunk, self.cap)
+        every = np.arange(n)
+        opened = self.open.copy()
+        if (~opened).any():
+            out.put(every[~opened], self.closed(every[~opened]))
+        if opened.any():
+            idx = every[opened]
+            s = self.at(idx, np.asarray(rates, dtype=float)[idx])
+            out.put(idx, s)
+            bad = np.array([bool(w) for w in s.why])
+            if bad.any():
+                self.open[idx[bad]] = False
+                c = self.closed(idx[bad])
+                c.ttft_s[:] = math.inf
+                c.load, c.why = s.load[bad], [w for w in s.why if w]
+                out.put(idx[bad], c)
+        self.open = opened
+        return out
+
+
+class Calls:
+    """Steps from a function step(n, k, length) (steady_state's), each asked once."""
+
+    def __init__(self, step, chunk: float):
+        self.f, self.chunk, self.memo = step, chunk, {}
+
+    def _one(self, row: int, k) -> float:
+        key = (row, k)
+        if key not in self.memo:
+            self.memo[key] = self.f(int(ROWS[row]), k, self.chunk)
+        return self.memo[key]
+
+    def at(self, idx, r, k):
+        ks = [c if c != int(c) else int(c) for c in np.broadcast_to(np.asarray(k), idx.shape).tolist()]
+        a = np.array([self._one(x, c) for x, c in zip(r.tolist(), ks)], dtype=float)
+        b = np.array([self._one(x + 1, c) for x, c in zip(r.tolist(), ks)], dtype=float)
+        return a, b - a
+
+    def upto(self, idx, r, last: int):
+        a = np.array([[self._one(x, k) for k in range(last + 1)] for x in r.tolist()], dtype=float)
+        b = np.array([[self._one(x + 1, k) for k in range(last + 1)] for x in r.tolist()], dtype=float)
+        return a, b - a
+
+
+def _select(st: Lanes, keep) -> Lanes:
+    return Lanes(tpot_s=st.tpot_s[keep], ttft_s=st.ttft_s[keep], rate=st.rate[keep],
+                 decode_batch=st.decode_batch[keep], chunks_per_step=st.chunks_per_step[keep], load=st.load[keep],
+                 why=[w for w, k in zip(st.why, keep.tolist()) if k], chunk_tokens=st.chunk_tokens,
+                 chunk_cap=st.chunk_cap)
 
 
 def steady_state(step, *, isl: int, osl: int, concurrency: int, budget: int, rate: float | None = None) -> Steady:
     """Steady state of one replica holding up to `concurrency` requests: closed loop, or open
     loop at `rate` requests/s (Poisson). An open-loop rate it cannot sustain comes back with
     sustainable False, its reason, TTFT inf, and TPOT and rate of the saturated replica (the
-    closed loop at `concurrency`)."""
-    r = _Replica(step, isl=isl, osl=osl, concurrency=concurrency, budget=budget, open_loop=rate is not None)
-    if rate is None:
-        return r.closed()
-    s = r.at(rate)
-    if s.sustainable:
-        return s
-    r.open = False
-    return dataclasses.replace(r.closed(), ttft_s=math.inf, load=s.load, sustainable=False, why=s.why)
+    closed loop at `concurrency`). step(n, k, length): a step of n whole sequences and k chunks
+    of `length` tokens."""
+    r = Replicas(None, isl=isl, osl=osl, concurrency=[concurrency], budget=budget, open_loop=[rate is not None])
+    r.steps = Calls(step, r.chunk)
+    return r.solve(None if rate is None else [rate]).lane(0)

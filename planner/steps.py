@@ -1,0 +1,75 @@
+"""Each layout's decode steps, costed once: a table of step seconds by whole batch and chunk count.
+
+Steady serving (serving.py) asks for steps of n sequences carrying k prompt chunks, n between
+the whole batches of serving.ROWS. None of that depends on the concurrency, so a search costs
+every row a layout's replicas can reach (up to the largest batch of any workload it is asked
+about), for every chunk count its Poisson series can reach, in one vectorised pass of the cost
+model (CostModel.step_times), and every lane of that layout reads the table. A chunk count
+off the table (a fractional mean above serving._POISSON_TERMS, when a step carries more than
+MAX_TERMS chunks) is costed when asked for, one step at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atoll.planner.serving import MAX_TERMS, ROWS
+
+
+def columns(cap: int) -> list[int]:
+    """The chunk counts a table holds: 0 .. the Poisson series' last term, and the cap (a
+    full-budget step)."""
+    terms = min(cap, MAX_TERMS)
+    return list(range(terms + 1)) + ([cap] if cap > terms else [])
+
+
+def rows_for(batch: int) -> int:
+    """Rows of serving.ROWS a replica of `batch` requests reaches: up to the one above `batch`."""
+    return int(np.searchsorted(ROWS, batch, side="right")) + 1
+
+
+class Tables:
+    """Step tables of many layouts, one per cost model, in one array [layout, row, column];
+    `lay` maps each lane to its layout."""
+
+    def __init__(self, costs: list, batches: list[int], *, chunk: float, cap: int, lay, progress=None):
+        self.costs, self.chunk, self.lay = costs, chunk, np.asarray(lay)
+        self.cols = columns(cap)
+        self.col = {k: i for i, k in enumerate(self.cols)}
+        width = len(self.cols)
+        self.t = np.full((len(costs), max(rows_for(b) for b in batches), width), np.nan)
+        for i, (cm, b) in enumerate(zip(costs, batches)):
+            rows = rows_for(b)
+            n = np.repeat(ROWS[:rows], width)
+            k = np.tile(np.asarray(self.cols, dtype=float), rows)
+            self.t[i, :rows] = cm.step_times(n, k, chunk).reshape(rows, width)
+            if progress is not None:
+                progress(1)
+        self.d = np.full_like(self.t, np.nan)
+        self.d[:, :-1] = self.t[:, 1:] - self.t[:, :-1]  # a row's step to the next, for interpolating
+        self._off: dict = {}
+
+    def at(self, idx, r, k):
+        """(seconds of the step of ROWS[r] sequences and k chunks, the next row's less that):
+        k a whole count, or one per lane."""
+        li = self.lay[idx]
+        if np.isscalar(k) and k in self.col:
+            c = self.col[k]
+            return self.t[li, r, c], self.d[li, r, c]
+        ks = np.broadcast_to(np.asarray(k, dtype=float), idx.shape).tolist()
+        a = np.array([self._step(x, y, c) for x, y, c in zip(li.tolist(), r.tolist(), ks)])
+        b = np.array([self._step(x, y + 1, c) for x, y, c in zip(li.tolist(), r.tolist(), ks)])
+        return a, b - a
+
+    def upto(self, idx, r, last: int):
+        """The same for k = 0 .. last chunks: [lane, k] arrays."""
+        li = self.lay[idx]
+        return self.t[li, r, :last + 1], self.d[li, r, :last + 1]
+
+    def _step(self, layout: int, row: int, k: float) -> float:
+        if k in self.col:
+            return float(self.t[layout, row, self.col[k]])
+        key = (layout, row, k)
+        if key not in self._off:  # off the table: costed when asked for
+            self._off[key] = self.costs[layout].decode(int(ROWS[row]), k, self.chunk)[0]
+        return self._off[key]
