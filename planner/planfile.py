@@ -19,12 +19,17 @@ plan made for another model. Every error a bad file can cause is one line naming
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+import yaml
 
 from atoll.errors import AtollError, ConfigError
 from atoll.parallel.layout import Layout
 from atoll.parallel.placement import Placement
+from atoll.topologies.load import read_yaml
+from atoll.topologies.schema import GpuSpec, Link, Node, Topology
 
 VERSION = 1
 # the ModelConfig fields a layout and its weights depend on
@@ -118,8 +123,6 @@ class _FlowMap(dict):
 
 
 def _dumper():
-    import yaml
-
     class Dumper(yaml.SafeDumper):
         pass
 
@@ -129,8 +132,6 @@ def _dumper():
 
 
 def plan_yaml(plan: SavedPlan) -> str:
-    import yaml
-
     d = plan.to_dict()
     topo = d["topology"]
     topo["node_names"] = _Flow(topo["node_names"])
@@ -150,8 +151,6 @@ def save_plan(plan: SavedPlan, path) -> None:
 
 def check_save_path(path) -> None:
     """Before any work: --save must name a file in a writable directory."""
-    import os
-
     p = Path(path).expanduser()
     if p.is_dir():
         raise ConfigError(f"--save {path}: is a directory; give a file such as {p / 'plan.yaml'}")
@@ -175,8 +174,6 @@ def topology_to_dict(t) -> dict:
 
 
 def topology_from_plan(d, where: str):
-    from atoll.topologies.schema import GpuSpec, Link, Node, Topology
-
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: topology must be a mapping (name, node_names, gpus_per_node, gpu, "
                           "islands, links)")
@@ -225,8 +222,6 @@ def load_plan(path) -> SavedPlan:
     where = str(path)
     if not p.is_file():
         raise ConfigError(f"no plan file at {where}" + ("" if not p.exists() else " (it is a directory)"))
-    from atoll.topologies.load import read_yaml
-
     d = read_yaml(p, where, "a plan YAML from `atoll plan --save`")
     if not isinstance(d, dict) or "atoll_plan" not in d:
         raise ConfigError(f"{where}: not an atoll plan (no 'atoll_plan' field); make one with `atoll plan --save`")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from rich.console import Console
+from rich.table import Table
+
 GIB = 2**30
 
 
@@ -22,9 +25,6 @@ def rows_for(plan, top: int) -> list:
 
 
 def print_plans(plans, *, top: int = 10, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console(width=140)
     first = plans[0]
     w = first.workload

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -44,8 +45,6 @@ class Workload:
     def resolved(self, config) -> "Workload":
         """"auto" precisions filled from the model's config; ConfigError when a request's
         isl + osl exceeds the model's context."""
-        import dataclasses
-
         if self.context > config.max_position_embeddings:
             raise ConfigError(f"isl + osl = {self.isl} + {self.osl} = {self.context} tokens exceeds the model's "
                               f"context of {config.max_position_embeddings} (max_position_embeddings)")

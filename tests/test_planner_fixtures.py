@@ -44,7 +44,7 @@ def outputs(model: str, topology: str, nodes: int | None) -> list[dict]:
     from rich.console import Console
 
     from atoll.models.presets import resolve_model
-    from atoll.planner import Workload, plan_layouts
+    from atoll.planner import Workload, plan_sweep
     from atoll.planner.planfile import from_plan
     from atoll.planner.table import print_plans
     from atoll.topologies import load_topology
@@ -52,8 +52,10 @@ def outputs(model: str, topology: str, nodes: int | None) -> list[dict]:
     topo = load_topology(topology, nodes=nodes)
     _, config = resolve_model(model)
     out = []
-    for w in workloads(model):
-        plan = plan_layouts(model, topo, Workload(**w))
+    # one sweep over the workloads, as `atoll plan --concurrency a,b,c` asks (the planner of
+    # the recording planned each alone: the same numbers)
+    plans = plan_sweep(model, topo, [Workload(**w) for w in workloads(model)])
+    for w, plan in zip(workloads(model), plans):
         buf = io.StringIO()
         print_plans([plan], top=10, console=Console(file=buf, width=140, color_system=None, force_terminal=False))
         saved = from_plan(plan, config) if plan.recommended is not None else None
