@@ -61,8 +61,13 @@ _POW = np.frompyfunc(pow, 2, 1)
 
 def vpow(x, y):
     """x ** y, for arrays too through the C library's pow, as for numbers: numpy's own pow
-    may differ from it in the last bit."""
-    return _POW(x, y).astype(float) if is_many(x, y) else x ** y
+    may differ from it in the last bit. An array's distinct values are raised once each."""
+    if not is_many(x, y):
+        return x ** y
+    if is_many(x) and is_many(y):
+        return _POW(x, y).astype(float)
+    values, back = np.unique(x if is_many(x) else y, return_inverse=True)
+    return (_POW(values, y) if is_many(x) else _POW(x, values)).astype(float)[back]
 
 
 class Parts(dict):

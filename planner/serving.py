@@ -40,6 +40,7 @@ its layout's table of whole batches (steps.py), each row costed once for every w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -56,7 +57,6 @@ ROWS = np.array(list(range(_EXACT)) + sorted({round(_EXACT * (1 + _SPACING) ** i
 _WIDTH = np.diff(ROWS)
 # the chunk counts a lane's Poisson series can reach before its tail is under 1e-7 (mean <= 50)
 MAX_TERMS = 100
-_EXP, _POW = np.frompyfunc(math.exp, 1, 1), np.frompyfunc(pow, 2, 1)
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,8 @@ def _aitken(x, f1, f2):
     """Steffensen's next estimate of the fixed point x = f(x) from f1 = f(x), f2 = f(f1)
     (Aitken's delta-squared); f2 where the differences vanish. Arrays of lanes."""
     den = f2 - 2 * f1 + x
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den != 0, x - _POW(f1 - x, 2).astype(float) / den, f2)
+    square = np.fromiter(map(pow, (f1 - x).tolist(), itertools.repeat(2)), float, x.size)  # (f1 - x) ** 2, as math's
+    return np.where(den != 0, x - square / den, f2)  # (Replicas.solve ignores x / 0)
 
 
 @dataclass
@@ -160,6 +160,7 @@ class Replicas:
         self.cap = max(1, int(budget // math.ceil(self.chunk)))  # chunks one step can carry
         self.terms = min(self.cap, MAX_TERMS)  # the Poisson series' columns: 0 .. terms
         self._ks = np.arange(1, self.terms, dtype=float)
+        self._lanes = np.arange(self.b.size)
 
     @staticmethod
     def _frac(n):
@@ -192,23 +193,23 @@ class Replicas:
     def _series(self, idx, n, mean):
         """poisson_mean's sum, term by term in its order: pmf_0 = exp(-mean), pmf_k+1 = pmf_k x
         mean/(k+1) until 1 - mass < 1e-7 at some k < cap (or k = cap - 1), then the tail."""
-        t, lanes = self.terms, np.arange(idx.size)
-        pmf = np.empty((idx.size, t))
-        pmf[:, 0] = _EXP(-mean)
+        t, size = self.terms, idx.size
+        pmf = np.empty((size, t))
+        pmf[:, 0] = np.fromiter(map(math.exp, (-mean).tolist()), float, size)
         np.divide(mean[:, None], self._ks, out=pmf[:, 1:])
-        pmf = np.cumprod(pmf, axis=1)
-        mass = np.cumsum(pmf, axis=1)
+        pmf = np.multiply.accumulate(pmf, axis=1)
+        mass = np.add.accumulate(pmf, axis=1)
         stops = 1 - mass < 1e-7
         if t == self.cap:
             stops[:, -1] = True  # no stop before: the tail is at the cap
         elif not stops.any(axis=1).all():
             raise ValueError(f"a Poisson mean of {mean.max():.3g} chunks needs more than {t} terms")
-        stop = stops.argmax(axis=1)
+        at = stops.argmax(axis=1) + self._lanes[:size] * t  # the last whole term, flat in [lane, k < t]
         r, frac = self._frac(n)
         a, d = self.steps.upto(idx, r, t)
         f = a + frac[:, None] * d
-        head = np.cumsum(pmf * f[:, :t], axis=1)[lanes, stop]
-        return head + (1 - mass[lanes, stop]) * f[lanes, stop + 1]
+        head = np.add.accumulate(pmf * f[:, :t], axis=1).take(at)
+        return head + (1 - mass.take(at)) * f[:, 1:].take(at)
 
     def at(self, idx, rate) -> Lanes:
         """The lanes' steady states at `rate` requests/s each."""
@@ -242,8 +243,7 @@ class Replicas:
         service = self.isl * full / (self.cap * self.chunk)
         load = rate * service
         rho = others_rate * service  # the prompts ahead of this one come from the other clients
-        with np.errstate(divide="ignore"):
-            wait = np.where(rho >= 1, math.inf, rho * service / (2 * (1 - rho)))  # md1_wait
+        wait = np.where(rho >= 1, math.inf, rho * service / (2 * (1 - rho)))  # md1_wait
         ttft = np.where(others > 0, tpot / 2, 0.0) + wait + self.chunks * self.step(idx, others, 1)
         busy = rate * osl * tpot
         why = [""] * idx.size
@@ -267,8 +267,7 @@ class Replicas:
 
         def g(i, r):
             st = self.at(idx[i], r)
-            with np.errstate(divide="ignore"):
-                v = b[i] / (st.ttft_s + osl * st.tpot_s)  # 0 when the TTFT is unbounded
+            v = b[i] / (st.ttft_s + osl * st.tpot_s)  # 0 when the TTFT is unbounded
             up = v > r
             lo[i[up]] = np.maximum(lo[i[up]], r[up])
             hi[i[~up]] = np.minimum(hi[i[~up]], r[~up])
@@ -291,8 +290,7 @@ class Replicas:
             nxt = _aitken(r, g1, g2)
             l, h = lo[live], hi[live]
             inside = (l < nxt) & (nxt < h)
-            with np.errstate(invalid="ignore"):
-                other = np.where((l < g2) & (g2 < h), g2, np.where(h < math.inf, (l + h) / 2, 2 * np.maximum(r, g1)))
+            other = np.where((l < g2) & (g2 < h), g2, np.where(h < math.inf, (l + h) / 2, 2 * np.maximum(r, g1)))
             rate[live] = np.where(inside, nxt, other)
         if live.size:
             out.put(live, self.at(idx[live], rate[live]))
@@ -301,7 +299,12 @@ class Replicas:
     def solve(self, rates=None) -> Lanes:
         """Every lane's steady state: closed loop, or open loop at `rates` (an array; NaN for a
         closed-loop lane). An open-loop rate a lane cannot sustain comes back with its reason,
-        TTFT inf, and TPOT and rate of the saturated replica (the closed loop)."""
+        TTFT inf, and TPOT and rate of the saturated replica (the closed loop). Divisions by
+        zero and their NaNs stay in lanes np.where leaves out: numpy is told not to warn."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self._solve(rates)
+
+    def _solve(self, rates) -> Lanes:
         n = self.b.size
         out = Lanes.empty(n, self.chunk, self.cap)
         every = np.arange(n)

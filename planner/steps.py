@@ -45,8 +45,10 @@ class Tables:
             self.t[i, :rows] = cm.step_times(n, k, chunk).reshape(rows, width)
             if progress is not None:
                 progress(1)
-        self.d = np.full_like(self.t, np.nan)
-        self.d[:, :-1] = self.t[:, 1:] - self.t[:, :-1]  # a row's step to the next, for interpolating
+        # [layout, row, (the step, the next row's less it), column]: one gather reads both
+        self.td = np.full((len(costs), self.t.shape[1], 2, width), np.nan)
+        self.td[:, :, 0] = self.t
+        self.td[:, :-1, 1] = self.t[:, 1:] - self.t[:, :-1]
         self._off: dict = {}
 
     def at(self, idx, r, k):
@@ -54,8 +56,8 @@ class Tables:
         k a whole count, or one per lane."""
         li = self.lay[idx]
         if np.isscalar(k) and k in self.col:
-            c = self.col[k]
-            return self.t[li, r, c], self.d[li, r, c]
+            x = self.td[li, r, :, self.col[k]]
+            return x[:, 0], x[:, 1]
         ks = np.broadcast_to(np.asarray(k, dtype=float), idx.shape).tolist()
         a = np.array([self._step(x, y, c) for x, y, c in zip(li.tolist(), r.tolist(), ks)])
         b = np.array([self._step(x, y + 1, c) for x, y, c in zip(li.tolist(), r.tolist(), ks)])
@@ -63,8 +65,8 @@ class Tables:
 
     def upto(self, idx, r, last: int):
         """The same for k = 0 .. last chunks: [lane, k] arrays."""
-        li = self.lay[idx]
-        return self.t[li, r, :last + 1], self.d[li, r, :last + 1]
+        x = self.td[self.lay[idx], r, :, :last + 1]
+        return x[:, 0], x[:, 1]
 
     def _step(self, layout: int, row: int, k: float) -> float:
         if k in self.col:
