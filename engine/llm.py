@@ -3,11 +3,14 @@ then runs the ranks and returns one RequestOutput per prompt, in order."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from atoll import config
 from atoll.engine.disagg import generate_disagg
+from atoll.engine.living import engine_spec, run_through
+from atoll.engine.online import OnlineEngine
 from atoll.engine.runner import RunSpec
 from atoll.engine.sampling import SamplingParams
 from atoll.engine.worker import generate_worker
@@ -102,6 +105,7 @@ class LLM:
                  data_parallel_size: int | None = None, expert_parallel_size: int | None = None,
                  launcher=None, **options):
         self.launcher = launcher
+        self._engine: OnlineEngine | None = None
         try:
             self.options = config.resolve(options)
         except TypeError as e:  # a keyword of the wrong kind
@@ -252,16 +256,17 @@ class LLM:
         """The RunSpec every rank gets. Given the requests, the context is bounded by the longest
         one (prompt + max_tokens) and the default CPU cache by how many sequences can run at
         once, so a short prompt does not reserve max_num_seqs x max_model_len of memory."""
-        from atoll.engine.runner import RunSpec
-
         max_len, seqs = self.max_model_len, None
         if requests:
             need = max(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
             max_len = min(max_len, need)
             per_lane = -(-len(requests) // (self.layout.pp * self.layout.dp))
             seqs = min(self.max_num_seqs, per_lane)
+            # each rank runs its replica's decode micro-batches (engine.step_policy weighs them)
+            steps = -(-sum(r.params.max_tokens - 1 for r in requests) // (self.layout.dp * seqs))
         return RunSpec(str(self.model_dir), str(self.layout), self.options, max_model_len=max_len,
-                       max_num_batched_tokens=self.max_num_batched_tokens, cache_seqs=seqs)
+                       max_num_batched_tokens=self.max_num_batched_tokens, cache_seqs=seqs,
+                       decode_steps=steps if requests else None)
 
     def context_options(self, islands=None, nodes=None):
         """What each rank's ParallelContext needs besides the layout: islands and nodes (rank ->
@@ -291,12 +296,53 @@ class LLM:
                               "(e.g. atoll.launch.local.run_local)")
         return self.launcher(fn, world_size, *args, timeout_s=timeout_s, device=self.options.device, **kwargs)
 
+    @property
+    def living(self) -> bool:
+        """Whether this LLM keeps its ranks between calls: its launcher can start a lasting
+        job (launch.api's launchers can) and it is not disaggregated (one job per call)."""
+        return hasattr(self.launcher, "start") and self.prefill_layout is None
+
+    def start(self, requests=None) -> OnlineEngine:
+        """The living engine, started (ranks spawned, weights loaded) on first use and kept
+        until close(); one whose ranks failed is replaced by a new one."""
+        if self._engine is not None and self._engine.error is None:
+            return self._engine
+        if not self.living:
+            raise LaunchError("this LLM's launcher runs one job per call (no start()); use atoll.LLM's launchers")
+        engine = OnlineEngine(engine_spec(self, requests), world_size=self.layout.world_size,
+                              launcher=self.launcher, parallel=self.context_options())
+        self._engine = engine
+        self._finalizer = weakref.finalize(self, engine.close)  # at garbage collection and at exit
+        return engine
+
+    def close(self) -> None:
+        """Stop the ranks; a later generate starts new ones."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            self._finalizer.detach()
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] | None = None,
-                 *, chat: bool = False, timeout_s: float | None = None) -> list[RequestOutput]:
+                 *, chat: bool = False, timeout_s: float | None = None, on_result=None,
+                 on_step=None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. on_result(k, result) as request k ends and
+        on_step(done, tokens) as tokens come (living engines)."""
         requests = self.prepare(prompts, params, chat=chat)
+        return self.finish(prompts, requests, self.generate_requests(requests, timeout_s=timeout_s,
+                                                                     on_result=on_result, on_step=on_step))
+
+    def generate_requests(self, requests, *, timeout_s: float | None = None, on_result=None, on_step=None) -> list:
+        """prepare()'s requests run to the end: one result dict per request, in order."""
         if self.prefill_layout is not None:
-            return self.finish(prompts, requests, generate_disagg(self, requests, timeout_s=timeout_s))
-        spec = self.spec(requests)
-        results = self.run(generate_worker, self.layout.world_size, spec, requests, timeout_s=timeout_s,
-                           parallel=self.context_options())[0]
-        return self.finish(prompts, requests, results)
+            return generate_disagg(self, requests, timeout_s=timeout_s)
+        if self.living:
+            return run_through(self.start(requests), requests, timeout_s=timeout_s, on_result=on_result,
+                               on_step=on_step)
+        return self.run(generate_worker, self.layout.world_size, self.spec(requests), requests, timeout_s=timeout_s,
+                        parallel=self.context_options())[0]

@@ -1,0 +1,1 @@
+"""atoll serve: an OpenAI-compatible HTTP server over a living engine."""
