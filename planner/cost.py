@@ -28,7 +28,7 @@ from atoll.planner import efficiency as eff
 from atoll.planner.categories import KERNELS, KV, OVERHEAD, WEIGHTS
 from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, send_recv
 from atoll.planner.moe_cost import moe_layer, sub_links
-from atoll.planner.parts import Many, Parts, parts_for, vceil, vmax, vmin
+from atoll.planner.parts import Many, Parts, is_many, parts_for, vceil, vmax, vmin
 from atoll.planner.runtime_terms import Measured
 from atoll.planner.shapes import Shapes, stage_split
 
@@ -66,8 +66,8 @@ class CostModel:
         if self.cal is not None:
             self.measured = Measured(self.cal, workload, min(ranks or layout.world_size, topology.num_gpus))
             self.hbm = self.measured.bandwidth or self.hbm
-        # measured GEMM rates are looked up one size at a time: a calibrated machine costs steps one by one
-        self.vectorises = self.cal is None
+        # atoll's own runtime terms on a calibrated CPU are costed one step at a time
+        self.vectorises = not self.runtime
         self.stages = stage_split(config, layout.pp)
         self.n_dense = [sum(1 for i in range(a, b) if shapes.dense_layers[i]) for a, b in self.stages]
         tp, st = layout.tp, layout.stage_size
@@ -83,7 +83,9 @@ class CostModel:
         """rows: the GEMM's rows (tokens), for a calibrated rate at that size."""
         rate = peak or self.flops
         if self.cal is not None and rows is not None:
-            rate = self.measured.gemm(rows) or rate
+            measured = self.measured.gemm(rows)
+            if measured is not None:
+                rate = np.where(measured != 0, measured, rate) if is_many(measured) else measured or rate
         out.add_op(mem_kind, nbytes / self.hbm, flops / rate, when)
 
     def _comm_name(self, what: str, g: GroupLinks) -> str:
@@ -242,8 +244,8 @@ class CostModel:
     def step_times(self, batches, prompts, prompt_len: float) -> np.ndarray:
         """decode(b, k, prompt_len)[0] for every pair of the arrays `batches` and `prompts`."""
         b, k = _arrays(batches, prompts)
-        if not self.vectorises:
-            return np.array([self.decode(int(x), float(y), prompt_len)[0] for x, y in zip(b, k)])
+        if not self.vectorises:  # (nothing to step, (0, 0), is never asked for)
+            return np.array([self.decode(int(x), float(y), prompt_len)[0] if x or y else np.nan for x, y in zip(b, k)])
         with np.errstate(divide="ignore", invalid="ignore"):  # a step of nothing (0, 0) is never asked for
             return self._decode(b, k, prompt_len)[0]
 

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from atoll.planner.parts import is_many
 from atoll.planner.workload import gather_max_rows  # the runtime's threshold (the config's moe_gather_rows)
 from atoll.planner.categories import EXPERTS, WEIGHTS
 from atoll.planner.collectives import all_gather, all_reduce, all_to_all
@@ -54,9 +57,16 @@ class Measured:
         self.bandwidth = bw
         self._max_rows = None
 
-    def gemm(self, rows: float) -> float | None:
-        rate = self.cal.gemm_flops(self.w.dtype, rows)
-        return None if rate is None else rate * self.share
+    def gemm(self, rows):
+        """FLOP/s of a GEMM of `rows` rows on one rank (an array of row counts: each looked up
+        once); None where the dtype was not measured."""
+        if not is_many(rows):
+            rate = self.cal.gemm_flops(self.w.dtype, rows)
+            return None if rate is None else rate * self.share
+        if not self.cal.gemm_tflops.get(self.w.dtype):
+            return None
+        values, back = np.unique(rows, return_inverse=True)
+        return np.array([self.cal.gemm_flops(self.w.dtype, v) * self.share for v in values.tolist()])[back]
 
     def _over(self, name: str) -> float:
         return (self.cal.overhead_s(name) or 0.0) / self.share

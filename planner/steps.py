@@ -30,23 +30,29 @@ def rows_for(batch: int) -> int:
 
 class Tables:
     """Step tables of many layouts, one per cost model, in one array [layout, row, column];
-    `lay` maps each lane to its layout."""
+    `lay` maps each lane to its layout. A cost model that costs steps one at a time (a
+    calibrated machine: CostModel.vectorises) fills its rows as the lanes reach them."""
 
     def __init__(self, costs: list, batches: list[int], *, chunk: float, cap: int, lay, progress=None):
         self.costs, self.chunk, self.lay = costs, chunk, np.asarray(lay)
         self.cols = columns(cap)
         self.col = {k: i for i, k in enumerate(self.cols)}
         width = len(self.cols)
-        self.t = np.full((len(costs), max(rows_for(b) for b in batches), width), np.nan)
+        height = max(rows_for(b) for b in batches)
+        self.t = np.full((len(costs), height, width), np.nan)
+        self.filled = np.zeros((len(costs), height), bool)
         for i, (cm, b) in enumerate(zip(costs, batches)):
-            rows = rows_for(b)
-            n = np.repeat(ROWS[:rows], width)
-            k = np.tile(np.asarray(self.cols, dtype=float), rows)
-            self.t[i, :rows] = cm.step_times(n, k, chunk).reshape(rows, width)
+            if cm.vectorises:
+                rows = rows_for(b)
+                n = np.repeat(ROWS[:rows], width)
+                k = np.tile(np.asarray(self.cols, dtype=float), rows)
+                self.t[i, :rows] = cm.step_times(n, k, chunk).reshape(rows, width)
+                self.filled[i, :rows] = True
             if progress is not None:
                 progress(1)
+        self.lazy = not all(cm.vectorises for cm in costs)
         # [layout, row, (the step, the next row's less it), column]: one gather reads both
-        self.td = np.full((len(costs), self.t.shape[1], 2, width), np.nan)
+        self.td = np.full((len(costs), height, 2, width), np.nan)
         self.td[:, :, 0] = self.t
         self.td[:, :-1, 1] = self.t[:, 1:] - self.t[:, :-1]
         self._off: dict = {}
@@ -55,6 +61,8 @@ class Tables:
         """(seconds of the step of ROWS[r] sequences and k chunks, the next row's less that):
         k a whole count, or one per lane."""
         li = self.lay[idx]
+        if self.lazy:
+            self._fill(li, r)
         if np.isscalar(k) and k in self.col:
             x = self.td[li, r, :, self.col[k]]
             return x[:, 0], x[:, 1]
@@ -65,8 +73,27 @@ class Tables:
 
     def upto(self, idx, r, last: int):
         """The same for k = 0 .. last chunks: [lane, k] arrays."""
-        x = self.td[self.lay[idx], r, :, :last + 1]
+        li = self.lay[idx]
+        if self.lazy:
+            self._fill(li, r)
+        x = self.td[li, r, :, :last + 1]
         return x[:, 0], x[:, 1]
+
+    def _fill(self, li, r) -> None:
+        """Rows r and r + 1 of the layouts li, costed where not yet."""
+        need = ~(self.filled[li, r] & self.filled[li, r + 1])
+        for layout, row in sorted(set(zip(li[need].tolist(), r[need].tolist()))):
+            for at in (row, row + 1):
+                if not self.filled[layout, at]:
+                    cm = self.costs[layout]
+                    # (a step of nothing, no batch and no chunk, is never asked for)
+                    self.t[layout, at] = [cm.decode(int(ROWS[at]), k, self.chunk)[0] if at or k else np.nan
+                                          for k in self.cols]
+                    self.filled[layout, at] = True
+            for j in range(max(0, row - 1), min(row + 2, self.t.shape[1])):  # the rows whose differences changed
+                self.td[layout, j, 0] = self.t[layout, j]
+                if j + 1 < self.t.shape[1]:
+                    self.td[layout, j, 1] = self.t[layout, j + 1] - self.t[layout, j]
 
     def _step(self, layout: int, row: int, k: float) -> float:
         if k in self.col:
