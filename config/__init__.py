@@ -5,8 +5,8 @@ package imports nothing of atoll but errors."""
 
 from atoll.config.cli import add_cli_options, from_args
 from atoll.config.engine import (DEVICES, DISPATCH, DTYPES, KERNEL_MODES, MOE_EXCHANGES, EngineConfig,
-                                 default_cache_dir)
+                                 default_batched_tokens, default_cache_dir)
 from atoll.config.env import ENV_VARS, env_overrides, resolve
 
 __all__ = ["DEVICES", "DISPATCH", "DTYPES", "ENV_VARS", "EngineConfig", "KERNEL_MODES", "MOE_EXCHANGES",
-           "add_cli_options", "default_cache_dir", "env_overrides", "from_args", "resolve"]
+           "add_cli_options", "default_batched_tokens", "default_cache_dir", "env_overrides", "from_args", "resolve"]

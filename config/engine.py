@@ -12,6 +12,7 @@ DEVICES = ("auto", "cuda", "cpu")
 DISPATCH = ("auto", "flat", "hierarchical")  # MoE token dispatch
 KERNEL_MODES = ("auto", "torch", "triton")
 MOE_EXCHANGES = ("auto", "alltoall", "gather")
+COMPILE_POLICIES = ("auto", "always", "never")  # the compiled decode step (engine/step_policy.py)
 # The rows per ep rank up to which the MoE layer gathers every rank's rows instead of the
 # all-to-all (layers/moe.py; the planner costs the same threshold). Measured on the 2-core
 # CPU over gloo, eager, EP2, all-to-all time over gather time (> 1: gather faster; the
@@ -30,6 +31,21 @@ MOE_EXCHANGES = ("auto", "alltoall", "gather")
 MOE_GATHER_MAX_ROWS = 8
 
 
+# Chunked prefill: a step computes at most this many tokens, so a long prompt is split into
+# chunks that ride beside the running sequences' decode tokens instead of stalling them for its
+# whole prefill. vLLM's defaults for online serving (vllm/engine/arg_utils.py): 8192 on GPUs of
+# 70 GiB or more, 2048 on smaller ones; the CPU takes the smaller. The planner charges the same
+# budget for the GPU it plans for (planner/efficiency.py).
+LARGE_DEVICE_GIB = 70
+BATCHED_TOKENS_LARGE, BATCHED_TOKENS_SMALL = 8192, 2048
+
+
+def default_batched_tokens(device_memory_gib: float | None = None) -> int:
+    """The step's token budget on a device of this much memory (None: a CPU)."""
+    large = device_memory_gib is not None and device_memory_gib >= LARGE_DEVICE_GIB
+    return BATCHED_TOKENS_LARGE if large else BATCHED_TOKENS_SMALL
+
+
 def _opt(default, help: str, *, choices=None, cli: bool = True):
     return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
 
@@ -45,7 +61,9 @@ class EngineConfig:
                                    "float32 on CPU)", choices=DTYPES)
     max_num_seqs: int = _opt(32, "sequences per micro-batch (under PP, pp micro-batches are in flight)")
     max_model_len: int | None = _opt(None, "context length (default: the model's)")
-    max_num_batched_tokens: int | None = _opt(None, "tokens per micro-batch (default: max(2048, context))")
+    max_num_batched_tokens: int | None = _opt(None, "tokens a step computes, prompts chunked to fit beside the "
+                                                    "decoding sequences (default: 8192 on GPUs of 70 GiB or more, "
+                                                    "else 2048)")
     block_size: int = _opt(16, "tokens per KV cache block")
     kv_cache_gb: float | None = _opt(None, "KV cache per rank in GiB (default: CUDA, from "
                                            "--gpu-memory-utilization; CPU, what the requests need)")
@@ -54,8 +72,12 @@ class EngineConfig:
                                               "and KV cache")
     enforce_eager: bool = _opt(False, "run the decode step eagerly: no torch.compile, no CUDA graphs "
                                       "(env ATOLL_ENFORCE_EAGER)")
-    compile_freezing: bool = _opt(True, "CPU compiled step: freeze the weights into the graph, packed for "
-                                        "oneDNN, when a copy fits (env ATOLL_COMPILE_FREEZING)")
+    compile: str = _opt("auto", "the compiled decode step (inductor on CPU, CUDA graphs on GPU): auto compiles "
+                                "when the run's decode steps repay the compile time recorded (or estimated) on this "
+                                "machine, always compiles at once, never = --enforce-eager (env ATOLL_COMPILE)",
+                        choices=COMPILE_POLICIES)
+    compile_freezing: bool = _opt(True, "CPU compiled step: pack the linear weights for oneDNN (a second copy, "
+                                        "made when it fits) (env ATOLL_COMPILE_FREEZING)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already computed "
                                              "(engine.blocks)")
     prefill: str | None = _opt(None, "disaggregated prefill: the prefill engine's layout (e.g. TP2), beside "
@@ -78,12 +100,12 @@ class EngineConfig:
                                  "(env ATOLL_MKL_PACK)")
     collective_timeout_s: float = _opt(120.0, "seconds a collective may wait for a peer before the job fails "
                                               "(env ATOLL_COLLECTIVE_TIMEOUT_S)")
-    cache_dir: str | None = _opt(None, "where atoll keeps converted models and compiled graphs "
-                                       "(default ~/.cache/atoll; env ATOLL_CACHE)")
+    cache_dir: str | None = _opt(None, "where atoll keeps converted models, compiled graphs (inductor/) and "
+                                       "compile times (decode_steps.json) (default ~/.cache/atoll; env ATOLL_CACHE)")
 
     def __post_init__(self):
         for name, choices in (("device", DEVICES), ("dispatch", DISPATCH), ("kernels", KERNEL_MODES),
-                              ("moe_exchange", MOE_EXCHANGES)):
+                              ("moe_exchange", MOE_EXCHANGES), ("compile", COMPILE_POLICIES)):
             if getattr(self, name) not in choices:
                 raise InputError(f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -109,9 +131,9 @@ class EngineConfig:
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise InputError(f"disagg_min_prompt_tokens={m!r} must be a whole number of at least 0")
 
-    def batched_tokens(self, max_model_len: int) -> int:
-        """Tokens per micro-batch: max_num_batched_tokens, else max(2048, max_model_len)."""
-        return self.max_num_batched_tokens or max(2048, max_model_len)
+    def batched_tokens(self, device_memory_gib: float | None = None) -> int:
+        """Tokens a step computes: max_num_batched_tokens, else default_batched_tokens."""
+        return self.max_num_batched_tokens or default_batched_tokens(device_memory_gib)
 
     @property
     def cache_path(self) -> Path:

@@ -3,23 +3,33 @@ then runs the ranks and returns one RequestOutput per prompt, in order."""
 
 from __future__ import annotations
 
+import numbers
+import warnings
 import weakref
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from atoll import config
 from atoll.engine.disagg import generate_disagg
+from atoll.engine.kv_sizing import check_fits, explicit_blocks
+from atoll.engine.lanes import lane_count
 from atoll.engine.living import engine_spec, run_through
 from atoll.engine.online import OnlineEngine
-from atoll.engine.runner import RunSpec
+from atoll.engine.request import Request
+from atoll.engine.runner import RunSpec, resolve_dtype
 from atoll.engine.sampling import SamplingParams
+from atoll.engine.tokenizer import Tokenizer
 from atoll.engine.worker import generate_worker
-from atoll.errors import ConfigError, InputError, LaunchError
+from atoll.errors import CheckpointError, ConfigError, InputError, LaunchError, LayoutError
+from atoll.models.cache_bytes import kv_bytes_per_block
 from atoll.models.checkpoint import Checkpoint
 from atoll.models.config import ModelConfig
 from atoll.models.jsonfile import read_json_object
 from atoll.models.shape_check import check_layout_fits
 from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ContextOptions
 
 
 @dataclass
@@ -54,7 +64,6 @@ def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[i
     ids = set(config.eos_token_id)
     gen = model_dir / "generation_config.json"
     if gen.exists():
-        from atoll.errors import CheckpointError
 
         eos = read_json_object(gen).get("eos_token_id")
         eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -73,8 +82,6 @@ def _short(value) -> str:
 
 def _token_ids(ids, vocab_size: int, name: str) -> list[int]:
     """ids as a list of ints, each a whole number in the vocabulary (no bools, no floats)."""
-    import numbers
-
     if hasattr(ids, "tolist") and not isinstance(ids, list):  # a tensor or an array
         ids = ids.tolist()
     if not isinstance(ids, (list, tuple)):
@@ -99,7 +106,6 @@ class LLM:
     `launcher` runs a function on every rank: launcher(fn, world_size, *args, device=...,
     timeout_s=..., **kwargs) -> every rank's return value, as launch.local.run_local does. The
     engine imports no launcher; `atoll.LLM` (launch.api) is this class handed the local one."""
-
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, expert_parallel_size: int | None = None,
@@ -124,8 +130,6 @@ class LLM:
         self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size,
                                      data_parallel_size, expert_parallel_size).validate(self.config)
         if self.layout.dp > 1 and not self.config.is_moe:
-            from atoll.errors import LayoutError
-
             raise LayoutError(f"layout {self.layout}: attention data parallelism (dp > 1) is for MoE "
                               f"models; for {self.config.model_type} run replicas of a tp/pp layout")
         Checkpoint(self.model_dir).check()
@@ -135,17 +139,13 @@ class LLM:
         self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size
         self.max_model_len = min(o.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        self.max_num_batched_tokens = o.batched_tokens(self.max_model_len)
+        self.max_num_batched_tokens = o.batched_tokens(_device_memory_gib(o.device))
         blocks = self._explicit_blocks()
         if blocks is not None:
-            from atoll.engine.kv_sizing import check_fits
-
             check_fits(blocks, block_size=o.block_size, max_model_len=self.max_model_len)
             self._check_lanes(blocks)
         self.tokenizer = None
         if (self.model_dir / "tokenizer.json").exists():
-            from atoll.engine.tokenizer import Tokenizer
-
             self.tokenizer = Tokenizer(self.model_dir)
         self.stop_ids = default_stop_ids(self.model_dir, self.config, self.tokenizer)
 
@@ -161,12 +161,6 @@ class LLM:
     def _explicit_blocks(self) -> int | None:
         """--num-blocks, or --kv-cache-gb in blocks at the dtype the ranks will most likely use
         (they check again with the dtype they resolve)."""
-        import torch
-
-        from atoll.engine.kv_sizing import explicit_blocks
-        from atoll.engine.runner import resolve_dtype
-        from atoll.models.cache_bytes import kv_bytes_per_block
-
         o = self.options
         if o.num_blocks is None and o.kv_cache_gb is None:
             return None
@@ -177,14 +171,10 @@ class LLM:
 
     def _check_lanes(self, num_blocks: int) -> None:
         """Pipelined decode wants room for one max-length sequence per stage (engine.lanes)."""
-        from atoll.engine.lanes import lane_count
-
         pp = self.layout.pp
         lanes = lane_count(num_blocks=num_blocks, block_size=self.block_size,
                            max_model_len=self.max_model_len, depth=pp)
         if lanes < pp:
-            import warnings
-
             warnings.warn(f"the KV cache holds {num_blocks * self.block_size} tokens per replica, room for "
                           f"{lanes} max_model_len={self.max_model_len} sequences: {lanes} of {pp} pipeline stages "
                           f"get a micro-batch each step; raise --kv-cache-gb or --num-blocks, or lower "
@@ -227,8 +217,6 @@ class LLM:
         """Requests (token ids and params) for the workers. A bad prompt raises InputError naming
         it; given `errors`, its reason goes to errors[i] instead and it is left out, so the
         others still run (Request.index stays i, the prompt's position)."""
-        from atoll.engine.generate import Request
-
         if not prompts:
             raise InputError("no prompts given")
         params = params or SamplingParams()
@@ -271,8 +259,6 @@ class LLM:
     def context_options(self, islands=None, nodes=None):
         """What each rank's ParallelContext needs besides the layout: islands and nodes (rank ->
         island id, node id; None: one per host) and the MoE dispatch options."""
-        from atoll.parallel.mesh import ContextOptions
-
         return ContextOptions(islands=islands, nodes=nodes, engine=self.options)
 
     def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
@@ -346,3 +332,11 @@ class LLM:
                                on_step=on_step)
         return self.run(generate_worker, self.layout.world_size, self.spec(requests), requests, timeout_s=timeout_s,
                         parallel=self.context_options())[0]
+
+
+def _device_memory_gib(device: str) -> float | None:
+    """The memory of the GPU the ranks will most likely use (the first one), None on the CPU:
+    the step's default token budget follows it (config.default_batched_tokens)."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
