@@ -204,9 +204,10 @@ class Replicas:
             stops[:, -1] = True  # no stop before: the tail is at the cap
         elif not stops.any(axis=1).all():
             raise ValueError(f"a Poisson mean of {mean.max():.3g} chunks needs more than {t} terms")
-        at = stops.argmax(axis=1) + self._lanes[:size] * t  # the last whole term, flat in [lane, k < t]
+        stop = stops.argmax(axis=1)  # the last whole term; the tail at the next
+        at = stop + self._lanes[:size] * t  # flat in [lane, k < t]
         r, frac = self._frac(n)
-        a, d = self.steps.upto(idx, r, t)
+        a, d = self.steps.upto(idx, r, t, stop + 1)  # (the prefix sums to `stop` read no column past it)
         f = a + frac[:, None] * d
         head = np.add.accumulate(pmf * f[:, :t], axis=1).take(at)
         return head + (1 - mass.take(at)) * f[:, 1:].take(at)
@@ -344,9 +345,12 @@ class Calls:
         b = np.array([self._one(x + 1, c) for x, c in zip(r.tolist(), ks)], dtype=float)
         return a, b - a
 
-    def upto(self, idx, r, last: int):
-        a = np.array([[self._one(x, k) for k in range(last + 1)] for x in r.tolist()], dtype=float)
-        b = np.array([[self._one(x + 1, k) for k in range(last + 1)] for x in r.tolist()], dtype=float)
+    def upto(self, idx, r, last: int, needed=None):
+        """k = 0 .. last; past a lane's `needed` column, NaN (never read)."""
+        ends = [last] * r.size if needed is None else needed.tolist()
+        a = np.array([[self._one(x, k) if k <= e else np.nan for k in range(last + 1)] for x, e in zip(r.tolist(), ends)])
+        b = np.array([[self._one(x + 1, k) if k <= e else np.nan for k in range(last + 1)]
+                      for x, e in zip(r.tolist(), ends)])
         return a, b - a
 
 

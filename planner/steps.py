@@ -40,7 +40,7 @@ class Tables:
         width = len(self.cols)
         height = max(rows_for(b) for b in batches)
         self.t = np.full((len(costs), height, width), np.nan)
-        self.filled = np.zeros((len(costs), height), bool)
+        self.filled = np.zeros((len(costs), height, width), bool)
         for i, (cm, b) in enumerate(zip(costs, batches)):
             if cm.vectorises:
                 rows = rows_for(b)
@@ -61,9 +61,9 @@ class Tables:
         """(seconds of the step of ROWS[r] sequences and k chunks, the next row's less that):
         k a whole count, or one per lane."""
         li = self.lay[idx]
-        if self.lazy:
-            self._fill(li, r)
         if np.isscalar(k) and k in self.col:
+            if self.lazy:
+                self._fill(li, r, np.full(li.size, self.col[k]), one=True)
             x = self.td[li, r, :, self.col[k]]
             return x[:, 0], x[:, 1]
         ks = np.broadcast_to(np.asarray(k, dtype=float), idx.shape).tolist()
@@ -71,25 +71,27 @@ class Tables:
         b = np.array([self._step(x, y + 1, c) for x, y, c in zip(li.tolist(), r.tolist(), ks)])
         return a, b - a
 
-    def upto(self, idx, r, last: int):
-        """The same for k = 0 .. last chunks: [lane, k] arrays."""
+    def upto(self, idx, r, last: int, needed=None):
+        """The same for k = 0 .. last chunks: [lane, k] arrays. needed: each lane's last
+        column read (a table filled as asked for leaves the others unknown)."""
         li = self.lay[idx]
         if self.lazy:
-            self._fill(li, r)
+            self._fill(li, r, np.full(li.size, last) if needed is None else needed)
         x = self.td[li, r, :, :last + 1]
         return x[:, 0], x[:, 1]
 
-    def _fill(self, li, r) -> None:
-        """Rows r and r + 1 of the layouts li, costed where not yet."""
-        need = ~(self.filled[li, r] & self.filled[li, r + 1])
-        for layout, row in sorted(set(zip(li[need].tolist(), r[need].tolist()))):
+    def _fill(self, li, r, last, one: bool = False) -> None:
+        """Rows r and r + 1 of the layouts li, columns up to `last` (or `last` alone), costed
+        where not yet."""
+        for layout, row, end in sorted(set(zip(li.tolist(), r.tolist(), last.tolist()))):
+            cols = [end] if one else range(end + 1)
             for at in (row, row + 1):
-                if not self.filled[layout, at]:
-                    cm = self.costs[layout]
-                    # (a step of nothing, no batch and no chunk, is never asked for)
-                    self.t[layout, at] = [cm.decode(int(ROWS[at]), k, self.chunk)[0] if at or k else np.nan
-                                          for k in self.cols]
-                    self.filled[layout, at] = True
+                for c in cols:
+                    if not self.filled[layout, at, c]:
+                        k = self.cols[c]  # (a step of nothing, no batch and no chunk, is never asked for)
+                        self.t[layout, at, c] = self.costs[layout].decode(int(ROWS[at]), k, self.chunk)[0] \
+                            if at or k else np.nan
+                        self.filled[layout, at, c] = True
             for j in range(max(0, row - 1), min(row + 2, self.t.shape[1])):  # the rows whose differences changed
                 self.td[layout, j, 0] = self.t[layout, j]
                 if j + 1 < self.t.shape[1]:
