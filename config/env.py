@@ -12,6 +12,7 @@ from atoll.errors import ConfigError
 # field -> variable; each variable sets its field's default for this process
 ENV_VARS = {
     "enforce_eager": "ATOLL_ENFORCE_EAGER",
+    "compile": "ATOLL_COMPILE",
     "compile_freezing": "ATOLL_COMPILE_FREEZING",
     "kernels": "ATOLL_KERNELS",
     "moe_exchange": "ATOLL_MOE_EXCHANGE",
@@ -40,7 +41,7 @@ def _parse(name: str, kind: str, text: str):
             return float(value)
         except ValueError:
             raise ConfigError(f"{var}={text!r} must be a number") from None
-    return value.lower() if name in ("kernels", "moe_exchange") else value
+    return value.lower() if name in ("kernels", "moe_exchange", "compile") else value
 
 
 def env_overrides(environ=None) -> dict:

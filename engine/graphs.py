@@ -5,7 +5,7 @@ max_num_seqs. Each bucket owns one packed device buffer of longs (token ids, pos
 block and offset of the new token, context lengths, and a block table max_model_len /
 block_size wide) and its pinned host twin: a step writes the real rows on the host from the
 scheduler's chunks (padding rows write into the cache's scratch block and attend to it
-alone, as in engine.compiled), copies the buffer in one asynchronous copy and replays the
+alone, as engine.decode_step says), copies the buffer in one asynchronous copy and replays the
 bucket's graph: three device calls a step (the copy, a received activation's copy under PP,
 the replay), since on a GPU each call outside the graph costs as much as a small kernel.
 One width of table serves every context: the Triton paged-attention kernel reads a
@@ -20,10 +20,10 @@ decode step loses its time on a GPU; inductor is not run on CUDA. TP's all_reduc
 all_gather are captured as NCCL kernels; PP's send/recv stay outside (the runner receives
 into the bucket's buffer and sends a copy of the output rows on).
 
-MoE layers run their fixed-shape exchange inside the step (SparseMoE.static: all_gather or
-all_reduce over ep, every expert's rows at a fixed shape), since the all-to-all's split sizes
-would need the host; the step therefore needs every DP rank of a stage at the same bucket,
-so an MoE model with dp > 1 decodes eagerly (engine.compiled.build).
+MoE layers run their fixed-shape exchange inside the step (SparseMoE.static_exchange:
+all_gather or all_reduce over ep, every expert's rows at a fixed shape), since the
+all-to-all's split sizes would need the host; the step therefore needs every DP rank of a
+stage at the same bucket, so an MoE model with dp > 1 decodes eagerly (engine.step_policy).
 
 On the CPU the same class runs without capture (`replay` calls the forward on the static
 buffers): that proves the buffers, padding and bucket choice against the eager step in the
@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import ExitStack
 
 import torch
 
-from atoll.engine.compiled import seq_buckets
-from atoll.layers.attention import StaticDecode
-from atoll.layers.rotary import RotaryEmbedding
+from atoll.engine.decode_step import DecodeStep
 
 WARMUP = 2  # eager forwards on a side stream before a capture
 
@@ -90,47 +89,30 @@ class Packed:
             self.copied.record()
 
 
-class GraphedDecode:
-    """The runner's decode step for micro-batches `takes` accepts; `__call__` returns what
-    model(x, meta, cache) returns for them."""
+class GraphedDecode(DecodeStep):
+    """The decode step as one CUDA graph per bucket (capture=False: the same buffers run
+    eagerly, as on the CPU in the tests)."""
+
+    kind = "CUDA graphs"
 
     def __init__(self, model, cache, *, max_num_seqs: int, max_model_len: int, block_size: int,
                  scratch_block: int, rank: int = 0, capture: bool | None = None):
-        self.model, self.cache = model, cache
-        self.block_size, self.scratch = block_size, scratch_block
-        self.max_blocks = -(-max_model_len // block_size)
-        self.buckets = seq_buckets(max_num_seqs, smallest=1)
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        super().__init__(model, cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                         block_size=block_size, scratch_block=scratch_block, rank=rank, smallest=1)
         self.capture = self.device.type == "cuda" if capture is None else capture
-        self.hidden = None if model.ctx.is_first_stage else model.config.hidden_size
-        self.last_stage = model.ctx.is_last_stage
-        self.rank = rank
-        self._rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
         from atoll.layers.moe import SparseMoE
 
         self._moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
         self._inputs: dict[int, Packed] = {}
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph or None, output buffer)
-        self._used: set[int] = set()
-        self.compiles: list[tuple[int, float]] = []  # (buckets, seconds) of the capture
-        self.freezing = False
         self.error: str | None = None  # why capture failed, if it did (every bucket then runs eagerly)
 
-    def takes(self, mb) -> bool:
-        return bool(mb.chunks) and mb.is_decode and len(mb.chunks) <= self.buckets[-1]
-
     def _forward(self, inp: Packed) -> torch.Tensor:
-        for r in self._rotaries:  # recomputed from the bucket's positions inside the graph
-            r._memo = None
-        meta = StaticDecode(inp.positions, (inp.block, inp.offset), inp.tables, inp.lengths, self.block_size)
-        for m in self._moes:  # the fixed-shape exchange (comm.exchange), no host read of a device value
-            m.static = True
-        try:
-            return self.model(inp.ids if inp.x is None else inp.x, meta, self.cache)
-        finally:
+        with ExitStack() as moes:  # the fixed-shape exchange (comm.exchange), no host read of a device value
             for m in self._moes:
-                m.static = False
+                moes.enter_context(m.static_exchange())
+            return self.run_model(inp.ids if inp.x is None else inp.x, inp.positions, inp.block, inp.offset,
+                                  inp.tables, inp.lengths)
 
     def _capture_all(self) -> None:
         for size in self.buckets:
@@ -177,8 +159,7 @@ class GraphedDecode:
         if not self._graphs:
             self._capture_all()
         n = len(mb.chunks)
-        size = next(b for b in self.buckets if b >= n)
-        self._used.add(size)
+        size = self.bucket(n)
         inp = self._inputs[size]
         inp.fill_host(mb.chunks, self.block_size)
         inp.to_device()
@@ -210,7 +191,3 @@ class GraphedDecode:
             graph.replay()
         torch.cuda.synchronize(self.device)
         return (time.perf_counter() - t0) / reps
-
-    @property
-    def buckets_run(self) -> list[int]:
-        return sorted(self._used)

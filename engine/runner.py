@@ -31,6 +31,7 @@ class RunSpec:
     max_model_len: int  # this run's context: the config's or the model's, bounded by the requests
     max_num_batched_tokens: int  # the config's, else EngineConfig.batched_tokens(max_model_len)
     cache_seqs: int | None = None  # sequences per lane the default CPU cache holds (None: max_num_seqs)
+    decode_steps: int | None = None  # decode steps a rank expects to run (engine.step_policy; None: unknown)
 
     @classmethod
     def of(cls, model_dir, layout, *, max_model_len: int, cache_seqs: int | None = None, **options) -> "RunSpec":
@@ -70,10 +71,10 @@ class ModelRunner:
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
         self._sending = None  # the isend of the last activations, until it completes
-        from atoll.engine import compiled
+        from atoll.engine import step_policy
 
         self.ranks_here = ranks_here or ctx.layout.world_size
-        self.decode_step = compiled.build(self)  # None: every step eager
+        self.decode_step = step_policy.build(self)  # None: every step eager
         self.packer = _packer(self.model, self.ranks_here, spec.engine.mkl_pack) if self.decode_step is None else None
         self.stats: dict = {}
 
@@ -124,6 +125,7 @@ class ModelRunner:
 
     def start_run(self) -> None:
         self.stats = {"busy_s": 0.0, "ticks": 0, "worked": 0, "started": time.perf_counter()}
+        self._eager_decode_s: list[float] = []  # eager decode steps' seconds, for engine.step_policy
 
     def end_run(self) -> None:
         """Waits for the last activations sent. Stats: ticks, worked (ticks this stage computed
@@ -132,6 +134,10 @@ class ModelRunner:
         st = self.stats
         st["wall_s"] = time.perf_counter() - st.pop("started")
         st["busy"] = st["busy_s"] / st["wall_s"] if st["wall_s"] else 0.0
+        if self.ctx.rank == 0:
+            from atoll.engine import step_policy
+
+            step_policy.save_run(self, self._eager_decode_s)
 
     @torch.inference_mode()
     def tick(self, inflight) -> torch.Tensor | None:
@@ -157,6 +163,8 @@ class ModelRunner:
                 out = self.decode_step(x, mb)
             else:
                 out = self.model(x, mb.meta, self.cache)
+                if mb.is_decode:
+                    self._eager_decode_s.append(time.perf_counter() - t0)
             if not ctx.is_last_stage:
                 self._wait_send()
                 self._sending = ctx.pp.isend(out, dst=stage + 1)
@@ -188,12 +196,10 @@ def _packer(model, ranks_here: int, enabled: bool):
     the second copy of the weights would take more than a quarter of this machine's free
     memory, shared by its ranks."""
     from atoll.engine.blocks import copy_fits
+    from atoll.engine.compiled import linear_weights
     from atoll.layers import packed
-    from atoll.layers.embedding import ParallelLMHead
-    from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
-    kinds = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)
-    weights = [m.weight for m in model.modules() if isinstance(m, kinds)]
+    weights = linear_weights(model)
     if not enabled or not packed.mkl_can_pack() or not weights or weights[0].device.type != "cpu":
         return None
     if not copy_fits(sum(w.numel() * w.element_size() for w in weights), ranks_here):

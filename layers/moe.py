@@ -25,14 +25,15 @@ group spans islands the island-first all_to_all sends each token across once, no
 rank. "gather" / "alltoall" force one (gather stays exact with hierarchical; it refuses a
 capacity_factor). The default is the config's moe_exchange.
 
-static (set by the compiled decode step): never read a device value on the host, so always
-gather_combine and no count exchange; every DP rank of the stage must pass the same row
-count (the compiled step pads them to one bucket).
+static (inside `with moe.static_exchange():`, which the CUDA-graph decode step enters): never
+read a device value on the host, so always gather_combine and no count exchange; every DP
+rank of the stage must pass the same row count (the step pads them to one bucket).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -176,8 +177,17 @@ class SparseMoE(nn.Module):
             raise ConfigError(f"exchange=gather is dropless: capacity_factor={self.dispatcher.capacity_factor} "
                               "needs the all-to-all")
         self.gather_max_rows = engine.moe_gather_rows
-        self.static = False  # the compiled decode step sets it: no host reads of device values
+        self.static = False  # inside static_exchange(): no host reads of device values
         self.exchange_bytes: Counter = Counter()  # gather_combine's bytes sent, per link class
+
+    @contextmanager
+    def static_exchange(self):
+        """Steps run inside take the fixed-shape exchange (see the module's docstring: static)."""
+        before, self.static = self.static, True
+        try:
+            yield self
+        finally:
+            self.static = before
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens of this DP rank, hidden], the same on its tp ranks -> same shape."""

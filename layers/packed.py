@@ -13,14 +13,19 @@ turns it on.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the weight's packed copy when it was packed for x's row count."""
-    if x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu" and torch.compiler.is_compiling():
-        return row_product(x, weight, bias)
+    if x.dim() == 2 and x.device.type == "cpu" and torch.compiler.is_compiling():
+        if x.shape[0] == 1:
+            return row_product(x, weight, bias)
+        if getattr(weight, "onednn", False):
+            return torch.ops.atoll.onednn_linear(x, weight, bias)
     packed = getattr(weight, "packed", None)
     if packed is not None and x.dim() == 2 and x.shape[0] == packed[0]:
         return torch.ops.mkl._mkl_linear(x, packed[1], weight, bias, packed[0])
@@ -62,3 +67,47 @@ class Packer:
             w.packed = None  # free the old copy first: one extra copy at most
             w.packed = (rows, torch.ops.mkl._mkl_reorder_linear_weight(w.data, rows))
         self.rows = rows
+
+
+# --- oneDNN-packed weights for the compiled CPU decode step (engine.compiled) ---
+# The packed copy is an opaque oneDNN tensor, which dynamo cannot take as an input and
+# inductor's cache cannot store as a constant: the graph calls atoll::onednn_linear with the
+# plain weight as its input, and the operator finds the packed copy by the weight's address.
+_ONEDNN: dict[int, tuple[torch.Size, torch.Tensor]] = {}
+
+
+def onednn_can_pack() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_onednn(weights: list[torch.Tensor], rows: int = 16) -> int:
+    """Packs each 2-D CPU weight once for oneDNN (for about `rows` rows; any row count runs)
+    and marks it for `linear` inside a compiled graph; the copy is dropped with the weight.
+    Returns the weights packed."""
+    if not onednn_can_pack():
+        return 0
+    done = 0
+    for w in weights:
+        if w.dim() != 2 or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            continue
+        key = w.data_ptr()
+        if key not in _ONEDNN:
+            _ONEDNN[key] = (w.shape, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
+            weakref.finalize(w, _ONEDNN.pop, key, None)
+        w.onednn = True
+        done += 1
+    return done
+
+
+@torch.library.custom_op("atoll::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) through weight's oneDNN-packed copy (pack_onednn)."""
+    shape, packed = _ONEDNN.get(weight.data_ptr(), (None, None))
+    if shape != weight.shape:  # not packed (or its address reused): the plain product
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])

@@ -84,6 +84,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv.to(torch.get_default_device()), persistent=False)
         self._memo = None  # (positions, dtype, cos, sin) of the step the layers are in
 
+    def new_step(self) -> None:
+        """A step begins whose positions may be the last step's tensor with new values (a
+        static decode step's buffer): the next call computes cos and sin afresh. Eager steps
+        need not call it: each has a positions tensor of its own."""
+        self._memo = None
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [tokens, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -92,7 +98,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
         memo = self._memo
-        if memo is None or memo[0] is not positions or memo[1] != q.dtype:  # once per step
+        if memo is None or memo[0] is not positions or memo[1] != q.dtype:  # once per step (see new_step)
             memo = self._memo = (positions, q.dtype, *self.cos_sin(positions, q.dtype))
         kernels.rotary_(q, k, memo[2], memo[3])  # in place: Triton on CUDA, else the torch reference
         return q, k

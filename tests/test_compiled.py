@@ -1,16 +1,20 @@
 """The compiled decode step (engine.compiled): the same greedy tokens as the eager step and as
 transformers, one graph per sequence bucket that a second run does not recompile, and
---enforce-eager / ATOLL_ENFORCE_EAGER=1 compiling nothing. The suite runs eager by default
-(conftest sets ATOLL_ENFORCE_EAGER=1); these tests lift it."""
+--enforce-eager / ATOLL_ENFORCE_EAGER=1 compiling nothing; the default policy (auto,
+engine.step_policy) end to end: eager for a short job without a record, compiled once the
+record says the job repays it. The suite runs eager by default (conftest sets
+ATOLL_ENFORCE_EAGER=1); these tests lift it."""
 
 import argparse
+import json
 
 import pytest
 import torch
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.compiled import block_bucket, seq_buckets
+from atoll.engine import step_policy
+from atoll.engine.decode_step import block_bucket, seq_buckets
 from atoll.config import EngineConfig, add_cli_options, from_args
 from atoll.engine.generate import run_requests
 from atoll.engine.runner import ModelRunner
@@ -65,13 +69,16 @@ def model_and_reference(tiny_model):
 
 @pytest.fixture
 def compiling(monkeypatch, tmp_path):
-    """The ranks compile (conftest's ATOLL_ENFORCE_EAGER lifted), caching in tmp_path."""
+    """The ranks compile at once (conftest's ATOLL_ENFORCE_EAGER lifted, --compile always),
+    caching in tmp_path."""
     monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("ATOLL_CACHE", str(tmp_path))
+    monkeypatch.setenv("ATOLL_COMPILE", "always")
     return monkeypatch
 
 
-# TP1 with frozen (MKL-prepacked) weights, the CPU default; TP2 traces the all_reduce and
+# TP1 with weights packed for oneDNN, the CPU default; TP2 traces the all_reduce and
 # all_gather into the graph over gloo; PP2 compiles each stage, send/recv outside
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout,freezing,buckets", [("TP1", "1", [2, 4]), ("TP2", "0", [2, 4]),
@@ -93,6 +100,66 @@ def test_compiled_tokens_match_eager_and_transformers(model_and_reference, compi
         assert r["graphs_first"] == 1, r
         assert r["graphs_second"] == r["graphs_first"]  # ...and the same shapes again compile nothing
         assert r["compiles"] == 1
+
+
+def _runs_with_default_policy(rank, world, spec, requests):
+    runner = ModelRunner(spec, ParallelContext.single())
+    tokens = _tokens(run_requests(runner, requests))
+    step = runner.decode_step
+    return {"tokens": tokens, "step": None if step is None else type(step).__name__,
+            "buckets": None if step is None else step.buckets_run}
+
+
+@pytest.mark.timeout(300)
+def test_default_policy_compiles_when_the_record_says_it_repays(model_and_reference, compiling, tmp_path):
+    """auto, end to end: a short job without a record decodes eagerly and records its eager
+    step; with a record whose steps repay the compile, the same job compiles; both give
+    transformers' tokens."""
+    compiling.delenv("ATOLL_COMPILE")  # the default: auto
+    model_dir, expected = model_and_reference
+    llm = LLM(model_dir, max_num_seqs=4, block_size=4)
+    assert llm.options.compile == "auto"
+    requests = _requests(llm)
+    spec = llm.spec(requests)
+    assert spec.decode_steps == 6  # (2 + 5 + 5 + 9) tokens after the first, 4 at a time
+    r = run_local(_runs_with_default_policy, 1, spec, requests, timeout_s=100)[0]
+    assert r == {"tokens": expected, "step": None, "buckets": None}  # ~20 s of compiling would not repay
+    record = tmp_path / step_policy.RECORD
+    (key, entry), = json.loads(record.read_text()).items()
+    assert entry["eager_step_s"] > 0 and "cold_s" not in entry
+    entry["eager_step_s"], entry["compiled_step_s"] = 10.0, 0.001  # 6 steps now save ~60 s
+    record.write_text(json.dumps({key: entry}))
+    r = run_local(_runs_with_default_policy, 1, spec, requests, timeout_s=280)[0]
+    assert r == {"tokens": expected, "step": "CompiledDecode", "buckets": [2, 4]}
+    entry = json.loads(record.read_text())[key]
+    assert entry["cold_s"] > 0 and entry["compiled_step_s"] < 10.0
+
+
+def test_policy_weighs_steps_against_the_compile():
+    est = step_policy.expected({}, layers=30, weight_bytes=540_000_000)
+    assert est["compile_s"] == 90.0 and est["measured"] == []  # 15 s + 2.5 s a layer
+    assert est["eager_step_s"] == pytest.approx(0.054) and est["compiled_step_s"] == pytest.approx(0.027)
+    assert not step_policy.repays(15, est) and not step_policy.repays(3000, est)  # 81 s < 90 s
+    assert step_policy.repays(4000, est) and step_policy.repays(None, est)  # unknown work: compile
+    cold = {"cold_s": 60.0, "eager_step_s": 0.11, "compiled_step_s": 0.045}
+    warm = step_policy.expected(cold, layers=30, weight_bytes=0)
+    assert warm["compile_s"] == pytest.approx(12.0)  # compiled once: inductor's cache holds it
+    assert step_policy.repays(200, warm) and not step_policy.repays(150, warm)
+    gone = step_policy.expected(cold | {"warm_s": 5.0}, layers=30, weight_bytes=0, cached=False)
+    assert gone["compile_s"] == 60.0  # the cache was cleared: a cold compile again
+    assert step_policy.expected(cold | {"warm_s": 5.0}, layers=30, weight_bytes=0)["compile_s"] == 5.0
+
+
+def test_compile_policy_is_a_cli_choice_and_an_env_variable():
+    from atoll.config import resolve
+
+    parser = argparse.ArgumentParser()
+    add_cli_options(parser)
+    assert from_args(parser.parse_args(["--compile", "always"])).compile == "always"
+    assert from_args(parser.parse_args([])).compile == "auto"
+    assert resolve(environ={"ATOLL_COMPILE": "Never"}).compile == "never"
+    with pytest.raises(InputError, match=r"^compile 'soon' is not one of auto, always, never$"):
+        EngineConfig(compile="soon")
 
 
 def _runs_eagerly(rank, world, spec, requests):
@@ -130,7 +197,8 @@ def test_enforce_eager_compiles_nothing(model_and_reference, compiling, how):
     model_dir, expected = model_and_reference
     if how == "env":
         compiling.setenv("ATOLL_ENFORCE_EAGER", "1")
-    llm = LLM(model_dir, max_num_seqs=4, block_size=4, enforce_eager=how == "option")
+    # an explicit keyword wins over the environment, so the env case passes none
+    llm = LLM(model_dir, max_num_seqs=4, block_size=4, **({"enforce_eager": True} if how == "option" else {}))
     requests = _requests(llm)
     step, tokens, stats = run_local(_runs_eagerly, 1, llm.spec(requests), requests, timeout_s=100)[0]
     assert step is None and tokens == expected

@@ -27,8 +27,8 @@ def _eager_then_graphed(rank, world, spec, requests):
     eager = [r["token_ids"] for r in run_requests(runner, requests)]
     kv = runner.cache.k + runner.cache.v
     eager_kv = [t[:runner.num_blocks].clone() for t in kv]
-    runner.decode_step = GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.max_num_seqs,
-                                       max_model_len=spec.max_model_len, block_size=spec.block_size,
+    runner.decode_step = GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs,
+                                       max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
                                        scratch_block=runner.num_blocks, rank=rank, capture=False)
     graphed = [r["token_ids"] for r in run_requests(runner, requests)]
     kv_diff = max(float((t[:runner.num_blocks] - e).abs().max()) for t, e in zip(kv, eager_kv))
