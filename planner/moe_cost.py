@@ -152,7 +152,8 @@ def moe_layer(cm, out, *, n, n_all, act, wb: int):
                 out.add(cm._comm_name("MoE all-gather", g_ep), all_gather(rows * row, g_ep), when=vnot(gather))
             reduced = vwhere(gather, rows, per_rank)
     if mt > 1:  # moe_tp partial sums, added over the moe_tp group
-        out.add(cm._comm_name("TP all-reduce" if mt == l.tp else "MoE all-reduce", g_mt), all_reduce(reduced * row, g_mt))
+        name = cm._comm_name("TP all-reduce" if mt == l.tp else "MoE all-reduce", g_mt)
+        out.add(name, all_reduce(reduced * row, g_mt))
 
 
 def _dispatch_combine(cm, g, per_rank, n_all, pairs):

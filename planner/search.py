@@ -18,7 +18,7 @@ from atoll.planner import efficiency as eff
 from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
 from atoll.planner.plan import Prediction
-from atoll.planner.serving import Replicas, poisson_weights
+from atoll.planner.serving import Replicas, chunking, poisson_weights
 from atoll.planner.steps import Tables
 
 _REPLICAS = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.+)$")
@@ -112,43 +112,24 @@ def _evaluate_group(config, shapes, topology, workloads, cands, placements, prog
     batch = [math.ceil(workloads[wi].concurrency / cands[ci][1]) for wi, ci in lanes]
     offered = [workloads[wi].request_rate for wi, _ in lanes]
     rates = [math.nan if r is None else r / cands[ci][1] for r, (_, ci) in zip(offered, lanes)]
-    replicas = Replicas(None, isl=w0.isl, osl=w0.osl, concurrency=batch, budget=eff.PREFILL_CHUNK_TOKENS,
-                        open_loop=[r is not None for r in offered])
     most = [0] * len(cands)  # the largest batch of each layout's lanes
     for b, (_, ci) in zip(batch, lanes):
         most[ci] = max(most[ci], b)
-    replicas.steps = Tables(costs, most, chunk=replicas.chunk, cap=replicas.cap, lay=[ci for _, ci in lanes],
-                            progress=progress)
+    _, chunk, cap = chunking(w0.isl, eff.PREFILL_CHUNK_TOKENS)
+    tables = Tables(costs, most, chunk=chunk, cap=cap, lay=[ci for _, ci in lanes], progress=progress)
+    replicas = Replicas(tables, isl=w0.isl, osl=w0.osl, concurrency=batch, budget=eff.PREFILL_CHUNK_TOKENS,
+                        open_loop=[r is not None for r in offered])
     # steady serving: prompt chunks beside decode (TPOT), queueing for the prefill (TTFT)
     solved = replicas.solve(rates)
     steady = [solved.lane(i) for i in range(len(lanes))]
-    # the mean step's parts: each chunk count's step weighted by its probability, at the nearest
-    # whole decode batch, scaled to TPOT; each layout's steps costed together
-    weights = [poisson_weights(st.chunks_per_step, st.chunk_cap) for st in steady]
-    wanted: list[dict] = [{} for _ in cands]
-    for i, (_, ci) in enumerate(lanes):
-        nb = max(1, round(steady[i].decode_batch))
-        for k, _ in weights[i]:
-            wanted[ci].setdefault((nb, k), None)
-    for ci, cm in enumerate(costs):
-        pairs = list(wanted[ci])
-        for pair, parts in zip(pairs, cm.decode_many([b for b, _ in pairs], [k for _, k in pairs], replicas.chunk)):
-            wanted[ci][pair] = parts
-        progress(1)
+    decodes = _mean_steps(costs, [ci for _, ci in lanes], steady, chunk, progress)
     prefills = [cm.prefill(1)[2] for cm in costs]
     band, ttft_band = prediction_bands(topology)
     memory: dict = {}
     out = [[None] * len(cands) for _ in workloads]
     for i, (wi, ci) in enumerate(lanes):
-        (layout, reps), w, st = cands[ci], workloads[wi], steady[i]
-        nb = max(1, round(st.decode_batch))
-        decode: dict[str, float] = {}
-        for k, weight in weights[i]:
-            for name, v in wanted[ci][(nb, k)].items():
-                decode[name] = decode.get(name, 0.0) + weight * v
+        (layout, reps), w, st, decode = cands[ci], workloads[wi], steady[i], decodes[i]
         tpot = st.tpot_s
-        mean = sum(decode.values())
-        decode = {k: v * tpot / mean for k, v in decode.items()}
         gpus = reps * layout.world_size
         # closed loop: each of the `conc` clients sends at a replica's per-client rate (with fewer
         # clients than replicas some stand idle); open loop: every replica takes its share
@@ -161,6 +142,31 @@ def _evaluate_group(config, shapes, topology, workloads, cands, placements, prog
             tokens_per_s_per_gpu=rate * w.osl / gpus, tokens_per_s_per_user=1.0 / tpot, decode=decode,
             prefill=dict(prefills[ci]), arrival_rate=rate, offered_rate=offered[i], prefill_load=st.load,
             overload=st.why)
+    return out
+
+
+def _mean_steps(costs, lay: list[int], steady, chunk: float, progress) -> list[dict[str, float]]:
+    """Each lane's mean step by part: each chunk count's step weighted by its probability, at
+    the nearest whole decode batch, scaled to TPOT; each layout's steps costed together."""
+    weights = [poisson_weights(st.chunks_per_step, st.chunk_cap) for st in steady]
+    batches = [max(1, round(st.decode_batch)) for st in steady]
+    wanted: list[dict] = [{} for _ in costs]
+    for ci, nb, ws in zip(lay, batches, weights):
+        for k, _ in ws:
+            wanted[ci].setdefault((nb, k), None)
+    for ci, cm in enumerate(costs):
+        pairs = list(wanted[ci])
+        for pair, parts in zip(pairs, cm.decode_many([b for b, _ in pairs], [k for _, k in pairs], chunk)):
+            wanted[ci][pair] = parts
+        progress(1)
+    out = []
+    for ci, nb, ws, st in zip(lay, batches, weights, steady):
+        decode: dict[str, float] = {}
+        for k, weight in ws:
+            for name, v in wanted[ci][(nb, k)].items():
+                decode[name] = decode.get(name, 0.0) + weight * v
+        mean = sum(decode.values())
+        out.append({k: v * st.tpot_s / mean for k, v in decode.items()})
     return out
 
 

@@ -39,7 +39,6 @@ its layout's table of whole batches (steps.py), each row costed once for every w
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -136,11 +135,25 @@ class Lanes:
         for i, why in zip(idx.tolist(), other.why):
             self.why[i] = why
 
+    def select(self, keep) -> "Lanes":
+        """The lanes where `keep` (a mask) holds."""
+        return Lanes(tpot_s=self.tpot_s[keep], ttft_s=self.ttft_s[keep], rate=self.rate[keep],
+                     decode_batch=self.decode_batch[keep], chunks_per_step=self.chunks_per_step[keep],
+                     load=self.load[keep], why=[w for w, k in zip(self.why, keep.tolist()) if k],
+                     chunk_tokens=self.chunk_tokens, chunk_cap=self.chunk_cap)
+
     def lane(self, i: int) -> Steady:
         return Steady(tpot_s=float(self.tpot_s[i]), ttft_s=float(self.ttft_s[i]), rate=float(self.rate[i]),
                       decode_batch=float(self.decode_batch[i]), chunks_per_step=float(self.chunks_per_step[i]),
                       chunk_tokens=self.chunk_tokens, chunk_cap=self.chunk_cap, load=float(self.load[i]),
                       sustainable=not self.why[i], why=self.why[i])
+
+
+def chunking(isl: int, budget: int) -> tuple[int, float, int]:
+    """(chunks of one prompt, one step each; tokens of a chunk; chunks one step can carry)."""
+    chunks = math.ceil(isl / budget)
+    chunk = isl / chunks
+    return chunks, chunk, max(1, int(budget // math.ceil(chunk)))
 
 
 class Replicas:
@@ -155,9 +168,7 @@ class Replicas:
             raise ConfigError(f"{self.b.max():.0f} requests on one replica: past the largest batch the planner "
                               f"costs ({ROWS[-2]:.0f})")
         self.open = np.array(open_loop, dtype=bool)
-        self.chunks = math.ceil(isl / budget)  # chunks of one prompt, one step each
-        self.chunk = isl / self.chunks
-        self.cap = max(1, int(budget // math.ceil(self.chunk)))  # chunks one step can carry
+        self.chunks, self.chunk, self.cap = chunking(isl, budget)
         self.terms = min(self.cap, MAX_TERMS)  # the Poisson series' columns: 0 .. terms
         self._ks = np.arange(1, self.terms, dtype=float)
         self._lanes = np.arange(self.b.size)
@@ -282,7 +293,7 @@ class Replicas:
             r = rate[live]
             g1, st = g(live, r)
             done = (np.abs(g1 - r) <= 1e-10 * r) | ((hi[live] < math.inf) & (hi[live] - lo[live] <= 1e-10 * hi[live]))
-            out.put(live[done], _select(st, done))
+            out.put(live[done], st.select(done))
             live, r, g1 = live[~done], r[~done], g1[~done]
             g2 = np.zeros(live.size)
             pos = g1 > 0
@@ -348,17 +359,13 @@ class Calls:
     def upto(self, idx, r, last: int, needed=None):
         """k = 0 .. last; past a lane's `needed` column, NaN (never read)."""
         ends = [last] * r.size if needed is None else needed.tolist()
-        a = np.array([[self._one(x, k) if k <= e else np.nan for k in range(last + 1)] for x, e in zip(r.tolist(), ends)])
-        b = np.array([[self._one(x + 1, k) if k <= e else np.nan for k in range(last + 1)]
-                      for x, e in zip(r.tolist(), ends)])
+
+        def row(x, end):
+            return [self._one(x, k) if k <= end else np.nan for k in range(last + 1)]
+
+        a = np.array([row(x, e) for x, e in zip(r.tolist(), ends)])
+        b = np.array([row(x + 1, e) for x, e in zip(r.tolist(), ends)])
         return a, b - a
-
-
-def _select(st: Lanes, keep) -> Lanes:
-    return Lanes(tpot_s=st.tpot_s[keep], ttft_s=st.ttft_s[keep], rate=st.rate[keep],
-                 decode_batch=st.decode_batch[keep], chunks_per_step=st.chunks_per_step[keep], load=st.load[keep],
-                 why=[w for w, k in zip(st.why, keep.tolist()) if k], chunk_tokens=st.chunk_tokens,
-                 chunk_cap=st.chunk_cap)
 
 
 def steady_state(step, *, isl: int, osl: int, concurrency: int, budget: int, rate: float | None = None) -> Steady:
@@ -367,6 +374,6 @@ def steady_state(step, *, isl: int, osl: int, concurrency: int, budget: int, rat
     sustainable False, its reason, TTFT inf, and TPOT and rate of the saturated replica (the
     closed loop at `concurrency`). step(n, k, length): a step of n whole sequences and k chunks
     of `length` tokens."""
-    r = Replicas(None, isl=isl, osl=osl, concurrency=[concurrency], budget=budget, open_loop=[rate is not None])
-    r.steps = Calls(step, r.chunk)
+    r = Replicas(Calls(step, chunking(isl, budget)[1]), isl=isl, osl=osl, concurrency=[concurrency], budget=budget,
+                 open_loop=[rate is not None])
     return r.solve(None if rate is None else [rate]).lane(0)
