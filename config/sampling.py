@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from atoll.errors import InputError
 
 
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -20,6 +23,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # log-probabilities of each sampled token and of the `logprobs` likeliest ones (None: none),
+    # from the model's own distribution (before temperature, top-k and top-p), as vLLM gives them
+    logprobs: int | None = None
 
     def __post_init__(self):
         # every message starts with `field=value`, so the CLI can name its flag instead
@@ -46,6 +52,8 @@ class SamplingParams:
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise InputError(f"stop_token_ids={_short(self.stop_token_ids)} must be token ids (whole numbers >= 0)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if self.logprobs is not None:
+            _whole(self, "logprobs", low=0, high=MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:

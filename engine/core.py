@@ -19,7 +19,7 @@ from collections import deque
 
 from atoll.engine.lanes import Lanes, MicroBatch
 from atoll.engine.request import Request, finish_reason, result_of
-from atoll.engine.sampling import SamplerState
+from atoll.engine.sampling import SamplerState, logprob_entry
 from atoll.engine.scheduler import Sequence
 from atoll.engine.tokenizer import Tokenizer
 
@@ -45,7 +45,7 @@ class EngineCore:
         self.tick, self.produced = 0, 0
         self.started: dict[int, float] = {}
         self.sequences: dict[int, Sequence] = {}  # index -> its sequence, until it ends
-        self.tokens: list[tuple[int, int]] = []  # (index, token) taken since the caller last drained them
+        self.tokens: list[tuple] = []  # (index, token, logprobs) taken since the caller last drained them
         self.on_finish, self.on_token, self.inbox = on_finish, on_token, inbox
         self._decode = Tokenizer(spec.model_dir).decode if stop_strings else None
         self._aborting: set[int] = set()  # indices to end when their micro-batch leaves the pipeline
@@ -94,19 +94,21 @@ class EngineCore:
         self.inflight.appendleft(mb)
         tokens = runner.tick(self.inflight)
         if len(self.inflight) == self.depth and (done := self.inflight.pop()) is not None:
-            self._apply(done, tokens.tolist())
+            rows = runner.logprobs
+            self._apply(done, tokens.tolist(), rows.tolist() if rows is not None else None)
         self.tick += 1
         return True
 
-    def drain(self) -> list[tuple[int, int]]:
-        """The (index, token) pairs taken since the last drain, in order."""
+    def drain(self) -> list[tuple]:
+        """The (index, token, logprobs) taken since the last drain, in order; logprobs is None
+        unless the request asked (and this rank is its replica's leader): {"logprob", "top"}."""
         out, self.tokens = self.tokens, []
         return out
 
-    def _apply(self, mb: MicroBatch, tokens: list[int]) -> None:
+    def _apply(self, mb: MicroBatch, tokens: list[int], logprobs: list | None = None) -> None:
         """The micro-batch's chunks are in the cache; sampling ones take their token."""
         now = time.perf_counter()
-        for c, token in zip(mb.chunks, tokens):
+        for i, (c, token) in enumerate(zip(mb.chunks, tokens)):
             seq = c.seq
             seq.cached = c.start + c.count
             index = seq.request.index
@@ -118,7 +120,8 @@ class EngineCore:
                 continue  # a prefill chunk short of the last prompt token
             seq.output.append(token)
             self.produced += 1
-            self.tokens.append((index, token))
+            k = seq.request.params.logprobs
+            self.tokens.append((index, token, logprob_entry(logprobs[i], k) if logprobs and k is not None else None))
             if len(seq.output) == 1:
                 seq.first_token_at = now
             if self.on_token is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from atoll.engine.blocks import BlockPool
-from atoll.engine.sampling import sample
+from atoll.engine.sampling import logprob_rows, sample
 from atoll.engine.scheduler import Scheduled, Scheduler, Sequence
 from atoll.layers.attention import AttentionMetadata
 
@@ -33,6 +33,7 @@ class MicroBatch:
         self.chunks, self.block_size, self.device = chunks, block_size, device
         self._ids: torch.Tensor | None = None
         self._meta: AttentionMetadata | None = None
+        self.logprobs: torch.Tensor | None = None  # [seqs, 1 + 2k] on the sampling rank, when asked
 
     @classmethod
     def of(cls, chunks: list[Scheduled], block_size: int, *, device="cpu") -> "MicroBatch":
@@ -63,17 +64,29 @@ class MicroBatch:
                                                  [c.count for c in chunks], self.block_size, device=self.device)
         return self._meta
 
+    @property
+    def logprobs_k(self) -> int | None:
+        """The most alternatives any chunk asks logprobs of; None: no chunk asks (every rank
+        knows, from the same schedule, whether a tick hands logprobs round)."""
+        asks = [c.seq.request.params.logprobs for c in self.chunks if c.seq.request.params.logprobs is not None]
+        return max(asks) if asks else None
+
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [seqs, vocab] -> [seqs] tokens; -1 for a prefill chunk short of its last
         prompt token, which draws nothing (a seeded sampler's stream does not depend on how
-        the prompt was chunked)."""
+        the prompt was chunked). When a chunk asks for logprobs, self.logprobs holds their
+        rows (engine.sampling.logprob_rows)."""
         rows = [i for i, c in enumerate(self.chunks) if c.samples]
         if len(rows) == len(self.chunks):  # every chunk samples (all of a decode step): no scatter
-            return sample(logits, [c.seq.state for c in self.chunks])
-        out = torch.full((len(self.chunks),), -1, dtype=torch.long, device=logits.device)
-        if rows:
-            at = torch.tensor(rows, dtype=torch.long, device=logits.device)
-            out[at] = sample(logits[at], [self.chunks[i].seq.state for i in rows])
+            out = sample(logits, [c.seq.state for c in self.chunks])
+        else:
+            out = torch.full((len(self.chunks),), -1, dtype=torch.long, device=logits.device)
+            if rows:
+                at = torch.tensor(rows, dtype=torch.long, device=logits.device)
+                out[at] = sample(logits[at], [self.chunks[i].seq.state for i in rows])
+        k = self.logprobs_k
+        if k is not None:
+            self.logprobs = logprob_rows(logits, out, k)
         return out
 
 

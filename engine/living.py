@@ -50,6 +50,7 @@ def run_through(engine, requests: list[Request], *, timeout_s: float | None = No
     """Every request through a living engine; one result per request, in order.
     on_result(k, result) as request k ends; on_step(done, tokens) as tokens arrive."""
     results: dict[int, dict] = {}
+    logprobs: dict[int, list] = {}
     position: dict[int, int] = {}
     failure: list[str] = []
     all_done = threading.Event()
@@ -61,8 +62,11 @@ def run_through(engine, requests: list[Request], *, timeout_s: float | None = No
             with lock:
                 if kind == "token":
                     counts["tokens"] += 1
+                    if payload[1] is not None:
+                        logprobs.setdefault(k, []).append(payload[1])
                 elif kind == "finish":
-                    results[k] = payload
+                    results[k] = payload | ({"logprobs": logprobs.pop(k)} if k in logprobs else {})
+                    payload = results[k]
                 elif kind == "error":
                     failure.append(payload)
                 done = len(results) + len(failure) >= len(requests)

@@ -40,6 +40,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: dict = field(default_factory=dict)
     error: str | None = None
+    logprobs: list[dict] | None = None  # per output token, when asked: {"logprob", "top": [(id, lp), ...]}
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None or k == "text"}
@@ -272,7 +273,7 @@ class LLM:
                 cut = [text.find(s) for s in req.params.stop if s in text]
                 if cut:
                     text, reason = text[: min(cut)], "stop"
-            outs.append(RequestOutput(rid, text, tokens, reason, res["metrics"]))
+            outs.append(RequestOutput(rid, text, tokens, reason, res["metrics"], logprobs=res.get("logprobs")))
         return outs
 
     def run(self, fn, world_size: int, *args, timeout_s: float | None = None, **kwargs) -> list:

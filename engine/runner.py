@@ -3,6 +3,7 @@ micro-batches in flight one stage on and hands sampled tokens to every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -29,15 +30,19 @@ class RunSpec:
     layout: str
     engine: EngineConfig
     max_model_len: int  # this run's context: the config's or the model's, bounded by the requests
-    max_num_batched_tokens: int  # the config's, else EngineConfig.batched_tokens(max_model_len)
+    max_num_batched_tokens: int  # the config's, else its default for the device (config.default_batched_tokens)
     cache_seqs: int | None = None  # sequences per lane the default CPU cache holds (None: max_num_seqs)
     decode_steps: int | None = None  # decode steps a rank expects to run (engine.step_policy; None: unknown)
+
+    def with_engine(self, **changes) -> "RunSpec":
+        """This spec with some engine options changed."""
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **changes))
 
     @classmethod
     def of(cls, model_dir, layout, *, max_model_len: int, cache_seqs: int | None = None, **options) -> "RunSpec":
         """A spec from engine options given as keywords (tests, calibration)."""
         engine = EngineConfig(**options)
-        return cls(str(model_dir), str(layout), engine, max_model_len, engine.batched_tokens(max_model_len),
+        return cls(str(model_dir), str(layout), engine, max_model_len, engine.batched_tokens(),
                    cache_seqs)
 
 
@@ -71,6 +76,7 @@ class ModelRunner:
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
         self._sending = None  # the isend of the last activations, until it completes
+        self.logprobs: torch.Tensor | None = None  # the last tick's logprob rows, on a replica's leader
         from atoll.engine import step_policy
 
         self.ranks_here = ranks_here or ctx.layout.world_size
@@ -175,6 +181,7 @@ class ModelRunner:
         if done is None:
             return None
         seqs = len(done.chunks)
+        self.logprobs = self._logprobs(done, seqs)
         if ctx.layout.dp == 1:
             tokens = out if ctx.rank == self.sampler_rank else torch.empty(seqs, dtype=torch.long, device=self.device)
             return ctx.world.broadcast(tokens, src=self.sampler_rank)
@@ -183,6 +190,20 @@ class ModelRunner:
         if ctx.rank == self.sampler_rank and seqs:
             table[ctx.coords.dp, :seqs] = out
         return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]
+
+    def _logprobs(self, done, seqs: int) -> torch.Tensor | None:
+        """The logprob rows of a micro-batch leaving the pipeline (MicroBatch.sample), on its
+        replica's leader (tp rank 0 of the first stage, which reports its tokens): sent down
+        the tp-rank-0 pipeline group from the sampler, when a chunk asked for them."""
+        ctx = self.ctx
+        k = done.logprobs_k
+        if k is None or ctx.coords.tp != 0:
+            return None
+        if ctx.layout.pp == 1:
+            return done.logprobs  # this rank sampled them
+        rows = done.logprobs if ctx.is_last_stage else torch.empty(seqs, 1 + 2 * k, dtype=torch.float64,
+                                                                    device=self.device)
+        return ctx.pp.broadcast(rows, src=ctx.layout.pp - 1)
 
     def _wait_send(self) -> None:
         if self._sending is not None:

@@ -49,3 +49,21 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
     if all(s.params.greedy for s in states):
         return logits.argmax(-1)
     return torch.stack([sample_one(row, s) for row, s in zip(logits, states)])
+
+
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """logits: [seqs, vocab], tokens: [seqs] -> [seqs, 1 + 2k] float64: each row's sampled
+    token's log-probability, then its k likeliest tokens' log-probabilities and ids (ids are
+    exact in float64), from the model's own distribution (log_softmax of the raw logits)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.clamp(min=0).view(-1, 1)).double()
+    top = torch.topk(lp, k, dim=-1) if k else None
+    parts = [chosen] + ([top.values.double(), top.indices.double()] if k else [])
+    return torch.cat(parts, dim=1)
+
+
+def logprob_entry(row: list[float], k: int) -> dict:
+    """One token's logprobs from its logprob_rows row (of the micro-batch's widest k): its
+    own and its k likeliest alternatives', {"logprob": lp, "top": [(id, lp), ...]}."""
+    width = (len(row) - 1) // 2
+    return {"logprob": row[0], "top": [(int(row[1 + width + j]), row[1 + j]) for j in range(k)]}
