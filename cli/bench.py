@@ -21,6 +21,7 @@ BENCHES = {
     "kernels": "atoll.bench.kernels",
     "prefix": "atoll.bench.prefix",
     "disagg": "atoll.bench.disagg",
+    "serve": "atoll.bench.serve",
     "startup": "atoll.bench.startup",
 }
 

@@ -6,6 +6,7 @@ import sys
 import time
 
 from atoll.config import add_cli_options, from_args, resolve
+from atoll.cli.progress import ProgressBar
 from atoll.config.sampling import SamplingParams
 from atoll.errors import InputError
 
@@ -242,11 +243,22 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     elif launcher in ("local", "ray"):
         print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} ranks, {launcher})",
               file=sys.stderr)
-    reports, progress = _progress(launcher, len(requests), done, bar=not args.no_progress)
+    living = launcher == "local" and not args.stats and llm.prefill_layout is None
+    reports, progress = (None, None) if living else _progress(launcher, len(requests), done,
+                                                               bar=not args.no_progress)
     try:
         sent = None
         if llm.prefill_layout is not None:  # disaggregated: both engines in one local job (engine.disagg)
             results = _disaggregated(llm, requests, launcher)
+        elif launcher == "local" and not args.stats:  # the living engine: the same one `atoll serve` runs
+            bar = ProgressBar(len(requests)) if not args.no_progress else None
+            try:
+                results = llm.generate_requests(requests, on_result=done,
+                                                on_step=(lambda d, n: bar.put((d, n))) if bar else None)
+            finally:
+                if bar is not None:
+                    bar.close()
+                llm.close()
         else:
             spec = llm.spec(requests)
             _, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,

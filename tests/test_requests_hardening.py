@@ -40,6 +40,7 @@ def no_ranks(monkeypatch):
         raise AssertionError("a rank was started")
 
     monkeypatch.setattr("atoll.launch.launchers.launch", launch)
+    monkeypatch.setattr("atoll.launch.local.LocalJob.__init__", launch)  # run_local and the living engine
 
 
 def _rows(text: str) -> list[dict]:
@@ -238,13 +239,12 @@ def test_a_rank_failure_keeps_what_finished(capsys, tiny_model, tmp_path, monkey
     failed with the cause; the file ends in input order."""
     from atoll.errors import RankFailure
 
-    def launch(fn, world, spec, requests, *, progress, **kwargs):
+    def generate_requests(self, requests, *, on_result, **kwargs):  # the living engine's path
         result = {"token_ids": [4, 5], "finish_reason": "length", "metrics": {}}
-        progress.put(("done", 1, result))  # the second valid request finished
-        time.sleep(0.5)  # the parent's drain thread writes it meanwhile
+        on_result(1, result)  # the second valid request finished
         raise RankFailure(1, "killed by SIGKILL", node="here")
 
-    monkeypatch.setattr("atoll.launch.launchers.launch", launch)
+    monkeypatch.setattr("atoll.engine.llm.LLM.generate_requests", generate_requests)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(_jsonl(['{"id": %d, "prompt_token_ids": [5]}', '{"id": %d, "prompt_token_ids": []}',
                                '{"id": %d, "prompt_token_ids": [6]}', '{"id": %d, "prompt_token_ids": [7]}']))

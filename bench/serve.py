@@ -1,0 +1,240 @@
+"""atoll bench serve: an OpenAI-compatible server under load, measured as vLLM's serving
+benchmark measures it, against --url or a `python -m atoll serve` it starts itself on a free
+127.0.0.1 port with the engine flags given (--layout, --max-num-seqs, ...) and ends by pid.
+
+Load: open loop, --request-rate requests/s (inf: all at once) with gamma-distributed gaps of
+shape --burstiness (1: Poisson), capped at --max-concurrency requests in flight (with rate inf,
+a closed loop). --num-prompts requests of --input-len random token ids generating
+--output-len tokens each (ignore_eos), or the prompts of a --dataset JSONL. One short request
+warms the server first. Reported: request and token throughput; mean and percentiles of TTFT,
+TPOT, ITL and E2EL; with --goodput ttft:MS tpot:MS e2el:MS, SLO attainment and goodput
+(bench/serve_report.py). --compare-plan puts the planner's prediction for the same model,
+layout, topology and workload beside the measured means; --compare-offline runs the same
+requests through LLM.generate in this process first and prints both output throughputs and
+their ratio (bench/serve_compare.py). --scenario long-prompt: the streams' ITL while a long
+prompt arrives, with the default chunk budget and without chunking (bench/serve_scenario.py).
+The 1-minute load average is read before, between and after the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from atoll.bench.harness import Run, sig
+from atoll.errors import ConfigError
+
+SCENARIOS = ("load", "long-prompt")
+
+
+def add_parser(sub) -> None:
+    from atoll.cli.generate import add_model_options
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server under load: throughput, TTFT, TPOT, ITL, "
+                                     "goodput (vLLM's serving benchmark)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default=None, help="a running server (http://HOST:PORT); default: start "
+                                               "`atoll serve` on --model here with the engine flags below")
+    p.add_argument("--model", default=None, help="checkpoint dir the server serves (default: the demo model, "
+                                                 "SmolLM2-135M); its config gives the vocabulary and the planner's shapes")
+    p.add_argument("--scenario", choices=SCENARIOS, default="load", help="load (default) or long-prompt")
+    p.add_argument("--num-prompts", type=int, default=50, help="requests (default 50)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrival gaps: 1 Poisson (default), lower burstier")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per random request (default 128)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="output tokens per request (default 32; long-prompt streams 64)")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="random lengths uniform in len x [1 - r, 1 + r] (default 0: fixed)")
+    p.add_argument("--dataset", metavar="FILE.jsonl", default=None,
+                   help='prompts instead of random ids: lines of {"prompt": text or ids, "output_len": N}')
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly the output length (ignore_eos and min_tokens; default on)")
+    p.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
+                   help="SLOs: ttft:MS tpot:MS e2el:MS; reports attainment and goodput")
+    p.add_argument("--metric-percentiles", default="50,90,99", help="percentiles reported (default 50,90,99)")
+    p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default 0)")
+    p.add_argument("--compare-plan", action="store_true",
+                   help="the planner's TTFT / TPOT for this model, layout, topology and load beside the measured")
+    p.add_argument("--topology", default="local", help="--compare-plan: preset or YAML (default local; a "
+                                                       "calibrated one from `atoll calibrate` is better)")
+    p.add_argument("--compare-offline", action="store_true",
+                   help="first the same requests through LLM.generate here: output tokens/s of both and the ratio")
+    p.add_argument("--streams", type=int, default=8, help="long-prompt: requests decoding (default 8)")
+    p.add_argument("--long-len", type=int, default=4096, help="long-prompt: its tokens (default 4096)")
+    p.add_argument("--long-after", type=int, default=8,
+                   help="long-prompt: sent once every stream has had this many chunks (default 8)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a round may take (default 900)")
+    p.add_argument("--server-timeout", type=float, default=300.0,
+                   help="seconds a started server may take to answer /health (default 300)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    engine = p.add_argument_group("engine flags, for the server started here (and --compare-offline)")
+    add_model_options(engine)
+    p.set_defaults(run=run)
+
+
+def check_args(args) -> tuple[dict, tuple]:
+    from atoll.bench.serve_report import parse_goodput, parse_percentiles
+
+    for name in ("num_prompts", "input_len", "streams", "long_len", "long_after"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    for name in ("output_len", "max_concurrency"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    for name in ("timeout", "server_timeout"):
+        if not 0 < getattr(args, name) < math.inf:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a positive number of seconds")
+    if not args.request_rate > 0:
+        raise ConfigError(f"--request-rate {args.request_rate} must be positive (inf: all at once)")
+    if not 0 < args.burstiness < math.inf:
+        raise ConfigError(f"--burstiness {args.burstiness} must be a positive number")
+    return parse_goodput(args.goodput), parse_percentiles(args.metric_percentiles)
+
+
+def run(args) -> int:
+    slos, percentiles = check_args(args)
+    with Run(args.model, quiet=args.json) as bench:
+        from atoll.models.config import ModelConfig
+
+        config = ModelConfig.load(bench.model)
+        if args.scenario == "long-prompt":
+            from atoll.bench.serve_scenario import render as render_long, run_long_prompt
+
+            result = run_long_prompt(args, bench, bench.model, config.vocab_size, config.max_position_embeddings,
+                                     percentiles)
+            bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_long)
+            return 0
+        result = run_load(args, bench, config, slos, percentiles)
+    bench.emit(result, as_json=args.json, render=render)
+    failed = result["serve"]["failed"]
+    return 1 if failed else 0
+
+
+def build_requests(args, config):
+    from atoll.bench.serve_load import jsonl_requests, random_requests
+
+    osl = args.output_len or 32
+    if args.dataset:
+        return jsonl_requests(args.dataset, args.num_prompts, output_len=osl)
+    return random_requests(args.num_prompts, input_len=args.input_len, output_len=osl, vocab_size=config.vocab_size,
+                           seed=args.seed, range_ratio=args.range_ratio)
+
+
+def warm_up(url: str, model: str, requests, args) -> None:
+    """The requests sent one at a time, untimed (the first requests pay for allocation)."""
+    import asyncio
+
+    from atoll.bench.serve_load import run_load as load
+
+    results, _ = asyncio.run(load(url, model, requests, max_concurrency=1, ignore_eos=args.ignore_eos,
+                                  timeout_s=args.timeout))
+    bad = [r.error for r in results if not r.success]
+    if bad:
+        raise ConfigError(f"the server failed a warm-up request: {bad[0]}")
+
+
+def run_load(args, bench, config, slos: dict, percentiles) -> dict:
+    import asyncio
+    import contextlib
+
+    from atoll.bench.serve_load import run_load as load, served_model
+    from atoll.bench.serve_report import report
+    from atoll.bench.serve_server import Server, engine_argv
+
+    requests = build_requests(args, config)
+    out = {"model": bench.model, "num_prompts": len(requests), "request_rate": args.request_rate,
+           "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+           "input_len": None if args.dataset else args.input_len, "output_len": args.output_len or 32,
+           "dataset": args.dataset}
+    if args.compare_offline:
+        from atoll.bench.serve_compare import offline_generate
+
+        out["offline"] = offline_generate(args, bench.model, requests)
+        bench.note()
+    server = None if args.url else Server(bench.model, engine_argv(args), ready_timeout_s=args.server_timeout)
+    with server if server is not None else contextlib.nullcontext():
+        url = args.url or server.url
+        model = served_model(url, bench.model)
+        out |= {"url": args.url, "server_args": None if server is None else server.argv,
+                "server_start_s": None if server is None else server.started_s, "served_model": model}
+        warm_up(url, model, requests[:1], args)
+        results, duration = asyncio.run(load(url, model, requests, rate=args.request_rate, burstiness=args.burstiness,
+                                             max_concurrency=args.max_concurrency, seed=args.seed,
+                                             ignore_eos=args.ignore_eos, timeout_s=args.timeout))
+    bench.note()
+    out["serve"] = report(results, duration, slos=slos, percentiles=percentiles)
+    if args.compare_offline:
+        off, on = out["offline"]["output_throughput"], out["serve"]["output_throughput"]
+        out["serve_over_offline"] = sig(on / off, 4) if on and off else None
+        if not math.isinf(args.request_rate) or args.max_concurrency:
+            out["offline_note"] = "the server was not at saturation (a finite --request-rate or --max-concurrency)"
+    if args.compare_plan:
+        out["plan"] = compare_plan(args, bench.model, config, requests, out["serve"])
+    return out
+
+
+def compare_plan(args, model_dir: str, config, requests, measured: dict) -> dict:
+    from atoll.bench.serve_compare import plan_prediction, plan_workload, versus_plan
+    from atoll.config import from_args
+    from atoll.engine.llm import resolve_layout
+    from atoll.launch.device import decide
+
+    layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
+                            args.data_parallel_size, args.expert_parallel_size)
+    n = measured["completed"]  # the mean lengths the server counted, else those sent
+    isl = round(measured["total_input_tokens"] / n) if n else round(sum(r.prompt_len or 0 for r in requests) / len(requests))
+    osl = round(measured["total_output_tokens"] / n) if n else round(sum(r.output_len for r in requests) / len(requests))
+    on_cpu = args.url is None and decide(from_args(args).device, 0) == "cpu"
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}.get(args.dtype or "", "fp32" if on_cpu else "auto")
+    workload, costed = plan_workload(isl=isl, osl=osl, requests=len(requests), rate=args.request_rate,
+                                     max_concurrency=args.max_concurrency, max_num_seqs=args.max_num_seqs, dtype=dtype)
+    predicted = plan_prediction(model_dir, str(layout), args.topology, workload)
+    return {"costed_as": costed, "predicted": predicted, "measured_over_predicted": versus_plan(measured, predicted)}
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render(r: dict) -> str:
+    s = r["serve"]
+    rate = "inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"
+    lines = [f"{r['model']}: {r['num_prompts']} requests, {r['input_len'] or 'dataset'} in / {r['output_len']} out, "
+             f"rate {rate} req/s, burstiness {r['burstiness']:g}, max concurrency {r['max_concurrency'] or '-'}",
+             f"  completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s, "
+             f"{s['total_input_tokens']} input / {s['total_output_tokens']} output tokens"
+             + ("" if s["token_counts_from_usage"] is not False else " (output counted as chunks: no usage)"),
+             f"  request throughput {_f(s['request_throughput'])} req/s, output {_f(s['output_throughput'])} tok/s, "
+             f"total {_f(s['total_token_throughput'])} tok/s"]
+    keys = [k for k in s["ttft_ms"]]
+    lines.append(f"  {'ms':<6}" + "".join(f"{k:>10}" for k in keys))
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        lines.append(f"  {m.upper():<6}" + "".join(f"{_ms(s[m + '_ms'][k]):>10}" for k in keys))
+    if "goodput" in s:
+        g = s["goodput"]
+        slo = " ".join(f"{k}:{v:g}" for k, v in g["slos_ms"].items())
+        each = ", ".join(f"{k} {_f(v, 3)}" for k, v in g["attainment_by_slo"].items())
+        lines.append(f"  SLOs {slo} ms: attainment {_f(g['attainment'], 3)} ({each}); goodput "
+                     f"{_f(g['request_goodput'])} req/s, {_f(g['output_token_goodput'])} output tok/s")
+    if "offline" in r:
+        o = r["offline"]
+        lines.append(f"  offline LLM.generate: {_f(o['output_throughput'])} output tok/s over {o['duration_s']:.2f} s; "
+                     f"server / offline = {r['serve_over_offline']}")
+        if r.get("offline_note"):
+            lines.append(f"  note: {r['offline_note']}")
+    if "plan" in r:
+        p, x = r["plan"]["predicted"], r["plan"]["measured_over_predicted"]
+        lines.append(f"  planner ({p['layout']} on {p['topology']}, {r['plan']['costed_as']}): TTFT {_ms(p['ttft_ms'])} ms,"
+                     f" TPOT {_ms(p['tpot_ms'])} ms, {_f(p['output_tokens_per_s'])} output tok/s"
+                     + ("" if p["sustainable"] else f" (not sustainable: {p['overload']})"))
+        lines.append(f"  measured / predicted: TTFT {x['ttft']}, TPOT {x['tpot']}, output tok/s {x['output_throughput']}")
+    for e in s.get("errors", []):
+        lines.append(f"  error: {e}")
+    return "\n".join(lines)
+
+
+def _f(v, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"

@@ -1,0 +1,84 @@
+"""What `atoll bench serve` puts beside its measured figures.
+
+--compare-plan: the planner's steady-serving prediction (planner/serving.py) for the same
+model config, layout (one replica), topology and workload: isl and osl the requests' mean
+lengths; open loop at --request-rate (the planner's Poisson arrivals; the cache planned for
+--max-num-seqs, or --max-concurrency if lower); closed loop at --max-concurrency when the rate
+is inf; a burst (rate inf, no --max-concurrency) is costed as a closed loop at
+min(requests, --max-num-seqs), the planner having no burst model. Predicted means beside the
+measured means, as measured / predicted.
+
+--compare-offline: the same requests through `atoll.LLM(model, ...).generate` in this process
+(ranks started and one short request run before the timed call), output tokens per second,
+beside the server's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from atoll.bench.harness import sig
+
+
+def plan_workload(*, isl: int, osl: int, requests: int, rate: float, max_concurrency: int | None,
+                  max_num_seqs: int, dtype: str) -> tuple[dict, str]:
+    """(Workload keywords, how the load was costed)."""
+    kv = dict(isl=max(1, isl), osl=max(1, osl), dtype=dtype, kv_dtype=dtype)
+    if not math.isinf(rate):
+        c = min(max_num_seqs, max_concurrency or max_num_seqs)
+        return kv | dict(concurrency=c, request_rate=rate), f"open loop at {rate:g} req/s (cache for {c})"
+    if max_concurrency:
+        return kv | dict(concurrency=max_concurrency), f"closed loop at concurrency {max_concurrency}"
+    c = min(requests, max_num_seqs)
+    return kv | dict(concurrency=c), f"a burst, costed as a closed loop at concurrency {c}"
+
+
+def plan_prediction(model_dir: str, layout: str, topology: str, workload: dict) -> dict:
+    """The planner's prediction for one replica of `layout` on `topology` (a preset or YAML)."""
+    from atoll.bench.plan_check import topology_for
+    from atoll.models.config import ModelConfig
+    from atoll.parallel.layout import Layout
+    from atoll.planner import Workload, plan_layouts
+    from atoll.topologies import load_topology
+
+    config = ModelConfig.load(model_dir)
+    lay = Layout.parse(layout).validate(config)
+    topo = topology_for(load_topology(topology), lay.world_size)
+    plan = plan_layouts(config, topo, Workload(**workload), layouts=[f"1 x {lay}"])
+    p = plan.predictions[0]
+    return {"topology": topo.name, "layout": str(lay), "workload": {k: v for k, v in workload.items()},
+            "ttft_ms": p.ttft_s * 1e3, "tpot_ms": p.tpot_s * 1e3, "sustainable": p.sustainable,
+            "overload": p.overload, "fits": p.fits, "arrival_rate_per_s": p.arrival_rate,
+            "output_tokens_per_s": p.tokens_per_s_per_gpu * p.gpus}
+
+
+def versus_plan(measured: dict, predicted: dict) -> dict:
+    """Measured means over predicted, for TTFT, TPOT and output tokens/s."""
+    def ratio(m, p):
+        return sig(m / p, 4) if m is not None and p and math.isfinite(p) else None
+
+    return {"ttft": ratio(measured["ttft_ms"]["mean"], predicted["ttft_ms"]),
+            "tpot": ratio(measured["tpot_ms"]["mean"], predicted["tpot_ms"]),
+            "output_throughput": ratio(measured["output_throughput"], predicted["output_tokens_per_s"])}
+
+
+def offline_generate(args, model_dir: str, requests) -> dict:
+    """The requests through LLM.generate with the bench's engine flags: output tokens/s of the
+    timed call (ranks started and a two-token request run first, untimed)."""
+    from atoll.cli.generate import make_llm
+    from atoll.config.sampling import SamplingParams
+
+    llm = make_llm(args, model_dir)
+    with llm:
+        t0 = time.perf_counter()
+        llm.start()  # as the server: the living engine's spec, not this run's requests
+        llm.generate([requests[0].prompt], SamplingParams(max_tokens=2, ignore_eos=args.ignore_eos))
+        ready = time.perf_counter() - t0
+        params = [SamplingParams(max_tokens=r.output_len, ignore_eos=args.ignore_eos) for r in requests]
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt for r in requests], params)
+        wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"requests": len(outs), "output_tokens": tokens, "duration_s": wall, "output_throughput": tokens / wall,
+            "request_throughput": len(outs) / wall, "start_s": ready}
