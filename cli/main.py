@@ -19,6 +19,7 @@ COMMANDS = {
     "calibrate": "atoll.cli.calibrate",
     "topo": "atoll.cli.topo",
     "bench": "atoll.cli.bench",
+    "serve": "atoll.cli.serve",
 }
 
 

@@ -1,0 +1,125 @@
+"""atoll serve: an OpenAI-compatible HTTP server over a living engine (serve/).
+
+The ranks start and load the weights before the port listens; /health answers 200 from then
+on. SIGTERM (or Ctrl-C) drains: no new connections or requests (503), requests in flight
+finish or, past --shutdown-timeout, end with an error; then the ranks stop and the process
+exits 0. A rank that dies fails every request in flight with an error naming it, /health
+answers 503 for DEAD_LINGER_S, and the process exits with that one line (code 2): it does
+not restart its ranks, so a supervisor sees the failure and restarts the whole server."""
+
+from __future__ import annotations
+
+import sys
+
+from atoll.cli.generate import add_model_options
+
+DEAD_LINGER_S = 2.0  # /health says 503 this long after the engine died, then the process exits
+# --layout auto plans for this serving workload: max_num_seqs requests of these lengths
+AUTO_PROMPT_TOKENS, AUTO_OUTPUT_TOKENS = 512, 256
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over OpenAI-compatible HTTP (completions, chat)")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) requests give (default: --model as given); the first is reported")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
+                   help="requests waiting for their first token beyond which new ones get 429 with Retry-After")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds requests in flight get to finish before they end with an error")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
+    p.add_argument("--launcher", default="auto", choices=["auto", "local", "torchrun", "ray", "mpi"],
+                   help="auto: local processes (a living engine runs under the local launcher for now)")
+    p.add_argument("--plan", metavar="PLAN.yaml", default=None,
+                   help="run the layout of a plan from `atoll plan --save` (instead of --layout)")
+    p.add_argument("--strict-placement", action="store_true", help="as for generate (Ray, torchrun, mpirun)")
+    add_model_options(p)
+    p.set_defaults(run=run)
+
+
+def _check_args(args) -> None:
+    from atoll.errors import InputError
+
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port {args.port} must be between 0 and 65535")
+    if not args.shutdown_timeout > 0:
+        raise InputError(f"--shutdown-timeout {args.shutdown_timeout} must be a positive number of seconds")
+    if args.max_waiting_requests < 1:
+        raise InputError(f"--max-waiting-requests {args.max_waiting_requests} must be at least 1")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InputError("--api-key is empty")
+
+
+def _layout(args, launcher: str):
+    """The plan's layout (--plan, or --layout auto for a serving workload), else None."""
+    from atoll.cli.generate import _plan
+    from atoll.cli.requests import Line
+
+    if not args.plan and str(args.layout).lower() != "auto":
+        return None
+    args.max_new_tokens = AUTO_OUTPUT_TOKENS
+    lines = [Line(None, i, {"prompt_token_ids": [0] * AUTO_PROMPT_TOKENS}) for i in range(args.max_num_seqs)]
+    return _plan(args, launcher, lines)
+
+
+def _listen(host: str, port: int):
+    """The server's socket, bound now: a port in use is one line before any rank starts."""
+    import socket
+
+    from atoll.errors import LaunchError
+
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as e:
+        raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(args) -> int:
+    from atoll.cli.generate import make_llm
+    from atoll.cli.main import Terminated
+    from atoll.errors import LaunchError
+    from atoll.launch.launchers import check_launcher, detect
+
+    _check_args(args)
+    launcher = detect() if args.launcher == "auto" else args.launcher
+    if launcher != "local":
+        raise LaunchError(f"--launcher {launcher}: atoll serve keeps its ranks running, which only the local "
+                          "launcher does for now; run it on one node with --launcher local")
+    plan = _layout(args, launcher)
+    llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
+    if llm.prefill_layout is not None:
+        raise LaunchError("--prefill/--decode: atoll serve does not run disaggregated engines yet; give one layout")
+    check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size)
+    sock = _listen(args.host, args.port)
+    try:
+        try:
+            llm.start()
+        except Terminated:
+            print("atoll: terminated (SIGTERM) while the ranks were starting", file=sys.stderr)
+            return 0
+        return _serve(args, llm, sock)
+    finally:
+        sock.close()
+        llm.close()
+
+
+def _serve(args, llm, sock) -> int:
+    import asyncio
+
+    from atoll.serve.server import serve
+
+    names = args.served_model_name or [str(args.model)]
+    port = sock.getsockname()[1]
+    print(f"atoll: serving {names[0]} on http://{args.host}:{port}/v1 ({llm.layout}, {llm.layout.world_size} "
+          f"ranks)", file=sys.stderr, flush=True)
+    return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,
+                             max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
+                             log_level=args.log_level, dead_linger_s=DEAD_LINGER_S))

@@ -1,0 +1,146 @@
+"""The FastAPI app: OpenAI's /v1/models, /v1/completions and /v1/chat/completions over a
+Backend, plus /health and /metrics. `create_app(backend, ...)` takes the Backend (an LLM and
+its living engine), so tests can run it in-process over a fake engine (httpx.ASGITransport).
+
+Every refusal is OpenAI's error body {"error": {message, type, param, code}}: 400 for a bad
+body (naming the field), 401 for a wrong API key, 429/503 with Retry-After when the queue is
+full or the server cannot take work. Streams are server-sent events ending in `[DONE]`; an
+error after the stream began is one `{"error": ...}` event before it."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from atoll.errors import CheckpointError
+from atoll.serve.backend import Backend
+from atoll.serve.handlers import Handler
+from atoll.serve.protocol import ApiError, ChatRequest, CompletionRequest, error_body, validation_error
+
+
+class EngineStream(StreamingResponse):
+    """A stream whose generator is closed however the response ends (a client gone, a task
+    cancelled), so its engine requests are aborted at once, not at garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class ApiKey:
+    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>`; /health and /metrics don't."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                body = error_body("invalid or missing API key: send `Authorization: Bearer <key>`",
+                                  code="invalid_api_key")
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(backend: Backend, *, served_names: list[str], api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="atoll", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = backend.metrics
+    handler = Handler(backend, model=served_names[0])
+    created = int(time.time())
+
+    def refused(e: ApiError) -> JSONResponse:
+        if not e.counted:
+            metrics.failed.labels("invalid" if e.status < 429 else "rejected" if e.status in (429, 503)
+                                  else "engine").inc()
+        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return refused(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return refused(validation_error(list(e.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}",
+                                       code=str(e.status_code)), status_code=e.status_code)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in served_names:
+            raise ApiError(400, f"model={name!r} is not served here; this server serves "
+                                f"{', '.join(map(repr, served_names))}", param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        if backend.healthy:
+            return {"status": "ok"}
+        reason = backend.engine.error or backend.draining
+        return JSONResponse({"status": "unavailable", "error": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "atoll",
+                                            "max_model_len": backend.llm.max_model_len} for name in served_names]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        body.refuse_unsupported()
+        check_model(body.model)
+        return await respond(request, body, body.prompts(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        body.refuse_unsupported()
+        check_model(body.model)
+        tok = backend.llm.tokenizer
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer.json: chat needs one (use /v1/completions with "
+                                "token ids)", param="messages")
+        try:
+            text = tok.apply_chat_template([m.template_dict() for m in body.messages])
+        except CheckpointError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        return await respond(request, body, [tok.encode(text, add_special_tokens=False)], chat=True)
+
+    async def respond(request: Request, body, prompts: list, *, chat: bool):
+        call, renderer = handler.start(body, prompts, chat=chat)
+        if body.stream:
+            return EngineStream(handler.stream(call, renderer, include_usage=body.include_usage),
+                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        watch = asyncio.create_task(_on_disconnect(request, lambda: backend.end(call)))
+        try:
+            return await handler.collect(call, renderer)
+        finally:
+            watch.cancel()
+            backend.end(call)
+
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
+    return app
+
+
+async def _on_disconnect(request: Request, then) -> None:
+    """Wait for the client to go away (the body is already read), then call `then`."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            then()
+            return

@@ -1,0 +1,136 @@
+"""A completion or chat request from its validated body to the engine and back: sampling
+params and token budget, then the whole response (collect) or its stream of chunks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from atoll.serve.backend import Backend, Call
+from atoll.serve.protocol import ApiError, sampling_params
+from atoll.serve.render import Renderer, usage
+from atoll.serve.stream import TextStream, sse
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat's is the context left
+
+
+def dumps(body: dict) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+class Handler:
+    def __init__(self, backend: Backend, *, model: str):
+        self.backend, self.llm, self.model = backend, backend.llm, model
+
+    def start(self, body, prompts: list, *, chat: bool) -> tuple[Call, Renderer]:
+        """Validate, tokenize and submit: the call in the engine and its renderer."""
+        param = "messages" if chat else "prompt"
+        limit = body.token_limit if chat else body.max_tokens
+        logprobs = body.num_logprobs if chat else body.logprobs
+        if body.stop and self.llm.tokenizer is None:
+            raise ApiError(400, "stop strings need the model's tokenizer.json, which it lacks", param="stop")
+        self.backend.check_admission(len(prompts))  # before tokenizing: a full queue answers at once
+        params = sampling_params(body, max_tokens=limit or 1, logprobs=logprobs)
+        limit_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+        requests = [self._budget(r, limit, chat=chat, param=param, limit_param=limit_param)
+                    for r in self.backend.prepare(prompts, params, param=param)]
+        call = self.backend.start(requests)
+        call.logprobs = logprobs is not None
+        renderer = Renderer(chat=chat, model=body.model or self.model, tokenizer=self.llm.tokenizer,
+                            token_ids=body.return_token_ids)
+        return call, renderer
+
+    def _budget(self, req, limit: int | None, *, chat: bool, param: str, limit_param: str):
+        """max_tokens within the context: given and too many, a 400; not given, chat gets the
+        context left and completions OpenAI's 16 (or less, where less is left)."""
+        room = self.llm.max_model_len - len(req.prompt_token_ids)
+        if limit is not None and limit > room:
+            raise ApiError(400, f"{limit_param}={limit}: the {param} has {len(req.prompt_token_ids)} tokens and the "
+                                f"context is {self.llm.max_model_len} (max_model_len), room for {room} new tokens",
+                           param=limit_param, code="context_length_exceeded")
+        tokens = limit if limit is not None else room if chat else min(COMPLETION_MAX_TOKENS, room)
+        return replace(req, params=replace(req.params, max_tokens=tokens))
+
+    def _finish(self, call: Call, choice: int, result: dict):
+        return self.llm.finish([None], [call.requests[choice]], [result])[0]
+
+    def _usage(self, call: Call, results: dict) -> dict:
+        return usage(sum(len(r.prompt_token_ids) for r in call.requests),
+                     sum(len(res["token_ids"]) for res in results.values()),
+                     sum(res["metrics"].get("cached_tokens", 0) or 0 for res in results.values()))
+
+    async def collect(self, call: Call, renderer: Renderer) -> dict:
+        """Wait for every choice; the whole response."""
+        n = len(call.requests)
+        results: dict[int, dict] = {}
+        payloads: dict[int, list] = {k: [] for k in range(n)}
+        while len(results) < n:
+            for choice, kind, payload, _ in await call.events.batch():
+                if kind == "token":
+                    payloads[choice].append(payload[1])
+                elif kind == "finish":
+                    results[choice] = payload
+                else:
+                    raise _failure(choice, payload)
+        choices = []
+        for k in range(n):
+            out = self._finish(call, k, results[k])
+            choices.append(renderer.choice(k, out.text or "", out.finish_reason, ids=out.token_ids,
+                                           logprobs=payloads[k] if call.logprobs else None,
+                                           prompt_ids=call.requests[k].prompt_token_ids))
+        return renderer.response(choices, self._usage(call, results))
+
+    async def stream(self, call: Call, renderer: Renderer, *, include_usage: bool):
+        """Server-sent events: chunks as tokens come, [DONE] at the end. However it ends (a
+        client gone included), the call's unfinished engine requests are aborted."""
+        n = len(call.requests)
+        texts = [TextStream(self.llm.tokenizer, r.params.stop) for r in call.requests]
+        results: dict[int, dict] = {}
+        started: set[int] = set()
+        try:
+            while len(results) < n:
+                batch = await call.events.batch()
+                ids: dict[int, list] = {}
+                lps: dict[int, list] = {}
+                ended: list[int] = []
+                for choice, kind, payload, _ in batch:
+                    if kind == "token":
+                        ids.setdefault(choice, []).append(payload[0])
+                        lps.setdefault(choice, []).append(payload[1])
+                    elif kind == "finish":
+                        results[choice] = payload
+                        ended.append(choice)
+                    else:
+                        yield sse(dumps(_failure(choice, payload).body()))
+                        yield sse("[DONE]")
+                        return
+                for choice in sorted(set(ids) | set(ended)):
+                    new = ids.get(choice, [])
+                    text = texts[choice].push(new)
+                    reason = None
+                    if choice in results:
+                        out = self._finish(call, choice, results[choice])
+                        text += texts[choice].finish(out.text)
+                        reason = out.finish_reason
+                    first = choice not in started
+                    if not (text or first or reason or (call.logprobs and new) or (renderer.token_ids and new)):
+                        continue
+                    started.add(choice)
+                    yield sse(dumps(renderer.chunk(choice, text, finish_reason=reason, ids=new,
+                                                   logprobs=lps.get(choice, []) if call.logprobs else None,
+                                                   first=first, prompt_ids=call.requests[choice].prompt_token_ids)))
+            if include_usage:
+                yield sse(dumps(renderer.usage_chunk(self._usage(call, results))))
+            yield sse("[DONE]")
+        finally:
+            self.backend.end(call)
+
+
+def _failure(choice, line: str) -> ApiError:
+    """An error event: the engine failed (naming the rank), or the server shut down first."""
+    if choice is None:
+        e = ApiError(503, line, type="server_error", code="shutting_down")
+    else:
+        e = ApiError(500, f"the engine failed: {line}", type="server_error", code="engine_error")
+    e.counted = True  # the Backend counted it as it happened
+    return e

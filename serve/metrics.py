@@ -1,0 +1,79 @@
+"""The server's Prometheus metrics, in a registry of its own (prometheus_client).
+
+Latencies are measured in the server, from a request's arrival to the moment the engine's
+thread handed over each token. Running, waiting and KV blocks are the engine's own counters
+(the ranks report them every pass), read at each scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "atoll"
+# seconds: from a millisecond (a GPU decode step) to minutes (a long prompt behind a queue)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+# name -> what it measures (the README lists these)
+DESCRIPTIONS = {
+    "time_to_first_token_seconds": "from a request's arrival to its first token",
+    "inter_token_latency_seconds": "between two consecutive tokens of a request",
+    "e2e_request_latency_seconds": "from a request's arrival to its last token",
+    "num_requests_running": "requests the engine is running (prefill or decode)",
+    "num_requests_waiting": "requests queued in the engine for a place in the batch",
+    "kv_blocks_in_use": "KV cache blocks held by running requests, all replicas",
+    "kv_blocks_cached": "KV cache blocks no request holds that keep a cached prefix",
+    "kv_blocks_total": "KV cache blocks, all replicas",
+    "prefix_cache_hit_rate": "prompt tokens served from the prefix cache / prompt tokens, since start",
+    "prompt_tokens_total": "prompt tokens of finished requests",
+    "prompt_tokens_cached_total": "of those, served from the prefix cache",
+    "generation_tokens_total": "tokens generated",
+    "requests_finished_total": "requests that ended, by finish_reason (stop, length, abort)",
+    "requests_failed_total": "requests answered with an error, by reason (invalid, rejected, engine, shutdown)",
+}
+
+
+class Metrics:
+    def __init__(self, stats=lambda: {}):
+        """stats(): the engine's counters (running, waiting, blocks_in_use, ...)."""
+        self.registry = r = CollectorRegistry()
+        d = DESCRIPTIONS
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", d["time_to_first_token_seconds"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", d["inter_token_latency_seconds"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", d["e2e_request_latency_seconds"],
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", d["prompt_tokens_total"], registry=r)
+        self.cached_tokens = Counter(f"{PREFIX}_prompt_tokens_cached", d["prompt_tokens_cached_total"], registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", d["generation_tokens_total"], registry=r)
+        self.finished = Counter(f"{PREFIX}_requests_finished", d["requests_finished_total"], ["finish_reason"],
+                                registry=r)
+        self.failed = Counter(f"{PREFIX}_requests_failed", d["requests_failed_total"], ["reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.finished.labels(reason)
+        for reason in ("invalid", "rejected", "engine", "shutdown"):
+            self.failed.labels(reason)
+        for name, key in (("num_requests_running", "running"), ("num_requests_waiting", "waiting"),
+                          ("kv_blocks_in_use", "blocks_in_use"), ("kv_blocks_cached", "blocks_cached"),
+                          ("kv_blocks_total", "num_blocks")):
+            Gauge(f"{PREFIX}_{name}", d[name], registry=r).set_function(lambda key=key: stats().get(key, 0))
+        Gauge(f"{PREFIX}_prefix_cache_hit_rate", d["prefix_cache_hit_rate"], registry=r).set_function(self.hit_rate)
+        self._prompt = self._cached = 0
+
+    def hit_rate(self) -> float:
+        return self._cached / self._prompt if self._prompt else 0.0
+
+    def request_finished(self, result: dict, *, arrived: float, now: float) -> None:
+        m = result.get("metrics", {})
+        prompt, cached = m.get("prompt_tokens", 0), m.get("cached_tokens", 0) or 0
+        self._prompt += prompt
+        self._cached += cached
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        self.finished.labels(result.get("finish_reason") or "abort").inc()
+        self.e2e.observe(now - arrived)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,216 @@
+"""The OpenAI request bodies atoll serves (pydantic, strict: `"5"` is not a number, `true`
+is not 1), the error every refusal becomes, and a request's SamplingParams.
+
+Fields OpenAI defines and atoll cannot honour yet (n > 1, echo, suffix, penalties, logit_bias,
+tools) are refused by name with a 400; unknown fields are ignored, as OpenAI's other servers
+do. Extensions (vLLM's names): `top_k`, `ignore_eos`, `return_token_ids` (the choice carries
+`token_ids` and `prompt_token_ids`)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from atoll.config.sampling import SamplingParams
+from atoll.errors import AtollError, InputError
+
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+
+
+class ApiError(AtollError):
+    """A request refused or failed: the HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.retry_after = retry_after
+        self.counted = False  # already in the failed-requests counter
+
+    def body(self) -> dict:
+        return error_body(self.message, param=self.param, type=self.type, code=self.code)
+
+
+def error_body(message: str, *, param: str | None = None, type: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """The fields completions and chat share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k cut
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    n: int = Field(1, ge=1, le=1)  # one choice per prompt
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def refuse_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name}={getattr(self, name)}: penalties are not supported (give 0 or leave "
+                                    "it out)", param=name, code="unsupported")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: Any = None  # text, token ids, or a list of either (checked in prompts())
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported", param="echo", code="unsupported")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported")
+
+    def prompts(self) -> list:
+        """The prompts: text or token-id lists (one choice each)."""
+        p = self.prompt
+        if p is None:
+            raise ApiError(400, "prompt is required: text, a list of token ids, or a list of those", param="prompt")
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p and all(_is_id(t) for t in p):
+            return [p]
+        if isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and all(_is_id(t) for t in x))
+                                             for x in p):
+            return list(p)
+        raise ApiError(400, f"prompt={_short(p)} must be text, a list of token ids, or a non-empty list of those",
+                       param="prompt")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict:
+        """The message as a chat template reads it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        return {**out, "name": self.name} if self.name else out
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise ApiError(400, "tools are not supported", param="tools", code="unsupported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format",
+                           code="unsupported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# SamplingParams knows logprobs once the engine computes them (engine/online.py's payload)
+ENGINE_LOGPROBS = "logprobs" in {f.name for f in fields(SamplingParams)}
+
+
+def sampling_params(req: _Common, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams, OpenAI's defaults where it gives none (temperature 1,
+    top_p 1). A value SamplingParams refuses is a 400 naming its field."""
+    kwargs = dict(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                  top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
+                  stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
+                  ignore_eos=req.ignore_eos)
+    if logprobs is not None and ENGINE_LOGPROBS:
+        kwargs["logprobs"] = logprobs
+    try:
+        return SamplingParams(**kwargs)
+    except InputError as e:  # its messages start with `field=value`
+        field = str(e).partition("=")[0].split("[")[0]
+        raise ApiError(400, str(e), param=field if field in kwargs else None) from None
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """FastAPI's RequestValidationError as one 400 naming the first field at fault."""
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return ApiError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
+    # union members and validators name themselves in loc ("str", "list[str]", "function-after[...]")
+    path = [x for x in loc if (x.isidentifier() or x.isdigit()) and x not in _TYPE_TAGS]
+    param = ".".join(path) or None
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    if not path:
+        return ApiError(400, f"the request body must be a JSON object: {msg}")
+    value = first.get("input")
+    shown = f"={_short(value)}" if isinstance(value, (int, float, str, bool)) and first.get("type") != "missing" else ""
+    return ApiError(400, f"{param}{shown}: {msg}", param=param)
