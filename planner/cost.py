@@ -73,10 +73,15 @@ class CostModel:
         tp, st = layout.tp, layout.stage_size
         self.g_tp = GroupLinks.of(list(range(tp)), placement, topology)
         self.g_stage = GroupLinks.of(list(range(st)), placement, topology)
-        self.g_world = GroupLinks.of(list(range(layout.world_size)), placement, topology)
+        self._placement = placement
         self.g_pp = [GroupLinks.of(list(range(s * st, s * st + tp)) + list(range((s + 1) * st, (s + 1) * st + tp)),
                                    placement, topology) for s in range(layout.pp - 1)]
         self._sub: dict[tuple[int, int], GroupLinks] = {}
+
+    @functools.cached_property
+    def g_world(self) -> GroupLinks:
+        """Every rank of the replica (the runtime's token exchange)."""
+        return GroupLinks.of(list(range(self.l.world_size)), self._placement, self.t)
 
     # -- helpers ---------------------------------------------------------------------------
     def _op(self, out, nbytes, flops, mem_kind: str, peak: float | None = None, rows=None, when=True):

@@ -131,8 +131,15 @@ class Many:
     def add_op(self, kind: str, t_mem, t_cmp, when=True) -> None:
         slower = np.maximum(t_mem, t_cmp)
         mem = t_mem >= t_cmp
-        self.add(kind, slower, mem if when is True else mem & when)
-        self.add(COMPUTE, slower, ~mem if when is True else ~mem & when)
+        if when is not True:
+            mem, cmp = mem & when, ~mem & when
+        elif mem.all():  # every step bound by memory: one name
+            self.add(kind, slower)
+            return
+        else:
+            cmp = ~mem
+        self.add(kind, slower, mem)
+        self.add(COMPUTE, slower, cmp)
 
     def merge(self, other: "Many", times=None) -> None:
         for name, v in other.v.items():
