@@ -5,15 +5,16 @@ benchmark measures it, against --url or a `python -m atoll serve` it starts itse
 Load: open loop, --request-rate requests/s (inf: all at once) with gamma-distributed gaps of
 shape --burstiness (1: Poisson), capped at --max-concurrency requests in flight (with rate inf,
 a closed loop). --num-prompts requests of --input-len random token ids generating
---output-len tokens each (ignore_eos), or the prompts of a --dataset JSONL. One short request
-warms the server first. Reported: request and token throughput; mean and percentiles of TTFT,
-TPOT, ITL and E2EL; with --goodput ttft:MS tpot:MS e2el:MS, SLO attainment and goodput
-(bench/serve_report.py). --compare-plan puts the planner's prediction for the same model,
-layout, topology and workload beside the measured means; --compare-offline runs the same
-requests through LLM.generate in this process first and prints both output throughputs and
-their ratio (bench/serve_compare.py). --scenario long-prompt: the streams' ITL while a long
-prompt arrives, with the default chunk budget and without chunking (bench/serve_scenario.py).
-The 1-minute load average is read before, between and after the rounds.
+--output-len tokens each (ignore_eos), or the prompts of a --dataset JSONL. Two of the
+requests, sent at once, warm the server first. Reported: request and token throughput; mean
+and percentiles of TTFT, TPOT, ITL and E2EL; with --goodput ttft:MS tpot:MS e2el:MS, SLO
+attainment and goodput (bench/serve_report.py). --compare-plan puts the planner's prediction
+for the same model, layout, topology and workload beside the measured means; --compare-offline
+runs the same requests through LLM.generate in this process first and prints both output
+throughputs and their ratio (bench/serve_compare.py). --scenario long-prompt: the streams' ITL
+while a long prompt arrives, with the default chunk budget and without chunking
+(bench/serve_scenario.py). The 1-minute load average is read before, between and after the
+rounds.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import argparse
 import math
 
 from atoll.bench.harness import Run, sig
-from atoll.errors import ConfigError
+from atoll.errors import ConfigError, LaunchError
 
 SCENARIOS = ("load", "long-prompt")
 
@@ -35,11 +36,13 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="a running server (http://HOST:PORT); default: start "
                                                "`atoll serve` on --model here with the engine flags below")
-    p.add_argument("--model", default=None, help="checkpoint dir the server serves (default: the demo model, "
-                                                 "SmolLM2-135M); its config gives the vocabulary and the planner's shapes")
+    p.add_argument("--model", default=None,
+                   help="checkpoint dir the server serves (default: the demo model, SmolLM2-135M); its config "
+                        "gives the vocabulary and the planner's shapes")
     p.add_argument("--scenario", choices=SCENARIOS, default="load", help="load (default) or long-prompt")
     p.add_argument("--num-prompts", type=int, default=50, help="requests (default 50)")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf: all at once)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second (default inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps: 1 Poisson (default), lower burstier")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
@@ -124,16 +127,16 @@ def build_requests(args, config):
 
 
 def warm_up(url: str, model: str, requests, args) -> None:
-    """The requests sent one at a time, untimed (the first requests pay for allocation)."""
+    """The requests sent at once, untimed: the first steps pay for allocation and, with a
+    compiled decode step, its graphs (one row, and several: two requests at least)."""
     import asyncio
 
     from atoll.bench.serve_load import run_load as load
 
-    results, _ = asyncio.run(load(url, model, requests, max_concurrency=1, ignore_eos=args.ignore_eos,
-                                  timeout_s=args.timeout))
+    results, _ = asyncio.run(load(url, model, requests, ignore_eos=args.ignore_eos, timeout_s=args.timeout))
     bad = [r.error for r in results if not r.success]
     if bad:
-        raise ConfigError(f"the server failed a warm-up request: {bad[0]}")
+        raise LaunchError(f"the server failed a warm-up request: {bad[0]}")
 
 
 def run_load(args, bench, config, slos: dict, percentiles) -> dict:
@@ -145,7 +148,8 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
     from atoll.bench.serve_server import Server, engine_argv
 
     requests = build_requests(args, config)
-    out = {"model": bench.model, "num_prompts": len(requests), "request_rate": args.request_rate,
+    rate = "inf" if math.isinf(args.request_rate) else args.request_rate  # strict JSON has no Infinity
+    out = {"model": bench.model, "num_prompts": len(requests), "request_rate": rate,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
            "input_len": None if args.dataset else args.input_len, "output_len": args.output_len or 32,
            "dataset": args.dataset}
@@ -160,7 +164,7 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         model = served_model(url, bench.model)
         out |= {"url": args.url, "server_args": None if server is None else server.argv,
                 "server_start_s": None if server is None else server.started_s, "served_model": model}
-        warm_up(url, model, requests[:1], args)
+        warm_up(url, model, requests[:2], args)
         results, duration = asyncio.run(load(url, model, requests, rate=args.request_rate, burstiness=args.burstiness,
                                              max_concurrency=args.max_concurrency, seed=args.seed,
                                              ignore_eos=args.ignore_eos, timeout_s=args.timeout))
@@ -185,10 +189,14 @@ def compare_plan(args, model_dir: str, config, requests, measured: dict) -> dict
     layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
                             args.data_parallel_size, args.expert_parallel_size)
     n = measured["completed"]  # the mean lengths the server counted, else those sent
-    isl = round(measured["total_input_tokens"] / n) if n else round(sum(r.prompt_len or 0 for r in requests) / len(requests))
-    osl = round(measured["total_output_tokens"] / n) if n else round(sum(r.output_len for r in requests) / len(requests))
+    if n:
+        isl, osl = round(measured["total_input_tokens"] / n), round(measured["total_output_tokens"] / n)
+    else:
+        isl = round(sum(r.prompt_len or 0 for r in requests) / len(requests))
+        osl = round(sum(r.output_len for r in requests) / len(requests))
     on_cpu = args.url is None and decide(from_args(args).device, 0) == "cpu"
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}.get(args.dtype or "", "fp32" if on_cpu else "auto")
+    dtypes = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
+    dtype = dtypes.get(args.dtype or "", "fp32" if on_cpu else "auto")
     workload, costed = plan_workload(isl=isl, osl=osl, requests=len(requests), rate=args.request_rate,
                                      max_concurrency=args.max_concurrency, max_num_seqs=args.max_num_seqs, dtype=dtype)
     predicted = plan_prediction(model_dir, str(layout), args.topology, workload)
@@ -201,7 +209,7 @@ def _ms(v) -> str:
 
 def render(r: dict) -> str:
     s = r["serve"]
-    rate = "inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}"
+    rate = r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}"
     lines = [f"{r['model']}: {r['num_prompts']} requests, {r['input_len'] or 'dataset'} in / {r['output_len']} out, "
              f"rate {rate} req/s, burstiness {r['burstiness']:g}, max concurrency {r['max_concurrency'] or '-'}",
              f"  completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s, "
@@ -227,10 +235,12 @@ def render(r: dict) -> str:
             lines.append(f"  note: {r['offline_note']}")
     if "plan" in r:
         p, x = r["plan"]["predicted"], r["plan"]["measured_over_predicted"]
-        lines.append(f"  planner ({p['layout']} on {p['topology']}, {r['plan']['costed_as']}): TTFT {_ms(p['ttft_ms'])} ms,"
-                     f" TPOT {_ms(p['tpot_ms'])} ms, {_f(p['output_tokens_per_s'])} output tok/s"
+        lines.append(f"  planner ({p['layout']} on {p['topology']}, {r['plan']['costed_as']}): "
+                     f"TTFT {_ms(p['ttft_ms'])} ms, TPOT {_ms(p['tpot_ms'])} ms, "
+                     f"{_f(p['output_tokens_per_s'])} output tok/s"
                      + ("" if p["sustainable"] else f" (not sustainable: {p['overload']})"))
-        lines.append(f"  measured / predicted: TTFT {x['ttft']}, TPOT {x['tpot']}, output tok/s {x['output_throughput']}")
+        lines.append(f"  measured / predicted: TTFT {x['ttft']}, TPOT {x['tpot']}, "
+                     f"output tok/s {x['output_throughput']}")
     for e in s.get("errors", []):
         lines.append(f"  error: {e}")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ min(requests, --max-num-seqs), the planner having no burst model. Predicted mean
 measured means, as measured / predicted.
 
 --compare-offline: the same requests through `atoll.LLM(model, ...).generate` in this process
-(ranks started and one short request run before the timed call), output tokens per second,
+(ranks started and two of the requests run before the timed call), output tokens per second,
 beside the server's.
 """
 
@@ -65,7 +65,8 @@ def versus_plan(measured: dict, predicted: dict) -> dict:
 
 def offline_generate(args, model_dir: str, requests) -> dict:
     """The requests through LLM.generate with the bench's engine flags: output tokens/s of the
-    timed call (ranks started and a two-token request run first, untimed)."""
+    timed call (ranks started and two of the requests run first for
+    four tokens, untimed, as the server is warmed)."""
     from atoll.cli.generate import make_llm
     from atoll.config.sampling import SamplingParams
 
@@ -73,7 +74,7 @@ def offline_generate(args, model_dir: str, requests) -> dict:
     with llm:
         t0 = time.perf_counter()
         llm.start()  # as the server: the living engine's spec, not this run's requests
-        llm.generate([requests[0].prompt], SamplingParams(max_tokens=2, ignore_eos=args.ignore_eos))
+        llm.generate([r.prompt for r in requests[:2]], SamplingParams(max_tokens=4, ignore_eos=args.ignore_eos))
         ready = time.perf_counter() - t0
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=args.ignore_eos) for r in requests]
         t0 = time.perf_counter()

@@ -6,7 +6,10 @@ against an OpenAI-compatible /v1/completions (httpx, imported by the functions t
 A request is sent as vLLM's benchmark sends it: `prompt` is the token ids (the OpenAI API takes
 an int array) or the text, `stream` with `stream_options.include_usage` so the last chunk
 carries the server's token counts, greedy, and by default `ignore_eos` with `min_tokens` equal to
-`max_tokens` so every request generates exactly its output length.
+`max_tokens` so every request generates exactly its output length. It also asks for
+`return_token_ids` (vLLM's and atoll's extension): a chunk then comes with every new token even
+where its text is held back (an incomplete UTF-8 character, or a model without a tokenizer),
+so each step the server streams is a chunk the ITL counts.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def arrival_times(n: int, *, rate: float, burstiness: float = 1.0, seed: int = 0
 
 def payload(model: str, req: BenchRequest, *, ignore_eos: bool = True) -> dict:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     if ignore_eos:
         body |= {"ignore_eos": True, "min_tokens": req.output_len}
     return body
@@ -110,10 +113,11 @@ def payload(model: str, req: BenchRequest, *, ignore_eos: bool = True) -> dict:
 async def send(client, url: str, body: dict, *, prompt_len: int | None = None, on_chunk=None) -> RequestResult:
     """One streamed completion, timed (vLLM's request function): TTFT at the first chunk that
     carries choices, each later such chunk adds a gap to ITL, E2EL at the last one; the token
-    counts from the final usage chunk, else the tokens sent and the chunks received.
+    counts from the final usage chunk, else the tokens sent and the token ids the chunks carried
+    (or the chunks, where they carry none).
     on_chunk(k): after the k-th chunk (1-based)."""
     r = RequestResult(prompt_tokens=prompt_len or 0)
-    chunks = 0
+    chunks = ids = 0
     st = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body) as resp:
@@ -134,6 +138,7 @@ async def send(client, url: str, body: dict, *, prompt_len: int | None = None, o
                     return r
                 if msg.get("choices"):
                     now = time.perf_counter()
+                    ids += len(msg["choices"][0].get("token_ids") or ())
                     if chunks == 0:
                         r.ttft = now - st
                     else:
@@ -155,7 +160,7 @@ async def send(client, url: str, body: dict, *, prompt_len: int | None = None, o
         return r
     r.latency = last - st
     if not r.usage:
-        r.output_tokens = chunks
+        r.output_tokens = ids or chunks
     r.success = True
     return r
 

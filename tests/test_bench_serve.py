@@ -6,8 +6,6 @@ import asyncio
 import json
 import math
 import socket
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -149,7 +147,7 @@ def test_payload_asks_for_exact_lengths():
     body = payload("m", BenchRequest([5, 6], 12))
     assert body["prompt"] == [5, 6] and body["max_tokens"] == 12 and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True}
-    assert body["ignore_eos"] is True and body["min_tokens"] == 12
+    assert body["ignore_eos"] is True and body["min_tokens"] == 12 and body["return_token_ids"] is True
     assert "ignore_eos" not in payload("m", BenchRequest("x", 3), ignore_eos=False)
 
 
@@ -257,3 +255,52 @@ def test_client_closed_loop_caps_requests_in_flight(fake_server):
 def test_client_bounds_the_run(fake_server):
     results, _ = asyncio.run(run_load(fake_server.url, "m", [BenchRequest([1], 200)], timeout_s=0.3))
     assert not results[0].success and "timed out" in results[0].error
+
+
+# --- the command, end to end, against `atoll serve` on a tiny model ---
+
+
+def test_bench_serve_smoke(tiny_model, tmp_path):
+    """`atoll bench serve --json` starts `atoll serve`, loads it, compares with the planner and
+    with LLM.generate, and reports consistent figures; the server is gone afterwards."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    model = tiny_model("llama")
+    cmd = [sys.executable, "-m", "atoll", "bench", "serve", "--json", "--model", str(model), "--num-prompts", "6",
+           "--input-len", "8", "--output-len", "5", "--request-rate", "40", "--goodput", "ttft:60000", "tpot:60000",
+           "--compare-plan", "--compare-offline", "--max-num-seqs", "4", "--max-model-len", "64",
+           "--timeout", "60", "--server-timeout", "60"]
+    env = {**os.environ, "ATOLL_ENFORCE_EAGER": "1", "ATOLL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the bench ends the server it started, then exits
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        pytest.fail("atoll bench serve did not finish in 150 s")
+    assert proc.returncode == 0, err[-2000:]
+    r = json.loads(out)
+    s = r["serve"]
+    assert (s["requests"], s["completed"], s["failed"]) == (6, 6, 0)
+    assert s["total_input_tokens"] == 6 * 8 and s["total_output_tokens"] == 6 * 5  # exact lengths: ignore_eos
+    assert s["token_counts_from_usage"] is True
+    for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        x = s[m]
+        assert 0 < x["p50"] <= x["p90"] <= x["p99"], (m, x)
+    assert s["ttft_ms"]["p99"] <= s["e2el_ms"]["p99"]
+    g = s["goodput"]
+    assert 0 <= g["attainment"] <= 1 and g["good_requests"] <= s["completed"]
+    assert g["request_goodput"] <= s["request_throughput"] and g["output_token_goodput"] <= s["output_throughput"]
+    assert s["output_throughput"] == pytest.approx(30 / s["duration_s"])
+    assert r["server_args"] == ["--max-num-seqs", "4", "--max-model-len", "64"]
+    assert r["offline"]["output_tokens"] == 30 and r["serve_over_offline"] > 0
+    p = r["plan"]
+    assert p["predicted"]["layout"] == "TP1" and p["predicted"]["workload"]["request_rate"] == 40
+    assert set(p["measured_over_predicted"]) == {"ttft", "tpot", "output_throughput"}
+    assert r["load_avg_1m"] and r["cores"] >= 1
