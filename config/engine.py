@@ -13,6 +13,8 @@ DISPATCH = ("auto", "flat", "hierarchical")  # MoE token dispatch
 KERNEL_MODES = ("auto", "torch", "triton")
 MOE_EXCHANGES = ("auto", "alltoall", "gather")
 COMPILE_POLICIES = ("auto", "always", "never")  # the compiled decode step (engine/step_policy.py)
+# KV cache storage (vLLM's spelling; layers/kv_quant.py): auto keeps the compute dtype; fp8 is fp8_e4m3
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # The rows per ep rank up to which the MoE layer gathers every rank's rows instead of the
 # all-to-all (layers/moe.py; the planner costs the same threshold). Measured on the 2-core
 # CPU over gloo, eager, EP2, all-to-all time over gather time (> 1: gather faster; the
@@ -65,6 +67,9 @@ class EngineConfig:
                                                     "decoding sequences (default: 8192 on GPUs of 70 GiB or more, "
                                                     "else 2048)")
     block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the compute dtype), fp8 (= fp8_e4m3) or fp8_e5m2 "
+                                       "(no scale), int8 (a float32 scale per token and kv head); "
+                                       "layers/kv_quant.py", choices=KV_CACHE_DTYPES)
     kv_cache_gb: float | None = _opt(None, "KV cache per rank in GiB (default: CUDA, from "
                                            "--gpu-memory-utilization; CPU, what the requests need)")
     num_blocks: int | None = _opt(None, "KV cache blocks per rank (instead of --kv-cache-gb)")
@@ -105,7 +110,8 @@ class EngineConfig:
 
     def __post_init__(self):
         for name, choices in (("device", DEVICES), ("dispatch", DISPATCH), ("kernels", KERNEL_MODES),
-                              ("moe_exchange", MOE_EXCHANGES), ("compile", COMPILE_POLICIES)):
+                              ("moe_exchange", MOE_EXCHANGES), ("compile", COMPILE_POLICIES),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in choices:
                 raise InputError(f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -127,6 +133,9 @@ class EngineConfig:
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
         if (self.prefill is None) != (self.decode is None):
             raise InputError("give --prefill and --decode together (the two engines' layouts)")
+        if self.prefill is not None and self.kv_cache_dtype != "auto":
+            raise InputError(f"disaggregated prefill does not send a quantized KV cache yet: drop "
+                             f"--kv-cache-dtype {self.kv_cache_dtype} or --prefill/--decode")
         m = self.disagg_min_prompt_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise InputError(f"disagg_min_prompt_tokens={m!r} must be a whole number of at least 0")

@@ -36,7 +36,7 @@ def engine_spec(llm, requests: list[Request] | None = None) -> RunSpec:
     on_cpu = o.device == "cpu" or not torch.cuda.is_available()
     if on_cpu and o.num_blocks is None and o.kv_cache_gb is None:
         per_block = kv_bytes_per_block(llm.config, layout, resolve_dtype(o.dtype, llm.config, torch.device("cpu")).itemsize,
-                                       o.block_size)
+                                       o.block_size, kv_cache_dtype=o.kv_cache_dtype)
         need = cpu_blocks(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_model_len=llm.max_model_len,
                           lanes=layout.pp)
         cap = int(available_memory() * CPU_CACHE_SHARE / layout.world_size) // per_block

@@ -167,7 +167,8 @@ class LLM:
             return None
         device = torch.device("cuda" if o.device != "cpu" and torch.cuda.is_available() else "cpu")
         itemsize = resolve_dtype(o.dtype, self.config, device).itemsize
-        return explicit_blocks(bytes_per_block=kv_bytes_per_block(self.config, self.layout, itemsize, o.block_size),
+        per_block = kv_bytes_per_block(self.config, self.layout, itemsize, o.block_size, kv_cache_dtype=o.kv_cache_dtype)
+        return explicit_blocks(bytes_per_block=per_block,
                                kv_cache_gb=o.kv_cache_gb, num_blocks=o.num_blocks)
 
     def _check_lanes(self, num_blocks: int) -> None:

@@ -68,7 +68,8 @@ class ModelRunner:
         self.checkpoint = Checkpoint(spec.model_dir)
         # each slice goes to the device as it is read; every rank checks that some rank read each tensor
         load_weights(self.model, self.checkpoint, world=ctx.world)
-        self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.engine.block_size)
+        self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.engine.block_size,
+                                                  kv_cache_dtype=spec.engine.kv_cache_dtype)
         self.num_blocks = self._size_cache()
         # one block more than the schedulers hand out: the compiled step's padding rows write there
         self.cache = self.new_cache(self.num_blocks + 1)
@@ -87,7 +88,8 @@ class ModelRunner:
     def new_cache(self, blocks: int):
         """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind."""
         return make_cache(self.config, self.ctx.tp.size, layers=self.model.num_local_layers, blocks=blocks,
-                          block_size=self.spec.engine.block_size, dtype=self.dtype, device=self.device)
+                          block_size=self.spec.engine.block_size, dtype=self.dtype, device=self.device,
+                          kv_cache_dtype=self.spec.engine.kv_cache_dtype)
 
     def _size_cache(self) -> int:
         """Blocks per rank, the same on every rank (engine.kv_sizing)."""

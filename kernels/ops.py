@@ -22,6 +22,7 @@ from atoll.kernels.backend import check, use_triton
 from atoll.kernels.configs import GemmConfig, gemm_config
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+KV_QUANT = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # a quantized KV cache's storage
 
 
 def _check_ids(topk_ids: torch.Tensor, experts: int, block_m: int) -> None:
@@ -128,7 +129,8 @@ def _check_rotary(q, k, cos, sin) -> None:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *,
-                           scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                           scale: float | None = None, sliding_window: int | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One decode query per sequence over its paged cache -> [seqs, heads, head_dim] in q's dtype.
 
     q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim] (query
@@ -137,6 +139,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     own (already in the cache) included; 0 gives a row of zeros. scale: default head_dim**-0.5.
     sliding_window: the query sees only the last sliding_window keys (None or 0: all), as
     transformers' Mistral/Qwen2. Each table must cover its context: not checked (a device sync).
+    A quantized cache (layers/kv_quant.py): k_cache, v_cache in int8 or fp8 (e4m3fn, e5m2), read
+    as value * scale with k_scale, v_scale [blocks, block_size, kv_heads] float32 (required for
+    int8; None for unscaled fp8).
     """
     check(q.dim() == 3 and k_cache.dim() == 4,
           f"q must be [seqs, heads, head_dim] and k_cache 4-D, got {q.dim()}-D and {k_cache.dim()}-D")
@@ -144,8 +149,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check(v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)}")
     check(k_cache.shape[3] == dim, f"the cache has head_dim={k_cache.shape[3]}, q has {dim}")
     check(heads % k_cache.shape[2] == 0, f"kv_heads={k_cache.shape[2]} does not divide heads={heads}")
-    check(q.dtype in FLOATS and k_cache.dtype == v_cache.dtype == q.dtype,
-          f"q, k_cache and v_cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check(q.dtype in FLOATS and k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, *KV_QUANT),
+          f"k_cache and v_cache must share q's float dtype or a quantized one, got {q.dtype}, {k_cache.dtype}, "
+          f"{v_cache.dtype}")
+    check((k_scale is None) == (v_scale is None), "give k_scale and v_scale together")
+    check(k_cache.dtype != torch.int8 or k_scale is not None, "an int8 cache needs k_scale and v_scale")
+    check(k_scale is None or (k_scale.shape == v_scale.shape == k_cache.shape[:3]
+                              and k_scale.dtype == v_scale.dtype == torch.float32),
+          f"k_scale and v_scale must be float32 {tuple(k_cache.shape[:3])}, got "
+          f"{None if k_scale is None else (tuple(k_scale.shape), k_scale.dtype)}")
     check(block_tables.dim() == 2 and block_tables.shape[0] == seqs,
           f"block_tables must be [seqs={seqs}, max_blocks], got {tuple(block_tables.shape)}")
     check(block_tables.dtype in (torch.int32, torch.int64),
@@ -159,9 +171,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scale = dim**-0.5 if scale is None else scale
     if not use_triton(q, k_cache, v_cache, block_tables, context_lens):
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                                scale=scale, sliding_window=sliding_window)
+                                                scale=scale, sliding_window=sliding_window, k_scale=k_scale,
+                                                v_scale=v_scale)
     from atoll.kernels.triton_paged_attention import paged_decode_attention as run
     q, k_cache, v_cache, block_tables = (t if t.stride(-1) == 1 else t.contiguous()
                                          for t in (q, k_cache, v_cache, block_tables))
     return run(q, k_cache, v_cache, block_tables, context_lens.contiguous(), scale=scale,
-               sliding_window=sliding_window)
+               sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)

@@ -154,12 +154,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *,
-                           scale: float | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                           scale: float | None = None, sliding_window: int | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [seqs, heads, head_dim], one query per sequence at position context_lens - 1;
     k_cache/v_cache: [blocks, block_size, kv_heads, head_dim]; block_tables: [seqs, max_blocks];
     context_lens: [seqs] keys per sequence (the query's own included). The blocks up to the
     longest context are gathered (index_select) and masked, as attend's decode branch does;
-    a sequence with no keys gives zeros."""
+    a sequence with no keys gives zeros. A quantized cache (int8/fp8) is read as float32 value
+    times k_scale/v_scale [blocks, block_size, kv_heads] (None: 1), then cast to q's dtype."""
     seqs, _, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     ctx = context_lens.to(q.device, torch.long)
@@ -169,8 +171,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     blocks = -(-longest // bs)
     ids = block_tables[:, :blocks].to(q.device, torch.long).reshape(-1)
     # [seqs*blocks, block_size, kv_heads, head_dim] -> [seqs, kv_heads, blocks*block_size, head_dim]
-    k = k_cache.index_select(0, ids).view(seqs, blocks * bs, kv_heads, dim).transpose(1, 2)
-    v = v_cache.index_select(0, ids).view(seqs, blocks * bs, kv_heads, dim).transpose(1, 2)
+    k, v = (_dequantized(c, s, ids, q.dtype).view(seqs, blocks * bs, kv_heads, dim).transpose(1, 2)
+            for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
     keys = torch.arange(blocks * bs, device=q.device)
     mask = keys[None, :] < ctx[:, None]  # [seqs, keys]
     if sliding_window:
@@ -178,3 +180,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=q.shape[1] != kv_heads)[:, :, 0]
     return out.masked_fill((ctx == 0)[:, None, None], 0.0)  # an all-masked row: 0, whatever the backend
+
+
+def _dequantized(cache: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, dtype) -> torch.Tensor:
+    """Blocks ids of a cache in `dtype`: as stored, or a quantized one's value x scale in float32."""
+    x = cache.index_select(0, ids)
+    if x.dtype == dtype:
+        return x
+    x = x.float()
+    if scale is not None:
+        x = x * scale.index_select(0, ids)[..., None]
+    return x.to(dtype)

@@ -14,6 +14,8 @@ is loaded once for the group: rows of a [BLOCK_G >= 16, head_dim] tile, the floo
 Dots and the online softmax are float32 ("ieee": exact float32, not tf32), with one rounding
 to q's dtype at the store. head_dim need not be a power of two (the tile is padded and masked).
 A sliding window starts the walk at its first key; a sequence with no keys stores zeros.
+A quantized cache (layers/kv_quant.py: int8, fp8 e4m3/e5m2) is read as stored and converted
+to float32 in the tile, times its per-(block, offset, kv head) scale when it has one (HAS_SCALE).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ NO_WINDOW = 2**30  # larger than any context
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, qk_scale, window, GROUP, D,
-                         stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         stride_ts, stride_os, stride_oh,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, ks_ptr, vs_ptr, qk_scale, window,
+                         GROUP, D, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                         stride_vh, stride_sb, stride_ss, stride_sh, stride_ts, stride_os, stride_oh,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
@@ -59,6 +61,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, qk_s
         kv_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + block[:, None] * stride_kb + row[:, None] * stride_ks + kvh * stride_kh + d[None, :],
                     mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        if HAS_SCALE:  # [BLOCK_N] scales of these positions' kv head
+            at = block * stride_sb + row * stride_ss + kvh * stride_sh
+            k = k * tl.load(ks_ptr + at, mask=ok, other=0.0)[:, None]
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -66,6 +71,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, qk_s
         alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
         v = tl.load(v_ptr + block[:, None] * stride_vb + row[:, None] * stride_vs + kvh * stride_vh + d[None, :],
                     mask=kv_ok, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            v = v * tl.load(vs_ptr + at, mask=ok, other=0.0)[:, None]
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -76,7 +83,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, qk_s
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
-                           sliding_window: int | None) -> torch.Tensor:
+                           sliding_window: int | None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Inputs as the dispatcher checked them; the last axis of q, k_cache, v_cache and
     block_tables contiguous (the dispatcher's job)."""
     seqs, heads, dim = q.shape
@@ -85,10 +93,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if seqs == 0:
         return out
     group = heads // kv_heads
+    has_scale = k_scale is not None
+    if has_scale:
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # one layout: the strides are shared
     _paged_decode_kernel[(seqs, kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale * LOG2E, sliding_window or NO_WINDOW,
+        q, k_cache, v_cache, block_tables, context_lens, out, k_scale if has_scale else out,
+        v_scale if has_scale else out, scale * LOG2E, sliding_window or NO_WINDOW,
         group, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        *(k_scale.stride() if has_scale else (0, 0, 0)), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=4)
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_SCALE=has_scale, num_warps=4)
     return out

@@ -4,6 +4,8 @@ Tokens of all sequences in a step are concatenated: q is [tokens, heads/tp, head
 The cache holds, per layer, k and v of shape [blocks, block_size, kv_heads/tp, head_dim];
 a sequence's block table lists the blocks holding its positions 0, bs, 2*bs, ...
 A contiguous cache is the special case of one block of max_len per sequence.
+A quantized cache (--kv-cache-dtype, layers/kv_quant.py) holds a QuantizedKV per layer instead
+of a tensor: write_cache quantizes, gather_blocks dequantizes the blocks it reads.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from atoll.kernels.backend import use_triton
 from atoll.kernels.ops import paged_decode_attention
+from atoll.layers.kv_quant import KVFormat, QuantizedKV
 
 
 @dataclass
@@ -137,18 +140,30 @@ class KVCache:
     """One stage's paged cache: per layer k and v of [blocks, block_size, kv_heads, head_dim]
     (a block's tokens side by side, so gathered blocks are one sequence's keys in order).
     values=False: keys only, v holds None per layer (MLA's latent cache: kv_heads 1, head_dim
-    kv_lora_rank + qk_rope_head_dim, its values a slice of the same vector)."""
+    kv_lora_rank + qk_rope_head_dim, its values a slice of the same vector).
+    kv_format: quantized storage (layers/kv_quant.py), each layer's k and v a QuantizedKV
+    whose reads return `dtype`; None: plain tensors of `dtype`."""
 
     def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype,
-                 *, device="cpu", values: bool = True):
+                 *, device="cpu", values: bool = True, kv_format: KVFormat | None = None):
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) if values else None for _ in range(num_layers)]
+
+        def one():
+            if kv_format is not None:
+                return QuantizedKV(shape, kv_format, dtype, device=device)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.k = [one() for _ in range(num_layers)]
+        self.v = [one() if values else None for _ in range(num_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.kv_format = kv_format
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for t in self.k + self.v if t is not None]
+        out = []
+        for t in self.k + self.v:
+            out += t.tensors() if isinstance(t, QuantizedKV) else [] if t is None else [t]
+        return out
 
     @property
     def bytes(self) -> int:
@@ -162,11 +177,19 @@ class KVCache:
 
 def write_cache(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
     """k, v: [tokens, kv_heads, head_dim] stored at each token's block and offset (v_cache
-    None: a keys-only cache)."""
+    None: a keys-only cache; a QuantizedKV quantizes them)."""
     block, offset = meta.token_blocks()
-    k_cache[block, offset] = k
-    if v_cache is not None:
-        v_cache[block, offset] = v
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        if isinstance(cache, QuantizedKV):
+            cache.store(block, offset, x)
+        elif cache is not None:
+            cache[block, offset] = x
+
+
+def read_blocks(cache, ids: torch.Tensor) -> torch.Tensor:
+    """Blocks `ids` of a layer's cache: [len(ids), block_size, kv_heads, head_dim] in the compute
+    dtype (a QuantizedKV dequantizes them)."""
+    return cache.select(ids) if isinstance(cache, QuantizedKV) else cache.index_select(0, ids)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -174,7 +197,7 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     copy (index_select: a fraction of advanced indexing's cost)."""
     s, b = tables.shape
     _, bs, h, d = cache.shape
-    x = cache.index_select(0, tables.reshape(-1))  # [seqs*blocks, block_size, kv_heads, head_dim]
+    x = read_blocks(cache, tables.reshape(-1))  # [seqs*blocks, block_size, kv_heads, head_dim]
     return x.view(s, b * bs, h, d).transpose(1, 2)
 
 
@@ -188,6 +211,10 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
     if q.shape[0] == 0:  # an idle DP replica still runs the layer (its MoE joins the collectives)
         return q
     if meta.is_decode and use_triton(q, k_cache):  # reads the paged cache in place
+        if isinstance(k_cache, QuantizedKV):
+            return paged_decode_attention(q, k_cache.data, v_cache.data, meta.block_tables, meta.context_lens(),
+                                          sliding_window=sliding_window, scale=scale, k_scale=k_cache.scale,
+                                          v_scale=v_cache.scale)
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens(),
                                       sliding_window=sliding_window, scale=scale)
     if meta.is_decode:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atoll.layers.attention import AttentionMetadata, gather_blocks, write_cache
+from atoll.layers.attention import AttentionMetadata, gather_blocks, read_blocks, write_cache
 from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from atoll.layers.norm import RMSNorm
 from atoll.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -77,7 +77,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x, meta: AttentionMetadata, cache: torch.Tensor, _values=None) -> torch.Tensor:
         """x: [tokens, hidden]; cache: [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]
-        (the model loop passes a keys-only cache's None values too) -> [tokens, hidden]."""
+        (a tensor, or a QuantizedKV: layers/kv_quant.py; the model loop passes a keys-only cache's None values too) -> [tokens, hidden]."""
         n = len(x)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q_nope, q_rope = q.view(n, self.heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
@@ -127,7 +127,7 @@ class MLAttention(nn.Module):
         for i, (start, n) in enumerate(zip(meta.start_list, meta.query_lens)):
             length = start + n
             blocks = -(-length // meta.block_size)
-            cached = cache.index_select(0, meta.block_tables[i, :blocks]).view(-1, cache.shape[-1])[:length]
+            cached = read_blocks(cache, meta.block_tables[i, :blocks]).view(-1, cache.shape[-1])[:length]
             kv = self.kv_b_proj(cached[:, :self.latent]).view(length, self.heads, self.nope + self.v_dim)
             k_rope = cached[:, None, self.latent:].expand(length, self.heads, self.rope)
             k = torch.cat([kv[..., :self.nope], k_rope], dim=-1)  # [length, heads/tp, qk_head_dim]
