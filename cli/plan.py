@@ -25,9 +25,10 @@ def add_parser(subparsers) -> None:
                    help="requests in flight; a list sweeps: 1,8,64,256 (default 64; --check 8)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp8", "fp32"), default="auto",
                    help="weight precision (default auto: the checkpoint's, e.g. fp8 for DeepSeek-V3)")
-    p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8", "fp32"), default="auto",
-                   help="KV cache precision, about 2x the requests per GPU from bf16 to fp8 "
-                        "(default auto: bf16, fp32 under fp32 weights)")
+    p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8", "fp32", "fp8_e4m3", "fp8_e5m2", "int8"), default="auto",
+                   help="KV cache precision, about 2x the requests per GPU from bf16 to fp8 or int8; the "
+                        "runtime's --kv-cache-dtype names count its bytes (int8: + a float32 scale per token "
+                        "and head) (default auto: bf16, fp32 under fp32 weights)")
     p.add_argument("--request-rate", type=float, default=None,
                    help="new requests per second, Poisson arrivals (default: closed loop at --concurrency)")
     p.add_argument("--expert-imbalance", type=float, default=None,

@@ -119,7 +119,7 @@ class CostModel:
             core = 2 * 2 * seqs_per_dp * new_tokens * ctx / 2 * (s.heads / tp) * s.head_dim
             self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=new_tokens)
         else:  # every sequence reads its cache: [ctx, kv] per rank
-            kv_tok = s.kv_bytes_per_token_layer(tp, w.kv_bytes)
+            kv_tok = s.kv_bytes_per_token_layer(tp, w.kv_bytes, w.kv_scale_bytes)
             core = 4 * seqs_per_dp * new_tokens * ctx * (s.heads / tp) * s.attn_dim
             self._op(one, seqs_per_dp * ctx * kv_tok, core, KV, rows=seqs_per_dp, when=seqs_per_dp != 0)
         # the chunks' causal attention: each token over half its prompt

@@ -71,7 +71,7 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
     for i, (start, end) in enumerate(stage_split(config, l.pp)):
         dec, bf16 = stage_weight_params(s, l, start, end, i == 0, i == l.pp - 1)
         weights = dec * w.weight_bytes + bf16 * w.embed_bytes
-        kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes)
+        kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes, w.kv_scale_bytes)
         if worst is None or weights + kv > worst[0] + worst[1]:
             worst = (weights, kv)
     chunk = min(eff.PREFILL_CHUNK_TOKENS, per_dp * w.isl)

@@ -60,12 +60,13 @@ class Shapes:
         """What one token reads: top_k routed experts per MoE layer."""
         return self._params(self.top_k)
 
-    def kv_bytes_per_token_layer(self, tp: int, kv_bytes: int) -> float:
+    def kv_bytes_per_token_layer(self, tp: int, kv_bytes: float, scale_bytes: float = 0) -> float:
         """KV cache of one token in one layer on one TP rank. GQA heads split over TP (a rank
         keeps at least one: tp > kv_heads replicates them); MLA's latent is not split: every
-        TP rank holds the whole (kv_lora_rank + rope) vector."""
+        TP rank holds the whole (kv_lora_rank + rope) vector. scale_bytes: a quantized cache's
+        scale per token and head (Workload.kv_scale_bytes)."""
         return kv_bytes_per_token_layer(kv_heads=self.kv_heads, head_dim=self.head_dim, tp=tp,
-                                        itemsize=kv_bytes, kv_latent=self.kv_latent)
+                                        itemsize=kv_bytes, kv_latent=self.kv_latent, scale_bytes=scale_bytes)
 
 
 

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 from atoll.config import resolve
 from atoll.errors import ConfigError
+from atoll.models.cache_bytes import storage_bytes
 
 DTYPES = ("bf16", "fp8", "fp32")
 _BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
+# the KV cache also takes the runtime's --kv-cache-dtype names (fp8 = fp8_e4m3; int8 adds a scale)
+KV_DTYPES = DTYPES + ("fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,7 @@ class Workload:
     osl: int = 256  # output tokens per request
     concurrency: int = 64  # requests in flight across the whole cluster
     dtype: str = "auto"  # weight precision of the decoder layers; auto: the checkpoint's (checkpoint_dtype)
-    kv_dtype: str = "auto"  # KV cache precision; auto: bf16 below fp32 weights, else fp32
+    kv_dtype: str = "auto"  # KV cache precision (KV_DTYPES); auto: bf16 below fp32 weights, else fp32
     # new requests per second across the cluster (Poisson arrivals, open loop); None: closed loop,
     # each of the `concurrency` clients sends its next request when its last one ends
     request_rate: float | None = None
@@ -38,9 +41,9 @@ class Workload:
         if self.expert_imbalance is not None and not (_positive(self.expert_imbalance) and self.expert_imbalance >= 1):
             raise ConfigError(f"expert_imbalance={self.expert_imbalance!r} must be a number >= 1 "
                               "(the busiest EP rank's tokens over the mean)")
-        for name in ("dtype", "kv_dtype"):
-            if getattr(self, name) not in DTYPES + ("auto",):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {', '.join(DTYPES)} or auto")
+        for name, names in (("dtype", DTYPES), ("kv_dtype", KV_DTYPES)):
+            if getattr(self, name) not in names + ("auto",):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {', '.join(names)} or auto")
 
     def resolved(self, config) -> "Workload":
         """"auto" precisions filled from the model's config; ConfigError when a request's
@@ -63,7 +66,18 @@ class Workload:
 
     @property
     def kv_bytes(self) -> int:
-        return self._bytes(self.kv_dtype)
+        """Bytes per cached value."""
+        return self._kv_storage()[0]
+
+    @property
+    def kv_scale_bytes(self) -> float:
+        """Bytes of scale per token and kv head (int8's float32 scale; 0 otherwise), as the runtime stores it."""
+        return self._kv_storage()[1]
+
+    def _kv_storage(self) -> tuple[float, float]:
+        if self.kv_dtype in _BYTES or self.kv_dtype == "auto":
+            return self._bytes(self.kv_dtype), 0
+        return storage_bytes(0, self.kv_dtype)  # models.cache_bytes: the runtime's own figure
 
     @property
     def embed_bytes(self) -> int:
