@@ -106,8 +106,7 @@ def run(args) -> int:
         if args.scenario == "long-prompt":
             from atoll.bench.serve_scenario import render as render_long, run_long_prompt
 
-            result = run_long_prompt(args, bench, bench.model, config.vocab_size, config.max_position_embeddings,
-                                     percentiles)
+            result = run_long_prompt(args, bench, bench.model, config.vocab_size, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_long)
             return 0
         result = run_load(args, bench, config, slos, percentiles)

@@ -79,27 +79,25 @@ def side(round_: dict, *, budget: int, percentiles) -> dict:
             "errors": sorted({r.error for r in streams if r.error})[:3] or None}
 
 
-def run_long_prompt(args, bench, model_dir: str, vocab_size: int, context: int, percentiles) -> dict:
+def run_long_prompt(args, bench, model_dir: str, vocab_size: int, percentiles) -> dict:
     """Both sides (module docstring), each on a server of its own."""
     from atoll.bench.serve import warm_up
     from atoll.bench.serve_load import served_model
     from atoll.bench.serve_server import Server, engine_argv
-    from atoll.config import from_args
+    from atoll.cli.generate import make_llm
 
     if args.url:
         raise ConfigError("--scenario long-prompt starts its own servers (one per chunk budget): drop --url")
     osl = args.output_len or 64
-    mml = min(args.max_model_len or context, context)
+    llm = make_llm(args, model_dir)  # no ranks: the budget and context `atoll serve` takes from the same flags
+    mml, default_budget = llm.max_model_len, llm.max_num_batched_tokens
     if args.long_len + 1 > mml or args.input_len + osl > mml:
         raise ConfigError(f"--long-len {args.long_len}: the context is {mml} tokens (max_model_len)")
     streams = random_requests(args.streams, input_len=args.input_len, output_len=osl, vocab_size=vocab_size,
                               seed=args.seed)
     long, warm_long = random_requests(2, input_len=args.long_len, output_len=1, vocab_size=vocab_size,
                                       seed=args.seed + 1)
-    default_budget = from_args(args).batched_tokens(mml)
-    no_chunk = max(args.long_len + args.streams, default_budget)
-    if default_budget >= no_chunk:
-        no_chunk = args.long_len + args.streams
+    no_chunk = args.long_len + args.streams  # the long prompt and a token of each stream in one step
     sides = {}
     for name, budget, argv in (("default", default_budget, engine_argv(args)),
                                ("no_chunking", no_chunk, engine_argv(args, max_num_batched_tokens=no_chunk))):
