@@ -20,6 +20,7 @@ COMMANDS = {
     "topo": "atoll.cli.topo",
     "bench": "atoll.cli.bench",
     "serve": "atoll.cli.serve",
+    "eval": "atoll.cli.eval",
 }
 
 
