@@ -118,8 +118,9 @@ def _serve(args, llm, sock) -> int:
 
     names = args.served_model_name or [str(args.model)]
     port = sock.getsockname()[1]
-    print(f"atoll: serving {names[0]} on http://{args.host}:{port}/v1 ({llm.layout}, {llm.layout.world_size} "
-          f"ranks)", file=sys.stderr, flush=True)
+    ranks = llm.layout.world_size
+    print(f"atoll: serving {names[0]} on http://{args.host}:{port}/v1 ({llm.layout}, {ranks} "
+          f"rank{'s' if ranks > 1 else ''})", file=sys.stderr, flush=True)
     return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,
                              max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                              log_level=args.log_level, dead_linger_s=DEAD_LINGER_S))
