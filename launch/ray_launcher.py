@@ -22,24 +22,26 @@ Ray's node id (launch.net.NODE_VAR), so the ranks' islands and nodes are Ray's n
 
 As with run_local, the first rank that raises or whose actor dies ends the job within
 seconds: every actor is killed and RankFailure names the rank, its node and the cause.
+
+RayJob is a started job that lasts (the living engine's ranks: engine/serve_worker.py),
+watched by its check() while the driver talks to rank 0 through RayChannels (Ray queues);
+run_ray is one RayJob run to its end.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import sys
+import threading
 import time
-import traceback
 
-from atoll.launch.rank import call_rank
 from atoll.errors import LaunchError, RankFailure
+from atoll.launch.ray_actor import NOSET_CUDA_VISIBLE_DEVICES, _RankActor, gpu_index
 from atoll.launch.ray_cluster import check_groups, connect, gpus_per_rank, node_names, rank_groups, reserve
 
+__all__ = ["RayChannel", "RayJob", "channel", "gpu_index", "run_ray"]
+
 _POLL_S = 0.2
-# Ray's switch (ray/_private/accelerators/nvidia_gpu.py) to leave CUDA_VISIBLE_DEVICES alone
-NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
-GPU_INDEX_VAR = "ATOLL_GPU_INDEX"  # set in each GPU rank's actor: the CUDA index it computes on
 _GRACE_S = 2.0  # after a rank raises, how long to look for a dead actor, the likelier root cause
 
 
@@ -49,77 +51,6 @@ def _import_ray():
     except ImportError:
         raise LaunchError("the Ray launcher needs Ray: pip install 'atoll[ray]'") from None
     return ray
-
-
-class _RankActor:
-    """One rank. Made a Ray actor class by ray.remote at launch (Ray is imported lazily)."""
-
-    def held(self, gpus: bool) -> tuple[str, int | None]:
-        """(this actor's Ray node id, the CUDA index of the GPU it holds, or None)."""
-        import ray
-
-        index = gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")) if gpus else None
-        return ray.get_runtime_context().get_node_id(), index
-
-    def rendezvous(self) -> tuple[str, int]:
-        """Rank 0 only: a socket on this node's IP, held until run() hands it to the store."""
-        import ray
-
-        from atoll.launch.net import listen_socket
-
-        ip = ray.util.get_node_ip_address()
-        self._listen = listen_socket(ip)
-        return ip, self._listen.getsockname()[1]
-
-    def run(self, fn, rank, world_size, addr, port, requested, local_rank, args, kwargs):
-        """requested: the job's device, or "cpu" when the job reserved no GPU."""
-        try:
-            import ray
-            import torch
-
-            from atoll.launch.device import bind, decide
-            from atoll.launch.net import NODE_VAR, pin_interface, rendezvous
-
-            os.environ[NODE_VAR] = ray.get_runtime_context().get_node_id()
-            torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
-            index = None
-            if requested != "cpu":  # this actor holds one GPU; it sees all of its node's
-                index = gpu_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-                os.environ[GPU_INDEX_VAR] = str(index)
-            device = decide(requested, local_rank, index=index)
-            if world_size > 1:
-                pin_interface(ray.util.get_node_ip_address())
-                rendezvous(rank, world_size, addr, port, device=device, requested=requested,
-                           listen=getattr(self, "_listen", None))
-            else:
-                bind(device)
-            return ("ok", call_rank(fn, rank, world_size, args, kwargs))
-        except BaseException as e:  # report to the driver; the driver kills every actor
-            from atoll.errors import AtollError
-
-            line = str(e) if isinstance(e, AtollError) else f"{type(e).__name__}: {e}"
-            return ("error", line, traceback.format_exc())
-
-
-def gpu_index(assigned_ids, cuda_visible_devices: str | None) -> int:
-    """The CUDA index, among the devices this actor sees, of the one GPU Ray assigned it.
-
-    assigned_ids: ray.get_gpu_ids(), which are the node's CUDA_VISIBLE_DEVICES entries when
-    the node set that variable, else indices into the node's GPUs. cuda_visible_devices: this
-    actor's CUDA_VISIBLE_DEVICES (left as the node's, since Ray was told not to narrow it).
-    """
-    from atoll.launch.device import DeviceError
-
-    ids = [str(i).strip() for i in assigned_ids]
-    if len(ids) != 1:
-        raise DeviceError(f"expected Ray to assign this rank one GPU, got {ids or 'none'}")
-    if cuda_visible_devices is None:
-        return int(ids[0])
-    visible = [d.strip() for d in cuda_visible_devices.split(",") if d.strip()]
-    if ids[0] not in visible:
-        raise DeviceError(f"Ray assigned GPU {ids[0]} but CUDA_VISIBLE_DEVICES={cuda_visible_devices!r} "
-                          f"does not list it")
-    return visible.index(ids[0])
 
 
 def _death_cause(err) -> str:
@@ -135,11 +66,74 @@ def _death_cause(err) -> str:
     return ": ".join(parts[:2]) + (f" ({parts[2]})" if len(parts) > 2 else "")
 
 
-def run_ray(fn, world_size: int, *args, address: str | None = None, device: str = "cpu",
-            timeout_s: float | None = None, placement=None, ranks_per_node: int | None = None,
-            tp_size: int = 1, strict_placement: bool = False, cpus_per_rank: float = 1,
-            ready_timeout_s: float = 60.0, **kwargs) -> list:
-    """Run fn(rank, world_size, *args, **kwargs) in one Ray actor per rank; return their values.
+def run_ray(fn, world_size: int, *args, timeout_s: float | None = None, **kwargs) -> list:
+    """Run fn(rank, world_size, *args, **kwargs) in one Ray actor per rank; return their values
+    (RayJob's keywords: address, device, placement, tp_size, ...). Raises RankFailure naming
+    the first rank that raised or died, after killing every actor."""
+    start = time.monotonic()
+    job = RayJob(fn, world_size, *args, timeout_s=timeout_s, **kwargs)
+    try:
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
+        return job.wait(left, _total_s=timeout_s)
+    finally:
+        job.stop()
+
+
+class RayChannel:
+    """A queue between the driver and a Ray job's ranks (ray.util.queue.Queue, whose Empty is
+    a queue.Empty), made on first use, so Ray is first connected by the job that gets it
+    among fn's arguments; that job's stop() ends it. Its actor holds no CPU: a cluster whose
+    CPUs the ranks hold still places it."""
+
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self._queue = None
+
+    def _q(self):
+        with RayChannel._lock:
+            if self._queue is None:
+                ray = _import_ray()
+                if not ray.is_initialized():
+                    raise RuntimeError("a RayChannel is used once its RayJob has connected Ray")
+                from ray.util.queue import Queue
+
+                self._queue = Queue(actor_options={"num_cpus": 0})
+            return self._queue
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        self._q().put(item, block, timeout)
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        return self._q().get(block, timeout)
+
+    def get_nowait(self):
+        return self._q().get(block=False)
+
+    def close(self) -> None:
+        queue, self._queue = self._queue, None
+        if queue is not None:
+            try:
+                queue.shutdown(force=True)
+            except Exception:  # noqa: BLE001 - Ray is already gone
+                pass
+
+    def __getstate__(self):  # into an actor: the queue itself (its actor handle)
+        return {"_queue": self._q()}
+
+
+def channel() -> RayChannel:
+    """A queue the driver and a Ray job's ranks share: give it to RayJob among fn's arguments."""
+    return RayChannel()
+
+
+class RayJob:
+    """One Ray actor per rank running fn(rank, world_size, *args, **kwargs), started at once
+    (placement groups reserved, actors made and placed, the rendezvous address chosen, every
+    rank's fn launched). `check()` raises RankFailure for the first rank that raised or whose
+    actor died, without waiting; `wait()` collects every rank's value; `stop()` kills the
+    actors, releases the placement groups and the channels among fn's arguments, and shuts Ray
+    down if this job started it.
 
     address: a Ray cluster ("host:port", "ray://host:port", "auto"); None starts Ray on this
     machine only, listening on 127.0.0.1. If Ray is already initialised it is used as is.
@@ -148,23 +142,38 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, device: str 
     placement: a plan's rank -> (node, GPU) (parallel.placement.Placement, or any object with
     node_of(rank)); where Ray's GPUs differ from it, one warning line, or LaunchError when
     strict_placement. tp_size: without a placement, each TP group's ranks share a node.
-    Raises RankFailure naming the first rank that raised or died, after killing every actor.
+    timeout_s bounds the start (the actors' start and rank 0's rendezvous address).
     """
-    from atoll.launch.device import check_requested
 
-    check_requested(device)
-    ray = _import_ray()
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    def __init__(self, fn, world_size: int, *args, address: str | None = None, device: str = "cpu",
+                 timeout_s: float | None = None, placement=None, ranks_per_node: int | None = None,
+                 tp_size: int = 1, strict_placement: bool = False, cpus_per_rank: float = 1,
+                 ready_timeout_s: float = 60.0, **kwargs):
+        from atoll.launch.device import check_requested
 
-    started = connect(ray, address, world_size)
-    pgs, actors = [], []
-    try:
+        check_requested(device)
+        ray = self._ray = _import_ray()
+        self._channels = [a for a in (*args, *kwargs.values()) if isinstance(a, RayChannel)]
+        self._pgs, self._actors, self._stopped = [], [], False
+        self._started = connect(ray, address, world_size)
+        try:
+            self._launch(fn, world_size, args, kwargs, device, timeout_s, placement, ranks_per_node, tp_size,
+                         strict_placement, cpus_per_rank, ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _launch(self, fn, world_size, args, kwargs, device, timeout_s, placement, ranks_per_node, tp_size,
+                strict_placement, cpus_per_rank, ready_timeout_s) -> None:
+        ray = self._ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         gpus = gpus_per_rank(ray, device, world_size)
         requested = device if gpus else "cpu"  # auto without a GPU each: CPU ranks
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
         groups, targets = rank_groups(ray, world_size, placement, ranks_per_node, tp_size, bundle)
         check_groups(ray, groups, bundle)
-        pgs = reserve(ray, groups, bundle, ready_timeout_s, targets)
+        self._pgs = pgs = reserve(ray, groups, bundle, ready_timeout_s, targets)
         names = node_names(ray)
         actor_cls = ray.remote(_RankActor)
         # each actor sees its node's GPUs; launch.device picks Ray's assignment among them
@@ -176,8 +185,8 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, device: str 
                     num_cpus=cpus_per_rank, num_gpus=gpus, max_restarts=0, runtime_env=runtime_env,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=i)).remote()
-        actors = list(made.values())
-        node_of: dict[int, str | None] = {}
+        self._actors = list(made.values())
+        self.node_of = node_of = {}  # rank -> its node's name
         for k, (pg, g) in enumerate(zip(pgs, groups)):
             bundle_nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
             for r in g:
@@ -189,24 +198,71 @@ def run_ray(fn, world_size: int, *args, address: str | None = None, device: str 
                                 node_of, deadline)
         ranked = [made[slot[r]] for r in range(world_size)]
         addr, port = _first(ray, ranked[0].rendezvous.remote(), node_of, deadline)
-        refs = {a.run.remote(fn, r, world_size, addr, port, requested, slot[r][1], args, kwargs): r
-                for r, a in enumerate(ranked)}
-        return _collect(ray, refs, node_of, deadline, timeout_s)
-    finally:
-        for a in actors:
+        self._refs = {a.run.remote(fn, r, world_size, addr, port, requested, slot[r][1], args, kwargs): r
+                      for r, a in enumerate(ranked)}
+        self._pending = list(self._refs)
+        self.values: dict[int, object] = {}
+        self._failure = None  # (rank, cause, traceback) of the first rank that raised
+        self._failed_at = 0.0
+
+    def check(self, wait_s: float = 0.0) -> None:
+        """Take the values of the ranks that ended (waiting up to wait_s for one) and raise
+        RankFailure for a dead actor at once, or for the first rank that raised once every
+        rank ended or _GRACE_S passed (a dead actor is the likelier root cause)."""
+        ray = self._ray
+        if self._pending:
+            ready, self._pending = ray.wait(self._pending, num_returns=1, timeout=wait_s)
+            if ready and self._pending:  # every other one that is ready too
+                more, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+                ready += more
+            for ref in ready:
+                rank = self._refs[ref]
+                try:
+                    msg = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    raise _ray_failure(ray, e, rank, self.node_of) from None  # a dead actor: the root cause
+                if msg[0] == "ok":
+                    self.values[rank] = msg[1]
+                elif self._failure is None:
+                    self._failure, self._failed_at = (rank, msg[1], msg[2]), time.monotonic()
+        failure = self._failure
+        if failure is not None and (not self._pending or time.monotonic() - self._failed_at > _GRACE_S):
+            raise RankFailure(failure[0], failure[1], node=self.node_of.get(failure[0])) \
+                from _RemoteTraceback(failure[2])
+
+    def wait(self, timeout_s: float | None = None, *, _total_s: float | None = None) -> list:
+        """Every rank's value, in rank order."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._pending or self._failure is not None:
+            self.check(wait_s=_POLL_S)
+            if deadline is not None and time.monotonic() > deadline:
+                missing = [r for r in sorted(self._refs.values()) if r not in self.values]
+                raise LaunchError(f"timed out after {_total_s or timeout_s:.0f}s waiting for ranks {missing}")
+        return [self.values[r] for r in range(len(self._refs))]
+
+    def stop(self) -> None:
+        """Kill every actor, release the placement groups and channels; shut Ray down if this
+        job started it. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        ray = self._ray
+        for a in self._actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        if pgs:
+        if self._pgs:
             from ray.util.placement_group import remove_placement_group
 
-            for pg in pgs:
+            for pg in self._pgs:
                 try:
                     remove_placement_group(pg)
                 except Exception:  # noqa: BLE001
                     pass
-        if started:
+        for c in self._channels:
+            c.close()
+        if self._started:
             ray.shutdown()
 
 
@@ -263,33 +319,6 @@ def _first(ray, ref, node_of, deadline):
         raise _ray_failure(ray, e, 0, node_of) from None
     except ray.exceptions.GetTimeoutError:
         raise LaunchError(f"rank 0's Ray actor did not start within {wait:.0f}s") from None
-
-
-def _collect(ray, refs: dict, node_of: dict, deadline, timeout_s) -> list:
-    values: dict[int, object] = {}
-    pending = list(refs)
-    failure = None  # (rank, cause, traceback) of the first rank that raised
-    failed_at = 0.0
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
-        for ref in ready:
-            rank = refs[ref]
-            try:
-                msg = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                raise _ray_failure(ray, e, rank, node_of) from None  # a dead actor: the root cause
-            if msg[0] == "ok":
-                values[rank] = msg[1]
-            elif failure is None:
-                failure, failed_at = (rank, msg[1], msg[2]), time.monotonic()
-        now = time.monotonic()
-        if failure is not None and (not pending or now - failed_at > _GRACE_S):
-            raise RankFailure(failure[0], failure[1], node=node_of.get(failure[0])) \
-                from _RemoteTraceback(failure[2])
-        if deadline is not None and now > deadline:
-            missing = [r for r in sorted(refs.values()) if r not in values]
-            raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
-    return [values[r] for r in range(len(refs))]
 
 
 class _RemoteTraceback(Exception):
