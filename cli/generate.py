@@ -243,14 +243,24 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     elif launcher in ("local", "ray"):
         print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} ranks, {launcher})",
               file=sys.stderr)
-    living = launcher == "local" and not args.stats and llm.prefill_layout is None
+    # the living engine (the one `atoll serve` runs) under every launcher; --stats counts link
+    # bytes in one job per call (engine.worker), which the living engine does not
+    living = not args.stats and llm.prefill_layout is None
+    if living and launcher != "local":
+        llm.launcher = _living_launcher(args, llm, launcher)
+        if not writer.enabled:  # torchrun/mpirun, a rank but 0: serve until rank 0 says stop
+            from atoll.engine.serve_worker import serve_worker
+
+            llm.launcher.join(serve_worker, llm.layout.world_size, None, None, None, device=llm.options.device,
+                              parallel=args.context)
+            return 0
     reports, progress = (None, None) if living else _progress(launcher, len(requests), done,
                                                                bar=not args.no_progress)
     try:
         sent = None
         if llm.prefill_layout is not None:  # disaggregated: both engines in one local job (engine.disagg)
             results = _disaggregated(llm, requests, launcher)
-        elif launcher == "local" and not args.stats:  # the living engine: the same one `atoll serve` runs
+        elif living:  # results written as each ends, the progress bar fed by the engine's stream
             bar = ProgressBar(len(requests)) if not args.no_progress else None
             try:
                 results = llm.generate_requests(requests, on_result=done,
@@ -316,6 +326,15 @@ def _disaggregated(llm, requests, launcher: str) -> list[dict]:
     return results
 
 
+def _living_launcher(args, llm, launcher: str):
+    """The launcher object that starts the living engine's ranks under Ray, torchrun or mpirun."""
+    from atoll.launch.api import RankLauncher, RayLauncher
+
+    if launcher == "ray":
+        return RayLauncher(address=args.ray_address, tp_size=llm.layout.tp, parallel=args.context, **_placement(args))
+    return RankLauncher(launcher, parallel=args.context, **_placement(args))
+
+
 def _placement(args) -> dict:
     plan = getattr(args, "saved_plan", None)
     if plan is None:
@@ -332,9 +351,10 @@ def _writes_output(launcher: str) -> bool:
 
 
 def _progress(launcher: str, total: int, done, *, bar: bool):
-    """(Reports here, what the workers get): a queue for local ranks; the Reports itself for
-    rank 0 of torchrun/mpirun (it is this process); nothing for Ray (its actors cannot reach
-    the driver's queue: results are written when the run ends) or other ranks."""
+    """(Reports here, what the workers get) for one job per call (--stats): a queue for local
+    ranks; the Reports itself for rank 0 of torchrun/mpirun (it is this process); nothing for
+    Ray (its actors cannot reach the driver's queue: results are written when the run ends)
+    or other ranks."""
     from atoll.cli.progress import ProgressBar, Reports
 
     if launcher == "ray" or not _writes_output(launcher):

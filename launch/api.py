@@ -1,9 +1,17 @@
-"""`atoll.LLM`: the engine's LLM handed a launcher, the local one unless another is given."""
+"""`atoll.LLM`: the engine's LLM handed a launcher, the local one unless another is given.
+Each launcher here runs one job per call and starts lasting ones (the living engine's):
+LocalLauncher (processes of this machine), RayLauncher (Ray actors across a cluster) and
+launch.rank_job.RankLauncher (this process is one rank of a torchrun / mpirun job)."""
 
 from __future__ import annotations
 
 from atoll.engine.llm import LLM as EngineLLM
 from atoll.launch.local import LocalJob, channel, run_local
+from atoll.launch.rank_job import RankLauncher
+from atoll.launch.ray_launcher import RayJob, run_ray
+from atoll.launch.ray_launcher import channel as ray_channel
+
+__all__ = ["LLM", "LocalLauncher", "RankLauncher", "RayLauncher"]
 
 
 class LocalLauncher:
@@ -19,10 +27,38 @@ class LocalLauncher:
     channel = staticmethod(channel)
 
 
+class RayLauncher:
+    """Ranks as Ray actors (launch.ray_launcher), one job per call or a lasting RayJob from
+    start(); channels are Ray queues. address: the cluster (None: start Ray on this machine);
+    placement / strict_placement: a plan's rank -> (node, GPU); tp_size: without a placement,
+    each TP group on one node; parallel: the ranks' ContextOptions (a plan's islands and
+    nodes), in place of the caller's; the rest are RayJob's keywords (ranks_per_node, ...)."""
+
+    def __init__(self, *, address: str | None = None, placement=None, strict_placement: bool = False,
+                 tp_size: int = 1, parallel=None, **options):
+        self.parallel = parallel
+        self.options = dict(address=address, placement=placement, strict_placement=strict_placement,
+                            tp_size=tp_size, **options)
+
+    def _kwargs(self, kwargs: dict) -> dict:
+        if self.parallel is not None and "parallel" in kwargs:
+            kwargs = {**kwargs, "parallel": self.parallel}
+        return {**self.options, **kwargs}
+
+    def __call__(self, fn, world_size: int, *args, **kwargs) -> list:
+        return run_ray(fn, world_size, *args, **self._kwargs(kwargs))
+
+    def start(self, fn, world_size: int, *args, **kwargs) -> RayJob:
+        return RayJob(fn, world_size, *args, **self._kwargs(kwargs))
+
+    channel = staticmethod(ray_channel)
+
+
 class LLM(EngineLLM):
     """engine.llm.LLM whose ranks are local processes (LocalLauncher), unless `launcher` is
-    given: an object like LocalLauncher, or any callable launcher(fn, world_size, *args,
-    device=..., timeout_s=..., **kwargs) returning every rank's value (one job per call)."""
+    given: an object like LocalLauncher (RayLauncher, RankLauncher), or any callable
+    launcher(fn, world_size, *args, device=..., timeout_s=..., **kwargs) returning every
+    rank's value (one job per call)."""
 
     def __init__(self, model, *, launcher=None, **kwargs):
         super().__init__(model, launcher=launcher or LocalLauncher(), **kwargs)

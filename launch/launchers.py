@@ -2,6 +2,9 @@
 
 local: spawned processes here. ray: one actor per rank on a Ray cluster. torchrun / mpi:
 this process is already one rank among many (launched by torchrun or mpirun).
+Jobs that last (the living engine's ranks) start through launch.api's launcher objects:
+LocalLauncher, RayLauncher, and launch.rank_job.RankLauncher under torchrun / mpirun, where
+rank 0 is also the driver.
 """
 
 from __future__ import annotations

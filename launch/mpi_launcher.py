@@ -49,6 +49,12 @@ def _mpi():
     return MPI
 
 
+def start_mpi() -> None:
+    """Initialise MPI here (importing mpi4py does), in the thread that will end it at exit,
+    before a rank's work moves to another thread (launch.rank_job)."""
+    _mpi()
+
+
 def _master_address(comm) -> str:
     """Rank 0's rendezvous address: loopback on one host, else its route to another host."""
     hosts = comm.allgather(socket.gethostname())

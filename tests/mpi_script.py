@@ -5,7 +5,6 @@ can run two ranks' lines together, so results go to files.
     mpirun -np 4 --oversubscribe --allow-run-as-root python tests/mpi_script.py OUT collective
     mpirun -np 4 ... python tests/mpi_script.py OUT raise       # rank 1 raises
     mpirun -np 4 ... python tests/mpi_script.py OUT die         # rank 3 is SIGKILLed
-    mpirun -np 4 ... python tests/mpi_script.py OUT generate MODEL_DIR  # TP2PP2 greedy tokens
     mpirun -np 2 ... python tests/mpi_script.py OUT collective  # the wrong world size
 """
 
@@ -41,14 +40,6 @@ def run(mode: str, out: Path):
         return run_mpi(raise_on_rank, 4, 1, str(out))
     if mode == "die":
         return run_mpi(die_on_rank, 4, 3, str(out))
-    if mode == "generate":
-        from gen_common import generate_requests, tokens
-
-        from atoll.engine.worker import generate_worker
-
-        spec, requests = generate_requests(sys.argv[3])
-        rank, results = run_mpi(generate_worker, 4, spec, requests)
-        return rank, results and tokens(results)
     raise SystemExit(f"unknown mode {mode}")
 
 

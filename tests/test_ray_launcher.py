@@ -274,3 +274,69 @@ def test_generate_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
     got = tokens(out[0][1])
     assert all(len(t) == 8 for t in got), got
     assert got == local_tokens(model)
+
+
+def test_living_engine_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
+    """atoll.LLM on RayLauncher keeps its ranks (a RayJob running engine/serve_worker.py)
+    between calls: the local launcher's tokens, twice from one engine; closing it frees every
+    GPU it held."""
+    from gen_common import PROMPTS, local_tokens
+
+    from atoll.engine.sampling import SamplingParams
+    from atoll.launch.api import LLM, RayLauncher
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    with LLM(model, layout="TP2PP2", launcher=RayLauncher(tp_size=2)) as llm:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        engine = llm.start()
+        again = llm.generate(PROMPTS[:1], params)[0].token_ids
+        assert llm.start() is engine  # the same ranks served both calls
+    assert got == local_tokens(model)
+    assert again == got[0]
+    assert _free_gpus_back() == 4
+
+
+def test_generate_cli_on_ray_writes_each_result_as_it_ends(cluster, tiny_model, tmp_path):
+    """`atoll generate --launcher ray` writes a request's line as it finishes: the short
+    request (second in the file) is in the output alone while the long one still runs."""
+    import signal
+    import threading
+
+    from atoll.cli.main import main
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "prompt_token_ids": [5, 7, 9], "max_tokens": 64}) + "\n"
+                       + json.dumps({"id": "short", "prompt_token_ids": [100, 3], "max_tokens": 2}) + "\n")
+    seen: dict[tuple, float] = {}  # the ids in the file -> when first seen
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            try:
+                lines = out.read_text().splitlines()
+                seen.setdefault(tuple(json.loads(ln)["id"] for ln in lines), time.monotonic())
+            except (OSError, ValueError):  # not there yet, or a line half written
+                pass
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    watcher.start()
+    try:
+        with pytest.raises(SystemExit) as info:
+            main(["generate", "--model", str(model), "--prompts", str(prompts), "--output", str(out),
+                  "--launcher", "ray", "-tp", "2", "-pp", "2", "--no-progress"])
+    finally:
+        ended = time.monotonic()
+        stop.set()
+        watcher.join()
+        signal.signal(signal.SIGTERM, sigterm)
+    assert info.value.code == 0
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["long", "short"]  # input order once the run ended
+    assert [len(r["token_ids"]) for r in rows] == [64, 2], rows
+    assert ("short",) in seen, seen  # written while the long request still ran
+    assert ended - seen[("short",)] > 0.5, (ended - seen[("short",)], seen)
+    assert _free_gpus_back() == 4
