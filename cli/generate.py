@@ -263,7 +263,7 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
         elif living:  # results written as each ends, the progress bar fed by the engine's stream
             bar = ProgressBar(len(requests)) if not args.no_progress else None
             try:
-                results = llm.generate_requests(requests, on_result=done,
+                results = llm.generate_requests(requests, on_result=done, parallel=args.context,
                                                 on_step=(lambda d, n: bar.put((d, n))) if bar else None)
             finally:
                 if bar is not None:

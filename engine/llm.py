@@ -290,7 +290,7 @@ class LLM:
         job (launch.api's launchers can) and it is not disaggregated (one job per call)."""
         return hasattr(self.launcher, "start") and self.prefill_layout is None
 
-    def start(self, requests=None) -> OnlineEngine:
+    def start(self, requests=None, *, parallel: ContextOptions | None = None) -> OnlineEngine:
         """The living engine, started (ranks spawned, weights loaded) on first use and kept
         until close(); one whose ranks failed is replaced by a new one."""
         if self._engine is not None and self._engine.error is None:
@@ -298,7 +298,7 @@ class LLM:
         if not self.living:
             raise LaunchError("this LLM's launcher runs one job per call (no start()); use atoll.LLM's launchers")
         engine = OnlineEngine(engine_spec(self, requests), world_size=self.layout.world_size,
-                              launcher=self.launcher, parallel=self.context_options())
+                              launcher=self.launcher, parallel=parallel or self.context_options())
         self._engine = engine
         self._finalizer = weakref.finalize(self, engine.close)  # at garbage collection and at exit
         return engine
@@ -325,15 +325,16 @@ class LLM:
         return self.finish(prompts, requests, self.generate_requests(requests, timeout_s=timeout_s,
                                                                      on_result=on_result, on_step=on_step))
 
-    def generate_requests(self, requests, *, timeout_s: float | None = None, on_result=None, on_step=None) -> list:
+    def generate_requests(self, requests, *, timeout_s: float | None = None, on_result=None, on_step=None,
+                          parallel: ContextOptions | None = None) -> list:
         """prepare()'s requests run to the end: one result dict per request, in order."""
         if self.prefill_layout is not None:
             return generate_disagg(self, requests, timeout_s=timeout_s)
         if self.living:
-            return run_through(self.start(requests), requests, timeout_s=timeout_s, on_result=on_result,
+            return run_through(self.start(requests, parallel=parallel), requests, timeout_s=timeout_s, on_result=on_result,
                                on_step=on_step)
         return self.run(generate_worker, self.layout.world_size, self.spec(requests), requests, timeout_s=timeout_s,
-                        parallel=self.context_options())[0]
+                        parallel=parallel or self.context_options())[0]
 
 
 def _device_memory_gib(device: str) -> float | None:

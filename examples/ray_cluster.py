@@ -17,13 +17,11 @@ request; results print as JSON lines.
 """
 
 import argparse
-import functools
 import json
 
 from atoll.config import DEVICES
 from atoll.engine.sampling import SamplingParams
-from atoll.launch.api import LLM
-from atoll.launch.ray_launcher import run_ray
+from atoll.launch.api import LLM, RayLauncher
 from atoll.parallel.layout import Layout
 
 
@@ -40,10 +38,11 @@ def main() -> None:
     args = p.parse_args()
 
     prompts = args.prompt + [[int(t) for t in ids.split(",")] for ids in args.prompt_ids]
-    # a TP group's ranks stay on one node
-    launcher = functools.partial(run_ray, address=args.address, tp_size=Layout.parse(args.layout).tp)
-    llm = LLM(args.model, layout=args.layout, device=args.device, launcher=launcher)
-    for out in llm.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens)):
+    # the ranks are Ray actors kept between calls; a TP group's ranks stay on one node
+    launcher = RayLauncher(address=args.address, tp_size=Layout.parse(args.layout).tp)
+    with LLM(args.model, layout=args.layout, device=args.device, launcher=launcher) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens))
+    for out in outs:
         print(json.dumps(out.to_json()))
 
 
