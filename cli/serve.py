@@ -14,7 +14,8 @@ import sys
 from atoll.cli.generate import add_model_options
 
 DEAD_LINGER_S = 2.0  # /health says 503 this long after the engine died, then the process exits
-# --layout auto plans for this serving workload: max_num_seqs requests of these lengths
+# --layout auto plans for this serving workload: max_num_seqs requests of these lengths (at
+# most half and a quarter of the context)
 AUTO_PROMPT_TOKENS, AUTO_OUTPUT_TOKENS = 512, 256
 
 
@@ -47,7 +48,7 @@ def _check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} must be between 0 and 65535")
     if not args.shutdown_timeout > 0:
-        raise InputError(f"--shutdown-timeout {args.shutdown_timeout} must be a positive number of seconds")
+        raise InputError(f"--shutdown-timeout {args.shutdown_timeout:g} must be a positive number of seconds")
     if args.max_waiting_requests < 1:
         raise InputError(f"--max-waiting-requests {args.max_waiting_requests} must be at least 1")
     if args.api_key is not None and not args.api_key.strip():
@@ -59,11 +60,14 @@ def _layout(args, launcher: str):
     from atoll.cli.generate import _plan
     from atoll.cli.requests import Line
 
+    from atoll.models.config import ModelConfig
+
     if not args.plan and str(args.layout).lower() != "auto":
         return None
-    args.max_new_tokens = AUTO_OUTPUT_TOKENS
-    lines = [Line(None, i, {"prompt_token_ids": [0] * AUTO_PROMPT_TOKENS}) for i in range(args.max_num_seqs)]
-    return _plan(args, launcher, lines)
+    context = min(args.max_model_len or 1 << 30, ModelConfig.load(args.model).max_position_embeddings)
+    args.max_new_tokens = min(AUTO_OUTPUT_TOKENS, context // 4)
+    prompt = [0] * min(AUTO_PROMPT_TOKENS, context // 2)
+    return _plan(args, launcher, [Line(None, i, {"prompt_token_ids": prompt}) for i in range(args.max_num_seqs)])
 
 
 def _listen(host: str, port: int):

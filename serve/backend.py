@@ -48,7 +48,7 @@ class Backend:
         queue is full (429); both carry Retry-After."""
         if self.engine.error is not None:
             raise ApiError(503, f"the engine is down: {self.engine.error}", type="server_error",
-                           code="engine_dead")
+                           code="engine_dead", retry_after=5)
         if self.draining is not None:
             raise ApiError(503, self.draining, type="server_error", code="shutting_down", retry_after=5)
         if self.max_waiting is not None and self.waiting + n > self.max_waiting:

@@ -1,0 +1,59 @@
+"""`atoll serve`'s command line: its help imports nothing heavy, and what a user gets wrong is
+one line and exit 2 before any rank starts."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from cli import run_cli
+
+NO_HEAVY = """
+import sys
+from atoll.cli.main import main
+try:
+    main(["serve", "--help"])
+except SystemExit as e:
+    assert e.code == 0
+heavy = sorted(m for m in ("torch", "fastapi", "uvicorn", "prometheus_client", "transformers") if m in sys.modules)
+assert not heavy, heavy
+"""
+
+
+def test_serve_help_imports_nothing_heavy():
+    r = subprocess.run([sys.executable, "-c", NO_HEAVY], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def start(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr("atoll.engine.llm.LLM.start", start)
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--port", "70000"], "--port 70000 must be between 0 and 65535"),
+    (["--shutdown-timeout", "0"], "--shutdown-timeout 0 must be a positive number"),
+    (["--max-waiting-requests", "0"], "--max-waiting-requests 0 must be at least 1"),
+    (["--launcher", "ray"], "--launcher ray: atoll serve keeps its ranks running"),
+    (["--prefill", "TP1", "--decode", "TP1"], "does not run disaggregated engines"),
+    (["-tp", "3"], "tp=3"),
+])
+def test_bad_flags_are_one_line(capsys, tiny_model, no_ranks, argv, error):
+    code, _, err = run_cli(capsys, "serve", "--model", tiny_model("llama"), *argv)
+    assert code == 2 and err.count("\n") == 1 and error in err and "Traceback" not in err, err
+
+
+def test_a_port_in_use_is_one_line_before_any_rank(capsys, tiny_model, no_ranks, taken_port):
+    code, _, err = run_cli(capsys, "serve", "--model", tiny_model("llama"), "--port", taken_port)
+    assert code == 2 and f"cannot listen on 127.0.0.1:{taken_port}: Address already in use" in err, err
