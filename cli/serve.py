@@ -1,11 +1,13 @@
 """atoll serve: an OpenAI-compatible HTTP server over a living engine (serve/).
 
 The ranks start and load the weights before the port listens; /health answers 200 from then
-on. SIGTERM (or Ctrl-C) drains: no new connections or requests (503), requests in flight
-finish or, past --shutdown-timeout, end with an error; then the ranks stop and the process
-exits 0. A rank that dies fails every request in flight with an error naming it, /health
-answers 503 for DEAD_LINGER_S, and the process exits with that one line (code 2): it does
-not restart its ranks, so a supervisor sees the failure and restarts the whole server."""
+on. Under torchrun or mpirun every rank runs this command: rank 0 serves, the others run
+their engine rank until rank 0 stops them. SIGTERM (or Ctrl-C) drains: no new connections
+or requests (503), requests in flight finish or, past --shutdown-timeout, end with an error;
+then the ranks stop and the process exits 0. A rank that dies fails every request in flight
+with an error naming it, /health answers 503 for DEAD_LINGER_S, and the process exits with
+that one line (code 2): it does not restart its ranks, so a supervisor sees the failure and
+restarts the whole server."""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     p.add_argument("--launcher", default="auto", choices=["auto", "local", "torchrun", "ray", "mpi"],
-                   help="auto: local processes (a living engine runs under the local launcher for now)")
+                   help="auto: torchrun or mpirun if launched by one (rank 0 serves HTTP, the others run "
+                        "their engine rank), else local processes")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start Ray here)")
     p.add_argument("--plan", metavar="PLAN.yaml", default=None,
                    help="run the layout of a plan from `atoll plan --save` (instead of --layout)")
     p.add_argument("--strict-placement", action="store_true", help="as for generate (Ray, torchrun, mpirun)")
@@ -87,25 +91,27 @@ def _listen(host: str, port: int):
 
 
 def run(args) -> int:
-    from atoll.cli.generate import make_llm
+    from atoll.cli.generate import _living_launcher, make_llm
     from atoll.cli.main import Terminated
     from atoll.errors import LaunchError
-    from atoll.launch.launchers import check_launcher, detect
+    from atoll.launch.launchers import check_launcher, detect, is_first_rank
 
     _check_args(args)
     launcher = detect() if args.launcher == "auto" else args.launcher
-    if launcher != "local":
-        raise LaunchError(f"--launcher {launcher}: atoll serve keeps its ranks running, which only the local "
-                          "launcher does for now; run it on one node with --launcher local")
-    plan = _layout(args, launcher)
+    plan = args.saved_plan = _layout(args, launcher)
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
     if llm.prefill_layout is not None:
         raise LaunchError("--prefill/--decode: atoll serve does not run disaggregated engines yet; give one layout")
     check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size)
+    args.context = llm.context_options(islands=plan.islands if plan else None, nodes=plan.nodes if plan else None)
+    if launcher != "local":
+        llm.launcher = _living_launcher(args, llm, launcher)
+        if not is_first_rank(launcher):
+            return _join(args, llm)
     sock = _listen(args.host, args.port)
     try:
         try:
-            llm.start()
+            llm.start(parallel=args.context)
         except Terminated:
             print("atoll: terminated (SIGTERM) while the ranks were starting", file=sys.stderr)
             return 0
@@ -113,6 +119,21 @@ def run(args) -> int:
     finally:
         sock.close()
         llm.close()
+
+
+def _join(args, llm) -> int:
+    """torchrun/mpirun, a rank but 0: run the engine's rank until rank 0 (the server) says stop.
+    The job's SIGTERM reaches every rank; this one waits for rank 0's drain instead of leaving
+    the others mid-collective."""
+    import signal
+
+    from atoll.engine.serve_worker import serve_worker
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    llm.launcher.join(serve_worker, llm.layout.world_size, None, None, None, device=llm.options.device,
+                      parallel=args.context)
+    return 0
 
 
 def _serve(args, llm, sock) -> int:

@@ -47,10 +47,13 @@ def text_of(ids) -> str:
 class Server:
     """`python -m atoll serve --model DIR --port 0 ARGS...`; its log goes to a file."""
 
-    def __init__(self, model_dir, *args, log: Path, env: dict | None = None, ready_s: float = 240):
+    def __init__(self, model_dir, *args, log: Path, env: dict | None = None, ready_s: float = 240,
+                 launch: list[str] | None = None):
+        """launch: what runs `-m atoll serve ...` instead of this Python (torchrun's command)."""
         self.log = Path(log)
         self._out = open(self.log, "wb")
-        cmd = [sys.executable, "-m", "atoll", "serve", "--model", str(model_dir), "--port", "0", *map(str, args)]
+        cmd = [*(launch or [sys.executable]), "-m", "atoll", "serve", "--model", str(model_dir), "--port", "0",
+               *map(str, args)]
         self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
         self.pid = self.proc.pid
@@ -110,14 +113,11 @@ class Server:
             self._out.close()
 
     def kill(self) -> None:
-        """End the server and its ranks (its own session), by pid."""
+        """End the server and its ranks: its own process group (it leads a new session)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         if self.proc.poll() is None:
-            ranks = self.rank_pids()
-            os.kill(self.pid, signal.SIGKILL)
-            for pid in ranks:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             self.proc.wait(timeout=30)
         self._out.close()

@@ -45,7 +45,7 @@ def taken_port():
     (["--port", "70000"], "--port 70000 must be between 0 and 65535"),
     (["--shutdown-timeout", "0"], "--shutdown-timeout 0 must be a positive number"),
     (["--max-waiting-requests", "0"], "--max-waiting-requests 0 must be at least 1"),
-    (["--launcher", "ray"], "--launcher ray: atoll serve keeps its ranks running"),
+    (["--launcher", "torchrun"], "torchrun"),
     (["--prefill", "TP1", "--decode", "TP1"], "does not run disaggregated engines"),
     (["-tp", "3"], "tp=3"),
 ])
