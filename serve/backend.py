@@ -73,11 +73,12 @@ class Backend:
             raise ApiError(400, msg, param=param, code=_code(msg))
         return requests
 
-    def start(self, requests: list) -> Call:
-        """Submit the requests (choices, in order) to the engine."""
+    def start(self, requests: list, *, arrived: float | None = None) -> Call:
+        """Submit the requests (choices, in order) to the engine; `arrived` (time.monotonic()),
+        when the HTTP request came, is where its latencies start (default: now)."""
         self.check_admission(len(requests))
         loop = asyncio.get_running_loop()
-        call = Call([], None, time.monotonic())
+        call = Call([], None, time.monotonic() if arrived is None else arrived)
         call.events = EventQueue(loop, lambda choice, kind, payload, t: self._count(call, choice, kind, payload, t))
         self.calls.add(call)
         try:

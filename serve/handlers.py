@@ -4,6 +4,7 @@ params and token budget, then the whole response (collect) or its stream of chun
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 from atoll.serve.backend import Backend, Call
@@ -24,6 +25,7 @@ class Handler:
 
     def start(self, body, prompts: list, *, chat: bool) -> tuple[Call, Renderer]:
         """Validate, tokenize and submit: the call in the engine and its renderer."""
+        arrived = time.monotonic()  # the latencies include tokenizing
         param = "messages" if chat else "prompt"
         limit = body.token_limit if chat else body.max_tokens
         logprobs = body.num_logprobs if chat else body.logprobs
@@ -34,7 +36,7 @@ class Handler:
         limit_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
         requests = [self._budget(r, limit, chat=chat, param=param, limit_param=limit_param)
                     for r in self.backend.prepare(prompts, params, param=param)]
-        call = self.backend.start(requests)
+        call = self.backend.start(requests, arrived=arrived)
         call.logprobs = logprobs is not None
         renderer = Renderer(chat=chat, model=body.model or self.model, tokenizer=self.llm.tokenizer,
                             token_ids=body.return_token_ids)

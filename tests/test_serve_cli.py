@@ -48,6 +48,8 @@ def taken_port():
     (["--launcher", "torchrun"], "torchrun"),
     (["--prefill", "TP1", "--decode", "TP1"], "does not run disaggregated engines"),
     (["-tp", "3"], "tp=3"),
+    (["--plan", "no-such-plan.yaml"], "no plan file at"),
+    (["--plan", "no-such-plan.yaml", "-tp", "2"], "give --plan or -tp, not both"),
 ])
 def test_bad_flags_are_one_line(capsys, tiny_model, no_ranks, argv, error):
     code, _, err = run_cli(capsys, "serve", "--model", tiny_model("llama"), *argv)
