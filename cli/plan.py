@@ -40,6 +40,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--allow-cross-island", action="store_true", help="let TP groups span NVLink islands")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on stderr (none is drawn off a terminal, or for a plan under a second)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="Pareto plot (needs matplotlib)")
     p.add_argument("--save", metavar="PLAN.yaml", default=None,
                    help="write the recommended plan (layout, rank -> node/GPU placement, topology, predictions) "
@@ -119,20 +121,21 @@ def run(args) -> int:
         check_save_path(args.save)
 
     from atoll.models.presets import resolve_model
-    from atoll.planner import Workload, plan_layouts
+    from atoll.planner import Workload, plan_sweep
+    from atoll.planner.progress import SearchProgress
     from atoll.topologies import load_topology
 
     topology = load_topology(args.topology, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              network=args.network)
     name, config = resolve_model(args.model)
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] if args.layouts else None
-    plans = []
-    for c in _concurrencies(args.concurrency):
-        workload = Workload(isl=args.isl, osl=args.osl, concurrency=c, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                            request_rate=args.request_rate, expert_imbalance=args.expert_imbalance)
-        plan = plan_layouts(config, topology, workload, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms,
-                            layouts=layouts, allow_cross_island=args.allow_cross_island)
-        plans.append(_renamed(plan, name))
+    workloads = [Workload(isl=args.isl, osl=args.osl, concurrency=c, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                          request_rate=args.request_rate, expert_imbalance=args.expert_imbalance)
+                 for c in _concurrencies(args.concurrency)]
+    with SearchProgress(enabled=not args.no_progress) as progress:  # every layout costed once for all
+        plans = plan_sweep(config, topology, workloads, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, layouts=layouts,
+                           allow_cross_island=args.allow_cross_island, progress=progress)
+    plans = [_renamed(p, name) for p in plans]
     if args.format == "json":
         import json
 
