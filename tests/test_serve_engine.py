@@ -143,3 +143,19 @@ def test_logprobs_from_the_engine(served):
         assert lp < 0 and len(top) == 2 and max(top, key=top.get) == token and top[token] == pytest.approx(lp)
     assert [e.token for e in chat.content] == text_of(served.chats[0]).split()
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in chat.content)
+
+
+@pytest.mark.timeout(300)
+def test_the_same_seed_gives_the_same_tokens(served):
+    if served.name != "llama-TP2":
+        pytest.skip("checked on one layout")
+    sampled = dict(max_tokens=12, temperature=1.0, top_p=0.95, extra_body={"ignore_eos": True,
+                                                                          "return_token_ids": True})
+
+    async def go():
+        c = client(served.server)
+        runs = [c.completions.create(model=NAME, prompt=PROMPTS[0], seed=seed, **sampled) for seed in (7, 7, 8)]
+        return [r.choices[0].token_ids for r in await asyncio.gather(*runs)]
+
+    a, b, other = asyncio.run(go())
+    assert a == b and a != other
