@@ -1,8 +1,8 @@
 """`atoll serve` under load, one TP1 server for the module: the prefix cache across HTTP
 requests (a shared 512-token system prompt: the second request reports it cached and its
 first token comes sooner), 200 concurrent streams from the async openai client (transformers'
-greedy tokens, every KV block back afterwards), and 20 streams closed mid-way and a plain request whose client gave up (aborted, their blocks
-freed, the server serving on)."""
+greedy tokens, every KV block back afterwards), and 20 streams closed mid-way and a plain
+request whose client gave up (aborted, their blocks freed, the server serving on)."""
 
 import asyncio
 import os
