@@ -5,6 +5,8 @@ give what kernels reach. None is fitted to the predictions the tests check; each
 a measurement or a published figure named beside it.
 """
 
+from atoll.config.engine import LARGE_DEVICE_GIB, default_batched_tokens
+
 # Dense GEMM: 8192^3 bf16 matmul measured at ~790 of 989 TFLOP/s on one H200 (REFERENCE.md,
 # measured on this project's machine): 0.80. Used for prefill and any compute-bound GEMM.
 GEMM_EFFICIENCY = 0.80
@@ -78,10 +80,16 @@ MEASURED_EXPERTS_PER_RANK = 8  # the layout that figure was measured on (256 exp
 RESERVE_BYTES = 3.5e9
 # NCCL: default NCCL_BUFFSIZE 4 MiB x 2 (send, recv) x up to 32 channels per communicator.
 NCCL_BUFFER_BYTES = 256 * 2**20
-# Prefill is chunked: SGLang's default chunked-prefill size on 80 GB+ GPUs is 8192 tokens. In
-# steady serving a step carries up to this many prompt tokens beside its decode tokens
-# (planner/serving.py).
-PREFILL_CHUNK_TOKENS = 8192
+# Prefill is chunked: in steady serving a step carries up to the runtime's token budget of
+# prompt tokens beside its decode tokens (planner/serving.py), the same default the runtime
+# takes for the device (config.default_batched_tokens: vLLM's online-serving defaults, 8192 on
+# GPUs of 70 GiB or more, as SGLang's on 80 GB+ GPUs too, and 2048 on smaller GPUs and CPUs).
+PREFILL_CHUNK_TOKENS = default_batched_tokens(LARGE_DEVICE_GIB)  # the large-GPU figure, for the table
+
+
+def prefill_chunk_tokens(gpu) -> int:
+    """The step's token budget the runtime defaults to on this topology's device."""
+    return default_batched_tokens(None if gpu.name == "cpu-core" else gpu.memory_gib)
 
 # How far a prediction may be off: the band every predicted TPOT (and tokens/s) and TTFT carries
 # where the topology holds no error measured by `atoll plan --check --record`. TPOT: issue 14's
@@ -124,7 +132,8 @@ def table() -> list[tuple[str, float, str]]:
         ("kernels: per step", KERNELS_PER_STEP, "counted: embedding, head, sampling, rotary tables"),
         ("expert imbalance", EXPERT_IMBALANCE, "TensorRT-LLM blog 4, Table 1: EP32 no EPLB, 8 experts/rank"),
         ("reserve (bytes)", RESERVE_BYTES, "AIConfigurator's fixed ~3.5 GB per GPU"),
-        ("prefill chunk (tokens)", PREFILL_CHUNK_TOKENS, "SGLang's default chunked-prefill size, 80 GB+ GPUs"),
+        ("prefill chunk (tokens)", PREFILL_CHUNK_TOKENS, "the runtime's default step budget on GPUs of 70 GiB or "
+                                                          "more (2048 on smaller GPUs and CPUs), vLLM's online default"),
         ("TPOT band", PREDICTION_BAND_TPOT, "issue 14: 22 published figures, median predicted/measured 1.24"),
         ("TTFT band", PREDICTION_BAND_TTFT, "issue 14: TTFT 57 ms predicted (44 before queueing) vs 331 measured"),
     ]

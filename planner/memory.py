@@ -74,7 +74,7 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
         kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes, w.kv_scale_bytes)
         if worst is None or weights + kv > worst[0] + worst[1]:
             worst = (weights, kv)
-    chunk = min(eff.PREFILL_CHUNK_TOKENS, per_dp * w.isl)
+    chunk = min(eff.prefill_chunk_tokens(topology.gpu), per_dp * w.isl)
     inter = max(config.intermediate_size / l.tp if config.intermediate_size else 0,
                 s.top_k * config.moe_intermediate_size / l.moe_tp if config.is_moe else 0)
     # residual, normed input, attention output, a scratch copy, the MLP's gate and up (bf16)

@@ -115,9 +115,10 @@ def _evaluate_group(config, shapes, topology, workloads, cands, placements, prog
     most = [0] * len(cands)  # the largest batch of each layout's lanes
     for b, (_, ci) in zip(batch, lanes):
         most[ci] = max(most[ci], b)
-    _, chunk, cap = chunking(w0.isl, eff.PREFILL_CHUNK_TOKENS)
+    budget = eff.prefill_chunk_tokens(topology.gpu)  # the runtime's step token budget there
+    _, chunk, cap = chunking(w0.isl, budget)
     tables = Tables(costs, most, chunk=chunk, cap=cap, lay=[ci for _, ci in lanes], progress=progress)
-    replicas = Replicas(tables, isl=w0.isl, osl=w0.osl, concurrency=batch, budget=eff.PREFILL_CHUNK_TOKENS,
+    replicas = Replicas(tables, isl=w0.isl, osl=w0.osl, concurrency=batch, budget=budget,
                         open_loop=[r is not None for r in offered])
     # steady serving: prompt chunks beside decode (TPOT), queueing for the prefill (TTFT)
     solved = replicas.solve(rates)
