@@ -184,3 +184,25 @@ def test_config_names_and_refusals():
         EngineConfig(kv_cache_dtype="int4")
     with pytest.raises(InputError, match="does not send a quantized KV cache"):
         EngineConfig(kv_cache_dtype="int8", prefill="TP1", decode="TP1")
+
+
+@pytest.mark.timeout(300)
+def test_prefix_cache_shares_quantized_blocks(tiny_model):
+    """The prefix cache names blocks by their tokens, whatever they hold: later requests find the
+    first one's int8 blocks (the cached counts of tests/test_prefix_cache.py's MoE case)."""
+    import test_prefix_cache
+    from test_prefix_cache import PROMPTS as SHARED, NEW as SHARED_NEW, _run  # noqa: N811
+
+    model_dir = tiny_model("llama")
+    expected = reference_tokens(model_dir, SHARED, SHARED_NEW)
+    original = test_prefix_cache.LLM
+    test_prefix_cache.LLM = lambda *a, **kw: original(*a, kv_cache_dtype="int8", **kw)
+    try:
+        on = _run(model_dir, "TP1", True)
+    finally:
+        test_prefix_cache.LLM = original
+    assert [r["metrics"]["cached_tokens"] for r in on][1:4] == [12, 12, 8]
+    agree = sum(_prefix(r["token_ids"], e) for r, e in zip(on, expected))
+    # measured: 35 of 40, with the cache on or off alike (the last prompt's tokens part from
+    # transformers' at the 4th token either way: the quantization, not the sharing)
+    assert agree >= len(SHARED) * SHARED_NEW - 8, agree
