@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # the planner's name -> the runtime's (config.DTYPES)
 
 
 def calibrate(*, quick: bool = False, max_ranks: int | None = None, progress: bool = True,

