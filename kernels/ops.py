@@ -150,8 +150,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check(k_cache.shape[3] == dim, f"the cache has head_dim={k_cache.shape[3]}, q has {dim}")
     check(heads % k_cache.shape[2] == 0, f"kv_heads={k_cache.shape[2]} does not divide heads={heads}")
     check(q.dtype in FLOATS and k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, *KV_QUANT),
-          f"k_cache and v_cache must share q's float dtype or a quantized one, got {q.dtype}, {k_cache.dtype}, "
-          f"{v_cache.dtype}")
+          f"q, k_cache and v_cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype} "
+          f"(or the cache one of int8, float8_e4m3fn, float8_e5m2)")
     check((k_scale is None) == (v_scale is None), "give k_scale and v_scale together")
     check(k_cache.dtype != torch.int8 or k_scale is not None, "an int8 cache needs k_scale and v_scale")
     check(k_scale is None or (k_scale.shape == v_scale.shape == k_cache.shape[:3]
