@@ -29,7 +29,7 @@ SCENARIOS = ("load", "long-prompt")
 
 
 def add_parser(sub) -> None:
-    from atoll.cli.generate import add_model_options
+    from atoll.config import add_model_options, resolve
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server under load: throughput, TTFT, TPOT, ITL, "
                                      "goodput (vLLM's serving benchmark)",
@@ -74,7 +74,7 @@ def add_parser(sub) -> None:
                    help="seconds a started server may take to answer /health (default 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     engine = p.add_argument_group("engine flags, for the server started here (and --compare-offline)")
-    add_model_options(engine)
+    add_model_options(engine, defaults=resolve())
     p.set_defaults(run=run)
 
 

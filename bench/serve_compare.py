@@ -67,7 +67,7 @@ def offline_generate(args, model_dir: str, requests) -> dict:
     """The requests through LLM.generate with the bench's engine flags: output tokens/s of the
     timed call (ranks started and two of the requests run first for
     four tokens, untimed, as the server is warmed)."""
-    from atoll.cli.generate import make_llm
+    from atoll.launch.api import llm_from_args as make_llm
     from atoll.config.sampling import SamplingParams
 
     llm = make_llm(args, model_dir)

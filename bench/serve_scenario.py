@@ -84,7 +84,7 @@ def run_long_prompt(args, bench, model_dir: str, vocab_size: int, percentiles) -
     from atoll.bench.serve import warm_up
     from atoll.bench.serve_load import served_model
     from atoll.bench.serve_server import Server, engine_argv
-    from atoll.cli.generate import make_llm
+    from atoll.launch.api import llm_from_args as make_llm
 
     if args.url:
         raise ConfigError("--scenario long-prompt starts its own servers (one per chunk budget): drop --url")

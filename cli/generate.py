@@ -5,21 +5,14 @@ from __future__ import annotations
 import sys
 import time
 
-from atoll.config import add_cli_options, from_args, resolve
+from atoll import config
 from atoll.cli.progress import ProgressBar
 from atoll.config.sampling import SamplingParams
 from atoll.errors import InputError
 
 
 def add_model_options(p) -> None:
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="N")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
-                   help="attention data parallel replicas inside a stage (MoE models)")
-    p.add_argument("--expert-parallel-size", "-ep", type=int, default=None, metavar="N")
-    p.add_argument("--layout", default=None, help="e.g. TP2PP2, DP2EP2 (instead of -tp/-pp/-dp/-ep); auto: plan "
-                                                  "on this machine's topology for these requests")
-    add_cli_options(p, defaults=resolve())  # ATOLL_* variables set the defaults
+    config.add_model_options(p, defaults=config.resolve())  # ATOLL_* variables set the defaults
 
 
 def add_sampling_options(p) -> None:
@@ -79,13 +72,9 @@ def sampling_params(args):
 
 
 def make_llm(args, model_dir, layout=None):
-    from dataclasses import asdict
+    from atoll.launch.api import llm_from_args
 
-    from atoll.launch.api import LLM
-
-    return LLM(model_dir, layout=layout or args.layout, tensor_parallel_size=args.tensor_parallel_size,
-               pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
-               expert_parallel_size=args.expert_parallel_size, **asdict(from_args(args)))
+    return llm_from_args(args, model_dir, layout)
 
 
 def run(args) -> int:

@@ -5,6 +5,9 @@ launch.rank_job.RankLauncher (this process is one rank of a torchrun / mpirun jo
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
+from atoll.config import from_args
 from atoll.engine.llm import LLM as EngineLLM
 from atoll.launch.local import LocalJob, channel, run_local
 from atoll.launch.rank_job import RankLauncher
@@ -62,3 +65,10 @@ class LLM(EngineLLM):
 
     def __init__(self, model, *, launcher=None, **kwargs):
         super().__init__(model, launcher=launcher or LocalLauncher(), **kwargs)
+
+
+def llm_from_args(args, model_dir, layout=None, **kwargs) -> LLM:
+    """The LLM that parsed flags (config.add_model_options) describe; `layout` in place of theirs."""
+    return LLM(model_dir, layout=layout or args.layout, tensor_parallel_size=args.tensor_parallel_size,
+               pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
+               expert_parallel_size=args.expert_parallel_size, **asdict(from_args(args)), **kwargs)
