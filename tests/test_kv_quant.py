@@ -159,7 +159,8 @@ def test_greedy_tokens_with_a_quantized_cache(tiny_model, kind, layout, kinds):
 # --- perplexity ---
 
 @pytest.mark.timeout(300)
-def test_perplexity_is_transformers_exp_mean_nll(tiny_model):
+@pytest.mark.parametrize("layout", ["TP1", "PP2"])  # PP2: the stages hand activations on per step
+def test_perplexity_is_transformers_exp_mean_nll(tiny_model, layout):
     from transformers import AutoModelForCausalLM
 
     from atoll.engine.perplexity import run_scores, windows
@@ -173,7 +174,7 @@ def test_perplexity_is_transformers_exp_mean_nll(tiny_model):
         logits = model(torch.tensor(wins)).logits.double()
     nll = -torch.log_softmax(logits[:, :-1], -1).gather(2, torch.tensor(wins)[:, 1:, None])
     want = math.exp(nll.mean().item())
-    with LLM(model_dir, layout="TP1", max_num_seqs=2) as llm:  # two batches of windows
+    with LLM(model_dir, layout=layout, max_num_seqs=2) as llm:  # two batches of windows
         scores = run_scores(llm, wins)
     assert scores.tokens == 3 * 39
     assert scores.perplexity == pytest.approx(want, rel=1e-4)
