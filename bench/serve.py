@@ -10,11 +10,12 @@ requests, sent at once, warm the server first. Reported: request and token throu
 and percentiles of TTFT, TPOT, ITL and E2EL; with --goodput ttft:MS tpot:MS e2el:MS, SLO
 attainment and goodput (bench/serve_report.py). --compare-plan puts the planner's prediction
 for the same model, layout, topology and workload beside the measured means; --compare-offline
-runs the same requests through LLM.generate in this process first and prints both output
-throughputs and their ratio (bench/serve_compare.py). --scenario long-prompt: the streams' ITL
-while a long prompt arrives, with the default chunk budget and without chunking
-(bench/serve_scenario.py). The 1-minute load average is read before, between and after the
-rounds.
+runs the same requests through LLM.generate in this process, first, then on the server, for
+--rounds rounds (the order alternating), and prints both output throughputs and the ratio of
+their medians (bench/serve_compare.py); the full figures are the first round's. --scenario
+long-prompt: the streams' ITL while a long prompt arrives, with the default chunk budget and
+without chunking (bench/serve_scenario.py). The 1-minute load average is read before,
+between and after the rounds.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def add_parser(sub) -> None:
                                                        "calibrated one from `atoll calibrate` is better)")
     p.add_argument("--compare-offline", action="store_true",
                    help="first the same requests through LLM.generate here: output tokens/s of both and the ratio")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timed rounds of the load (with --compare-offline: of both, the order alternating; "
+                        "medians compared) (default 1)")
     p.add_argument("--streams", type=int, default=8, help="long-prompt: requests decoding (default 8)")
     p.add_argument("--long-len", type=int, default=4096, help="long-prompt: its tokens (default 4096)")
     p.add_argument("--long-after", type=int, default=8,
@@ -81,7 +85,7 @@ def add_parser(sub) -> None:
 def check_args(args) -> tuple[dict, tuple]:
     from atoll.bench.serve_report import parse_goodput, parse_percentiles
 
-    for name in ("num_prompts", "input_len", "streams", "long_len", "long_after"):
+    for name in ("num_prompts", "input_len", "streams", "long_len", "long_after", "rounds"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
     for name in ("output_len", "max_concurrency"):
@@ -152,26 +156,51 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
            "input_len": None if args.dataset else args.input_len, "output_len": args.output_len or 32,
            "dataset": args.dataset}
-    if args.compare_offline:
-        from atoll.bench.serve_compare import offline_generate
-
-        out["offline"] = offline_generate(args, bench.model, requests)
-        bench.note()
     server = None if args.url else Server(bench.model, engine_argv(args), ready_timeout_s=args.server_timeout)
-    with server if server is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        offline = None
+        if args.compare_offline:
+            from atoll.bench.serve_compare import Offline
+
+            offline = stack.enter_context(Offline(args, bench.model, requests[:2]))
+            out["offline_start_s"] = offline.start_s
+        if server is not None:
+            stack.enter_context(server)
         url = args.url or server.url
         model = served_model(url, bench.model)
         out |= {"url": args.url, "server_args": None if server is None else server.argv,
                 "server_start_s": None if server is None else server.started_s, "served_model": model}
         warm_up(url, model, requests[:2], args)
-        results, duration = asyncio.run(load(url, model, requests, rate=args.request_rate, burstiness=args.burstiness,
-                                             max_concurrency=args.max_concurrency, seed=args.seed,
-                                             ignore_eos=args.ignore_eos, timeout_s=args.timeout))
-    bench.note()
-    out["serve"] = report(results, duration, slos=slos, percentiles=percentiles)
-    if args.compare_offline:
-        off, on = out["offline"]["output_throughput"], out["serve"]["output_throughput"]
+        reports, rounds = [], []
+        for i in range(args.rounds):  # with --compare-offline: offline first in even rounds, the server in odd
+            order = ("offline", "serve") if i % 2 == 0 or offline is None else ("serve", "offline")
+            row = {"order": list(order) if offline is not None else ["serve"]}
+            for side in order:
+                if side == "offline" and offline is not None:
+                    row["offline"] = offline.measure(requests)
+                elif side == "serve":
+                    results, duration = asyncio.run(load(
+                        url, model, requests, rate=args.request_rate, burstiness=args.burstiness,
+                        max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
+                        timeout_s=args.timeout))
+                    reports.append(report(results, duration, slos=slos, percentiles=percentiles))
+                    row["serve_output_throughput"] = reports[-1]["output_throughput"]
+            bench.note()
+            rounds.append(row | {"load_avg_1m": round(bench.loads[-1], 2)})
+    out["serve"] = reports[0]
+    if args.rounds > 1:
+        out["rounds"] = rounds
+    if offline is not None:
+        import statistics
+
+        off = statistics.median(r["offline"]["output_throughput"] for r in rounds)
+        on = statistics.median(r["serve_output_throughput"] or 0.0 for r in rounds)
+        out["offline"] = rounds[0]["offline"] | {"median_output_throughput": off}
+        out["serve_median_output_throughput"] = on
         out["serve_over_offline"] = sig(on / off, 4) if on and off else None
+        for r in rounds:
+            a, b = r["serve_output_throughput"], r["offline"]["output_throughput"]
+            r["serve_over_offline"] = sig(a / b, 4) if a and b else None
         if not math.isinf(args.request_rate) or args.max_concurrency:
             out["offline_note"] = "the server was not at saturation (a finite --request-rate or --max-concurrency)"
     if args.compare_plan:
@@ -226,10 +255,16 @@ def render(r: dict) -> str:
         each = ", ".join(f"{k} {_f(v, 3)}" for k, v in g["attainment_by_slo"].items())
         lines.append(f"  SLOs {slo} ms: attainment {_f(g['attainment'], 3)} ({each}); goodput "
                      f"{_f(g['request_goodput'])} req/s, {_f(g['output_token_goodput'])} output tok/s")
+    for i, x in enumerate(r.get("rounds", [])):
+        off = f", offline {_f(x['offline']['output_throughput'])}" if "offline" in x else ""
+        ratio = f", server / offline {x['serve_over_offline']}" if "offline" in x else ""
+        lines.append(f"  round {i + 1} ({', '.join(x['order'])}): server {_f(x['serve_output_throughput'])}{off} "
+                     f"output tok/s{ratio}, load {x['load_avg_1m']}")
     if "offline" in r:
         o = r["offline"]
-        lines.append(f"  offline LLM.generate: {_f(o['output_throughput'])} output tok/s over {o['duration_s']:.2f} s; "
-                     f"server / offline = {r['serve_over_offline']}")
+        lines.append(f"  offline LLM.generate: {_f(o['median_output_throughput'])} output tok/s, server "
+                     f"{_f(r['serve_median_output_throughput'])} (medians over rounds); server / offline = "
+                     f"{r['serve_over_offline']}")
         if r.get("offline_note"):
             lines.append(f"  note: {r['offline_note']}")
     if "plan" in r:

@@ -9,8 +9,10 @@ min(requests, --max-num-seqs), the planner having no burst model. Predicted mean
 measured means, as measured / predicted.
 
 --compare-offline: the same requests through `atoll.LLM(model, ...).generate` in this process
-(ranks started and two of the requests run before the timed call), output tokens per second,
-beside the server's.
+(ranks started and two of the requests run before the timed calls), output tokens per second,
+beside the server's, in --rounds rounds of both, the order alternating, both engines kept
+running between them (an idle engine takes no CPU): the machine's load moves between rounds,
+and the ratio of the medians weighs both sides alike.
 """
 
 from __future__ import annotations
@@ -63,23 +65,45 @@ def versus_plan(measured: dict, predicted: dict) -> dict:
             "output_throughput": ratio(measured["output_throughput"], predicted["output_tokens_per_s"])}
 
 
-def offline_generate(args, model_dir: str, requests) -> dict:
-    """The requests through LLM.generate with the bench's engine flags: output tokens/s of the
-    timed call (ranks started and two of the requests run first for
-    four tokens, untimed, as the server is warmed)."""
-    from atoll.launch.api import llm_from_args as make_llm
-    from atoll.config.sampling import SamplingParams
+class Offline:
+    """The requests through LLM.generate with the bench's engine flags, on ranks started once
+    (`with Offline(args, model_dir, warm) as off: off.measure(requests)`): started as the
+    server's engine is (the living engine's spec, not one run's requests) and warmed as it
+    is (two requests at once, untimed)."""
 
-    llm = make_llm(args, model_dir)
-    with llm:
+    def __init__(self, args, model_dir: str, warm):
+        from atoll.launch.api import llm_from_args
+
+        self.args, self.warm = args, warm
+        self.llm = llm_from_args(args, model_dir)
+        self.start_s = 0.0
+
+    def __enter__(self) -> "Offline":
+        from atoll.config.sampling import SamplingParams
+
         t0 = time.perf_counter()
-        llm.start()  # as the server: the living engine's spec, not this run's requests
-        llm.generate([r.prompt for r in requests[:2]], SamplingParams(max_tokens=4, ignore_eos=args.ignore_eos))
-        ready = time.perf_counter() - t0
-        params = [SamplingParams(max_tokens=r.output_len, ignore_eos=args.ignore_eos) for r in requests]
+        try:
+            self.llm.start()
+            self.llm.generate([r.prompt for r in self.warm],
+                              [SamplingParams(max_tokens=r.output_len, ignore_eos=self.args.ignore_eos)
+                               for r in self.warm])
+        except BaseException:
+            self.llm.close()
+            raise
+        self.start_s = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.llm.close()
+
+    def measure(self, requests) -> dict:
+        """Output tokens per second of one generate call of every request."""
+        from atoll.config.sampling import SamplingParams
+
+        params = [SamplingParams(max_tokens=r.output_len, ignore_eos=self.args.ignore_eos) for r in requests]
         t0 = time.perf_counter()
-        outs = llm.generate([r.prompt for r in requests], params)
+        outs = self.llm.generate([r.prompt for r in requests], params)
         wall = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"requests": len(outs), "output_tokens": tokens, "duration_s": wall, "output_throughput": tokens / wall,
-            "request_throughput": len(outs) / wall, "start_s": ready}
+        tokens = sum(len(o.token_ids) for o in outs)
+        return {"requests": len(outs), "output_tokens": tokens, "duration_s": wall,
+                "output_throughput": tokens / wall, "request_throughput": len(outs) / wall}

@@ -271,7 +271,7 @@ def test_bench_serve_smoke(tiny_model, tmp_path):
     model = tiny_model("llama")
     cmd = [sys.executable, "-m", "atoll", "bench", "serve", "--json", "--model", str(model), "--num-prompts", "6",
            "--input-len", "8", "--output-len", "5", "--request-rate", "40", "--goodput", "ttft:60000", "tpot:60000",
-           "--compare-plan", "--compare-offline", "--max-num-seqs", "4", "--max-model-len", "64",
+           "--compare-plan", "--compare-offline", "--rounds", "2", "--max-num-seqs", "4", "--max-model-len", "64",
            "--timeout", "60", "--server-timeout", "60"]
     env = {**os.environ, "ATOLL_ENFORCE_EAGER": "1", "ATOLL_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -300,6 +300,8 @@ def test_bench_serve_smoke(tiny_model, tmp_path):
     assert s["output_throughput"] == pytest.approx(30 / s["duration_s"])
     assert r["server_args"] == ["--max-num-seqs", "4", "--max-model-len", "64"]
     assert r["offline"]["output_tokens"] == 30 and r["serve_over_offline"] > 0
+    assert [x["order"] for x in r["rounds"]] == [["offline", "serve"], ["serve", "offline"]]
+    assert all(x["serve_over_offline"] > 0 for x in r["rounds"])
     p = r["plan"]
     assert p["predicted"]["layout"] == "TP1" and p["predicted"]["workload"]["request_rate"] == 40
     assert set(p["measured_over_predicted"]) == {"ttft", "tpot", "output_throughput"}
