@@ -60,6 +60,8 @@ class ModelRunner:
     def __init__(self, spec: RunSpec, ctx: ParallelContext, *, ranks_here: int | None = None):
         """ranks_here: ranks sharing this machine's memory (the launcher says; default the layout's)."""
         self.spec, self.ctx = spec, ctx
+        # the layers read the run's switches from ctx.options.engine: the spec's config is the one
+        ctx.options = dataclasses.replace(ctx.options, engine=spec.engine)
         self.device = ctx.device
         backend.configure(spec.engine.kernels)  # this rank's kernel path (kernels.backend)
         self.config = ModelConfig.load(spec.model_dir)
