@@ -5,8 +5,9 @@ benchmark measures it, against --url or a `python -m atoll serve` it starts itse
 Load: open loop, --request-rate requests/s (inf: all at once) with gamma-distributed gaps of
 shape --burstiness (1: Poisson), capped at --max-concurrency requests in flight (with rate inf,
 a closed loop). --num-prompts requests of --input-len random token ids generating
---output-len tokens each (ignore_eos), or the prompts of a --dataset JSONL. Two of the
-requests, sent at once, warm the server first. Reported: request and token throughput; mean
+--output-len tokens each (ignore_eos), or the prompts of a --dataset JSONL; each round new
+random prompts (a prompt sent again would find its prefix cached; a dataset's are sent again).
+Two other requests, sent at once, warm the server first. Reported: request and token throughput; mean
 and percentiles of TTFT, TPOT, ITL and E2EL; with --goodput ttft:MS tpot:MS e2el:MS, SLO
 attainment and goodput (bench/serve_report.py). --compare-plan puts the planner's prediction
 for the same model, layout, topology and workload beside the measured means; --compare-offline
@@ -119,14 +120,19 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
-def build_requests(args, config):
+WARM_SEED = 1_000_003  # the warm-up's prompts: none of a round's
+
+
+def build_requests(args, config, *, seed: int, n: int | None = None):
+    """--num-prompts requests (or n): random ids from `seed`, else the --dataset's prompts."""
     from atoll.bench.serve_load import jsonl_requests, random_requests
 
     osl = args.output_len or 32
+    n = n or args.num_prompts
     if args.dataset:
-        return jsonl_requests(args.dataset, args.num_prompts, output_len=osl)
-    return random_requests(args.num_prompts, input_len=args.input_len, output_len=osl, vocab_size=config.vocab_size,
-                           seed=args.seed, range_ratio=args.range_ratio)
+        return jsonl_requests(args.dataset, n, output_len=osl)
+    return random_requests(n, input_len=args.input_len, output_len=osl, vocab_size=config.vocab_size,
+                           seed=seed, range_ratio=args.range_ratio)
 
 
 def warm_up(url: str, model: str, requests, args) -> None:
@@ -150,7 +156,9 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
     from atoll.bench.serve_report import report
     from atoll.bench.serve_server import Server, engine_argv
 
-    requests = build_requests(args, config)
+    # each round its own prompts (both sides the same ones): a prompt sent again would be a prefix-cache hit
+    rounds_requests = [build_requests(args, config, seed=args.seed + i) for i in range(args.rounds)]
+    requests, warm = rounds_requests[0], build_requests(args, config, seed=args.seed + WARM_SEED, n=2)
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate  # strict JSON has no Infinity
     out = {"model": bench.model, "num_prompts": len(requests), "request_rate": rate,
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
@@ -162,7 +170,7 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         if args.compare_offline:
             from atoll.bench.serve_compare import Offline
 
-            offline = stack.enter_context(Offline(args, bench.model, requests[:2]))
+            offline = stack.enter_context(Offline(args, bench.model, warm))
             out["offline_start_s"] = offline.start_s
         if server is not None:
             stack.enter_context(server)
@@ -170,17 +178,17 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         model = served_model(url, bench.model)
         out |= {"url": args.url, "server_args": None if server is None else server.argv,
                 "server_start_s": None if server is None else server.started_s, "served_model": model}
-        warm_up(url, model, requests[:2], args)
+        warm_up(url, model, warm, args)
         reports, rounds = [], []
         for i in range(args.rounds):  # with --compare-offline: offline first in even rounds, the server in odd
             order = ("offline", "serve") if i % 2 == 0 or offline is None else ("serve", "offline")
             row = {"order": list(order) if offline is not None else ["serve"]}
             for side in order:
                 if side == "offline" and offline is not None:
-                    row["offline"] = offline.measure(requests)
+                    row["offline"] = offline.measure(rounds_requests[i])
                 elif side == "serve":
                     results, duration = asyncio.run(load(
-                        url, model, requests, rate=args.request_rate, burstiness=args.burstiness,
+                        url, model, rounds_requests[i], rate=args.request_rate, burstiness=args.burstiness,
                         max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
                         timeout_s=args.timeout))
                     reports.append(report(results, duration, slos=slos, percentiles=percentiles))

@@ -8,7 +8,7 @@ their mean TPOT, the long prompt's TTFT, and how many streams were still decodin
 first token came (a stream that ended before saw no stall). Each side is its own server:
 first the engine flags as given (the default --max-num-batched-tokens unless one is given),
 then with a budget above the long prompt plus the streams (no chunking). Each server is
-warmed by one short request and one long prompt of other token ids before the timed round.
+warmed by one short request and one long prompt, of other token ids, before the timed round.
 """
 
 from __future__ import annotations
@@ -97,13 +97,15 @@ def run_long_prompt(args, bench, model_dir: str, vocab_size: int, percentiles) -
                               seed=args.seed)
     long, warm_long = random_requests(2, input_len=args.long_len, output_len=1, vocab_size=vocab_size,
                                       seed=args.seed + 1)
+    warm_short = random_requests(1, input_len=args.input_len, output_len=osl, vocab_size=vocab_size,
+                                 seed=args.seed + 2)[0]  # no stream's prompt: it would be cached
     no_chunk = args.long_len + args.streams  # the long prompt and a token of each stream in one step
     sides = {}
     for name, budget, argv in (("default", default_budget, engine_argv(args)),
                                ("no_chunking", no_chunk, engine_argv(args, max_num_batched_tokens=no_chunk))):
         with Server(model_dir, argv, ready_timeout_s=args.server_timeout) as url:
             model = served_model(url, model_dir)
-            warm_up(url, model, [streams[0], warm_long], args)
+            warm_up(url, model, [warm_short, warm_long], args)
             r = asyncio.run(long_prompt_round(url, model, streams, long, after=args.long_after,
                                               ignore_eos=args.ignore_eos, timeout_s=args.timeout))
         bench.note()
