@@ -25,7 +25,7 @@ import argparse
 import math
 
 from atoll.bench.harness import Run, sig
-from atoll.errors import ConfigError, LaunchError
+from atoll.errors import ConfigError
 
 SCENARIOS = ("load", "long-prompt")
 
@@ -135,24 +135,11 @@ def build_requests(args, config, *, seed: int, n: int | None = None):
                            seed=seed, range_ratio=args.range_ratio)
 
 
-def warm_up(url: str, model: str, requests, args) -> None:
-    """The requests sent at once, untimed: the first steps pay for allocation and, with a
-    compiled decode step, its graphs (one row, and several: two requests at least)."""
-    import asyncio
-
-    from atoll.bench.serve_load import run_load as load
-
-    results, _ = asyncio.run(load(url, model, requests, ignore_eos=args.ignore_eos, timeout_s=args.timeout))
-    bad = [r.error for r in results if not r.success]
-    if bad:
-        raise LaunchError(f"the server failed a warm-up request: {bad[0]}")
-
-
 def run_load(args, bench, config, slos: dict, percentiles) -> dict:
     import asyncio
     import contextlib
 
-    from atoll.bench.serve_load import run_load as load, served_model
+    from atoll.bench.serve_load import run_load as load, served_model, warm_up
     from atoll.bench.serve_report import report
     from atoll.bench.serve_server import Server, engine_argv
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atoll.bench.serve_report import RequestResult
-from atoll.errors import ConfigError, InputError
+from atoll.errors import ConfigError, InputError, LaunchError
 
 
 @dataclass(frozen=True)
@@ -216,3 +216,12 @@ def served_model(url: str, fallback: str, *, timeout_s: float = 10.0) -> str:
         return str(data[0]["id"]) if r.status_code == 200 and data else fallback
     except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError):
         return fallback
+
+
+def warm_up(url: str, model: str, requests, args) -> None:
+    """The requests sent at once, untimed: the first steps pay for allocation and, with a
+    compiled decode step, its graphs (one row, and several: two requests at least)."""
+    results, _ = asyncio.run(run_load(url, model, requests, ignore_eos=args.ignore_eos, timeout_s=args.timeout))
+    bad = [r.error for r in results if not r.success]
+    if bad:
+        raise LaunchError(f"the server failed a warm-up request: {bad[0]}")

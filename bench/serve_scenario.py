@@ -81,7 +81,7 @@ def side(round_: dict, *, budget: int, percentiles) -> dict:
 
 def run_long_prompt(args, bench, model_dir: str, vocab_size: int, percentiles) -> dict:
     """Both sides (module docstring), each on a server of its own."""
-    from atoll.bench.serve import warm_up
+    from atoll.bench.serve_load import warm_up
     from atoll.bench.serve_load import served_model
     from atoll.bench.serve_server import Server, engine_argv
     from atoll.launch.api import llm_from_args as make_llm
