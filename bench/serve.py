@@ -138,6 +138,7 @@ def build_requests(args, config, *, seed: int, n: int | None = None):
 def run_load(args, bench, config, slos: dict, percentiles) -> dict:
     import asyncio
     import contextlib
+    import time
 
     from atoll.bench.serve_load import run_load as load, served_model, warm_up
     from atoll.bench.serve_report import report
@@ -174,11 +175,15 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
                 if side == "offline" and offline is not None:
                     row["offline"] = offline.measure(rounds_requests[i])
                 elif side == "serve":
+                    cpu0, client0 = server.cpu() if server is not None else {}, time.process_time()
                     results, duration = asyncio.run(load(
                         url, model, rounds_requests[i], rate=args.request_rate, burstiness=args.burstiness,
                         max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
                         timeout_s=args.timeout))
                     reports.append(report(results, duration, slos=slos, percentiles=percentiles))
+                    cpu = {"client": time.process_time() - client0}
+                    cpu |= {k: v - cpu0[k] for k, v in (server.cpu() if server is not None else {}).items()}
+                    row["serve_cpu_s"] = {k: round(v, 3) for k, v in cpu.items()}
                     row["serve_output_throughput"] = reports[-1]["output_throughput"]
             bench.note()
             rounds.append(row | {"load_avg_1m": round(bench.loads[-1], 2)})
@@ -196,6 +201,8 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         for r in rounds:
             a, b = r["serve_output_throughput"], r["offline"]["output_throughput"]
             r["serve_over_offline"] = sig(a / b, 4) if a and b else None
+        ratios = [r["serve_over_offline"] for r in rounds if r["serve_over_offline"]]
+        out["serve_over_offline_median_of_rounds"] = sig(statistics.median(ratios), 4) if ratios else None
         if not math.isinf(args.request_rate) or args.max_concurrency:
             out["offline_note"] = "the server was not at saturation (a finite --request-rate or --max-concurrency)"
     if args.compare_plan:
@@ -255,11 +262,15 @@ def render(r: dict) -> str:
         ratio = f", server / offline {x['serve_over_offline']}" if "offline" in x else ""
         lines.append(f"  round {i + 1} ({', '.join(x['order'])}): server {_f(x['serve_output_throughput'])}{off} "
                      f"output tok/s{ratio}, load {x['load_avg_1m']}")
+        cpu = [f"{k} {v:.1f}" for k, v in x["serve_cpu_s"].items()]
+        cpu += [f"offline {k} {v:.1f}" for k, v in x.get("offline", {}).get("cpu_s", {}).items()]
+        lines.append(f"    CPU s: {', '.join(cpu)}")
     if "offline" in r:
         o = r["offline"]
         lines.append(f"  offline LLM.generate: {_f(o['median_output_throughput'])} output tok/s, server "
                      f"{_f(r['serve_median_output_throughput'])} (medians over rounds); server / offline = "
-                     f"{r['serve_over_offline']}")
+                     f"{r['serve_over_offline']} (median of the rounds' ratios "
+                     f"{r['serve_over_offline_median_of_rounds']})")
         if r.get("offline_note"):
             lines.append(f"  note: {r['offline_note']}")
     if "plan" in r:

@@ -77,13 +77,18 @@ class Offline:
         self.args, self.warm = args, warm
         self.llm = llm_from_args(args, model_dir)
         self.start_s = 0.0
+        self.ranks: list[int] = []  # the engine's rank processes, children of this one
 
     def __enter__(self) -> "Offline":
         from atoll.config.sampling import SamplingParams
 
+        import psutil
+
         t0 = time.perf_counter()
+        before = {c.pid for c in psutil.Process().children()}
         try:
             self.llm.start()
+            self.ranks = [c.pid for c in psutil.Process().children() if c.pid not in before]
             self.llm.generate([r.prompt for r in self.warm],
                               [SamplingParams(max_tokens=r.output_len, ignore_eos=self.args.ignore_eos)
                                for r in self.warm])
@@ -100,10 +105,18 @@ class Offline:
         """Output tokens per second of one generate call of every request."""
         from atoll.config.sampling import SamplingParams
 
+        from atoll.bench.serve_server import cpu_seconds
+
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=self.args.ignore_eos) for r in requests]
+        ranks0, driver0 = self._ranks_cpu(cpu_seconds), time.process_time()
         t0 = time.perf_counter()
         outs = self.llm.generate([r.prompt for r in requests], params)
         wall = time.perf_counter() - t0
+        cpu = {"driver": time.process_time() - driver0, "ranks": self._ranks_cpu(cpu_seconds) - ranks0}
         tokens = sum(len(o.token_ids) for o in outs)
         return {"requests": len(outs), "output_tokens": tokens, "duration_s": wall,
-                "output_throughput": tokens / wall, "request_throughput": len(outs) / wall}
+                "output_throughput": tokens / wall, "request_throughput": len(outs) / wall,
+                "cpu_s": {k: round(v, 3) for k, v in cpu.items()}}
+
+    def _ranks_cpu(self, cpu_seconds) -> float:
+        return sum(cpu_seconds(pid, children=False) for pid in self.ranks)

@@ -47,6 +47,25 @@ def engine_argv(args, **override) -> list[str]:
     return argv
 
 
+def cpu_seconds(pid: int, *, children: bool) -> float:
+    """User + system CPU seconds of a live process (its threads included), or of its
+    descendants; processes gone by now count 0."""
+    import psutil
+
+    try:
+        procs = psutil.Process(pid).children(recursive=True) if children else [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -106,6 +125,14 @@ class Server:
             time.sleep(0.5)
         raise LaunchError(f"atoll serve did not answer {self.url}/health within {self.ready_timeout_s:.0f} s: "
                           f"{self.tail()}")
+
+    def cpu(self) -> dict:
+        """CPU seconds so far of the server's own process (HTTP, streaming, the engine's driver)
+        and of its ranks."""
+        if self.proc is None:
+            return {}
+        return {"server": cpu_seconds(self.proc.pid, children=False),
+                "ranks": cpu_seconds(self.proc.pid, children=True)}
 
     def tail(self, lines: int = 8) -> str:
         """The last lines of the server's output, as one line."""

@@ -302,6 +302,8 @@ def test_bench_serve_smoke(tiny_model, tmp_path):
     assert r["offline"]["output_tokens"] == 30 and r["serve_over_offline"] > 0
     assert [x["order"] for x in r["rounds"]] == [["offline", "serve"], ["serve", "offline"]]
     assert all(x["serve_over_offline"] > 0 for x in r["rounds"])
+    assert all(set(x["serve_cpu_s"]) == {"client", "server", "ranks"} for x in r["rounds"])
+    assert all(x["offline"]["cpu_s"]["ranks"] > 0 for x in r["rounds"])
     p = r["plan"]
     assert p["predicted"]["layout"] == "TP1" and p["predicted"]["workload"]["request_rate"] == 40
     assert set(p["measured_over_predicted"]) == {"ttft", "tpot", "output_throughput"}
