@@ -21,16 +21,20 @@ from atoll.models.cache_bytes import kv_bytes_per_block
 CPU_CACHE_SHARE = 0.25  # of the machine's available memory, shared by its ranks, at most for the KV cache
 
 
+def lane_load(requests: list[Request], layout, max_num_seqs: int) -> tuple[int, int]:
+    """(sequences a lane runs at once, decode steps each rank expects) for these requests:
+    each DP replica and pipeline lane takes its share; the compile policy weighs the steps."""
+    seqs = min(max_num_seqs, -(-len(requests) // (layout.pp * layout.dp)))
+    return seqs, -(-sum(r.params.max_tokens - 1 for r in requests) // (layout.dp * seqs))
+
+
 def engine_spec(llm, requests: list[Request] | None = None) -> RunSpec:
     """The spec of a living engine. On the CPU, without --num-blocks or --kv-cache-gb, its
     cache holds max_num_seqs sequences of max_model_len per pipeline lane, or what a quarter
     of the available memory holds when that is less (the ranks share it). `requests`, when
     the first call knows them, tell the compile policy how much decoding is coming."""
     o, layout = llm.options, llm.layout
-    steps = None
-    if requests:
-        seqs = min(llm.max_num_seqs, -(-len(requests) // (layout.pp * layout.dp)))
-        steps = -(-sum(r.params.max_tokens - 1 for r in requests) // (layout.dp * seqs))
+    steps = lane_load(requests, layout, llm.max_num_seqs)[1] if requests else None
     spec = RunSpec(str(llm.model_dir), str(layout), o, max_model_len=llm.max_model_len,
                    max_num_batched_tokens=llm.max_num_batched_tokens, decode_steps=steps)
     on_cpu = o.device == "cpu" or not torch.cuda.is_available()

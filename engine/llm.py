@@ -15,7 +15,7 @@ from atoll import config
 from atoll.engine.disagg import generate_disagg
 from atoll.engine.kv_sizing import check_fits, explicit_blocks
 from atoll.engine.lanes import lane_count
-from atoll.engine.living import engine_spec, run_through
+from atoll.engine.living import engine_spec, lane_load, run_through
 from atoll.engine.online import OnlineEngine
 from atoll.engine.request import Request
 from atoll.engine.runner import RunSpec, resolve_dtype
@@ -246,17 +246,14 @@ class LLM:
         """The RunSpec every rank gets. Given the requests, the context is bounded by the longest
         one (prompt + max_tokens) and the default CPU cache by how many sequences can run at
         once, so a short prompt does not reserve max_num_seqs x max_model_len of memory."""
-        max_len, seqs = self.max_model_len, None
+        max_len, seqs, steps = self.max_model_len, None, None
         if requests:
             need = max(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
             max_len = min(max_len, need)
-            per_lane = -(-len(requests) // (self.layout.pp * self.layout.dp))
-            seqs = min(self.max_num_seqs, per_lane)
-            # each rank runs its replica's decode micro-batches (engine.step_policy weighs them)
-            steps = -(-sum(r.params.max_tokens - 1 for r in requests) // (self.layout.dp * seqs))
+            seqs, steps = lane_load(requests, self.layout, self.max_num_seqs)
         return RunSpec(str(self.model_dir), str(self.layout), self.options, max_model_len=max_len,
                        max_num_batched_tokens=self.max_num_batched_tokens, cache_seqs=seqs,
-                       decode_steps=steps if requests else None)
+                       decode_steps=steps)
 
     def context_options(self, islands=None, nodes=None):
         """What each rank's ParallelContext needs besides the layout: islands and nodes (rank ->
