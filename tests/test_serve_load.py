@@ -76,6 +76,22 @@ def test_a_shared_system_prompt_is_cached_across_requests(server):
     assert statistics.median(t for t, _ in warm) < statistics.median(t for t, _ in cold)
 
 
+@pytest.mark.timeout(120)
+def test_a_kept_alive_connection_answers_without_waiting_for_a_delayed_ack(server):
+    """With Nagle's algorithm on the server's sockets, a response's body waited for the client's
+    delayed ACK of its headers: every request after the first on a connection took ~40 ms."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        c.get("/health")
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            times.append(time.perf_counter() - start)
+    print(f"\n/health on one connection (ms): {[round(t * 1000, 1) for t in times]}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    assert statistics.median(times) < 0.02
+
+
 @pytest.mark.timeout(600)
 def test_200_concurrent_streams_match_offline_and_free_every_block(server, model_dir):
     rng = random.Random(1)
