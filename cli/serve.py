@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from atoll.cli.generate import add_model_options
+from atoll.cli.serve_replicas import add_replica_options
 
 DEAD_LINGER_S = 2.0  # /health says 503 this long after the engine died, then the process exits
 # --layout auto plans for this serving workload: max_num_seqs requests of these lengths (at
@@ -43,6 +44,7 @@ def add_parser(sub) -> None:
                    help="run the layout of a plan from `atoll plan --save` (instead of --layout)")
     p.add_argument("--strict-placement", action="store_true", help="as for generate (Ray, torchrun, mpirun)")
     add_model_options(p)
+    add_replica_options(p)
     p.set_defaults(run=run)
 
 
@@ -99,30 +101,42 @@ def run(args) -> int:
     from atoll.cli.generate import _living_launcher, make_llm
     from atoll.cli.main import Terminated
     from atoll.errors import LaunchError
+    from atoll.cli.serve_replicas import check_replicas, take_replicas
     from atoll.launch.launchers import check_launcher, detect, is_first_rank
+    from atoll.models.config import ModelConfig
+    from atoll.serve.replicas import start_replicas
 
     _check_args(args)
     launcher = detect() if args.launcher == "auto" else args.launcher
+    replicas = take_replicas(args, ModelConfig.load(args.model))
     plan = args.saved_plan = _layout(args, launcher)
+    replicas = plan.replicas if plan else replicas
+    check_replicas(replicas, launcher)
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
     if llm.prefill_layout is not None:
         raise LaunchError("--prefill/--decode: atoll serve does not run disaggregated engines yet; give one layout")
-    check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size)
+    check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size * replicas)
     args.context = llm.context_options(islands=plan.islands if plan else None, nodes=plan.nodes if plan else None)
     if launcher != "local":
         llm.launcher = _living_launcher(args, llm, launcher)
         if not is_first_rank(launcher):
             return _join(args, llm)
     sock = _listen(args.host, args.port)
+    engine = None
     try:
         try:
-            llm.start(parallel=args.context)
+            if replicas > 1:
+                engine = start_replicas(llm, replicas, parallel=args.context, router=args.router)
+            else:
+                llm.start(parallel=args.context)
         except Terminated:
             print("atoll: terminated (SIGTERM) while the ranks were starting", file=sys.stderr)
             return 0
-        return _serve(args, llm, sock)
+        return _serve(args, llm, sock, engine)
     finally:
         sock.close()
+        if engine is not None:
+            engine.close()
         llm.close()
 
 
@@ -141,7 +155,7 @@ def _join(args, llm) -> int:
     return 0
 
 
-def _serve(args, llm, sock) -> int:
+def _serve(args, llm, sock, engine=None) -> int:
     import asyncio
 
     from atoll.serve.server import serve
@@ -149,8 +163,9 @@ def _serve(args, llm, sock) -> int:
     names = args.served_model_name or [str(args.model)]
     port = sock.getsockname()[1]
     ranks = llm.layout.world_size
+    copies = f" x {len(engine.engines)} replicas, {args.router} router" if engine is not None else ""
     print(f"atoll: serving {names[0]} on http://{args.host}:{port}/v1 ({llm.layout}, {ranks} "
-          f"rank{'s' if ranks > 1 else ''})", file=sys.stderr, flush=True)
+          f"rank{'s' if ranks > 1 else ''}{copies})", file=sys.stderr, flush=True)
     return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,
                              max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
-                             log_level=args.log_level, dead_linger_s=DEAD_LINGER_S))
+                             log_level=args.log_level, dead_linger_s=DEAD_LINGER_S, engine=engine))

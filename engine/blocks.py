@@ -26,6 +26,16 @@ def block_hash(parent: bytes | None, tokens) -> bytes:
     return h.digest()
 
 
+def prefix_names(tokens, block_size: int, blocks: int | None = None) -> list[bytes]:
+    """The names of the first `blocks` full blocks of tokens (default: every full block), each
+    chained on the one before: what the pool calls those blocks once they are computed."""
+    count = len(tokens) // block_size if blocks is None else blocks
+    names: list[bytes] = []
+    for i in range(count):
+        names.append(block_hash(names[-1] if i else None, tokens[i * block_size:(i + 1) * block_size]))
+    return names
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, first: int = 0):
         """Blocks first .. first + num_blocks - 1 of the cache."""
@@ -85,6 +95,15 @@ class BlockPool:
             else:
                 self._free.append(block)
         table.clear()
+
+    def trim(self, table: list[int], tokens: int) -> None:
+        """Let go of the table's blocks past the first `tokens` positions (speculative rollback:
+        rejected drafts' blocks, never named, go back to the free list)."""
+        keep = self.blocks_for(tokens)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.release(tail)
 
     def lookup(self, names: list[bytes]) -> list[int]:
         """The blocks named by the leading names that are cached (stops at the first miss)."""

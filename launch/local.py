@@ -104,17 +104,19 @@ def _entry(fn, rank, world_size, port, results, threads, device, beats, parent, 
     os._exit(0)  # skip process-group teardown, which can block if a peer already left
 
 
-def local_devices(requested: str, world_size: int, gpus: int | None = None) -> list[str]:
-    """Each local rank's device: rank r on cuda:r when this machine shows a GPU per rank.
+def local_devices(requested: str, world_size: int, gpus: int | None = None, first_gpu: int = 0) -> list[str]:
+    """Each local rank's device: rank r on cuda:<first_gpu + r> when this machine shows a GPU
+    per rank (first_gpu: where this job's GPUs start, for engine replicas side by side).
     More ranks than GPUs is an error unless the device is cpu (auto with no GPU is cpu)."""
     check_requested(requested)
     if requested == "cpu":
         return ["cpu"] * world_size
     gpus = visible_gpus() if gpus is None else gpus
-    if 0 < gpus < world_size:
-        raise DeviceError(f"{world_size} ranks need {world_size} GPUs but this machine shows {gpus}: "
+    need = first_gpu + world_size
+    if 0 < gpus < need:
+        raise DeviceError(f"{need} ranks need {need} GPUs but this machine shows {gpus}: "
                           f"use a layout of at most {gpus} ranks, more nodes, or --device cpu")
-    return agree([decide(requested, r, gpus=gpus) for r in range(world_size)], requested)
+    return agree([decide(requested, r, gpus=gpus, index=first_gpu + r) for r in range(world_size)], requested)
 
 
 def run_local(fn, world_size: int, *args, timeout_s: float | None = None,
@@ -142,8 +144,9 @@ class LocalJob:
     once. `check()` raises RankFailure for the first rank that raised, died or stopped beating
     (without waiting); `wait()` collects every rank's value; `stop()` ends them all."""
 
-    def __init__(self, fn, world_size: int, *args, threads: int | None = None, device: str = "cpu", **kwargs):
-        devices = local_devices(device, world_size)
+    def __init__(self, fn, world_size: int, *args, threads: int | None = None, device: str = "cpu",
+                 first_gpu: int = 0, **kwargs):
+        devices = local_devices(device, world_size, first_gpu=first_gpu)
         self.world_size = world_size
         self._results = _SPAWN.Queue()
         port = free_port()

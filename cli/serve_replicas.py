@@ -1,0 +1,47 @@
+"""atoll serve's replicas: how many engines of the layout to run, from the flags or the plan.
+
+For a dense model `--data-parallel-size N` (`-dp N`, or DP in --layout) means N replicas of
+the TP/PP layout: a dense model has no data parallelism inside one engine. For an MoE model
+dp keeps its meaning (attention data parallelism inside the engine, its experts shared).
+A saved plan's `replicas:` are run as they are, for either kind.
+"""
+
+from __future__ import annotations
+
+from atoll.errors import InputError, LaunchError
+
+ROUTER_HELP = ("which replica takes a request: cache_aware (the one holding the longest cached prefix of its "
+               "prompt, else the least loaded) or round_robin")
+
+
+def add_replica_options(p) -> None:
+    from atoll.serve.router import ROUTERS
+
+    p.add_argument("--router", default="cache_aware", choices=ROUTERS, help=ROUTER_HELP)
+
+
+def take_replicas(args, config) -> int:
+    """The replica count the flags ask for; a dense model's dp is moved out of the layout
+    flags into it (args is changed so the engine's layout has dp 1)."""
+    from atoll.parallel.layout import Layout
+
+    if config.is_moe:
+        return 1
+    replicas = 1
+    if args.data_parallel_size is not None:
+        if args.data_parallel_size < 1:
+            raise InputError(f"--data-parallel-size {args.data_parallel_size} must be at least 1")
+        replicas, args.data_parallel_size = args.data_parallel_size, None
+    if args.layout is not None and str(args.layout).lower() != "auto":
+        layout = Layout.parse(str(args.layout))
+        if layout.dp > 1:
+            if replicas > 1:
+                raise InputError(f"give replicas as --layout {args.layout} or --data-parallel-size, not both")
+            replicas, args.layout = layout.dp, str(Layout(tp=layout.tp, pp=layout.pp))
+    return replicas
+
+
+def check_replicas(replicas: int, launcher: str) -> None:
+    if replicas > 1 and launcher not in ("local", "ray"):
+        raise LaunchError(f"{replicas} replicas run under the local or Ray launcher; under {launcher} one job "
+                          "serves one engine: start one `atoll serve` per replica")
