@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from atoll.config.speculative import SpeculativeConfig
 from atoll.errors import InputError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -15,6 +16,9 @@ MOE_EXCHANGES = ("auto", "alltoall", "gather")
 COMPILE_POLICIES = ("auto", "always", "never")  # the compiled decode step (engine/step_policy.py)
 # KV cache storage (vLLM's spelling; layers/kv_quant.py): auto keeps the compute dtype; fp8 is fp8_e4m3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# weight quantization (vLLM's --quantization): int8 = weight-only int8 per output row on the CPU
+# (layers/quant_linear.py); fp8 = float8 e4m3 weights in 128 x 128 blocks (layers/fp8_linear.py)
+QUANTIZATIONS = ("int8", "fp8")
 # The rows per ep rank up to which the MoE layer gathers every rank's rows instead of the
 # all-to-all (layers/moe.py; the planner costs the same threshold). Measured on the 2-core
 # CPU over gloo, eager, EP2, all-to-all time over gather time (> 1: gather faster; the
@@ -70,6 +74,10 @@ class EngineConfig:
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the compute dtype), fp8 (= fp8_e4m3) or fp8_e5m2 "
                                        "(no scale), int8 (a float32 scale per token and kv head); "
                                        "layers/kv_quant.py", choices=KV_CACHE_DTYPES)
+    quantization: str | None = _opt(None, "weights: int8 (int8 rows with a bf16 scale each, CPU; "
+                                          "layers/quant_linear.py) or fp8 (e4m3 in 128 x 128 blocks with a float32 "
+                                          "scale each; layers/fp8_linear.py); default: the checkpoint's",
+                                    choices=QUANTIZATIONS)
     kv_cache_gb: float | None = _opt(None, "KV cache per rank in GiB (default: CUDA, from "
                                            "--gpu-memory-utilization; CPU, what the requests need)")
     num_blocks: int | None = _opt(None, "KV cache blocks per rank (instead of --kv-cache-gb)")
@@ -105,15 +113,23 @@ class EngineConfig:
                                  "(env ATOLL_MKL_PACK)")
     collective_timeout_s: float = _opt(120.0, "seconds a collective may wait for a peer before the job fails "
                                               "(env ATOLL_COLLECTIVE_TIMEOUT_S)")
+    speculative_config: SpeculativeConfig | None = _opt(None, "speculative decoding, as vLLM's JSON: "
+                                                             "{\"method\": \"ngram\" or \"layer_skip\", "
+                                                             "\"num_speculative_tokens\": K, ...} "
+                                                             "(config/speculative.py)")
     cache_dir: str | None = _opt(None, "where atoll keeps converted models, compiled graphs (inductor/) and "
                                        "compile times (decode_steps.json) (default ~/.cache/atoll; env ATOLL_CACHE)")
 
     def __post_init__(self):
+        if self.speculative_config is not None:  # JSON text (the CLI's), a dict or a SpeculativeConfig
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name, choices in (("device", DEVICES), ("dispatch", DISPATCH), ("kernels", KERNEL_MODES),
                               ("moe_exchange", MOE_EXCHANGES), ("compile", COMPILE_POLICIES),
                               ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in choices:
                 raise InputError(f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InputError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_blocks",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from atoll.engine.drafters import make_drafter
 from atoll.engine.lanes import Lanes, MicroBatch
 from atoll.engine.request import Request, finish_reason, result_of
 from atoll.engine.sampling import SamplerState, logprob_entry
@@ -36,10 +37,13 @@ class EngineCore:
         spec = self.spec = runner.spec
         self.runner = runner
         self.depth = runner.ctx.layout.pp
+        # speculative decoding (engine.drafters, engine.verify): None when off
+        self.drafter = make_drafter(spec.engine.speculative_config, runner, max_model_len=spec.max_model_len)
+        self.spec_totals = {"steps": 0, "drafted": 0, "accepted": 0}  # verify steps of a sequence, tokens
         self.lanes = Lanes(num_blocks=runner.num_blocks, block_size=spec.engine.block_size,
                            max_num_seqs=spec.engine.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                            max_model_len=spec.max_model_len, depth=self.depth, pipelined=pipelined,
-                           prefix_caching=spec.engine.enable_prefix_caching)
+                           prefix_caching=spec.engine.enable_prefix_caching, drafter=self.drafter)
         self.inflight: deque[MicroBatch | None] = deque()  # inflight[s]: the micro-batch at stage s
         self.results: dict[int, dict] = {}
         self.tick, self.produced = 0, 0
@@ -108,9 +112,19 @@ class EngineCore:
     def _apply(self, mb: MicroBatch, tokens: list[int], logprobs: list | None = None) -> None:
         """The micro-batch's chunks are in the cache; sampling ones take their token."""
         now = time.perf_counter()
-        for i, (c, token) in enumerate(zip(mb.chunks, tokens)):
+        for i, (c, row) in enumerate(zip(mb.chunks, tokens)):
             seq = c.seq
+            taken = [t for t in row if t >= 0] if isinstance(row, list) else [row]
             seq.cached = c.start + c.count
+            if c.draft:  # the accepted drafts stay in the cache; the rejected ones' blocks go back
+                accepted = max(len(taken) - 1, 0)
+                seq.cached -= len(c.draft) - accepted
+                self.lanes.schedulers[seq.lane].pool.trim(seq.blocks, seq.cached)
+                seq.spec_steps += 1
+                seq.spec_drafted += len(c.draft)
+                seq.spec_accepted += accepted
+                for key, n in (("steps", 1), ("drafted", len(c.draft)), ("accepted", accepted)):
+                    self.spec_totals[key] += n
             index = seq.request.index
             if index in self._aborting:
                 self._aborting.discard(index)
@@ -118,15 +132,18 @@ class EngineCore:
                 continue
             if not c.samples:
                 continue  # a prefill chunk short of the last prompt token
-            seq.output.append(token)
-            self.produced += 1
             k = seq.request.params.logprobs
-            self.tokens.append((index, token, logprob_entry(logprobs[i], k) if logprobs and k is not None else None))
-            if len(seq.output) == 1:
-                seq.first_token_at = now
-            if self.on_token is not None:
-                self.on_token(seq, self.started[index])
-            self._settle(seq)
+            for token in taken:  # one token, or a verify step's accepted drafts and the target's own
+                seq.output.append(token)
+                self.produced += 1
+                self.tokens.append((index, token, logprob_entry(logprobs[i], k) if logprobs and k is not None else None))
+                if len(seq.output) == 1:
+                    seq.first_token_at = now
+                if self.on_token is not None:
+                    self.on_token(seq, self.started[index])
+                self._settle(seq)
+                if index not in self.sequences:
+                    break  # it ended: the tokens after its last are dropped
 
     def _settle(self, seq: Sequence) -> None:
         """End the sequence if its last token finishes it."""
@@ -139,6 +156,9 @@ class EngineCore:
         self.lanes.end(seq)
         self.sequences.pop(index, None)
         self.results[index] = result_of(seq, reason, self.started[index], time.perf_counter(), self.tick)
+        if self.drafter is not None:
+            self.results[index]["metrics"] |= {"spec_steps": seq.spec_steps, "spec_drafted": seq.spec_drafted,
+                                               "spec_accepted": seq.spec_accepted}
         if self.on_finish is not None:
             self.on_finish(index, self.results[index])
 

@@ -20,6 +20,7 @@ import torch
 
 from atoll.engine.blocks import BlockPool
 from atoll.engine.sampling import logprob_rows, sample
+from atoll.engine.verify import verify_greedy, verify_sampled
 from atoll.engine.scheduler import Scheduled, Scheduler, Sequence
 from atoll.layers.attention import AttentionMetadata
 
@@ -52,7 +53,7 @@ class MicroBatch:
     def ids(self) -> torch.Tensor:
         """[tokens] every chunk's new tokens, concatenated."""
         if self._ids is None:
-            ids = [t for c in self.chunks for t in c.seq.tokens[c.start:c.start + c.count]]
+            ids = [t for c in self.chunks for t in c.token_ids]
             self._ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self._ids
 
@@ -62,7 +63,18 @@ class MicroBatch:
             chunks = self.chunks
             self._meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],
                                                  [c.count for c in chunks], self.block_size, device=self.device)
+            if self.width > 1:  # the model's logits rows: every position of a verified chunk, not just its last
+                rows, end = [], 0
+                for c in chunks:
+                    end += c.count
+                    rows.extend(range(end - 1 - len(c.draft), end))
+                self._meta._memo["last"] = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self._meta
+
+    @property
+    def width(self) -> int:
+        """Tokens a chunk may take this step: 1, or 1 + the longest draft (speculative verify)."""
+        return 1 + max((len(c.draft) for c in self.chunks), default=0)
 
     @property
     def logprobs_k(self) -> int | None:
@@ -76,6 +88,8 @@ class MicroBatch:
         prompt token, which draws nothing (a seeded sampler's stream does not depend on how
         the prompt was chunked). When a chunk asks for logprobs, self.logprobs holds their
         rows (engine.sampling.logprob_rows)."""
+        if self.width > 1:
+            return self._verify(logits)
         rows = [i for i, c in enumerate(self.chunks) if c.samples]
         if len(rows) == len(self.chunks):  # every chunk samples (all of a decode step): no scatter
             out = sample(logits, [c.seq.state for c in self.chunks])
@@ -90,6 +104,29 @@ class MicroBatch:
         return out
 
 
+    def _verify(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [rows, vocab], a verified chunk's 1 + len(draft) rows, one for any other
+        chunk -> [seqs, width] tokens each sequence takes, -1 padded (engine.verify)."""
+        width, n = self.width, len(self.chunks)
+        at = torch.tensor([[min(j, len(c.draft)) for j in range(width)] for c in self.chunks], dtype=torch.long,
+                          device=logits.device)
+        at += torch.tensor([0] + [1 + len(c.draft) for c in self.chunks[:-1]], device=logits.device).cumsum(0)[:, None]
+        grid = logits[at.view(-1)].view(n, width, -1)  # [seqs, width, vocab]; short drafts repeat their last row
+        drafts = torch.tensor([c.draft + [-1] * (width - 1 - len(c.draft)) for c in self.chunks], dtype=torch.long,
+                              device=logits.device)
+        out = verify_greedy(grid, drafts)
+        for i, c in enumerate(self.chunks):
+            if not c.samples:
+                out[i] = -1  # a prefill chunk short of its last prompt token
+            elif not c.seq.request.params.greedy:
+                out[i] = -1
+                out[i, :1 + len(c.draft)] = verify_sampled(grid[i, :1 + len(c.draft)], c.draft, c.seq.state)
+        k = self.logprobs_k
+        if k is not None:  # a chunk that asks for logprobs drafts nothing: its one row is row 0
+            self.logprobs = logprob_rows(grid[:, 0], out[:, 0], k)
+        return out
+
+
 def lane_count(*, num_blocks: int, block_size: int, max_model_len: int, depth: int, pipelined: bool = True) -> int:
     """depth lanes when pipelined, but no more than the blocks allow while each lane still
     holds one max_model_len sequence; at least one."""
@@ -99,15 +136,18 @@ def lane_count(*, num_blocks: int, block_size: int, max_model_len: int, depth: i
 
 class Lanes:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, depth: int, pipelined: bool = True, prefix_caching: bool = False):
+                 max_model_len: int, depth: int, pipelined: bool = True, prefix_caching: bool = False,
+                 drafter=None):
         """depth: pipeline stages; as many lanes as `lane_count` gives. prefix_caching: each
-        lane's pool keeps its own cache of named blocks (engine.blocks)."""
+        lane's pool keeps its own cache of named blocks (engine.blocks). drafter: speculative
+        tokens for every lane (engine.drafters), or None."""
         count = lane_count(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                            depth=depth, pipelined=pipelined)
         share = num_blocks // count
         self.depth = depth
         self.schedulers = [Scheduler(BlockPool(share, block_size, first=i * share), max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching)
+                                     max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
+                                     drafter=drafter)
                            for i in range(count)]
 
     def __len__(self) -> int:

@@ -86,6 +86,8 @@ class ModelRunner:
         self.decode_step = step_policy.build(self)  # None: every step eager
         self.packer = _packer(self.model, self.ranks_here, spec.engine.mkl_pack) if self.decode_step is None else None
         self.stats: dict = {}
+        speculative = spec.engine.speculative_config
+        self.spec_k = speculative.num_speculative_tokens if speculative is not None else None
 
     def new_cache(self, blocks: int):
         """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind."""
@@ -186,11 +188,16 @@ class ModelRunner:
             return None
         seqs = len(done.chunks)
         self.logprobs = self._logprobs(done, seqs)
+        # [seqs] tokens; with speculation [seqs, 1 + K] (engine.verify), every replica the same width
+        shape = (seqs,) if self.spec_k is None else (seqs, 1 + self.spec_k)
+        if ctx.rank == self.sampler_rank and seqs and tuple(out.shape) != shape:
+            out = _widen(out, shape)
         if ctx.layout.dp == 1:
-            tokens = out if ctx.rank == self.sampler_rank else torch.empty(seqs, dtype=torch.long, device=self.device)
+            tokens = out if ctx.rank == self.sampler_rank else torch.empty(shape, dtype=torch.long, device=self.device)
             return ctx.world.broadcast(tokens, src=self.sampler_rank)
         # each DP replica samples its own sequences; one all_reduce hands every rank its row
-        table = torch.zeros(ctx.layout.dp, self.spec.engine.max_num_seqs, dtype=torch.long, device=self.device)
+        table = torch.zeros(ctx.layout.dp, self.spec.engine.max_num_seqs, *shape[1:], dtype=torch.long,
+                            device=self.device)
         if ctx.rank == self.sampler_rank and seqs:
             table[ctx.coords.dp, :seqs] = out
         return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]
@@ -213,6 +220,17 @@ class ModelRunner:
         if self._sending is not None:
             self._sending.wait()
             self._sending = None
+
+
+def _widen(tokens: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """[seqs] or [seqs, w] sampled tokens as `shape`, -1 padded (a step that verified no draft,
+    or shorter drafts than K)."""
+    out = torch.full(shape, -1, dtype=torch.long, device=tokens.device)
+    if tokens.dim() == 1:
+        out[:, 0] = tokens
+    else:
+        out[:, :tokens.shape[1]] = tokens
+    return out
 
 
 def _packer(model, ranks_here: int, enabled: bool):

@@ -30,6 +30,12 @@ def sample_one(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
     p = state.params
     if p.greedy:
         return logits.argmax()
+    return torch.multinomial(probabilities(logits, p), 1, generator=state.generator)[0]
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits: [vocab] -> the distribution a non-greedy request draws from: temperature, then
+    top-k, then top-p (speculative verification, engine.verify, accepts against the same)."""
     logits = logits.float() / p.temperature
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]  # a 0-d tensor: no host sync
@@ -41,7 +47,7 @@ def sample_one(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
         drop = cum - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=state.generator)[0]
+    return probs
 
 
 def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:

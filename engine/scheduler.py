@@ -40,6 +40,9 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     names: list[bytes] = field(default_factory=list)  # names of its first full blocks of tokens
     named: int = 0  # leading blocks of `blocks` already named (or found) in the pool
+    spec_steps: int = 0  # speculative verify steps it took part in (engine.verify)
+    spec_drafted: int = 0  # tokens drafted for it
+    spec_accepted: int = 0  # drafted tokens the target kept
 
     @property
     def tokens(self) -> list[int]:
@@ -54,18 +57,26 @@ class Sequence:
 class Scheduled:
     seq: Sequence
     start: int  # first position computed this step
-    count: int  # positions computed this step
+    count: int  # positions computed this step, drafted tokens included
+    draft: list[int] = field(default_factory=list)  # speculative tokens after the sequence's last one
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.start + self.count == len(self.seq.tokens)
+        return self.start + self.count - len(self.draft) == len(self.seq.tokens)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids of the chunk's positions: the sequence's tokens, then its draft."""
+        return self.seq.tokens[self.start:self.start + self.count - len(self.draft)] + self.draft
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, drafter=None):
+        """drafter: proposes speculative tokens for decoding sequences (engine.drafters), or None."""
         self.pool = pool
+        self.drafter = drafter
         self.prefix_caching = prefix_caching
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -88,8 +99,8 @@ class Scheduler:
         return seq.names[:blocks]
 
     def _commit(self, chunk: Scheduled) -> Scheduled:
-        """Name the sequence's blocks that the chunk fills."""
-        seq, full = chunk.seq, (chunk.start + chunk.count) // self.pool.block_size
+        """Name the sequence's blocks that the chunk fills (with its real tokens: never a draft)."""
+        seq, full = chunk.seq, (chunk.start + chunk.count - len(chunk.draft)) // self.pool.block_size
         if self.prefix_caching and full > seq.named:
             names = self._names(seq, full)
             for i in range(seq.named, full):
@@ -141,6 +152,8 @@ class Scheduler:
                 continue
             out.append(self._commit(Scheduled(seq, seq.cached, count)))
             budget -= count
+        if self.drafter is not None:
+            budget -= self.drafter.extend(out, self.pool, budget, running=len(self.running))
         # then waiting sequences, strictly in order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

@@ -1,0 +1,83 @@
+"""SpeculativeConfig: speculative decoding's options, spelled as vLLM's `--speculative-config`
+JSON so a vLLM user's settings carry over.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 8}
+
+`ngram` drafts by prompt lookup: the tokens that followed the last earlier occurrence of the
+sequence's final n tokens (n from prompt_lookup_max down to prompt_lookup_min). `layer_skip`
+drafts with the target model's own first `num_layers` layers and its LM head (a self-draft:
+no second model, and no cache of its own, since those layers' keys and values are the
+target's). A separate draft model ("model") and DeepSeek-V3's MTP layer ("deepseek_mtp") are
+recognised and refused with a clear message: they are not built yet.
+
+disable_by_batch_size (vLLM's spelling): a step drafts nothing when its lane runs at least
+this many sequences, since at large batch the verify forward is no longer nearly free.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from atoll.errors import InputError
+
+METHODS = ("ngram", "layer_skip")
+NOT_BUILT = ("draft_model", "deepseek_mtp", "eagle", "eagle3", "medusa", "mlp_speculator")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    num_layers: int | None = None  # layer_skip: the target's first layers the draft runs (default: a quarter)
+    disable_by_batch_size: int | None = None
+    model: str | None = None  # a separate draft model (not built yet)
+    draft_tensor_parallel_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            if self.method in NOT_BUILT:
+                raise InputError(f"speculative method {self.method!r} is not built yet: use one of "
+                                 f"{', '.join(METHODS)}")
+            raise InputError(f"unknown speculative method {self.method!r}: use one of {', '.join(METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_layers",
+                     "disable_by_batch_size", "draft_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is None and name not in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"speculative {name}={value!r} must be a whole number of at least 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InputError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig":
+        """From a SpeculativeConfig, a dict, or its JSON text (the CLI's); one clear line on bad input."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InputError(f"--speculative-config is not JSON: {e.msg} at character {e.pos}") from None
+        if not isinstance(value, dict):
+            raise InputError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = dict(value)
+        if "model" in value and value.get("method") in (None, "draft_model"):
+            raise InputError("speculative decoding with a separate draft model is not built yet: use "
+                             f"method {' or '.join(METHODS)}")
+        if "method" not in value:
+            raise InputError(f"speculative_config needs a \"method\": one of {', '.join(METHODS)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InputError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        return cls(**value)

@@ -1,0 +1,130 @@
+"""Drafters: where speculative tokens come from. The scheduler hands a drafter its decoding
+chunks after scheduling the running sequences; the drafter extends each with up to K drafted
+tokens (growing its block table for them), so the step's one forward verifies them
+(engine.verify). Every rank of a replica drafts the same tokens: the n-gram drafter reads
+only the tokens, and the self-draft runs the same forward on every rank of its TP group.
+
+- NgramDrafter: prompt lookup. The sequence's last n tokens (n from prompt_lookup_max down to
+  prompt_lookup_min) are searched for earlier in its tokens, latest occurrence first; the
+  tokens that followed it are the draft. No model, no cache.
+- LayerSkipDrafter: the target's own first `num_layers` layers, its final norm and LM head,
+  run K times one token at a time (greedy). It writes those layers' keys and values into
+  the target's own cache at the drafted positions; the verify forward then overwrites them
+  with the same layers' values, so the draft needs no cache of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atoll.config.speculative import SpeculativeConfig
+from atoll.errors import InputError
+
+
+class Drafter:
+    """What every drafter shares: which chunks get a draft, and how long it may be."""
+
+    def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int):
+        self.cfg, self.max_model_len = cfg, max_model_len
+
+    def extend(self, chunks, pool, budget: int, *, running: int) -> int:
+        """Adds a draft to each decoding chunk that takes one; returns the tokens added (the
+        step's token budget pays for them). A draft never runs past max_tokens or
+        max_model_len, and a chunk whose draft finds no free block goes without one."""
+        cfg = self.cfg
+        if cfg.disable_by_batch_size is not None and running >= cfg.disable_by_batch_size:
+            return 0
+        wants = []
+        for c in chunks:
+            seq, params = c.seq, c.seq.request.params
+            if c.count != 1 or not c.samples or params.logprobs is not None:
+                continue  # a prefill chunk, or a request that asks for logprobs (given per plain step)
+            k = min(cfg.k, budget, self.max_model_len - len(seq.tokens) - 1, params.max_tokens - len(seq.output) - 1)
+            if k < 1 or not pool.grow(seq.blocks, c.start + 1 + k):
+                continue
+            budget -= k
+            wants.append((c, k))
+        if not wants:
+            return 0
+        used = 0
+        for (c, k), draft in zip(wants, self.propose([(c.seq, k) for c, k in wants])):
+            c.draft = list(draft[:k])
+            c.count += len(c.draft)
+            used += len(c.draft)
+            pool.trim(c.seq.blocks, c.start + c.count)  # the blocks a shorter draft left unused
+        return used
+
+    def propose(self, wants: list[tuple]) -> list[list[int]]:
+        """[(sequence, k)] -> each sequence's draft, at most k tokens (maybe none)."""
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    def propose(self, wants):
+        lo, hi = self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max
+        return [ngram_lookup(seq.tokens, lo, hi, k) for seq, k in wants]
+
+
+def ngram_lookup(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """The k tokens that followed the latest earlier occurrence of the last n tokens, for the
+    longest n in hi..lo that occurs; [] when none does."""
+    size = len(tokens)
+    for n in range(min(hi, size - 1), lo - 1, -1):
+        pattern = tokens[size - n:]
+        first = pattern[0]
+        for i in range(size - n - 1, -1, -1):
+            if tokens[i] == first and tokens[i:i + n] == pattern:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+class LayerSkipDrafter(Drafter):
+    def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int, runner):
+        super().__init__(cfg, max_model_len=max_model_len)
+        model, layout = runner.model, runner.ctx.layout
+        if layout.pp > 1 or layout.dp > 1:
+            raise InputError(f"speculative method layer_skip runs on one pipeline stage and one DP replica; "
+                             f"the layout is {layout}")
+        total = len(model.model.layers)
+        self.num_layers = cfg.num_layers or max(1, total // 4)
+        if self.num_layers >= total:
+            raise InputError(f"speculative num_layers={self.num_layers} must be below the model's "
+                             f"{total} layers")
+        self.runner = runner
+
+    @torch.inference_mode()
+    def propose(self, wants):
+        from atoll.layers.attention import AttentionMetadata
+
+        runner = self.runner
+        seqs = [seq for seq, _ in wants]
+        ks = [k for _, k in wants]
+        drafts: list[list[int]] = [[] for _ in wants]
+        last = [seq.tokens[-1] for seq in seqs]  # each one's pending token, at position seq.cached
+        for step in range(max(ks)):
+            live = [i for i, k in enumerate(ks) if k > step]
+            meta = AttentionMetadata.build([seqs[i].blocks for i in live], [seqs[i].cached + step for i in live],
+                                           [1] * len(live), runner.spec.engine.block_size, device=runner.device)
+            ids = torch.tensor([last[i] for i in live], dtype=torch.long, device=runner.device)
+            tokens = self.forward(ids, meta).argmax(-1).tolist()
+            for i, t in zip(live, tokens):
+                drafts[i].append(t)
+                last[i] = t
+        return drafts
+
+    def forward(self, ids: torch.Tensor, meta) -> torch.Tensor:
+        """ids: [seqs] one token each -> logits [seqs, vocab] from the first num_layers layers."""
+        model, cache = self.runner.model, self.runner.cache
+        h, residual = model.model.embed_tokens(ids), None
+        for j, layer in enumerate(list(model.model.layers.values())[:self.num_layers]):
+            h, residual = layer(h, residual, meta, cache.k[j], cache.v[j])
+        norm = model.model.norm
+        return model.lm_head(norm(h, residual=residual) if residual is not None else norm(h))
+
+
+def make_drafter(cfg: SpeculativeConfig | None, runner, *, max_model_len: int) -> Drafter | None:
+    if cfg is None:
+        return None
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg, max_model_len=max_model_len)
+    return LayerSkipDrafter(cfg, max_model_len=max_model_len, runner=runner)
