@@ -15,7 +15,9 @@ runs the same requests through LLM.generate in this process, first, then on the 
 --rounds rounds (the order alternating), and prints both output throughputs and the ratio of
 their medians (bench/serve_compare.py); the full figures are the first round's. --scenario
 long-prompt: the streams' ITL while a long prompt arrives, with the default chunk budget and
-without chunking (bench/serve_scenario.py). The 1-minute load average is read before,
+without chunking (bench/serve_scenario.py). --scenario routing: cache-aware routing against
+round-robin over --data-parallel-size replicas, on requests sharing --system-prompts
+prefixes (bench/serve_routing.py). The 1-minute load average is read before,
 between and after the rounds.
 """
 
@@ -27,7 +29,7 @@ import math
 from atoll.bench.harness import Run, sig
 from atoll.errors import ConfigError
 
-SCENARIOS = ("load", "long-prompt")
+SCENARIOS = ("load", "long-prompt", "routing")
 
 
 def add_parser(sub) -> None:
@@ -41,7 +43,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint dir the server serves (default: the demo model, SmolLM2-135M); its config "
                         "gives the vocabulary and the planner's shapes")
-    p.add_argument("--scenario", choices=SCENARIOS, default="load", help="load (default) or long-prompt")
+    p.add_argument("--scenario", choices=SCENARIOS, default="load",
+                   help="load (default), long-prompt, or routing (cache-aware against round-robin replicas)")
     p.add_argument("--num-prompts", type=int, default=50, help="requests (default 50)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second (default inf: all at once)")
@@ -74,6 +77,9 @@ def add_parser(sub) -> None:
     p.add_argument("--long-len", type=int, default=4096, help="long-prompt: its tokens (default 4096)")
     p.add_argument("--long-after", type=int, default=8,
                    help="long-prompt: sent once every stream has had this many chunks (default 8)")
+    p.add_argument("--system-prompts", type=int, default=8,
+                   help="routing: shared prompts of --input-len tokens the requests start with (default 8)")
+    p.add_argument("--user-len", type=int, default=32, help="routing: each request's own tokens after it (default 32)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a round may take (default 900)")
     p.add_argument("--server-timeout", type=float, default=300.0,
                    help="seconds a started server may take to answer /health (default 300)")
@@ -114,6 +120,12 @@ def run(args) -> int:
             result = run_long_prompt(args, bench, bench.model, config.vocab_size, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_long)
             return 0
+        if args.scenario == "routing":
+            from atoll.bench.serve_routing import render as render_routing, run_routing
+
+            result = run_routing(args, bench, bench.model, config.vocab_size, percentiles)
+            bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_routing)
+            return 1 if result["cache_aware"]["failed"] or result["round_robin"]["failed"] else 0
         result = run_load(args, bench, config, slos, percentiles)
     bench.emit(result, as_json=args.json, render=render)
     failed = result["serve"]["failed"]
