@@ -68,17 +68,24 @@ def route(requests: list[Request], *, min_tokens: int, block_size: int, prefix_c
     seen: list[set[bytes]] = [set() for _ in range(dp)]
     for position, r in enumerate(requests):
         d = replica[r.index] = position % dp
-        ids, hits, parent = r.prompt_token_ids, 0, None
-        names = []
-        for i in range((len(ids) - 1) // block_size):  # never the last token's block (scheduler._admit)
-            parent = block_hash(parent, ids[i * block_size:(i + 1) * block_size])
-            names.append(parent)
-        if prefix_caching:
-            while hits < len(names) and names[hits] in seen[d]:
-                hits += 1
-            seen[d].update(names)
-        (local if len(ids) - hits * block_size < min_tokens else remote).append(r)
+        new = uncached_tokens(r.prompt_token_ids, seen[d], block_size=block_size, prefix_caching=prefix_caching)
+        (local if new < min_tokens else remote).append(r)
     return remote, local, replica
+
+
+def uncached_tokens(ids: list[int], seen: set[bytes], *, block_size: int, prefix_caching: bool) -> int:
+    """The prompt tokens an engine that has seen the blocks named in `seen` still computes,
+    and `ids`' full blocks added to `seen` (with prefix caching). Never the last token's
+    block (scheduler._admit): it is computed for the first token."""
+    hits, parent, names = 0, None, []
+    for i in range((len(ids) - 1) // block_size):
+        parent = block_hash(parent, ids[i * block_size:(i + 1) * block_size])
+        names.append(parent)
+    if prefix_caching:
+        while hits < len(names) and names[hits] in seen:
+            hits += 1
+        seen.update(names)
+    return len(ids) - hits * block_size
 
 
 def disagg_worker(rank: int, world_size: int, job: Job, device: str = "cpu"):

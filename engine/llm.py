@@ -13,6 +13,7 @@ import torch
 
 from atoll import config
 from atoll.engine.disagg import generate_disagg
+from atoll.engine.disagg_online import DisaggEngine, disagg_job
 from atoll.engine.kv_sizing import check_fits, explicit_blocks
 from atoll.engine.lanes import lane_count
 from atoll.engine.living import engine_spec, lane_load, run_through
@@ -23,6 +24,7 @@ from atoll.engine.sampling import SamplingParams
 from atoll.engine.tokenizer import Tokenizer
 from atoll.engine.worker import generate_worker
 from atoll.errors import CheckpointError, ConfigError, InputError, LaunchError, LayoutError
+from atoll.models import quantize
 from atoll.models.cache_bytes import kv_bytes_per_block
 from atoll.models.checkpoint import Checkpoint
 from atoll.models.config import ModelConfig
@@ -135,6 +137,7 @@ class LLM:
                               f"models; for {self.config.model_type} run replicas of a tp/pp layout")
         Checkpoint(self.model_dir).check()
         check_layout_fits(self.model_dir, self.config, self.layout)  # shapes, before any rank starts
+        quantize.check(self.options.quantization, self.config, self.options.device)
         o = self.options
         self.device, self.dtype = o.device, o.dtype
         self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size
@@ -284,8 +287,10 @@ class LLM:
     @property
     def living(self) -> bool:
         """Whether this LLM keeps its ranks between calls: its launcher can start a lasting
-        job (launch.api's launchers can) and it is not disaggregated (one job per call)."""
-        return hasattr(self.launcher, "start") and self.prefill_layout is None
+        job (launch.api's launchers can; a disaggregated one, the local launcher only)."""
+        if self.prefill_layout is not None:
+            return getattr(self.launcher, "disaggregates", False)
+        return hasattr(self.launcher, "start")
 
     def start(self, requests=None, *, parallel: ContextOptions | None = None) -> OnlineEngine:
         """The living engine, started (ranks spawned, weights loaded) on first use and kept
@@ -294,8 +299,12 @@ class LLM:
             return self._engine
         if not self.living:
             raise LaunchError("this LLM's launcher runs one job per call (no start()); use atoll.LLM's launchers")
-        engine = OnlineEngine(engine_spec(self, requests), world_size=self.layout.world_size,
-                              launcher=self.launcher, parallel=parallel or self.context_options())
+        if self.prefill_layout is not None:
+            engine = DisaggEngine(disagg_job(self, requests), launcher=self.launcher,
+                                  min_prompt_tokens=self.options.disagg_min_prompt_tokens)
+        else:
+            engine = OnlineEngine(engine_spec(self, requests), world_size=self.layout.world_size,
+                                  launcher=self.launcher, parallel=parallel or self.context_options())
         self._engine = engine
         self._finalizer = weakref.finalize(self, engine.close)  # at garbage collection and at exit
         return engine
@@ -325,11 +334,11 @@ class LLM:
     def generate_requests(self, requests, *, timeout_s: float | None = None, on_result=None, on_step=None,
                           parallel: ContextOptions | None = None) -> list:
         """prepare()'s requests run to the end: one result dict per request, in order."""
-        if self.prefill_layout is not None:
-            return generate_disagg(self, requests, timeout_s=timeout_s)
         if self.living:
             return run_through(self.start(requests, parallel=parallel), requests, timeout_s=timeout_s, on_result=on_result,
                                on_step=on_step)
+        if self.prefill_layout is not None:
+            return generate_disagg(self, requests, timeout_s=timeout_s)
         return self.run(generate_worker, self.layout.world_size, self.spec(requests), requests, timeout_s=timeout_s,
                         parallel=parallel or self.context_options())[0]
 

@@ -37,8 +37,7 @@ class OnlineEngine:
     def __init__(self, spec: RunSpec, *, world_size: int, launcher, parallel=None, ready_timeout_s: float = 900):
         self.spec = spec
         self._inbox, self._outbox = launcher.channel(), launcher.channel()
-        self.job = launcher.start(serve_worker, world_size, spec, self._inbox, self._outbox, parallel=parallel,
-                                  device=spec.engine.device)
+        self.job = self._start(launcher, world_size, parallel)
         self._lock = threading.Lock()
         self._sinks: dict[int, object] = {}
         self._replica: dict[int, int] = {}
@@ -52,6 +51,7 @@ class OnlineEngine:
             self.job.stop()
             raise
         self._load = [0] * self.info["replicas"]
+        self._ready()
         self._thread = threading.Thread(target=self._pump, daemon=True, name="atoll-engine")
         self._thread.start()
 
@@ -61,6 +61,32 @@ class OnlineEngine:
 
     def new_id(self) -> int:
         return next(self._ids)
+
+    def _start(self, launcher, world_size: int, parallel):
+        """The ranks' job (a subclass runs other workers)."""
+        return launcher.start(serve_worker, world_size, self.spec, self._inbox, self._outbox, parallel=parallel,
+                              device=self.spec.engine.device)
+
+    def _ready(self) -> None:
+        """Once the ranks are ready, before the pump starts (a subclass sets up its state)."""
+
+    def _handle(self, msg) -> None:
+        """One message from the ranks other than "step" (a subclass has more)."""
+
+    def _describe(self, e: AtollError) -> str:
+        """The line a failure of the job ends every request with."""
+        return str(e)
+
+    def _take_stats(self, stats: dict, engine: str | None) -> None:
+        self.stats = stats
+
+    def _stop_ranks(self) -> None:
+        self._inbox.put(("stop",))
+
+    @property
+    def _stopped(self) -> bool:
+        """While closing: whether every rank has been told to stop and nothing more comes."""
+        return True
 
     def submit(self, request: Request, sink) -> None:
         """Queue `request` (its index from new_id) for the ranks; `sink` gets its events."""
@@ -92,7 +118,7 @@ class OnlineEngine:
                 return
             self._closing = True
         try:
-            self._inbox.put(("stop",))
+            self._stop_ranks()
         except (OSError, ValueError):  # the queue is already gone
             pass
         if self._thread.is_alive():
@@ -106,8 +132,12 @@ class OnlineEngine:
             self.job.stop()
             self._fail("the engine was shut down")
 
+    _engines = 1  # "ready" messages to wait for: one per engine in the job
+
     def _wait_ready(self, timeout_s: float) -> dict:
+        """The last engine's "ready" info (a disaggregated job's decode engine)."""
         deadline = time.monotonic() + timeout_s
+        infos = []
         while True:
             self.job.check(wait_s=0.05)  # a rank that failed while loading raises here
             try:
@@ -115,7 +145,9 @@ class OnlineEngine:
             except queue.Empty:
                 msg = None
             if msg is not None and msg[0] == "ready":
-                return msg[1]
+                infos.append(msg[1])
+                if len(infos) == self._engines:
+                    return next((i for i in infos if i.get("engine") != "prefill"), infos[-1])
             if time.monotonic() > deadline:
                 raise LaunchError(f"the engine's ranks were not ready within {timeout_s:.0f} s")
 
@@ -127,18 +159,21 @@ class OnlineEngine:
                 msg = None
             except (OSError, EOFError, ValueError):
                 msg = None
-            if msg is not None and msg[0] == "step":
-                self._deliver(*msg[1:])
-            if self._closing and msg is None:
+            if msg is not None:
+                if msg[0] == "step":
+                    self._deliver(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)
+                else:
+                    self._handle(msg)
+            if self._closing and msg is None and self._stopped:
                 return
             if not self._closing:
                 try:
                     self.job.check()
                 except AtollError as e:
-                    self._fail(str(e))
+                    self._fail(self._describe(e))
                     return
 
-    def _deliver(self, tokens, finished, stats) -> None:
+    def _deliver(self, tokens, finished, stats, engine: str | None = None) -> None:
         with self._lock:
             sinks = dict(self._sinks)
             for index, _ in finished:
@@ -147,7 +182,7 @@ class OnlineEngine:
                 if replica is not None:
                     self._load[replica] -= 1
             if stats is not None:
-                self.stats = stats
+                self._take_stats(stats, engine)
         for index, token, *logprobs in tokens:
             sink = sinks.get(index)
             if sink is not None:

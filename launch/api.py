@@ -28,6 +28,7 @@ class LocalLauncher:
         return LocalJob(fn, world_size, *args, **kwargs)
 
     channel = staticmethod(channel)
+    disaggregates = True  # a living disaggregated engine's two engines are one job here
 
 
 class RayLauncher:
