@@ -14,6 +14,7 @@ from atoll.config import EngineConfig
 from atoll.kernels import backend
 from atoll.models.cache_bytes import kv_bytes_per_block, make_cache
 from atoll.models import ModelConfig, build_model
+from atoll.models import quantize
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.parallel.mesh import ParallelContext
 
@@ -70,6 +71,7 @@ class ModelRunner:
         self.checkpoint = Checkpoint(spec.model_dir)
         # each slice goes to the device as it is read; every rank checks that some rank read each tensor
         load_weights(self.model, self.checkpoint, world=ctx.world)
+        quantize.apply(self.model, spec.engine.quantization)  # --quantization: int8/fp8 weights (models/quantize.py)
         self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.engine.block_size,
                                                   kv_cache_dtype=spec.engine.kv_cache_dtype)
         self.num_blocks = self._size_cache()

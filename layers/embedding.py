@@ -23,6 +23,7 @@ class _VocabShard(nn.Module):
         self.weight = _param(self.per_rank, hidden, dtype=dtype)
         self.weight.weight_loader = self._load
         self.weight.data.zero_()
+        self.register_buffer("weight_scale", None)  # the LM head's int8 per-row scales (layers.quant_linear)
 
     def _load(self, param, src, shard=None):
         param.data.zero_()
@@ -44,5 +45,5 @@ class VocabParallelEmbedding(_VocabShard):
 
 class ParallelLMHead(_VocabShard):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = linear(x, self.weight)  # [tokens, vocab/tp (padded)]
+        logits = linear(x, self.weight, scale=self.weight_scale)  # [tokens, vocab/tp (padded)]
         return self.group.all_gather(logits, dim=-1)[..., : self.vocab_size]  # [tokens, vocab]

@@ -18,9 +18,15 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from atoll.layers.quant_linear import int8_linear
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the weight's packed copy when it was packed for x's row count."""
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the weight's packed copy when it was packed for x's row count; an
+    int8 weight with its per-row `scale` through layers.quant_linear."""
+    if scale is not None:
+        return int8_linear(x, weight, scale, bias)
     if x.dim() == 2 and x.device.type == "cpu" and torch.compiler.is_compiling():
         if x.shape[0] == 1:
             return row_product(x, weight, bias)
