@@ -1,0 +1,221 @@
+"""Speculative decoding (engine.drafters, engine.verify): greedy tokens identical to
+transformers with n-gram and layer-skip drafts at TP1, TP2 and PP2; every block back in the
+pool after many rejections and the prefix cache's hits unchanged; the speculative-sampling
+rule keeps the target's distribution (chi-square tests, shown to fail under a wrong rule);
+seeded sampling reproducible; bad configs refused in one line."""
+
+import pytest
+import torch
+from reference import reference_tokens
+from scipy.stats import chi2_contingency, chisquare
+
+from atoll import LLM, SamplingParams
+from atoll.config import EngineConfig
+from atoll.engine import verify
+from atoll.engine.drafters import ngram_lookup
+from atoll.engine.generate import Request, run_requests
+from atoll.engine.runner import ModelRunner
+from atoll.engine.sampling import SamplerState, probabilities
+from atoll.errors import InputError
+from atoll.parallel.mesh import ParallelContext
+
+# repeated runs in the prompts give the n-gram drafter something to find (and the random
+# model mostly rejects it); 32 new tokens with K=3 mix acceptances and rejections
+PROMPTS = [[5, 7, 9, 11, 13] * 3, [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8] * 2, [250]]
+NEW = 32
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+SKIP = {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 2}
+GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_model):
+    d = tiny_model("llama", num_hidden_layers=4)
+    return d, reference_tokens(d, PROMPTS, NEW)
+
+
+def _in_process(model_dir, prompts, params, **options):
+    """One rank in this process (so a test can patch the rule); the results and the runner."""
+    llm = LLM(model_dir, **options)
+    requests = llm.prepare(prompts, params)
+    runner = ModelRunner(llm.spec(requests), ParallelContext.single())
+    return run_requests(runner, requests), runner
+
+
+def _spec_counts(outs):
+    m = [o.metrics if hasattr(o, "metrics") else o["metrics"] for o in outs]
+    return sum(x["spec_drafted"] for x in m), sum(x["spec_accepted"] for x in m)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", [NGRAM, SKIP], ids=["ngram", "layer_skip"])
+def test_greedy_tp1_in_process(dense, method):
+    model_dir, expected = dense
+    results, runner = _in_process(model_dir, PROMPTS, GREEDY, speculative_config=method, block_size=4)
+    assert [r["token_ids"] for r in results] == expected
+    drafted, accepted = _spec_counts(results)
+    assert 0 < accepted < drafted  # both acceptances and rejections happened
+    assert runner.stats["blocks_held"] == 0  # rejected drafts' blocks came back
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout,method", [("TP2", NGRAM), ("PP2", NGRAM), ("TP2", SKIP)],
+                         ids=["TP2-ngram", "PP2-ngram", "TP2-layer_skip"])
+def test_greedy_matches_transformers(dense, layout, method):
+    model_dir, expected = dense
+    outs = LLM(model_dir, layout=layout, speculative_config=method).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    drafted, accepted = _spec_counts(outs)
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.timeout(300)
+def test_prefix_cache_hits_unchanged(dense):
+    """A later request whose prompt is an earlier one's prompt and output finds as many cached
+    tokens with speculation as without: drafts never name a block, accepted tokens do."""
+    model_dir, expected = dense
+    first = PROMPTS[2]
+    later = first + expected[2][:21] + [3]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def hits(spec):
+        llm = LLM(model_dir, block_size=4, speculative_config=spec)
+        reqs = [Request(0, first, GREEDY), Request(1, later, params, arrival_step=60)]
+        runner = ModelRunner(llm.spec(reqs), ParallelContext.single())
+        results = run_requests(runner, reqs)
+        assert runner.stats["blocks_held"] == 0
+        return [r["metrics"]["cached_tokens"] for r in results], results
+
+    (on, r_on), (off, r_off) = hits(NGRAM), hits(None)
+    assert on == off and on[1] >= 36
+    assert [r["token_ids"] for r in r_on] == [r["token_ids"] for r in r_off]
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 1, 3, 2) == [8, 1]
+    assert ngram_lookup([4, 5, 6, 4, 5], 2, 2, 3) == [6, 4, 5]
+    assert ngram_lookup([1, 2, 3], 1, 3, 2) == []
+
+
+# --- the sampling rule ---------------------------------------------------------------------
+VOCAB = 5
+SAMPLES = 6000
+ALPHA = 1e-3  # the p-value below which a test says "not the target's distribution"
+
+
+def _logits():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(3, VOCAB, generator=g) * 1.5  # positions 0, 1 and the bonus position
+
+
+def _draws(params, draft=(1, 2)):
+    """SAMPLES verify steps over fixed logits: the first token taken, and the second where the
+    first was the draft's (then it is drawn from position 1's distribution)."""
+    logits = _logits()
+    state = SamplerState(SamplingParams(**params, seed=11))
+    first, second = [], []
+    for _ in range(SAMPLES):
+        out = verify.verify_sampled(logits, list(draft), state).tolist()
+        first.append(out[0])
+        if out[0] == draft[0] and out[1] >= 0:  # (a wrong rule may draw the rejected draft again)
+            second.append(out[1])
+    return logits, first, second
+
+
+def _pvalues(params):
+    logits, first, second = _draws(params)
+    sp = SamplingParams(**params)
+    out = []
+    for row, drawn in ((0, first), (1, second)):
+        p = probabilities(logits[row], sp).double()
+        counts = torch.bincount(torch.tensor(drawn), minlength=VOCAB).double()
+        keep = p > 0
+        assert counts[~keep].sum() == 0  # never a token top-k / top-p removed
+        out.append(chisquare(counts[keep].numpy(), (p[keep] / p[keep].sum() * counts.sum()).numpy()).pvalue)
+    return out
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=3),
+                                    dict(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """Chi-square goodness of fit, SAMPLES draws, threshold ALPHA, for the token taken at the
+    first drafted position and at the second."""
+    assert min(_pvalues(params)) > ALPHA
+
+
+@pytest.mark.parametrize("wrong", ["accept_always", "sqrt_accept", "residual_keeps_draft"])
+def test_the_distribution_test_bites(monkeypatch, wrong):
+    """The same test with acceptance computed wrongly rejects at the same threshold."""
+    if wrong == "accept_always":
+        monkeypatch.setattr(verify, "accept_probability", lambda p, t: torch.tensor(1.0))
+    elif wrong == "sqrt_accept":
+        monkeypatch.setattr(verify, "accept_probability", lambda p, t: p[t].sqrt())
+    else:
+        monkeypatch.setattr(verify, "residual", lambda p, t: p)
+    assert min(_pvalues(dict(temperature=1.0))) < ALPHA
+
+
+@pytest.mark.timeout(300)
+def test_engine_sampling_matches_plain_sampling(tiny_model, monkeypatch):
+    """A 6-token-vocabulary model, every token in the prompt so the n-gram drafter always
+    drafts: the joint distribution of the first token (plain sampling) and the second (the
+    first verify step's), with speculation and without, 800 seeded requests each; chi-square
+    test of homogeneity at ALPHA. The same test under a wrong rule (a rejected draft may be
+    drawn again) fails."""
+    d = tiny_model("llama", vocab_size=6, num_hidden_layers=2, initializer_range=0.05)
+    prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
+    n = 800
+    reqs = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
+
+    def joint(spec):
+        llm = LLM(d, max_num_seqs=n, speculative_config=spec)
+        requests = [Request(i, prompt, p) for i, p in enumerate(reqs)]
+        runner = ModelRunner(llm.spec(requests), ParallelContext.single())
+        results = run_requests(runner, requests)
+        return [tuple(r["token_ids"][:2]) for r in results], results
+
+    def pvalue(a, b):
+        cats = sorted(set(a) | set(b))
+        table = [[a.count(c) for c in cats], [b.count(c) for c in cats]]
+        keep = [j for j in range(len(cats)) if table[0][j] + table[1][j] >= 10]
+        return chi2_contingency([[row[j] for j in keep] for row in table]).pvalue
+
+    plain, _ = joint(None)
+    spec, results = joint(dict(NGRAM, num_speculative_tokens=1))
+    assert _spec_counts(results)[0] >= n  # every request drafted
+    assert pvalue(plain, spec) > ALPHA
+    monkeypatch.setattr(verify, "residual", lambda p, t: p)
+    wrong, _ = joint(dict(NGRAM, num_speculative_tokens=1))
+    assert pvalue(plain, wrong) < ALPHA
+
+
+@pytest.mark.timeout(300)
+def test_seeded_sampling_reproducible(dense):
+    model_dir, _ = dense
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, seed=5, ignore_eos=True)
+    a, _ = _in_process(model_dir, PROMPTS[:2], params, speculative_config=NGRAM)
+    b, _ = _in_process(model_dir, PROMPTS[:2], params, speculative_config=NGRAM)
+    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+
+
+def test_disable_by_batch_size(dense):
+    model_dir, expected = dense
+    off = dict(NGRAM, disable_by_batch_size=4)  # 4 prompts: never drafts
+    results, _ = _in_process(model_dir, PROMPTS, GREEDY, speculative_config=off)
+    assert [r["token_ids"] for r in results] == expected
+    assert _spec_counts(results) == (0, 0)
+
+
+@pytest.mark.parametrize("bad,says", [
+    ('{"method": "medusa2"}', "unknown speculative method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
+    ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min=4"),
+    ('{"method": "ngram", "k": 3}', "unknown key 'k'"),
+    ('{"model": "/some/draft"}', "draft model is not built yet"),
+    ('{"method": "deepseek_mtp"}', "not built yet"),
+    ("ngram", "not JSON"),
+])
+def test_bad_config_one_line(bad, says):
+    with pytest.raises(InputError, match=says) as e:
+        EngineConfig(speculative_config=bad)
+    assert "\n" not in str(e.value)
