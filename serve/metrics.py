@@ -31,6 +31,8 @@ DESCRIPTIONS = {
     "generation_tokens_total": "tokens generated",
     "requests_finished_total": "requests that ended, by finish_reason (stop, length, abort)",
     "requests_failed_total": "requests answered with an error, by reason (invalid, rejected, engine, shutdown)",
+    "disagg_requests_total": "disaggregated serving: requests that ended, by the engine that computed their "
+                             "prompt (prefill: the prefill engine, its KV sent; decode: the decode engine itself)",
 }
 
 
@@ -51,6 +53,7 @@ class Metrics:
         self.finished = Counter(f"{PREFIX}_requests_finished", d["requests_finished_total"], ["finish_reason"],
                                 registry=r)
         self.failed = Counter(f"{PREFIX}_requests_failed", d["requests_failed_total"], ["reason"], registry=r)
+        self.disagg = Counter(f"{PREFIX}_disagg_requests", d["disagg_requests_total"], ["path"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(reason)
         for reason in ("invalid", "rejected", "engine", "shutdown"):
@@ -73,6 +76,8 @@ class Metrics:
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)
         self.finished.labels(result.get("finish_reason") or "abort").inc()
+        if "prefilled_on" in m:
+            self.disagg.labels(m["prefilled_on"]).inc()
         self.e2e.observe(now - arrived)
 
     def render(self) -> tuple[bytes, str]:
