@@ -83,6 +83,22 @@ class DecodeStep:
         meta = StaticDecode(positions, (block, offset), tables, lengths, self.block_size)
         return self.model(x, meta, self.cache)
 
+    @torch.inference_mode()  # as the runner's tick: the graph's guards include it
+    def warm_up(self) -> None:
+        """Run the step once on one padding row (positions in the scratch block), so that a
+        living engine compiles or captures its first graph before it says it is ready, not
+        on its first request. Every rank of a TP group calls it together (its collectives)."""
+        from atoll.config.sampling import SamplingParams
+        from atoll.engine.lanes import MicroBatch
+        from atoll.engine.request import Request
+        from atoll.engine.scheduler import Scheduled, Sequence
+
+        seq = Sequence(Request(-1, [0], SamplingParams(max_tokens=2)), None, output=[0], blocks=[self.scratch],
+                       cached=1)
+        mb = MicroBatch.of([Scheduled(seq, 1, 1)], self.block_size, device=self.device)
+        x = None if self.first_stage else torch.zeros(1, self.hidden, dtype=self.dtype, device=self.device)
+        self(x, mb)
+
     @property
     def buckets_run(self) -> list[int]:
         return sorted(self._used)

@@ -63,6 +63,9 @@ class ServeLoop:
         self.first = self.group.rank == 0  # talks to the driver
 
     def ready(self) -> None:
+        """Compile (or capture) the decode step now, then tell the driver the ranks are ready."""
+        if self.runner.decode_step is not None:
+            self.runner.decode_step.warm_up()
         if self.first:
             spec, layout = self.runner.spec, self.ctx.layout
             self.outbox.put(("ready", {"num_blocks": self.runner.num_blocks, "block_size": spec.engine.block_size,

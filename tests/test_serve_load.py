@@ -76,6 +76,13 @@ def test_a_shared_system_prompt_is_cached_across_requests(server):
     assert statistics.median(t for t, _ in warm) < statistics.median(t for t, _ in cold)
 
 
+def test_the_decode_step_is_compiled_before_the_server_says_it_is_ready(server):
+    """The first request does not wait for a compile: the ranks compile before "ready"."""
+    log = server.text()
+    assert "compiled the decode step" in log, log
+    assert log.index("compiled the decode step") < log.index(f"serving {NAME} on"), log
+
+
 @pytest.mark.timeout(120)
 def test_a_kept_alive_connection_answers_without_waiting_for_a_delayed_ack(server):
     """With Nagle's algorithm on the server's sockets, a response's body waited for the client's
