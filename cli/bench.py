@@ -23,6 +23,7 @@ BENCHES = {
     "disagg": "atoll.bench.disagg",
     "serve": "atoll.bench.serve",
     "startup": "atoll.bench.startup",
+    "spec": "atoll.bench.spec",
 }
 
 

@@ -8,6 +8,7 @@ import time
 from atoll import config
 from atoll.cli.progress import ProgressBar
 from atoll.config.sampling import SamplingParams
+from atoll.engine import spec_stats
 from atoll.errors import InputError
 
 
@@ -291,7 +292,8 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     elapsed = time.perf_counter() - start
     tokens = sum(len(r["token_ids"]) for r in results)
     print(f"atoll: {len(results)} done, {len(failed)} failed, {tokens} tokens in {elapsed:.1f}s "
-          f"({tokens / elapsed:.1f} tok/s){_hit_rate(results) if llm.options.enable_prefix_caching else ''}",
+          f"({tokens / elapsed:.1f} tok/s){_hit_rate(results) if llm.options.enable_prefix_caching else ''}"
+          f"{spec_stats.describe([r['metrics'] for r in results if 'metrics' in r])}",
           file=sys.stderr)
     if sent is not None:
         from atoll.parallel.links import lines

@@ -69,6 +69,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(spec.engine.dtype, self.config, self.device)
         self.model = build_model(self.config, ctx, dtype=self.dtype, device=self.device).eval()
         self.checkpoint = Checkpoint(spec.model_dir)
+        quantize.prepare(self.model, spec.engine.quantization)  # fp8 weights are made before they are read
         # each slice goes to the device as it is read; every rank checks that some rank read each tensor
         load_weights(self.model, self.checkpoint, world=ctx.world)
         quantize.apply(self.model, spec.engine.quantization)  # --quantization: int8/fp8 weights (models/quantize.py)
@@ -88,8 +89,12 @@ class ModelRunner:
         self.decode_step = step_policy.build(self)  # None: every step eager
         self.packer = _packer(self.model, self.ranks_here, spec.engine.mkl_pack) if self.decode_step is None else None
         self.stats: dict = {}
-        speculative = spec.engine.speculative_config
-        self.spec_k = speculative.num_speculative_tokens if speculative is not None else None
+
+    @property
+    def spec_k(self) -> int | None:
+        """Speculative tokens per step (the width of the tokens a tick hands round is 1 + K), or None."""
+        speculative = self.spec.engine.speculative_config
+        return speculative.num_speculative_tokens if speculative is not None else None
 
     def new_cache(self, blocks: int):
         """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind."""

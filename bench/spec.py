@@ -1,0 +1,167 @@
+"""atoll bench spec: the same requests with speculative decoding off and on, side by side in
+one run on the same ranks.
+
+--speculative-config JSON is the `on` side (as `atoll generate` takes it). --prompts picks
+the load: `copy` asks the model to repeat or lightly edit a given text (what n-gram prompt
+lookup is for), `chat` asks ordinary questions. --batch requests arrive at once and run
+together (max_num_seqs = --batch); each generates --output-len tokens (greedy, ignore_eos),
+so both sides must give identical tokens. The ranks are spawned once and build the runner
+once; each round runs off and on (the order alternating between rounds) after one untimed
+warm-up of each. Reported, medians over --rounds: output tokens per second, the ratio on /
+off, the acceptance rate and mean accepted length (engine.spec_stats), whether the tokens
+are identical, and the 1-minute load average read before each timed run. Both sides decode
+eagerly (--enforce-eager): the verify step is not compiled, so the plain side is not either.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from atoll.bench.harness import Run
+from atoll.errors import ConfigError
+
+TEXTS = [
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
+    "the members agreed to increase spending on public libraries by ten percent, to repair the old bridge "
+    "over the river, and to delay the new parking garage until the spring.",
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and "
+    "water. It takes place mainly in the leaves, inside small structures called chloroplasts, and it "
+    "releases oxygen into the air as a by-product.",
+    "To reset your password, open the settings page, choose the account tab, and press the button marked "
+    "reset. A message with a link will be sent to your email address. Follow the link within one hour, "
+    "then type your new password twice and save it.",
+    "The train to the coast leaves the central station every hour from six in the morning until ten at "
+    "night. Tickets can be bought at the machines in the hall or on the train itself, and children under "
+    "twelve travel free when they are with an adult.",
+]
+COPY = ["Repeat the following text exactly, word for word:\n\n{}",
+        "Fix any spelling mistakes in this text and write it out again in full:\n\n{}",
+        "Rewrite this text exactly as it is, keeping every sentence:\n\n{}",
+        "Copy this paragraph:\n\n{}"]
+CHAT = ["What is the capital of France?", "Give me three tips for sleeping better.",
+        "Explain what a rainbow is to a child.", "Write a short poem about the sea.",
+        "What are the benefits of drinking water?", "How do I make a cup of tea?",
+        "Name some animals that live in the desert.", "Why is the sky blue?"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("spec", help="speculative decoding off vs on: tokens/s, acceptance",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--speculative-config", required=True, metavar="JSON",
+                   help='the on side, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, SmolLM2-135M)")
+    p.add_argument("--layout", default="TP1", help="atoll layout (default TP1)")
+    p.add_argument("--prompts", choices=("copy", "chat"), default="copy", help="the load (default copy)")
+    p.add_argument("--batch", type=int, default=1, help="requests running together (default 1)")
+    p.add_argument("--requests", type=int, default=None, help="requests per run (default: --batch, at least 4)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request (default 128)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds, each running off and on (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from atoll.config.speculative import SpeculativeConfig
+    from atoll.launch.local import run_local
+
+    for name in ("batch", "output_len", "rounds"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    speculative = SpeculativeConfig.parse(args.speculative_config)
+    with Run(args.model, quiet=args.json) as bench:
+        args.model = bench.model
+        llm, spec, requests = prepare(args, speculative)
+        result = run_local(_rank, llm.layout.world_size, spec, requests, args.rounds, timeout_s=3600,
+                           device=spec.engine.device)[0]
+    result |= {"model": args.model, "layout": str(llm.layout), "prompts": args.prompts, "batch": args.batch,
+               "requests": len(requests), "output_len": args.output_len, "rounds": args.rounds,
+               "speculative_config": args.speculative_config}
+    bench.emit(result, as_json=args.json, render=render)
+    return 0
+
+
+def prompts(kind: str, n: int) -> list[str]:
+    if kind == "copy":
+        return [COPY[i % len(COPY)].format(TEXTS[i % len(TEXTS)]) for i in range(n)]
+    return [CHAT[i % len(CHAT)] for i in range(n)]
+
+
+def prepare(args, speculative):
+    """(LLM, RunSpec with speculation on, requests) for the chosen prompts."""
+    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.tokenizer import Tokenizer
+    from atoll.launch.api import LLM
+
+    n = args.requests or max(args.batch, 4)
+    tok = Tokenizer(args.model)
+    ids = [tok.encode_chat(t) for t in prompts(args.prompts, n)]
+    llm = LLM(args.model, layout=args.layout, max_num_seqs=args.batch, enforce_eager=True,
+              max_model_len=max(map(len, ids)) + args.output_len + speculative.k + 1)
+    requests = llm.prepare(ids, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
+    return llm, llm.spec(requests).with_engine(speculative_config=speculative), requests
+
+
+def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
+    from atoll.engine.generate import run_requests
+    from atoll.engine.runner import ModelRunner
+    from atoll.parallel.layout import Layout
+    from atoll.parallel.mesh import ParallelContext
+
+    layout = Layout.parse(spec.layout)
+    ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
+    runner = ModelRunner(spec, ctx)
+    sides = {"off": spec.with_engine(speculative_config=None), "on": spec}
+    for side in sides.values():  # untimed: the first forwards pay for allocation
+        runner.spec = side
+        run_requests(runner, requests[:1])
+    runs = {"off": [], "on": []}
+    for i in range(rounds):
+        for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            runner.spec = sides[name]
+            ctx.world.barrier()
+            runs[name].append(measure(runner, requests))
+    runner.spec = spec
+    if rank != 0:
+        return None
+    off, on = summarize(runs["off"]), summarize(runs["on"])
+    return {"device": str(runner.device), "off": off, "on": on, "speedup": on["tok_s"] / off["tok_s"],
+            "tokens_identical": all(r["token_ids"] == runs["off"][0]["token_ids"] for r in runs["off"] + runs["on"])}
+
+
+def measure(runner, requests) -> dict:
+    from atoll.engine import spec_stats
+    from atoll.engine.generate import run_requests
+
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    results = run_requests(runner, requests)
+    total = time.perf_counter() - t0
+    tokens = sum(len(r["token_ids"]) for r in results)
+    return {"total_s": total, "tok_s": tokens / total, "load_avg_1m": load,
+            "spec": spec_stats.summarize([r["metrics"] for r in results]),
+            "token_ids": [r["token_ids"] for r in results]}
+
+
+def summarize(runs: list[dict]) -> dict:
+    out = {"tok_s": statistics.median(r["tok_s"] for r in runs),
+           "total_s": statistics.median(r["total_s"] for r in runs),
+           "load_avg_1m": [round(r["load_avg_1m"], 2) for r in runs]}
+    if runs[0]["spec"] is not None:
+        out["acceptance_rate"] = statistics.median(r["spec"]["acceptance_rate"] for r in runs)
+        out["mean_accepted_length"] = statistics.median(r["spec"]["mean_accepted_length"] for r in runs)
+    return out
+
+
+def render(r: dict) -> str:
+    lines = [f"speculative decoding on {r['model']} ({r['layout']}, {r['device']}): {r['prompts']} prompts, "
+             f"batch {r['batch']}, {r['requests']} requests x {r['output_len']} tokens, {r['rounds']} round(s)",
+             f"  on: {r['speculative_config']}"]
+    for name in ("off", "on"):
+        s = r[name]
+        extra = (f", acceptance {s['acceptance_rate']:.1%}, mean accepted length {s['mean_accepted_length']:.2f}"
+                 if "acceptance_rate" in s else "")
+        lines.append(f"  {name:>3}: {s['tok_s']:8.1f} tok/s ({s['total_s']:.2f} s){extra}  load {s['load_avg_1m']}")
+    lines.append(f"  on / off: {r['speedup']:.2f}x, tokens identical: {r['tokens_identical']}")
+    return "\n".join(lines)
