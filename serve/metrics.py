@@ -31,6 +31,12 @@ DESCRIPTIONS = {
     "generation_tokens_total": "tokens generated",
     "requests_finished_total": "requests that ended, by finish_reason (stop, length, abort)",
     "requests_failed_total": "requests answered with an error, by reason (invalid, rejected, engine, shutdown)",
+    "spec_decode_num_drafts_total": "speculative decoding: verify steps of a request that checked a draft",
+    "spec_decode_num_draft_tokens_total": "speculative decoding: tokens drafted",
+    "spec_decode_num_accepted_tokens_total": "speculative decoding: drafted tokens the target model kept",
+    "spec_decode_acceptance_rate": "speculative decoding: accepted / drafted tokens, since start",
+    "spec_decode_mean_accepted_length": "speculative decoding: tokens per verify step (accepted drafts + 1), "
+                                        "since start",
     "disagg_requests_total": "disaggregated serving: requests that ended, by the engine that computed their "
                              "prompt (prefill: the prefill engine, its KV sent; decode: the decode engine itself)",
 }
@@ -54,6 +60,14 @@ class Metrics:
                                 registry=r)
         self.failed = Counter(f"{PREFIX}_requests_failed", d["requests_failed_total"], ["reason"], registry=r)
         self.disagg = Counter(f"{PREFIX}_disagg_requests", d["disagg_requests_total"], ["path"], registry=r)
+        self.spec = {key: Counter(f"{PREFIX}_spec_decode_num_{key}", d[f"spec_decode_num_{key}_total"], registry=r)
+                     for key in ("drafts", "draft_tokens", "accepted_tokens")}
+        self._spec = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        Gauge(f"{PREFIX}_spec_decode_acceptance_rate", d["spec_decode_acceptance_rate"], registry=r).set_function(
+            lambda: self._spec["accepted_tokens"] / self._spec["draft_tokens"] if self._spec["draft_tokens"] else 0.0)
+        Gauge(f"{PREFIX}_spec_decode_mean_accepted_length", d["spec_decode_mean_accepted_length"],
+              registry=r).set_function(lambda: (self._spec["accepted_tokens"] + self._spec["drafts"]) / self._spec["drafts"]
+                                       if self._spec["drafts"] else 0.0)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(reason)
         for reason in ("invalid", "rejected", "engine", "shutdown"):
@@ -76,6 +90,10 @@ class Metrics:
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)
         self.finished.labels(result.get("finish_reason") or "abort").inc()
+        for key, field in (("drafts", "spec_steps"), ("draft_tokens", "spec_drafted"),
+                           ("accepted_tokens", "spec_accepted")):
+            self._spec[key] += m.get(field, 0)
+            self.spec[key].inc(m.get(field, 0))
         if "prefilled_on" in m:
             self.disagg.labels(m["prefilled_on"]).inc()
         self.e2e.observe(now - arrived)
