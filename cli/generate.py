@@ -248,8 +248,8 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
                                                                bar=not args.no_progress)
     try:
         sent = None
-        if llm.prefill_layout is not None:  # disaggregated: both engines in one local job (engine.disagg)
-            results = _disaggregated(llm, requests, launcher)
+        if llm.prefill_layout is not None:  # disaggregated: both engines in one living local job
+            results = _disaggregated(llm, requests, launcher, done)
         elif living:  # results written as each ends, the progress bar fed by the engine's stream
             bar = ProgressBar(len(requests)) if not args.no_progress else None
             try:
@@ -303,13 +303,16 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     return 1 if failed else 0
 
 
-def _disaggregated(llm, requests, launcher: str) -> list[dict]:
-    from atoll.engine.disagg import generate_disagg
+def _disaggregated(llm, requests, launcher: str, done) -> list[dict]:
+    """Both engines as one living job (engine.disagg_online); each result written as it ends."""
     from atoll.errors import LaunchError
 
     if launcher != "local":
         raise LaunchError(f"--prefill/--decode run under the local launcher only, not {launcher}")
-    results = generate_disagg(llm, requests)
+    try:
+        results = llm.generate_requests(requests, on_result=done)
+    finally:
+        llm.close()
     remote = sum(r["metrics"]["prefilled_on"] == "prefill" for r in results)
     sent = sum(r["metrics"]["kv_bytes_sent"] for r in results)
     print(f"atoll: {remote} of {len(results)} prompts prefilled on the prefill engine, "
