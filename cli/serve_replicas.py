@@ -25,7 +25,7 @@ def take_replicas(args, config) -> int:
     flags into it (args is changed so the engine's layout has dp 1)."""
     from atoll.parallel.layout import Layout
 
-    if config.is_moe:
+    if config.is_moe or args.plan:  # a plan names its replicas (and -dp beside it is refused)
         return 1
     replicas = 1
     if args.data_parallel_size is not None:

@@ -246,8 +246,13 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
         return OnlineEngine(spec, world_size=llm.layout.world_size, launcher=launchers[k],
                             parallel=parallel or llm.context_options())
 
+    # under Ray the first alone: its job may start the Ray session the others then join
+    alone = 0 if isinstance(llm.launcher, LocalLauncher) else 1
     with ThreadPoolExecutor(count) as pool:
-        futures = [pool.submit(one, k) for k in range(count)]
+        futures = [pool.submit(one, k) for k in range(alone)]
+        if alone:
+            futures[0].exception()  # wait for it
+        futures += [pool.submit(one, k) for k in range(alone, count)]
     engines, failure = [], None
     for f in futures:
         try:
@@ -261,5 +266,5 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
     info = engines[0].info
     capacities = [e.info["num_blocks"] for e in engines]
     chooser = make_router(router, capacities=capacities, block_size=info["block_size"],
-                          imbalance=info["max_num_seqs"])
+                          imbalance=max(1, info["max_num_seqs"] // 4))
     return Replicas(engines, chooser)

@@ -11,8 +11,12 @@ caches is `cached_tokens` in each response and atoll_prefix_cache_hit_rate in /m
 
 Rule: the replica whose model holds the most leading blocks of the prompt (the block of its
 last token excluded: the engine always computes that one); among equals the least loaded.
+"Least loaded" is the fewest unfinished requests, and among equals the replica whose cache
+(as modelled) holds the fewest blocks, so new prefixes spread over the replicas' caches.
 Where no replica holds any, or the best one has `imbalance` more unfinished requests than
-the least loaded (a full batch by default), the least-loaded replica takes it.
+the least loaded (serve.replicas: a quarter of a batch, max_num_seqs / 4), the least-loaded
+replica takes it, and from then on both hold the prefix in the model and share its requests
+by load.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ class CacheAwareRouter:
         """loads[r]: replica r's unfinished requests; alive: the replicas that may take it."""
         names = prefix_names(tokens, self.block_size, (len(tokens) - 1) // self.block_size)
         hits = {r: self.models[r].match(names) for r in alive}
-        least = min(alive, key=lambda r: (loads[r], r))
+        # the least loaded; among equals the one whose cache holds least, so new prefixes spread
+        least = min(alive, key=lambda r: (loads[r], len(self.models[r].names), r))
         best = max(hits.values())
         if best == 0:
             route = Route(least, "least_loaded", 0)

@@ -39,6 +39,8 @@ def test_cache_aware_sends_a_shared_prefix_where_it_went_and_new_ones_to_the_lea
     assert other.reason == "least_loaded" and other.replica == 1
     again = r.choose(system_a + [7, 8, 9], loads=[1, 1, 0], alive=[0, 1, 2])
     assert again == type(again)(0, "prefix", 16)  # four shared blocks
+    # equal loads: a new prefix goes to the replica whose cache holds least
+    assert r.choose(list(range(300, 320)), loads=[0, 0, 0], alive=[0, 1, 2]).replica == 2
     # the block of the last token is never counted as a hit (the engine computes it)
     assert r.choose(system_a, loads=[1, 1, 0], alive=[0, 1, 2]).hit_tokens == 12
 
