@@ -43,7 +43,9 @@ import os
 
 from atoll.bench.harness import Run
 from atoll.bench.model_rank import _rank
+from atoll.bench import quant
 from atoll.config import DEVICES, DTYPES
+from atoll.config.engine import QUANTIZATIONS
 from atoll.errors import ConfigError
 
 
@@ -64,6 +66,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="atoll's eager decode step only: no torch.compile (default: compiled and eager side by side)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="atoll with these weights against atoll unquantized, side by side (bench/quant.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -97,6 +101,8 @@ def run(args) -> int:
                                       dtype=args.dtype, enforce_eager=args.enforce_eager)
         if llm.layout.dp > 1:
             raise ConfigError(f"layout {llm.layout}: the model bench runs layouts without dp")
+        if args.quantization is not None:  # quantized against unquantized instead of against transformers
+            return quant.run(args, bench, cfg, llm, spec, requests)
         world = llm.layout.world_size
         threads = args.threads or max(1, bench.cores // world)
         cfg |= {"model": bench.model, "layout": str(llm.layout),

@@ -69,7 +69,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(spec.engine.dtype, self.config, self.device)
         self.model = build_model(self.config, ctx, dtype=self.dtype, device=self.device).eval()
         self.checkpoint = Checkpoint(spec.model_dir)
-        quantize.prepare(self.model, spec.engine.quantization)  # fp8 weights are made before they are read
+        quantize.prepare(self.model, spec.engine.quantization, self.checkpoint)  # fp8 weights made before they are read
         # each slice goes to the device as it is read; every rank checks that some rank read each tensor
         load_weights(self.model, self.checkpoint, world=ctx.world)
         quantize.apply(self.model, spec.engine.quantization)  # --quantization: int8/fp8 weights (models/quantize.py)

@@ -70,7 +70,8 @@ def record_key(runner, pack: bool) -> str:
     model = hashlib.sha1(config.read_bytes()).hexdigest()[:12] if config.is_file() else "?"
     return (f"{Path(spec.model_dir).name}:{model} {spec.layout} {str(runner.dtype).removeprefix('torch.')} "
             f"seqs {spec.engine.max_num_seqs} blocks {-(-spec.max_model_len // spec.engine.block_size)}"
-            f"x{spec.engine.block_size} {'onednn' if pack else 'plain'} torch {torch.__version__}")
+            f"x{spec.engine.block_size} {'onednn' if pack else 'plain'} torch {torch.__version__}"
+            + (f" {spec.engine.quantization}" if spec.engine.quantization else ""))
 
 
 def expected(entry: dict, *, layers: int, weight_bytes: int, cached: bool = True) -> dict:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from atoll.comm.group import Group
+from atoll.layers import fp8_linear
 from atoll.layers.packed import linear
 
 
@@ -32,7 +33,10 @@ def _param(*shape, dtype=None) -> nn.Parameter:
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"shape mismatch: parameter slice {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
-    dst.copy_(src)
+    if fp8_linear.is_fp8(dst):  # a weight kept in fp8: its scales are written beside it
+        fp8_linear.write(dst, src)
+    else:
+        dst.copy_(src)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -47,6 +47,7 @@ from atoll.config import MOE_EXCHANGES, EngineConfig
 from atoll.errors import ConfigError
 from atoll.kernels import fused_moe
 from atoll.kernels.backend import use_triton
+from atoll.layers import fp8_linear
 from atoll.layers.linear import _param, copy_into, divide
 from atoll.layers.router import Router
 
@@ -86,7 +87,15 @@ class Experts(nn.Module):
         """rows: [n_recv, hidden] in any order, local_ids: [n_recv] each row's local expert ->
         [n_recv, hidden]; the routing weights are applied later, by combine."""
         ones = torch.ones(len(rows), 1, device=rows.device)
-        return fused_moe(rows, self.w13, self.w2, local_ids[:, None], ones)
+        return fused_moe(rows, *self.weights(rows.dtype), local_ids[:, None], ones)
+
+    def weights(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) to multiply by: as held, or dequantized for this call when kept in fp8
+        (--quantization fp8: models/quantize.py; no fp8 expert kernel yet)."""
+        if not fp8_linear.is_fp8(self.w13):
+            return self.w13, self.w2
+        return (fp8_linear.dequantized(self.w13, self.w13_scale, dtype),
+                fp8_linear.dequantized(self.w2, self.w2_scale, dtype))
 
     def weighted(self, rows: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """rows: [n, hidden], local_ids: [n, k] (-1: not this rank's expert), weights: [n, k] ->
@@ -108,14 +117,15 @@ class Experts(nn.Module):
         local = len(self.local)
         if local == 0 or n == 0:
             return rows.new_zeros(n, hidden)
-        if use_triton(rows, self.w13, self.w2):
-            return fused_moe(rows, self.w13, self.w2, local_ids, weights)
+        w13, w2 = self.weights(rows.dtype)
+        if use_triton(rows, w13, w2):
+            return fused_moe(rows, w13, w2, local_ids, weights)
         inter = self.inter_local
         experts = torch.arange(local, device=rows.device)
         coef = ((local_ids[:, :, None] == experts) * weights[:, :, None].float()).sum(1)  # [n, local] fp32
-        h = F.linear(rows, self.w13.view(local * 2 * inter, hidden)).view(n, local, 2, inter)
+        h = F.linear(rows, w13.view(local * 2 * inter, hidden)).view(n, local, 2, inter)
         act = F.silu(h[:, :, 0]) * h[:, :, 1]  # [n, local, inter]
-        y = torch.bmm(act.transpose(0, 1), self.w2.transpose(1, 2))  # [local, n, hidden]
+        y = torch.bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [local, n, hidden]
         return torch.einsum("nl,lnh->nh", coef, y.float()).to(rows.dtype)
 
 

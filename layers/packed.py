@@ -18,15 +18,19 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from atoll.kernels.fp8 import fp8_linear
 from atoll.layers.quant_linear import int8_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the weight's packed copy when it was packed for x's row count; an
-    int8 weight with its per-row `scale` through layers.quant_linear."""
+    int8 weight with its per-row `scale` through layers.quant_linear, an fp8 one with its
+    per-row-and-128-column scales through kernels.fp8."""
     if scale is not None:
-        return int8_linear(x, weight, scale, bias)
+        if weight.dtype == torch.int8:
+            return int8_linear(x, weight, scale, bias)
+        return fp8_linear(x, weight, scale, bias=bias)
     if x.dim() == 2 and x.device.type == "cpu" and torch.compiler.is_compiling():
         if x.shape[0] == 1:
             return row_product(x, weight, bias)

@@ -212,6 +212,8 @@ def load_weights(model, ckpt: Checkpoint, *, get=None, world=None) -> Loaded:
             if param is None:
                 continue
             src = source(ckpt, name, get, block, param.device)
+            if isinstance(src, fp8.Fp8Source) and param.dtype == torch.float8_e4m3fn:
+                src = src.raw()  # a weight kept in fp8 (--quantization fp8) takes the stored values
             try:
                 took = param.weight_loader(param, src, shard)
             except ValueError as e:

@@ -69,6 +69,10 @@ class Fp8Source:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.weight.shape)
 
+    def raw(self) -> "RawFp8Source":
+        """The same weight read as stored: for a destination kept in fp8 (layers.fp8_linear)."""
+        return RawFp8Source(self.name, self.weight, self.scale, self.block, self.device)
+
     def __getitem__(self, index) -> torch.Tensor:
         (r0, r1), (c0, c1) = _bounds(index, self.shape)
         w = self.weight[r0:r1, c0:c1]
@@ -84,6 +88,28 @@ class Fp8Source:
             a, z = max(r0, b * br), min(r1, (b + 1) * br)
             out[a - r0:z - r0] *= per_col[b - first_row]
         return out
+
+
+class RawFp8Source(Fp8Source):
+    """Slices of an fp8 weight as stored, each carrying `fp8_scale`: its block scales
+    repeated per row, [rows, column blocks] (layers.fp8_linear's layout). The slice's columns
+    must start on a block boundary."""
+
+    def __getitem__(self, index) -> torch.Tensor:
+        (r0, r1), (c0, c1) = _bounds(index, self.shape)
+        br, bc = self.block
+        if c0 % bc:
+            raise ValueError(f"{self.name}: columns {c0}:{c1} start inside a {bc}-column scale block")
+        q = self.weight[r0:r1, c0:c1]
+        if q.is_meta or q.numel() == 0:
+            return q
+        if q.dtype != torch.float8_e4m3fn:  # e5m2: its range is not e4m3's; the destination requantizes
+            return super().__getitem__(index)
+        q = q.to(self.device)
+        blocks = torch.arange(r0, r1) // br - r0 // br  # each row's block among those read
+        scale = self.scale[r0 // br:(r1 - 1) // br + 1, c0 // bc:(c1 - 1) // bc + 1].to(self.device, torch.float32)
+        q.fp8_scale = scale[blocks.to(self.device)]  # [rows, column blocks]
+        return q
 
 
 def _bounds(index, shape) -> list[tuple[int, int]]:
