@@ -76,11 +76,13 @@ def run_perplexity(args) -> int:
     with llm:
         scores = perplexity.run_scores(llm, wins)
     row = {"model": str(llm.model_dir.name), "text": name, "layout": str(llm.layout),
-           "kv_cache_dtype": llm.options.kv_cache_dtype, "windows": len(wins), "window": args.window,
+           "kv_cache_dtype": llm.options.kv_cache_dtype, "quantization": llm.options.quantization,
+           "windows": len(wins), "window": args.window,
            "tokens": scores.tokens, "perplexity": round(scores.perplexity, 4)}
     print(json.dumps(row) if args.json else
           f"perplexity {row['perplexity']:.4f} over {row['tokens']} tokens ({len(wins)} windows of {args.window}) "
-          f"of {name}; {row['model']} {row['layout']}, KV {row['kv_cache_dtype']}")
+          f"of {name}; {row['model']} {row['layout']}, KV {row['kv_cache_dtype']}, "
+          f"weights {row['quantization'] or 'unquantized'}")
     return 0
 
 
@@ -93,20 +95,23 @@ def run_greedy(args) -> int:
         raise InputError(f"the text has {len(ids)} tokens, fewer than {n} prompts of {k}")
     prompts = [ids[i * k:(i + 1) * k] for i in range(n)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for kv in ("auto", llm.options.kv_cache_dtype):
-        args.kv_cache_dtype = kv
+    outs = []  # the unquantized run (KV auto, weights as stored), then the one asked for
+    setting = (llm.options.kv_cache_dtype, llm.options.quantization)
+    for kv, quant in (("auto", None), setting):
+        args.kv_cache_dtype, args.quantization = kv, quant
         with make_llm(args, llm.model_dir) as run:
-            outs[kv] = [o.token_ids for o in run.generate(prompts, params)]
-    ref, got = outs["auto"], outs[llm.options.kv_cache_dtype]
+            outs.append([o.token_ids for o in run.generate(prompts, params)])
+    ref, got = outs
     same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
     prefix = sum(_common_prefix(r, g) for r, g in zip(ref, got))
     row = {"model": str(llm.model_dir.name), "text": name, "layout": str(llm.layout),
-           "kv_cache_dtype": llm.options.kv_cache_dtype, "prompts": n, "new_tokens": args.new_tokens,
+           "kv_cache_dtype": llm.options.kv_cache_dtype, "quantization": llm.options.quantization,
+           "prompts": n, "new_tokens": args.new_tokens,
            "tokens": n * args.new_tokens, "same_position": same, "before_first_difference": prefix,
            "identical_sequences": sum(r == g for r, g in zip(ref, got))}
     print(json.dumps(row) if args.json else
-          f"KV {row['kv_cache_dtype']} vs auto, {n} prompts x {args.new_tokens} greedy tokens: {same}/{row['tokens']} "
+          f"KV {row['kv_cache_dtype']}, weights {row['quantization'] or 'unquantized'} vs KV auto unquantized, "
+          f"{n} prompts x {args.new_tokens} greedy tokens: {same}/{row['tokens']} "
           f"equal by position, {prefix} before each sequence's first difference, "
           f"{row['identical_sequences']}/{n} sequences identical")
     return 0
