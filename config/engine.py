@@ -98,6 +98,14 @@ class EngineConfig:
     decode: str | None = _opt(None, "disaggregated prefill: the decode engine's layout (e.g. TP4), beside --prefill")
     disagg_min_prompt_tokens: int = _opt(0, "with --prefill/--decode, prompts whose uncached part is shorter "
                                             "than this are prefilled by the decode engine itself")
+    disagg_max_prefill_queue: int | None = _opt(None, "with --prefill/--decode, a prompt goes to the prefill "
+                                                      "engines only while fewer than this many requests wait there "
+                                                      "for their first token (all of them together); past it the "
+                                                      "decode engine prefills it (default: no limit)")
+    prefill_replicas: int = _opt(1, "with --prefill/--decode (a living engine): prefill engines of the --prefill "
+                                    "layout (xPyD)")
+    decode_replicas: int = _opt(1, "with --prefill/--decode (a living engine): decode engines of the --decode "
+                                   "layout (xPyD)")
     dispatch: str = _opt("auto", "MoE token dispatch: auto (island-first when an EP group spans islands, "
                                  "else flat), flat or hierarchical", choices=DISPATCH)
     moe_capacity_factor: float | None = _opt(None, "each expert keeps at most this factor x its even share "
@@ -155,6 +163,12 @@ class EngineConfig:
         m = self.disagg_min_prompt_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise InputError(f"disagg_min_prompt_tokens={m!r} must be a whole number of at least 0")
+        for name in ("prefill_replicas", "decode_replicas", "disagg_max_prefill_queue"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InputError(f"{name}={value!r} must be a whole number of at least 1")
+        if self.prefill is None and (self.prefill_replicas, self.decode_replicas) != (1, 1):
+            raise InputError("--prefill-replicas/--decode-replicas need --prefill and --decode")
 
     def batched_tokens(self, device_memory_gib: float | None = None) -> int:
         """Tokens a step computes: max_num_batched_tokens, else default_batched_tokens."""

@@ -195,7 +195,8 @@ class EngineFailure(RankFailure):
     """A rank of one engine of a disaggregated job failed: names the engine and its rank there."""
 
     def __init__(self, engine: str, local_rank: int, failure: RankFailure):
-        where = f"{engine} engine rank {local_rank} (job rank {failure.rank}" + \
+        """engine: its label, "prefill engine" or "decode engine 1"."""
+        where = f"{engine} rank {local_rank} (job rank {failure.rank}" + \
             (f" on {failure.node})" if failure.node else ")")
         AtollError.__init__(self, f"{where} failed: {failure.cause}")
         self.engine, self.rank, self.cause, self.node = engine, failure.rank, failure.cause, failure.node
@@ -219,7 +220,7 @@ def generate_disagg(llm, requests: list[Request], *, timeout_s: float | None = N
         values = llm.run(disagg_worker, prefill.world_size + decode.world_size, job, timeout_s=timeout_s)
     except RankFailure as e:
         engine, local_rank = engine_of([prefill, decode], e.rank)
-        raise EngineFailure(("prefill", "decode")[engine], local_rank, e) from e
+        raise EngineFailure(("prefill engine", "decode engine")[engine], local_rank, e) from e
     results, adopted, sent = {}, set(), {}
     for v in values:
         results.update(v.get("results", {}))

@@ -1,18 +1,25 @@
 """DisaggEngine: the driver's side of a living disaggregated engine (ranks:
-engine/disagg_serve.py). It is an OnlineEngine (submit, abort, close, the same sinks), whose
-requests each take one of two paths, decided as they arrive:
+engine/disagg_serve.py), X prefill engines and Y decode engines in one job (xPyD). It is an
+OnlineEngine (submit, abort, close, the same sinks), whose requests each take one of two
+paths, decided as they arrive:
 
-- "prefill": the prefill engine computes the prompt and its first token, and its KV goes to
-  the decode replica, which decodes on;
+- "prefill": a prefill engine computes the prompt and its first token, and its KV goes to a
+  decode replica, which decodes on;
 - "decode": the decode replica prefills the prompt itself, when what it would not find in its
-  prefix cache is shorter than `--disagg-min-prompt-tokens`.
+  prefix cache is shorter than `--disagg-min-prompt-tokens`, or when
+  `--disagg-max-prefill-queue` requests already wait in the prefill engines for their first
+  token.
 
+A request goes to the decode replica (of every decode engine's DP replicas) with the fewest
+unfinished requests, and on the prefill path to the prefill engine with the fewest waiting.
 A decode replica's cache is modelled here by the blocks of the prompts sent to it (as
 engine.disagg.route does for a fixed list): blocks it has since evicted count as cached.
-Each result's metrics say which path it took (prefilled_on) and the KV bytes the prefill
-ranks sent for it (kv_bytes_sent, counted on those ranks); `routed` counts both paths.
+Each result's metrics say which path it took (prefilled_on; prefill_engine, which of them,
+or None) and the KV bytes the prefill ranks sent for it (kv_bytes_sent, counted on those
+ranks); `routed` counts the decisions:
+prefill, decode (short or cached) and queue (the prefill engines were full).
 
-The local launcher runs it: both engines' ranks are one job on this machine.
+The local launcher runs it: every engine's ranks are one job on this machine.
 """
 
 from __future__ import annotations
@@ -27,25 +34,26 @@ from atoll.engine.request import Request
 from atoll.errors import RankFailure
 from atoll.parallel.parts import engine_of
 
-ENGINES = ("prefill", "decode")
-
 
 def disagg_job(llm, requests=None) -> LiveJob:
-    """The specs of a living disaggregated LLM's two engines: the decode engine's as any living
-    engine's; the prefill engine's the same on its own layout, never compiling a decode step
-    (it samples one token a request)."""
+    """The specs of a living disaggregated LLM's engines: the decode engines' as any living
+    engine's; the prefill engines' the same on their own layout, never compiling a decode
+    step (they sample one token a request)."""
+    o = llm.options
     decode = engine_spec(llm, requests)
     prefill = replace(decode, layout=str(llm.prefill_layout), decode_steps=None).with_engine(enforce_eager=True)
-    return LiveJob(prefill=prefill, decode=decode, options=llm.context_options())
+    return LiveJob(prefill=prefill, decode=decode, options=llm.context_options(),
+                   prefill_replicas=o.prefill_replicas, decode_replicas=o.decode_replicas)
 
 
 class DisaggEngine(OnlineEngine):
-    _engines = 2
-
-    def __init__(self, job: LiveJob, *, launcher, min_prompt_tokens: int, ready_timeout_s: float = 900):
+    def __init__(self, job: LiveJob, *, launcher, min_prompt_tokens: int, max_prefill_queue: int | None = None,
+                 ready_timeout_s: float = 900):
         self.live, self.layouts = job, job.layouts
-        self.min_prompt_tokens = min_prompt_tokens
-        self.routed = {"prefill": 0, "decode": 0}
+        self._engines = len(self.layouts)
+        self.x = job.prefill_replicas
+        self.min_prompt_tokens, self.max_prefill_queue = min_prompt_tokens, max_prefill_queue
+        self.routed = {"prefill": 0, "decode": 0, "queue": 0}
         try:
             super().__init__(job.decode, world_size=sum(lay.world_size for lay in self.layouts), launcher=launcher,
                              parallel=job.options, ready_timeout_s=ready_timeout_s)
@@ -53,14 +61,18 @@ class DisaggEngine(OnlineEngine):
             raise self._named(e) from e
 
     def _start(self, launcher, world_size: int, parallel):
-        self._prefill_inbox = launcher.channel()
-        return launcher.start(disagg_serve_worker, world_size, self.live, self._prefill_inbox, self._inbox,
-                              self._outbox, device=self.spec.engine.device)
+        self._inboxes = [launcher.channel() for _ in self.layouts]
+        return launcher.start(disagg_serve_worker, world_size, self.live, self._inboxes, self._outbox,
+                              device=self.spec.engine.device)
 
     def _ready(self) -> None:
-        self._seen = [set() for _ in range(self.info["replicas"])]  # block names sent to each decode replica
+        dp = self.layouts[-1].dp
+        self._slots = [(j, d) for j in range(self.live.decode_replicas) for d in range(dp)]  # decode replicas
+        self._load = [0] * len(self._slots)
+        self._seen = [set() for _ in self._slots]  # block names sent to each decode replica
+        self._waiting = [0] * self.x  # requests each prefill engine has not handed off yet
+        self._where: dict[int, tuple[int, int | None]] = {}  # index -> (its decode slot, its prefill engine or None)
         self._handed: dict[int, Request] = {}  # remote request index -> its request, until its header comes
-        self._remote: set[int] = set()  # indices on the prefill path, until they end
         self._aborted: set[int] = set()
         self._sent: dict[int, list[int]] = {}  # index -> [prefill ranks that reported, bytes]
         self._held: dict[int, dict] = {}  # results waiting for every prefill rank's byte count
@@ -74,32 +86,36 @@ class DisaggEngine(OnlineEngine):
                 raise EngineDead(self.error)
             if self._closing:
                 raise EngineDead("the engine is shutting down")
-            replica = self._load.index(min(self._load))
-            self._load[replica] += 1
-            self._sinks[request.index], self._replica[request.index] = sink, replica
-            new = uncached_tokens(request.prompt_token_ids, self._seen[replica], block_size=o.block_size,
+            slot = self._load.index(min(self._load))
+            self._load[slot] += 1
+            self._sinks[request.index], self._replica[request.index] = sink, slot
+            new = uncached_tokens(request.prompt_token_ids, self._seen[slot], block_size=o.block_size,
                                   prefix_caching=o.enable_prefix_caching)
-            remote = new >= self.min_prompt_tokens
-            self.routed["prefill" if remote else "decode"] += 1
+            prefill = self._waiting.index(min(self._waiting))
+            full = self.max_prefill_queue is not None and sum(self._waiting) >= self.max_prefill_queue
+            remote = new >= self.min_prompt_tokens and not full
+            self.routed["prefill" if remote else "queue" if new >= self.min_prompt_tokens else "decode"] += 1
+            self._where[request.index] = (slot, prefill if remote else None)
             if remote:
                 self._handed[request.index] = request
-                self._remote.add(request.index)
+                self._waiting[prefill] += 1
+        j, d = self._slots[slot]
         if remote:
             first = replace(request, params=replace(request.params, max_tokens=1))
-            self._prefill_inbox.put(("route", request.index, replica))
-            self._prefill_inbox.put(("add", first, 0))
+            self._inboxes[prefill].put(("route", request.index, j, d))
+            self._inboxes[prefill].put(("add", first, 0))
         else:
-            self._inbox.put(("add", request, replica))
+            self._inboxes[self.x + j].put(("add", request, d))
 
     def abort(self, index: int) -> None:
         with self._lock:
             if index not in self._sinks:
                 return
             self._aborted.add(index)
-            remote = index in self._remote
-        if remote:
-            self._prefill_inbox.put(("abort", index))
-        self._inbox.put(("abort", index))
+            slot, prefill = self._where[index]
+        if prefill is not None:
+            self._inboxes[prefill].put(("abort", index))
+        self._inboxes[self.x + self._slots[slot][0]].put(("abort", index))
 
     def _handle(self, msg) -> None:
         kind = msg[0]
@@ -107,10 +123,12 @@ class DisaggEngine(OnlineEngine):
             header = msg[1]
             with self._lock:
                 req = self._handed.pop(header.index)
+                self._waiting[header.prefill] -= 1
                 aborted = header.index in self._aborted
-            self._inbox.put(("adopt", header, req))
+            inbox = self._inboxes[self.x + header.decode]
+            inbox.put(("adopt", header, req))
             if aborted:  # the abort may have reached the decode ranks before the header
-                self._inbox.put(("abort", header.index))
+                inbox.put(("abort", header.index))
         elif kind == "sent":
             _, index, nbytes = msg
             with self._lock:
@@ -123,21 +141,25 @@ class DisaggEngine(OnlineEngine):
                 super()._deliver([], [(index, result)], None)
         elif kind == "stopped":
             self._stopped_engines.add(msg[1])
-            if msg[1] == 0:  # the prefill ranks are out: nothing more comes to hand off
-                self._inbox.put(("stop",))
+            if all(e in self._stopped_engines for e in range(self.x)):
+                for inbox in self._inboxes[self.x:]:  # the prefill ranks are out: nothing more to hand off
+                    inbox.put(("stop",))
 
     def _deliver(self, tokens, finished, stats, engine: str | None = None) -> None:
         now = []
+        decoded = engine is not None and engine.startswith("decode")
         with self._lock:
             for index, result in finished:
-                remote = index in self._remote
-                self._remote.discard(index)
+                _, prefill = self._where.pop(index, (None, None))
+                remote = prefill is not None
+                if remote and not decoded and index in self._handed:  # ended (aborted) in its prefill engine
+                    del self._handed[index]
+                    self._waiting[prefill] -= 1
                 self._aborted.discard(index)
-                self._handed.pop(index, None)
                 sent = self._sent.get(index, [0, 0])
-                result["metrics"] |= {"prefilled_on": "prefill" if remote else "decode",
-                                      "kv_bytes_sent": sent[1]}
-                if remote and engine == "decode" and sent[0] < self.layouts[0].world_size:
+                result["metrics"] |= {"prefilled_on": "prefill" if remote else "decode", "kv_bytes_sent": sent[1],
+                                      "prefill_engine": prefill}
+                if remote and decoded and sent[0] < self.layouts[0].world_size:
                     self._held[index] = result  # a prefill rank's byte count is still on its way
                 else:
                     self._sent.pop(index, None)
@@ -150,11 +172,12 @@ class DisaggEngine(OnlineEngine):
         self.stats = {k: sum(p.get(k, 0) for p in parts) for k in parts[0]} | {"routed": dict(self.routed)}
 
     def _stop_ranks(self) -> None:
-        self._prefill_inbox.put(("stop",))  # the decode ranks are told once the prefill ranks are out
+        for inbox in self._inboxes[: self.x]:  # the decode ranks are told once the prefill ranks are out
+            inbox.put(("stop",))
 
     @property
     def _stopped(self) -> bool:
-        return 1 in self._stopped_engines
+        return all(e in self._stopped_engines for e in range(self.x, len(self.layouts)))
 
     def _describe(self, e) -> str:
         return str(self._named(e)) if isinstance(e, RankFailure) else str(e)
@@ -163,4 +186,4 @@ class DisaggEngine(OnlineEngine):
         if isinstance(e, EngineFailure):
             return e
         engine, local_rank = engine_of(self.layouts, e.rank)
-        return EngineFailure(ENGINES[engine], local_rank, e)
+        return EngineFailure(self.live.name(engine), local_rank, e)

@@ -1,16 +1,17 @@
-"""The ranks of a living disaggregated engine: one job, ranks 0 .. P-1 the prefill engine and
-P .. P+D-1 the decode engine (parallel.parts), each running its own ServeLoop over its own
-ranks. The driver is engine/disagg_online.py.
+"""The ranks of a living disaggregated engine: one job of X prefill engines of one layout, then
+Y decode engines of another (xPyD; parallel.parts lays the engines' ranks one after another),
+each running its own ServeLoop over its own ranks. The driver is engine/disagg_online.py.
 
 Hand-off, per request routed to the prefill engine:
-1. The driver adds it to the prefill engine with max_tokens 1, naming the decode replica.
+1. The driver adds it to a prefill engine with max_tokens 1, naming the decode engine and its
+   replica.
 2. As its first token is sampled, the prefill rank that sampled it puts a header on the
    driver's outbox (index, first token, prompt length, when it started and took its first
    token, and with random sampling the generator's state after that token), and every
-   prefill rank sends its share of the prompt's KV to that decode replica
+   rank of that prefill engine sends its share of the prompt's KV to that decode replica
    (engine.kv_transfer); the send waits until the decode ranks receive it. Each prefill rank
    then reports the bytes it sent.
-3. The driver passes the header to the decode engine's rank 0, which broadcasts it with the
+3. The driver passes the header to that decode engine's rank 0, which broadcasts it with the
    other commands: every decode rank takes the headers in the order they came. The replica
    the header names gives the sequence blocks (when its lane has room; with several replicas
    all decode ranks agree through one all_reduce whether it did) and receives the KV.
@@ -48,15 +49,28 @@ class LiveJob:
     prefill: RunSpec
     decode: RunSpec
     options: ContextOptions | None = None
+    prefill_replicas: int = 1  # X prefill engines of prefill.layout, job ranks first
+    decode_replicas: int = 1  # Y decode engines of decode.layout, after them
 
     @property
     def layouts(self) -> list[Layout]:
-        return [Layout.parse(self.prefill.layout), Layout.parse(self.decode.layout)]
+        """Every engine's layout, in job rank order: X prefill engines, then Y decode engines."""
+        return ([Layout.parse(self.prefill.layout)] * self.prefill_replicas
+                + [Layout.parse(self.decode.layout)] * self.decode_replicas)
+
+    def name(self, engine: int) -> str:
+        """Job engine `engine`'s label: "prefill engine", "decode engine" (one of its kind) or
+        "prefill engine 1", "decode engine 0"."""
+        x = self.prefill_replicas
+        kind, k, n = ("prefill", engine, x) if engine < x else ("decode", engine - x, self.decode_replicas)
+        return f"{kind} engine" if n == 1 else f"{kind} engine {k}"
 
 
 @dataclass(frozen=True)
 class Header:
     index: int
+    prefill: int  # the prefill engine (0 .. X-1) that computed the prompt
+    decode: int  # the decode engine (0 .. Y-1) that goes on
     first: int  # the first token, sampled by the prefill engine
     tokens: int  # prompt length: the positions whose KV comes over
     replica: int  # the decode replica
@@ -65,58 +79,62 @@ class Header:
     rng: bytes | None = None  # the generator's state after the first token
 
 
-def disagg_serve_worker(rank: int, world_size: int, job: LiveJob, prefill_inbox, decode_inbox, outbox,
-                        device: str = "cpu", node: str | None = None, ranks_here: int | None = None) -> None:
+def disagg_serve_worker(rank: int, world_size: int, job: LiveJob, inboxes: list, outbox, device: str = "cpu",
+                        node: str | None = None, ranks_here: int | None = None) -> None:
+    """inboxes: one per engine, in the job's order (the driver's commands to its rank 0)."""
     layouts = job.layouts
     engine, ctx = create_part(layouts, rank, device, job.options)
     world = Group(dist.group.WORLD, range(world_size), rank, "job", device)
-    base = bases(layouts)
-    runner = ModelRunner(job.decode if engine else job.prefill, ctx, ranks_here=ranks_here)
-    if engine == 0:
-        loop = _prefill_loop(runner, world, prefill_inbox, outbox, layouts[1], base[1])
+    x = job.prefill_replicas
+    runner = ModelRunner(job.decode if engine >= x else job.prefill, ctx, ranks_here=ranks_here)
+    if engine < x:
+        loop = _prefill_loop(runner, world, inboxes[engine], outbox, engine, layouts[x:], bases(layouts)[x:])
     else:
-        loop = _decode_loop(runner, world, decode_inbox, outbox, layouts[0], base[0])
+        loop = _decode_loop(runner, world, inboxes[engine], outbox, engine - x, layouts[:x], bases(layouts)[:x])
+    loop.name = job.name(engine)
     loop.ready()
     loop.run()
     if loop.first:
         outbox.put(("stopped", engine))
 
 
-def _prefill_loop(runner, world, inbox, outbox, decode: Layout, decode_base: int) -> ServeLoop:
+def _prefill_loop(runner, world, inbox, outbox, me: int, decodes: list[Layout], decode_bases: list[int]) -> ServeLoop:
     ctx = runner.ctx
-    messages = {d: kv_transfer.plan(runner.config, ctx.layout, decode, d) for d in range(decode.dp)}
-    replica: dict[int, int] = {}  # request index -> its decode replica
+    messages = {(j, d): kv_transfer.plan(runner.config, ctx.layout, lay, d)
+                for j, lay in enumerate(decodes) for d in range(lay.dp)}
+    route: dict[int, tuple[int, int]] = {}  # request index -> (decode engine, its replica)
 
     def command(cmd) -> None:
-        if cmd[0] == "route":  # ("route", index, decode replica), just before its add
-            replica[cmd[1]] = cmd[2]
+        if cmd[0] == "route":  # ("route", index, decode engine, replica), just before its add
+            route[cmd[1]] = (cmd[2], cmd[3])
 
     def on_token(seq, started) -> None:
         index, tokens = seq.request.index, len(seq.request.prompt_token_ids)
-        d = replica.pop(index)
+        j, d = route.pop(index)
         if ctx.rank == runner.sampler_rank:  # its generator drew the first token
             generator = seq.state.generator
             rng = generator.get_state().numpy().tobytes() if generator is not None else None
-            outbox.put(("handoff", Header(index, seq.output[0], tokens, d, started, seq.first_token_at, rng)))
-        sent = kv_transfer.send(runner, messages[d], ctx.rank, seq.blocks, tokens, world, decode_base)
+            outbox.put(("handoff", Header(index, me, j, seq.output[0], tokens, d, started, seq.first_token_at, rng)))
+        sent = kv_transfer.send(runner, messages[j, d], ctx.rank, seq.blocks, tokens, world, decode_bases[j])
         outbox.put(("sent", index, sent))
 
     def forward(index, result) -> bool:  # its decode engine reports the end, unless it never got there
-        replica.pop(index, None)
+        route.pop(index, None)
         return result["finish_reason"] == "abort"
 
-    return ServeLoop(runner, inbox, outbox, on_token=on_token, command=command, forward=forward, name="prefill")
+    return ServeLoop(runner, inbox, outbox, on_token=on_token, command=command, forward=forward)
 
 
 class Handoffs:
     """The decode side: headers in the order they came, adopted in that order (EngineCore's
     inbox). Requests aborted before their KV came are still received, then ended."""
 
-    def __init__(self, runner, world, prefill: Layout, prefill_base: int):
-        self.runner, self.world, self.base = runner, world, prefill_base
+    def __init__(self, runner, world, prefills: list[Layout], prefill_bases: list[int]):
+        self.runner, self.world, self.bases = runner, world, prefill_bases
         ctx = runner.ctx
         self.replica, self.replicas = ctx.coords.dp, ctx.layout.dp
-        self.messages = {d: kv_transfer.plan(runner.config, prefill, ctx.layout, d) for d in range(ctx.layout.dp)}
+        self.messages = {(i, d): kv_transfer.plan(runner.config, lay, ctx.layout, d)
+                         for i, lay in enumerate(prefills) for d in range(ctx.layout.dp)}
         self.queue: deque = deque()  # (Header, Request)
         self.aborted: set[int] = set()
         self.core = None  # the EngineCore, set once built
@@ -150,8 +168,8 @@ class Handoffs:
             self.queue.popleft()
             if not mine:
                 continue
-            kv_transfer.receive(self.runner, self.messages[header.replica], self.runner.ctx.rank, seq.blocks,
-                                header.tokens, self.world, self.base)
+            kv_transfer.receive(self.runner, self.messages[header.prefill, header.replica], self.runner.ctx.rank,
+                                seq.blocks, header.tokens, self.world, self.bases[header.prefill])
             seq.first_token_at = header.first_at
             out.append((seq, header.started))
         return out
@@ -163,8 +181,8 @@ class Handoffs:
             self.core.abort(index)
 
 
-def _decode_loop(runner, world, inbox, outbox, prefill: Layout, prefill_base: int) -> ServeLoop:
-    handoffs = Handoffs(runner, world, prefill, prefill_base)
-    loop = ServeLoop(runner, inbox, outbox, inbox_hook=handoffs, command=handoffs.command, name="decode")
+def _decode_loop(runner, world, inbox, outbox, me: int, prefills: list[Layout], prefill_bases: list[int]) -> ServeLoop:
+    handoffs = Handoffs(runner, world, prefills, prefill_bases)
+    loop = ServeLoop(runner, inbox, outbox, inbox_hook=handoffs, command=handoffs.command)
     handoffs.core = loop.core
     return loop

@@ -13,7 +13,10 @@ holds it, so the bytes for a prompt of T tokens are
     layers x T x 2 x kv_heads x head_dim x dtype bytes x r,
 
 r = max(1, decode tp / kv_heads), the decode side's own replication of heads (1 when its tp
-divides kv_heads): `analytic_bytes`. Messages go in one order, (decode rank, prefill rank),
+divides kv_heads): `analytic_bytes`. MLA's latent cache is one "head" of kv_lora_rank +
+qk_rope_head_dim values and no v (576 a token for DeepSeek-V3), which every TP rank holds
+whole: the prefill engine's TP rank 0 of each stage sends it to every decode rank holding the
+layer, layers x T x 576 x dtype bytes x decode tp. Messages go in one order, (decode rank, prefill rank),
 on every process, with blocking send/recv: the first unfinished message always has both
 ends waiting on it, so the exchange cannot deadlock.
 """
@@ -26,6 +29,14 @@ import torch
 
 from atoll.parallel.layout import Layout
 from atoll.parallel.pipeline import stage_layers
+
+
+def cache_heads(config) -> tuple[int, int, bool]:
+    """(heads, values per head, whether v is separate) of a token's cache in one layer, all
+    TP ranks together: GQA's kv heads x head_dim with v, or MLA's one latent vector."""
+    if getattr(config, "is_mla", False):
+        return 1, config.kv_lora_rank + config.qk_rope_head_dim, False
+    return config.num_key_value_heads, config.head_dim, True
 
 
 def heads_held(kv_heads: int, tp: int, rank: int) -> list[int]:
@@ -52,7 +63,7 @@ class Message:
 
 def plan(config, src: Layout, dst: Layout, replica: int = 0) -> list[Message]:
     """Every message for one prompt, to decode replica `replica`, in the order all ranks use."""
-    kv = config.num_key_value_heads
+    kv = cache_heads(config)[0]
     src_stages, dst_stages = stage_layers(config, src.pp), stage_layers(config, dst.pp)
     out = []
     for qs, (q_start, q_end) in enumerate(dst_stages):
@@ -69,9 +80,8 @@ def plan(config, src: Layout, dst: Layout, replica: int = 0) -> list[Message]:
 
 
 def analytic_bytes(config, dst: Layout, tokens: int, itemsize: int) -> int:
-    kv = config.num_key_value_heads
-    return (config.num_hidden_layers * tokens * 2 * kv * config.head_dim * itemsize
-            * max(1, dst.tp // kv))
+    kv, dim, values = cache_heads(config)
+    return config.num_hidden_layers * tokens * (2 if values else 1) * kv * dim * itemsize * max(1, dst.tp // kv)
 
 
 def _positions(blocks: list[int], tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +96,7 @@ def send(runner, messages: list[Message], rank: int, blocks: list[int], tokens: 
     the job's Group (ranks are job ranks); decode rank q is job rank dst_base + q."""
     cfg, ctx = runner.config, runner.ctx
     first = runner.model.model.start
-    mine = set(heads_held(cfg.num_key_value_heads, ctx.layout.tp, ctx.coords.tp))
+    mine = set(heads_held(cache_heads(cfg)[0], ctx.layout.tp, ctx.coords.tp))
     local = {h: i for i, h in enumerate(sorted(mine))}
     block, offset = _positions(blocks, tokens, runner.spec.engine.block_size, runner.device)
     sent = 0
@@ -94,7 +104,7 @@ def send(runner, messages: list[Message], rank: int, blocks: list[int], tokens: 
         if m.src != rank:
             continue
         at = torch.tensor([local[h] for h in m.heads], device=runner.device)
-        parts = [torch.stack([c[layer - first][block, offset][:, at] for c in (runner.cache.k, runner.cache.v)])
+        parts = [torch.stack([c[layer - first][block, offset][:, at] for c in _kinds(runner.cache)])
                  for layer in m.layers]
         x = torch.stack(parts).contiguous()  # [layers, 2, tokens, heads, head_dim]
         world.send(x, dst=world.ranks.index(dst_base + m.dst))
@@ -108,21 +118,27 @@ def receive(runner, messages: list[Message], rank: int, blocks: list[int], token
     returns the bytes received."""
     cfg, ctx = runner.config, runner.ctx
     first = runner.model.model.start
-    mine = sorted(heads_held(cfg.num_key_value_heads, ctx.layout.tp, ctx.coords.tp))
+    kv, dim, values = cache_heads(cfg)
+    mine = sorted(heads_held(kv, ctx.layout.tp, ctx.coords.tp))
     local = {h: i for i, h in enumerate(mine)}
     block, offset = _positions(blocks, tokens, runner.spec.engine.block_size, runner.device)
     got = 0
     for m in messages:
         if m.dst != rank:
             continue
-        shape = (len(m.layers), 2, tokens, len(m.heads), cfg.head_dim)
+        shape = (len(m.layers), 2 if values else 1, tokens, len(m.heads), dim)
         x = world.recv(shape, runner.dtype, src=world.ranks.index(src_base + m.src), device=runner.device)
         at = torch.tensor([local[h] for h in m.heads], device=runner.device)
         for i, layer in enumerate(m.layers):
-            for j, c in enumerate((runner.cache.k, runner.cache.v)):
+            for j, c in enumerate(_kinds(runner.cache)):
                 view = c[layer - first]  # [blocks, block_size, heads, head_dim]
                 rows = view[block, offset]
                 rows[:, at] = x[i, j]
                 view[block, offset] = rows
         got += x.numel() * x.element_size()
     return got
+
+
+def _kinds(cache) -> tuple:
+    """The cache's per-layer lists a message carries: k and v, or MLA's latent k alone."""
+    return (cache.k,) if cache.v[0] is None else (cache.k, cache.v)

@@ -157,8 +157,6 @@ class LLM:
         layout = Layout.parse(text).validate(self.config)
         if layout.dp > 1:
             raise InputError(f"--prefill {layout}: the prefill engine is one replica (dp 1)")
-        if self.config.is_mla:
-            raise InputError(f"--prefill: {self.config.model_type}'s latent (MLA) cache cannot be sent yet")
         check_layout_fits(self.model_dir, self.config, layout)
         return layout
 
@@ -301,7 +299,8 @@ class LLM:
             raise LaunchError("this LLM's launcher runs one job per call (no start()); use atoll.LLM's launchers")
         if self.prefill_layout is not None:
             engine = DisaggEngine(disagg_job(self, requests), launcher=self.launcher,
-                                  min_prompt_tokens=self.options.disagg_min_prompt_tokens)
+                                  min_prompt_tokens=self.options.disagg_min_prompt_tokens,
+                                  max_prefill_queue=self.options.disagg_max_prefill_queue)
         else:
             engine = OnlineEngine(engine_spec(self, requests), world_size=self.layout.world_size,
                                   launcher=self.launcher, parallel=parallel or self.context_options())

@@ -147,7 +147,7 @@ class OnlineEngine:
             if msg is not None and msg[0] == "ready":
                 infos.append(msg[1])
                 if len(infos) == self._engines:
-                    return next((i for i in infos if i.get("engine") != "prefill"), infos[-1])
+                    return next((i for i in infos if not (i.get("engine") or "").startswith("prefill")), infos[-1])
             if time.monotonic() > deadline:
                 raise LaunchError(f"the engine's ranks were not ready within {timeout_s:.0f} s")
 

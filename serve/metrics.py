@@ -37,6 +37,8 @@ DESCRIPTIONS = {
     "spec_decode_acceptance_rate": "speculative decoding: accepted / drafted tokens, since start",
     "spec_decode_mean_accepted_length": "speculative decoding: tokens per verify step (accepted drafts + 1), "
                                         "since start",
+    "disagg_routed": "disaggregated serving: requests by the path decided at arrival (prefill: to the prefill "
+                     "engines; decode: short or cached enough to stay; queue: the prefill engines were full)",
     "disagg_requests_total": "disaggregated serving: requests that ended, by the engine that computed their "
                              "prompt (prefill: the prefill engine, its KV sent; decode: the decode engine itself)",
 }
@@ -77,6 +79,9 @@ class Metrics:
                           ("kv_blocks_total", "num_blocks")):
             Gauge(f"{PREFIX}_{name}", d[name], registry=r).set_function(lambda key=key: stats().get(key, 0))
         Gauge(f"{PREFIX}_prefix_cache_hit_rate", d["prefix_cache_hit_rate"], registry=r).set_function(self.hit_rate)
+        routed = Gauge(f"{PREFIX}_disagg_routed", d["disagg_routed"], ["decision"], registry=r)
+        for decision in ("prefill", "decode", "queue"):
+            routed.labels(decision).set_function(lambda k=decision: stats().get("routed", {}).get(k, 0))
         self._prompt = self._cached = 0
 
     def hit_rate(self) -> float:

@@ -79,7 +79,7 @@ def test_route_sends_short_and_mostly_cached_prompts_to_the_decode_engine():
     assert replica == {0: 0, 1: 1, 2: 0, 3: 1} and [r.index for r in remote] == [1, 2, 3]
 
 
-CASES = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", {})}
+CASES = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek_v3": ("deepseek_v3", {})}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,8 @@ def models(tiny_model):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,prefill,decode", [("llama", "TP1", "TP2"), ("llama", "TP2", "TP1"),
-                                                 ("llama", "TP2", "PP2"), ("qwen3_moe", "EP2", "DP2EP2")])
+                                                 ("llama", "TP2", "PP2"), ("qwen3_moe", "EP2", "DP2EP2"),
+                                                 ("deepseek_v3", "TP1", "TP2")])  # MLA: the latent cache goes over
 def test_disaggregated_tokens_match_and_bytes_are_the_prompt_kv(models, name, prefill, decode):
     model_dir, want = models(name)
     llm = LLM(model_dir, prefill=prefill, decode=decode, block_size=4)
@@ -203,7 +204,7 @@ def test_a_failed_job_rank_is_named_by_engine_and_its_rank_there():
 
     layouts = [Layout.parse("TP2"), Layout.parse("TP2PP2")]
     assert [engine_of(layouts, r) for r in (0, 1, 2, 5)] == [(0, 0), (0, 1), (1, 0), (1, 3)]
-    e = EngineFailure("decode", 3, RankFailure(5, "killed by SIGKILL", node="vm"))
+    e = EngineFailure("decode engine", 3, RankFailure(5, "killed by SIGKILL", node="vm"))
     assert str(e) == "decode engine rank 3 (job rank 5 on vm) failed: killed by SIGKILL" and e.rank == 5
 
 

@@ -1,0 +1,63 @@
+"""The living disaggregated engine (engine.disagg_online) past one engine of each kind: two
+prefill engines and one TP2 decode engine (2P1D) and one prefill engine with two decode
+engines (1P2D), greedy tokens equal to transformers'; each request's path decided at arrival
+from its length, the decode replica's cache and the prefill engines' queue, counted."""
+
+import pytest
+from reference import reference_cache
+
+from atoll import LLM, SamplingParams
+
+PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(5 + 6 * i)] for i in range(6)]  # 5 .. 35 tokens
+NEW = 6
+GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return reference_cache(tiny_model, {"llama": ("llama", {})}, PROMPTS, NEW)("llama")
+
+
+@pytest.mark.timeout(300)
+def test_two_prefill_engines_feed_one_tp2_decode_engine(llama):
+    model_dir, want = llama
+    with LLM(model_dir, prefill="TP1", decode="TP2", prefill_replicas=2, block_size=4) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, timeout_s=240)
+    engines = {o.metrics["prefill_engine"] for o in outs}
+    assert [o.token_ids for o in outs] == want
+    assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
+    assert engines == {0, 1}  # six prompts at once: each prefill engine took some
+
+
+@pytest.mark.timeout(300)
+def test_one_prefill_engine_feeds_two_decode_engines(llama):
+    model_dir, want = llama
+    with LLM(model_dir, prefill="TP1", decode="TP1", decode_replicas=2, block_size=4) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, timeout_s=240)
+        stats = llm.start().stats
+    assert [o.token_ids for o in outs] == want
+    assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
+    assert stats["blocks_in_use"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_the_length_the_cache_and_the_prefill_queue_decide_the_path(llama):
+    """--disagg-min-prompt-tokens 12 and --disagg-max-prefill-queue 1: the 5- and 11-token
+    prompts stay on the decode engine; of the four longer ones sent at once, the first goes to
+    the prefill engine and at least one more finds its queue full; sent again, once the decode
+    engine holds them, every long prompt stays there too (its uncached part is short)."""
+    model_dir, want = llama
+    with LLM(model_dir, prefill="TP1", decode="TP1", block_size=4, disagg_min_prompt_tokens=12,
+             disagg_max_prefill_queue=1) as llm:
+        first = llm.generate(PROMPTS, GREEDY, timeout_s=240)
+        routed_first = dict(llm.start().routed)
+        again = llm.generate(PROMPTS, GREEDY, timeout_s=240)
+        routed = llm.start().routed
+    assert [o.token_ids for o in first] == want and [o.token_ids for o in again] == want
+    paths = [o.metrics["prefilled_on"] for o in first]
+    assert paths[:2] == ["decode", "decode"] and paths[2] == "prefill"
+    assert routed_first["decode"] == 2 and routed_first["queue"] >= 1
+    assert routed_first["prefill"] + routed_first["queue"] == 4
+    assert [o.metrics["prefilled_on"] for o in again] == ["decode"] * len(PROMPTS)
+    assert routed["decode"] - routed_first["decode"] == len(PROMPTS)
+    assert all(o.metrics["cached_tokens"] > 0 for o in again[2:])
