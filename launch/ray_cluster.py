@@ -158,10 +158,15 @@ def pin(node_id: str, bundles: int) -> dict:
 
 
 def reserve(ray, groups, bundle: dict, ready_timeout_s: float, targets=None) -> list:
-    """One STRICT_PACK placement group per group of ranks, pinned to targets[i] when given."""
+    """One STRICT_PACK placement group per group of ranks, pinned to targets[i] when given.
+    Their names carry a tag of this job: Ray refuses a name in use, and several jobs (engine
+    replicas) reserve groups of the same ranks at once."""
+    import uuid
+
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    pgs = [placement_group([dict(bundle) for _ in g], strategy="STRICT_PACK", name=f"atoll-{span(g)}",
+    job = uuid.uuid4().hex[:8]
+    pgs = [placement_group([dict(bundle) for _ in g], strategy="STRICT_PACK", name=f"atoll-{job}-{span(g)}",
                            **(pin(targets[i].id, len(g)) if targets else {}))
            for i, g in enumerate(groups)]
     refs = [pg.ready() for pg in pgs]

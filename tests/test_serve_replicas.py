@@ -1,5 +1,5 @@
-"""`atoll serve --data-parallel-size 2` on a dense model: two engine replicas behind the router,
-through the real openai client. Cache-aware: a prompt goes to the replica that computed its
+"""`atoll serve --data-parallel-size 2` (or a plan's `replicas: 2`) on a dense model: two engine
+replicas behind the router, through the real openai client. Cache-aware: a prompt goes to the replica that computed its
 prefix (cached_tokens says the engine reused it) and greedy tokens equal transformers'.
 Round-robin with a replica killed: its streaming request fails naming it, its queued one is
 served by the other replica, /health says degraded (200), and once both are dead the server
@@ -12,13 +12,20 @@ import signal
 import httpx
 import openai
 import pytest
+import yaml
+from cli import run_cli
 from reference import reference_tokens
 from serving import Server, with_tokenizer
+
+from atoll.planner.planfile import load_plan
 
 NAME = "tiny"
 NEW = 6
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
 SYSTEM_A, SYSTEM_B = list(range(10, 50)), list(range(100, 140))  # 40 tokens: two full blocks of 16
+SIM = dict(name="sim-2", gpus_per_node=2, islands=1, gpu=dict(name="sim", memory_gib=16, hbm_tb_s=1, bf16_tflops=100),
+           links=dict(nvlink=dict(gb_s=100, latency_us=3), pcie=dict(gb_s=10, latency_us=5),
+                      network=dict(kind="ethernet", gb_s=1.25, latency_us=50, shared=True)))
 PROMPTS = [SYSTEM_A + [60, 61], SYSTEM_B + [62], SYSTEM_A + [70, 71, 72], SYSTEM_B + [73, 74]]
 
 
@@ -37,11 +44,24 @@ async def _complete(c, prompt, *, stream: bool, max_tokens: int = NEW):
     return ids, None
 
 
+def _plan_of_two_replicas(capsys, model_dir, tmp_path):
+    """`atoll plan --save` for exactly 2 replicas of TP1 on a simulated node of 2 GPUs."""
+    topo = tmp_path / "sim.yaml"
+    topo.write_text(yaml.safe_dump(SIM))
+    out = tmp_path / "plan.yaml"
+    code, _, err = run_cli(capsys, "plan", "--isl", "64", "--osl", "16", "--model", model_dir, "--topology", topo,
+                           "--layouts", "2 x TP1", "--save", out)
+    assert code == 0, err
+    assert load_plan(out).replicas == 2
+    return out
+
+
 @pytest.mark.timeout(300)
-def test_cache_aware_replicas_route_by_prefix_with_transformers_tokens(tiny_model, tmp_path):
+def test_cache_aware_replicas_route_by_prefix_with_transformers_tokens(tiny_model, tmp_path, capsys):
     d = with_tokenizer(tiny_model("llama"), tmp_path / "m")
     expected = reference_tokens(d, PROMPTS, NEW)
-    server = Server(d, "-dp", "2", "--served-model-name", NAME, log=tmp_path / "server.log")
+    plan = _plan_of_two_replicas(capsys, d, tmp_path)  # a plan's replicas are served as -dp 2 would be
+    server = Server(d, "--plan", plan, "--served-model-name", NAME, log=tmp_path / "server.log")
     try:
         assert "x 2 replicas, cache_aware router" in server.text()
         assert len(server.rank_pids()) == 2
@@ -73,7 +93,7 @@ def test_cache_aware_replicas_route_by_prefix_with_transformers_tokens(tiny_mode
 
 @pytest.mark.timeout(300)
 def test_a_killed_replica_fails_only_its_own_and_the_queued_are_retried(tiny_model, tmp_path):
-    d = with_tokenizer(tiny_model("llama"), tmp_path / "m")
+    d = with_tokenizer(tiny_model("llama", max_position_embeddings=16384), tmp_path / "m")
     short = [5, 7, 9]
     expected = reference_tokens(d, [short], NEW)[0]
     server = Server(d, "-dp", "2", "--router", "round_robin", "--max-num-seqs", "1", "--served-model-name", NAME,
@@ -85,7 +105,7 @@ def test_a_killed_replica_fails_only_its_own_and_the_queued_are_retried(tiny_mod
         async def long_stream(c, started: asyncio.Event):
             ids = []
             try:
-                async for chunk in await c.completions.create(model=NAME, prompt=[11, 12], max_tokens=250,
+                async for chunk in await c.completions.create(model=NAME, prompt=[11, 12], max_tokens=16000,
                                                               stream=True, **GREEDY):
                     ids += chunk.choices[0].token_ids
                     started.set()
@@ -104,16 +124,16 @@ def test_a_killed_replica_fails_only_its_own_and_the_queued_are_retried(tiny_mod
                     break
                 await asyncio.sleep(0.1)
             os.kill(ranks[0], signal.SIGKILL)
-            return await asyncio.wait_for(asyncio.gather(*longs), 90), await asyncio.wait_for(
-                asyncio.gather(*queued), 90)
+            ended, running = await asyncio.wait(longs, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            for t in running:  # the live replica's long stream: the client leaves, its slot frees
+                t.cancel()
+            return [t.result() for t in ended], len(running), await asyncio.wait_for(asyncio.gather(*queued), 90)
 
-        longs, queued = asyncio.run(go())
-        failed = [(ids, e) for ids, e in longs if e is not None]
-        assert len(failed) == 1, longs
+        failed, running, queued = asyncio.run(go())
+        assert len(failed) == 1 and running == 1, [(len(ids), e) for ids, e in failed]
         ids, error = failed[0]
-        assert "replica " in str(error) and "killed by SIGKILL" in str(error) and len(ids) < 250, error
+        assert "replica " in str(error) and "killed by SIGKILL" in str(error) and len(ids) < 16000, error
         dead = str(error).split("replica ")[1][0]
-        assert [len(ids) for ids, e in longs if e is None] == [250]
         assert [ids for ids, _ in queued] == [expected, expected]  # the dead replica's one, retried
         health = httpx.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
