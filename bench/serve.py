@@ -17,7 +17,9 @@ their medians (bench/serve_compare.py); the full figures are the first round's. 
 long-prompt: the streams' ITL while a long prompt arrives, with the default chunk budget and
 without chunking (bench/serve_scenario.py). --scenario routing: cache-aware routing against
 round-robin over --data-parallel-size replicas, on requests sharing --system-prompts
-prefixes (bench/serve_routing.py). The 1-minute load average is read before,
+prefixes (bench/serve_routing.py). --scenario disagg: colocated against --prefill/--decode
+serving on requests with a --long-share of --long-len prompts (bench/serve_disagg.py). The
+1-minute load average is read before,
 between and after the rounds.
 """
 
@@ -29,7 +31,7 @@ import math
 from atoll.bench.harness import Run, sig
 from atoll.errors import ConfigError
 
-SCENARIOS = ("load", "long-prompt", "routing")
+SCENARIOS = ("load", "long-prompt", "routing", "disagg")
 
 
 def add_parser(sub) -> None:
@@ -44,7 +46,8 @@ def add_parser(sub) -> None:
                    help="checkpoint dir the server serves (default: the demo model, SmolLM2-135M); its config "
                         "gives the vocabulary and the planner's shapes")
     p.add_argument("--scenario", choices=SCENARIOS, default="load",
-                   help="load (default), long-prompt, or routing (cache-aware against round-robin replicas)")
+                   help="load (default), long-prompt, routing (cache-aware against round-robin replicas), or "
+                        "disagg (colocated against --prefill/--decode)")
     p.add_argument("--num-prompts", type=int, default=50, help="requests (default 50)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second (default inf: all at once)")
@@ -74,7 +77,10 @@ def add_parser(sub) -> None:
                    help="timed rounds of the load (with --compare-offline: of both, the order alternating; "
                         "medians compared) (default 1)")
     p.add_argument("--streams", type=int, default=8, help="long-prompt: requests decoding (default 8)")
-    p.add_argument("--long-len", type=int, default=4096, help="long-prompt: its tokens (default 4096)")
+    p.add_argument("--long-len", type=int, default=4096,
+                   help="long-prompt: its tokens; disagg: the long prompts' tokens (default 4096)")
+    p.add_argument("--long-share", type=float, default=0.1,
+                   help="disagg: the share of requests with --long-len tokens (default 0.1)")
     p.add_argument("--long-after", type=int, default=8,
                    help="long-prompt: sent once every stream has had this many chunks (default 8)")
     p.add_argument("--system-prompts", type=int, default=8,
@@ -120,6 +126,12 @@ def run(args) -> int:
             result = run_long_prompt(args, bench, bench.model, config.vocab_size, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_long)
             return 0
+        if args.scenario == "disagg":
+            from atoll.bench.serve_disagg import render as render_disagg, run_disagg
+
+            result = run_disagg(args, bench, bench.model, config.vocab_size, slos, percentiles)
+            bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_disagg)
+            return 1 if result["colocated"]["failed"] or result["disaggregated"]["failed"] else 0
         if args.scenario == "routing":
             from atoll.bench.serve_routing import render as render_routing, run_routing
 

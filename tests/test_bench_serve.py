@@ -5,6 +5,7 @@ of the command against `atoll serve` on a tiny model."""
 import asyncio
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -308,3 +309,36 @@ def test_bench_serve_smoke(tiny_model, tmp_path):
     assert p["predicted"]["layout"] == "TP1" and p["predicted"]["workload"]["request_rate"] == 40
     assert set(p["measured_over_predicted"]) == {"ttft", "tpot", "output_throughput"}
     assert r["load_avg_1m"] and r["cores"] >= 1
+
+
+def test_mixed_requests_have_the_long_share():
+    from atoll.bench.serve_disagg import mixed_requests
+
+    reqs = mixed_requests(400, input_len=8, long_len=64, long_share=0.1, output_len=4, vocab_size=50, seed=3)
+    lens = [r.prompt_len for r in reqs]
+    assert set(lens) == {8, 64} and 20 <= lens.count(64) <= 60  # 40 expected; binomial sd 6
+    assert mixed_requests(5, input_len=8, long_len=64, long_share=0.1, output_len=4, vocab_size=50,
+                          seed=3)[0].prompt == reqs[0].prompt  # seeded
+
+
+def test_bench_serve_disagg_scenario(tiny_model, tmp_path):
+    """--scenario disagg runs the same requests on a colocated and a disaggregated server: both
+    complete every request, and the disaggregated side's paths add up to them."""
+    import subprocess
+    import sys
+
+    model = tiny_model("llama")
+    cmd = [sys.executable, "-m", "atoll", "bench", "serve", "--json", "--model", str(model), "--scenario", "disagg",
+           "-pp", "2", "--prefill", "TP1", "--decode", "TP1", "--disagg-min-prompt-tokens", "16",
+           "--num-prompts", "10", "--input-len", "8", "--long-len", "40", "--long-share", "0.3", "--output-len", "4",
+           "--request-rate", "50", "--goodput", "ttft:60000", "--max-model-len", "64", "--timeout", "60",
+           "--server-timeout", "60"]
+    env = {**os.environ, "ATOLL_ENFORCE_EAGER": "1", "ATOLL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    c, d = r["colocated"], r["disaggregated"]
+    assert (c["completed"], d["completed"]) == (10, 10) and c["failed"] == d["failed"] == 0
+    assert d["paths"]["prefill"] == r["long_prompts"] and d["paths"]["decode"] == 10 - r["long_prompts"]
+    assert "--prefill" not in c["server_args"] and "--pipeline-parallel-size" not in d["server_args"]
+    assert c["goodput"]["attainment"] == d["goodput"]["attainment"] == 1.0
