@@ -219,3 +219,16 @@ def test_bad_config_one_line(bad, says):
     with pytest.raises(InputError, match=says) as e:
         EngineConfig(speculative_config=bad)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["EP2", "DP2EP2"])
+def test_greedy_moe(tiny_model, layout):
+    """Qwen3-MoE with n-gram speculation: EP2 (TP attention) and DP2EP2 (each DP replica
+    verifies its own sequences; the tokens come back K+1 wide through the DP exchange)."""
+    d = tiny_model("qwen3_moe")
+    expected = reference_tokens(d, PROMPTS, NEW)
+    outs = LLM(d, layout=layout, speculative_config=NGRAM).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    drafted, accepted = _spec_counts(outs)
+    assert 0 < accepted < drafted
