@@ -81,15 +81,7 @@ def ngram_lookup(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
 class LayerSkipDrafter(Drafter):
     def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int, runner):
         super().__init__(cfg, max_model_len=max_model_len)
-        model, layout = runner.model, runner.ctx.layout
-        if layout.pp > 1 or layout.dp > 1:
-            raise InputError(f"speculative method layer_skip runs on one pipeline stage and one DP replica; "
-                             f"the layout is {layout}")
-        total = len(model.model.layers)
-        self.num_layers = cfg.num_layers or max(1, total // 4)
-        if self.num_layers >= total:
-            raise InputError(f"speculative num_layers={self.num_layers} must be below the model's "
-                             f"{total} layers")
+        self.num_layers = check(cfg, runner.ctx.layout, len(runner.model.model.layers))
         self.runner = runner
 
     @torch.inference_mode()
@@ -120,6 +112,20 @@ class LayerSkipDrafter(Drafter):
             h, residual = layer(h, residual, meta, cache.k[j], cache.v[j])
         norm = model.model.norm
         return model.lm_head(norm(h, residual=residual) if residual is not None else norm(h))
+
+
+def check(cfg: SpeculativeConfig | None, layout, num_hidden_layers: int) -> int | None:
+    """A one-line error when the config cannot run on this layout and model (before any rank
+    starts); the layer-skip draft's layer count (its default: a quarter of the layers)."""
+    if cfg is None or cfg.method != "layer_skip":
+        return None
+    if layout.pp > 1 or layout.dp > 1:
+        raise InputError(f"speculative method layer_skip runs on one pipeline stage and one DP replica; "
+                         f"the layout is {layout}")
+    layers = cfg.num_layers or max(1, num_hidden_layers // 4)
+    if layers >= num_hidden_layers:
+        raise InputError(f"speculative num_layers={layers} must be below the model's {num_hidden_layers} layers")
+    return layers
 
 
 def make_drafter(cfg: SpeculativeConfig | None, runner, *, max_model_len: int) -> Drafter | None:

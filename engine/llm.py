@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from atoll import config
+from atoll.engine import drafters
 from atoll.engine.disagg import generate_disagg
 from atoll.engine.disagg_online import DisaggEngine, disagg_job
 from atoll.engine.kv_sizing import check_fits, explicit_blocks
@@ -138,6 +139,7 @@ class LLM:
         Checkpoint(self.model_dir).check()
         check_layout_fits(self.model_dir, self.config, self.layout)  # shapes, before any rank starts
         quantize.check(self.options.quantization, self.config, self.options.device)
+        drafters.check(self.options.speculative_config, self.layout, self.config.num_hidden_layers)
         o = self.options
         self.device, self.dtype = o.device, o.dtype
         self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size

@@ -232,3 +232,31 @@ def test_greedy_moe(tiny_model, layout):
     assert [o.token_ids for o in outs] == expected
     drafted, accepted = _spec_counts(outs)
     assert 0 < accepted < drafted
+
+
+def test_cli_refuses_in_one_line(capsys, tiny_model):
+    from test_cli_errors import _fails
+
+    d = str(tiny_model("llama", num_hidden_layers=4))
+    _fails(capsys, ["generate", "--model", d, "--prompt", "x", "--speculative-config", '{"method": "eagle9"}'],
+           "unknown speculative method 'eagle9'")
+    _fails(capsys, ["generate", "--model", d, "--prompt", "x", "-pp", "2", "--speculative-config",
+                    '{"method": "layer_skip"}'], "layer_skip runs on one pipeline stage")
+    _fails(capsys, ["generate", "--model", d, "--prompt", "x", "--speculative-config",
+                    '{"method": "layer_skip", "num_layers": 4}'], "num_layers=4 must be below the model's 4 layers")
+
+
+@pytest.mark.timeout(300)
+def test_cli_closing_line(capsys, tiny_model, tmp_path):
+    import json
+
+    from atoll.cli.main import main
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": i, "prompt_token_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tiny_model("llama", num_hidden_layers=4)), "--prompts", str(f),
+              "--max-new-tokens", "16", "--speculative-config", json.dumps(NGRAM)])
+    err = capsys.readouterr().err
+    assert e.value.code == 0, err
+    assert "speculative: acceptance " in err and "mean accepted length " in err, err
