@@ -25,6 +25,9 @@ def add_parser(subparsers) -> None:
                    help="requests in flight; a list sweeps: 1,8,64,256 (default 64; --check 8)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp8", "fp32"), default="auto",
                    help="weight precision (default auto: the checkpoint's, e.g. fp8 for DeepSeek-V3)")
+    p.add_argument("--quantization", choices=("int8", "fp8"), default=None,
+                   help="the runtime's --quantization: weights counted as its ranks allocate them "
+                        "(planner/quantized.py; default: --dtype's bytes per parameter)")
     p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp8", "fp32", "fp8_e4m3", "fp8_e5m2", "int8"), default="auto",
                    help="KV cache precision, about 2x the requests per GPU from bf16 to fp8 or int8; the "
                         "runtime's --kv-cache-dtype names count its bytes (int8: + a float32 scale per token "
@@ -130,6 +133,7 @@ def run(args) -> int:
     name, config = resolve_model(args.model)
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] if args.layouts else None
     workloads = [Workload(isl=args.isl, osl=args.osl, concurrency=c, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                          quantization=args.quantization,
                           request_rate=args.request_rate, expert_imbalance=args.expert_imbalance)
                  for c in _concurrencies(args.concurrency)]
     with SearchProgress(enabled=not args.no_progress) as progress:  # every layout costed once for all

@@ -40,6 +40,8 @@ def keep_fp8(module: nn.Module, name: str, scale_name: str) -> None:
     setattr(module, name, new)
     scale = torch.ones(*old.shape[:-1], groups(old.shape[-1]), dtype=torch.float32, device=old.device)
     setattr(module, scale_name, scale)
+    if new.is_meta:  # a model built to count its bytes: never loaded
+        return
     key = new.untyped_storage().data_ptr()
     _SCALES[key] = (new.shape, scale)
     weakref.finalize(new, _SCALES.pop, key, None)

@@ -51,13 +51,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter the model holds (int8 weights and their scales
-    counted as stored), tensors shared between modules counted once."""
-    scales = [t for name, t in model.named_buffers() if name.endswith("weight_scale")]
-    seen, total = set(), 0
-    for t in [*model.parameters(), *scales]:
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
+    """Bytes of every parameter the model holds and of its quantized weights' scales (int8's
+    per row, fp8's per row and 128 columns: buffers named *_scale), as stored; a parameter
+    shared between modules counted once. Works on a meta model too."""
+    scales = [t for name, t in model.named_buffers() if name.endswith("_scale")]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *scales])

@@ -5,8 +5,8 @@
   made before the weights are read (prepare), so each rank's fp8 bytes are all it ever holds
   of them: a block-fp8 checkpoint's fp8 weights are kept as stored (the ones it stores in
   bf16 stay float), a float checkpoint's are quantized as read (amax / 448 per row and 128
-  columns). Kept in fp8: the column, row and
-  replicated linears and the MoE experts, where a shard's columns start on a 128 boundary
+  columns). Kept in fp8: the column, row and replicated linears and the MoE experts, where a
+  shard's columns start on a 128 boundary
   (a row-parallel shard of in_features / tp columns needs in_features / tp % 128 == 0, an
   expert's down projection moe_intermediate / moe_tp % 128 == 0; else that weight is float).
   Not: the embedding, the LM head, norms, routers, MLA's kv_b_proj. Products: the block-fp8
@@ -26,13 +26,13 @@ import torch
 from torch import nn
 
 from atoll.errors import InputError
-from atoll.models import fp8
 from atoll.kernels.fp8 import GROUP
 from atoll.layers import quant_linear
-from atoll.layers.fp8_linear import keep_fp8
-from atoll.layers.moe import Experts
 from atoll.layers.embedding import ParallelLMHead
+from atoll.layers.fp8_linear import keep_fp8
 from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from atoll.layers.moe import Experts
+from atoll.models import fp8
 
 NOT_QUANTIZED = ("kv_b_proj",)  # module names whose weight other code reads as floats
 
@@ -94,6 +94,20 @@ def prepare(model: nn.Module, method: str | None, ckpt=None) -> int:
     for m, weight, scale in targets:
         keep_fp8(m, weight, scale)
     return len(targets)
+
+
+def rank_weight_bytes(config, layout, rank: int, *, dtype: torch.dtype, quantization: str | None,
+                      ckpt=None) -> int:
+    """The weight bytes rank `rank` of `layout` holds after loading, as the runner makes them
+    (build_model, prepare, apply), counted on a meta model: parameters and quantization
+    scales (layers.quant_linear.weight_bytes)."""
+    from atoll.models import build_model
+    from atoll.parallel.mesh import ParallelContext
+
+    model = build_model(config, ParallelContext.detached(layout, rank, device="meta"), dtype=dtype, device="meta")
+    prepare(model, quantization, ckpt)
+    apply(model, quantization)
+    return quant_linear.weight_bytes(model)
 
 
 def _on_cuda(device: str) -> bool:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from atoll.planner import efficiency as eff
+from atoll.planner.quantized import stage_weight_bytes
 from atoll.planner.shapes import stage_split
 
 
@@ -71,6 +72,8 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
     for i, (start, end) in enumerate(stage_split(config, l.pp)):
         dec, bf16 = stage_weight_params(s, l, start, end, i == 0, i == l.pp - 1)
         weights = dec * w.weight_bytes + bf16 * w.embed_bytes
+        if w.quantization is not None:  # what the ranks allocate, by the runtime's rule
+            weights = stage_weight_bytes(config, layout, i, w)
         kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes, w.kv_scale_bytes)
         if worst is None or weights + kv > worst[0] + worst[1]:
             worst = (weights, kv)

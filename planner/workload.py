@@ -30,6 +30,8 @@ class Workload:
     # routing); None: planner/moe_cost.py's sourced EXPERT_IMBALANCE carried to the layout
     # (moe_cost.expert_imbalance)
     expert_imbalance: float | None = None
+    # the runtime's --quantization (int8, fp8): weights counted by its own rule (planner/quantized.py)
+    quantization: str | None = None
 
     def __post_init__(self):
         for name in ("isl", "osl", "concurrency"):
@@ -41,6 +43,8 @@ class Workload:
         if self.expert_imbalance is not None and not (_positive(self.expert_imbalance) and self.expert_imbalance >= 1):
             raise ConfigError(f"expert_imbalance={self.expert_imbalance!r} must be a number >= 1 "
                               "(the busiest EP rank's tokens over the mean)")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ConfigError(f"quantization={self.quantization!r} must be int8 or fp8")
         for name, names in (("dtype", DTYPES), ("kv_dtype", KV_DTYPES)):
             if getattr(self, name) not in names + ("auto",):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be one of {', '.join(names)} or auto")

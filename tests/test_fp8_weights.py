@@ -102,6 +102,28 @@ def test_dsv3_fp8_checkpoint_kept_in_fp8(dsv3_fp8, layout):
         assert sum(b["param_bytes"][n] for n in names) == 2 * k["fp8_bytes"]
 
 
+@pytest.mark.timeout(300)
+def test_online_fp8_llama_and_the_planner_agree(tiny_model):
+    """A float checkpoint quantized as read (--quantization fp8) at TP2: the column-parallel
+    linears in fp8 on each rank, the ranks' bytes equal to `atoll plan --quantization fp8`'s,
+    and the tokens within fp8's error of transformers' (at least 24 of 64 before the first
+    difference, the fp8 KV cache's bound)."""
+    from test_int8_weights import PROMPTS, _prefix, planner_weight_bytes
+    from reference import reference_tokens
+
+    from atoll import SamplingParams
+
+    model_dir = tiny_model("llama")
+    with LLM(model_dir, layout="TP2", quantization="fp8") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+        reports = llm.run(weight_report, 2, llm.spec(), parallel=llm.context_options())
+    # qkv and gate/up of 3 layers; o_proj and down_proj shards (32 and 64 columns) stay float
+    assert all(len(r["fp8_names"]) == 3 * 2 and r["fp8_bytes"] > 0 for r in reports), reports
+    assert planner_weight_bytes(model_dir, "TP2", "fp8") == max(r["bytes"] for r in reports)
+    expected = reference_tokens(model_dir, PROMPTS, 16)
+    assert sum(_prefix(o.token_ids, e) for o, e in zip(outs, expected)) >= 24
+
+
 def test_refusals():
     from atoll.models import quantize
 

@@ -108,10 +108,44 @@ def test_engine_follows_the_dequantized_model(int8_pair, layout):
         reports = llm.run(weight_report, llm.layout.world_size, llm.spec(), parallel=llm.context_options())
     # per layer q, k, v, o merged into 2 weights, gate/up and down: 4; 3 layers and the head
     assert all(r["dtypes"]["int8"] == 3 * 4 + 1 for r in reports), reports
+    assert planner_weight_bytes(src, layout, "int8") == max(r["bytes"] for r in reports)
     assert scores.perplexity == pytest.approx(want, rel=1e-2)
     expected = reference_tokens(ref, PROMPTS, 16)
     agree = sum(_prefix(o.token_ids, e) for o, e in zip(outs, expected))
     assert agree >= 44, agree
+
+
+def planner_weight_bytes(model_dir, layout, quantization) -> float:
+    """`atoll plan --quantization`'s weights on the worst GPU (float32 compute, as the CPU runs)."""
+    from atoll.models import ModelConfig
+    from atoll.parallel.layout import Layout
+    from atoll.planner.memory import memory_fit
+    from atoll.planner.shapes import shapes
+    from atoll.planner.workload import Workload
+    from atoll.topologies import load_topology
+
+    config = ModelConfig.load(model_dir)
+    w = Workload(isl=16, osl=16, concurrency=1, dtype="fp32", quantization=quantization).resolved(config)
+    return memory_fit(config, shapes(config), load_topology("dgx-h100"), w, Layout.parse(layout), 1).weights
+
+
+def test_planner_counts_the_quantized_bytes_of_each_stage(int8_pair):
+    """PP2 without processes: the worst stage's meta count, each stage under half its float32
+    bytes (int8 weights and bf16 row scales; the embedding stays float32)."""
+    from atoll.models import ModelConfig
+    from atoll.parallel.layout import Layout
+    from atoll.planner.quantized import stage_weight_bytes
+    from atoll.planner.workload import Workload
+
+    src, _ = int8_pair
+    config = ModelConfig.load(src)
+    layout = Layout.parse("PP2")
+    w = Workload(dtype="fp32", quantization="int8")
+    plain = Workload(dtype="fp32", quantization=None)
+    for stage in (0, 1):
+        q = stage_weight_bytes(config, layout, stage, w)
+        assert 0 < q < stage_weight_bytes(config, layout, stage, plain) / 2
+    assert planner_weight_bytes(src, "PP2", "int8") == max(stage_weight_bytes(config, layout, s, w) for s in (0, 1))
 
 
 def test_refused_on_cuda_and_unknown_names():
