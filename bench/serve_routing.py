@@ -44,8 +44,9 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def side(before: dict, after: dict, rep: dict) -> dict:
-    """One router's figures over the round (the metrics' differences)."""
+def side(before: dict, after: dict, rep: dict, *, models_cache: bool) -> dict:
+    """One router's figures over the round (the metrics' differences); models_cache: the
+    router keeps a model of the caches (round-robin expects nothing)."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -62,7 +63,7 @@ def side(before: dict, after: dict, rep: dict) -> dict:
             replica = name.split('replica="')[1].split('"')[0]
             per_replica[replica] = per_replica.get(replica, 0) + int(delta(name))
     return {"prefix_hit_rate": sig(cached / prompt, 4) if prompt else None,
-            "router_expected_hit_rate": sig(expected / routed_prompt, 4) if routed_prompt else None,
+            "router_expected_hit_rate": sig(expected / routed_prompt, 4) if routed_prompt and models_cache else None,
             "prompt_tokens": int(prompt), "cached_tokens": int(cached), "routes": routes,
             "requests_per_replica": dict(sorted(per_replica.items())),
             "completed": rep["completed"], "failed": rep["failed"], "duration_s": round(rep["duration_s"], 3),
@@ -100,7 +101,7 @@ def run_routing(args, bench, model_dir: str, vocab_size: int, percentiles) -> di
             after = scrape(url)
         bench.note()
         rep = report(results, duration, percentiles=percentiles)
-        sides[router] = side(before, after, rep) | {"load_avg_1m_after": round(bench.loads[-1], 2),
+        sides[router] = side(before, after, rep, models_cache=router == "cache_aware") | {"load_avg_1m_after": round(bench.loads[-1], 2),
                                                     "server_args": argv}
     ca, rr = sides["cache_aware"], sides["round_robin"]
     p50 = lambda s: s["ttft_ms"].get("p50")  # noqa: E731
