@@ -118,6 +118,10 @@ def run(args) -> int:
     check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size * replicas)
     args.context = llm.context_options(islands=plan.islands if plan else None, nodes=plan.nodes if plan else None)
     if launcher != "local":
+        if replicas > 1 and plan is not None:  # its placement is one replica's: Ray places each
+            print(f"atoll: Ray places each of the {replicas} replicas' ranks (TP inside a node); the plan's "
+                  "placement names one replica's GPUs", file=sys.stderr)
+            args.saved_plan = None
         llm.launcher = _living_launcher(args, llm, launcher)
         if not is_first_rank(launcher):
             return _join(args, llm)
