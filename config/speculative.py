@@ -3,13 +3,16 @@ JSON so a vLLM user's settings carry over.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 8}
+    {"model": "/path/to/draft", "num_speculative_tokens": 4}
 
 `ngram` drafts by prompt lookup: the tokens that followed the last earlier occurrence of the
 sequence's final n tokens (n from prompt_lookup_max down to prompt_lookup_min). `layer_skip`
 drafts with the target model's own first `num_layers` layers and its LM head (a self-draft:
 no second model, and no cache of its own, since those layers' keys and values are the
-target's). A separate draft model ("model") and DeepSeek-V3's MTP layer ("deepseek_mtp") are
-recognised and refused with a clear message: they are not built yet.
+target's). "model" names a separate draft model (method draft_model) that shares the
+target's vocabulary: it runs on the same ranks with the same TP, in a paged cache of its own
+indexed by the target's block tables. DeepSeek-V3's MTP layer ("deepseek_mtp") is recognised
+and refused with a clear message: it is not built yet.
 
 disable_by_batch_size (vLLM's spelling): a step drafts nothing when its lane runs at least
 this many sequences, since at large batch the verify forward is no longer nearly free.
@@ -22,8 +25,8 @@ from dataclasses import dataclass, fields
 
 from atoll.errors import InputError
 
-METHODS = ("ngram", "layer_skip")
-NOT_BUILT = ("draft_model", "deepseek_mtp", "eagle", "eagle3", "medusa", "mlp_speculator")
+METHODS = ("ngram", "layer_skip", "draft_model")
+NOT_BUILT = ("deepseek_mtp", "eagle", "eagle3", "medusa", "mlp_speculator")
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     num_layers: int | None = None  # layer_skip: the target's first layers the draft runs (default: a quarter)
     disable_by_batch_size: int | None = None
-    model: str | None = None  # a separate draft model (not built yet)
-    draft_tensor_parallel_size: int | None = None
+    model: str | None = None  # draft_model: the draft checkpoint's directory
+    draft_tensor_parallel_size: int | None = None  # draft_model: the target's tp (the only one run)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -50,6 +53,8 @@ class SpeculativeConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"speculative {name}={value!r} must be a whole number of at least 1")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise InputError("speculative \"model\" (a draft checkpoint) goes with method draft_model, and only there")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InputError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
@@ -71,9 +76,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise InputError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         value = dict(value)
-        if "model" in value and value.get("method") in (None, "draft_model"):
-            raise InputError("speculative decoding with a separate draft model is not built yet: use "
-                             f"method {' or '.join(METHODS)}")
+        if "model" in value and "method" not in value:  # vLLM's spelling of a draft model
+            value["method"] = "draft_model"
         if "method" not in value:
             raise InputError(f"speculative_config needs a \"method\": one of {', '.join(METHODS)}")
         known = {f.name for f in fields(cls)}

@@ -139,7 +139,8 @@ class LLM:
         Checkpoint(self.model_dir).check()
         check_layout_fits(self.model_dir, self.config, self.layout)  # shapes, before any rank starts
         quantize.check(self.options.quantization, self.config, self.options.device)
-        drafters.check(self.options.speculative_config, self.layout, self.config.num_hidden_layers)
+        drafters.check(self.options.speculative_config, self.layout, self.config.num_hidden_layers,
+                       self.config.vocab_size)
         o = self.options
         self.device, self.dtype = o.device, o.dtype
         self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size

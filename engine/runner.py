@@ -96,9 +96,11 @@ class ModelRunner:
         speculative = self.spec.engine.speculative_config
         return speculative.num_speculative_tokens if speculative is not None else None
 
-    def new_cache(self, blocks: int):
-        """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind."""
-        return make_cache(self.config, self.ctx.tp.size, layers=self.model.num_local_layers, blocks=blocks,
+    def new_cache(self, blocks: int, *, config: ModelConfig | None = None, layers: int | None = None):
+        """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind
+        (or another model's: a draft model's, engine.drafters)."""
+        return make_cache(config or self.config, self.ctx.tp.size, layers=layers or self.model.num_local_layers,
+                          blocks=blocks,
                           block_size=self.spec.engine.block_size, dtype=self.dtype, device=self.device,
                           kv_cache_dtype=self.spec.engine.kv_cache_dtype)
 

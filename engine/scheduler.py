@@ -43,6 +43,7 @@ class Sequence:
     spec_steps: int = 0  # speculative verify steps it took part in (engine.verify)
     spec_drafted: int = 0  # tokens drafted for it
     spec_accepted: int = 0  # drafted tokens the target kept
+    draft_cached: int = 0  # positions a draft model's own cache computed for it (engine.drafters)
 
     @property
     def tokens(self) -> list[int]:

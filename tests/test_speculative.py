@@ -1,5 +1,6 @@
 """Speculative decoding (engine.drafters, engine.verify): greedy tokens identical to
-transformers with n-gram and layer-skip drafts at TP1, TP2 and PP2; every block back in the
+transformers with n-gram drafts at TP1, TP2, PP2, EP2 and DP2EP2, and with layer-skip and
+draft-model drafts at TP1 and TP2; every block back in the
 pool after many rejections and the prefix cache's hits unchanged; the speculative-sampling
 rule keeps the target's distribution (chi-square tests, shown to fail under a wrong rule);
 seeded sampling reproducible; bad configs refused in one line."""
@@ -211,7 +212,8 @@ def test_disable_by_batch_size(dense):
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens=0"),
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min=4"),
     ('{"method": "ngram", "k": 3}', "unknown key 'k'"),
-    ('{"model": "/some/draft"}', "draft model is not built yet"),
+    ('{"method": "draft_model"}', "goes with method draft_model"),
+    ('{"method": "ngram", "model": "/some/draft"}', "goes with method draft_model"),
     ('{"method": "deepseek_mtp"}', "not built yet"),
     ("ngram", "not JSON"),
 ])
@@ -260,3 +262,44 @@ def test_cli_closing_line(capsys, tiny_model, tmp_path):
     err = capsys.readouterr().err
     assert e.value.code == 0, err
     assert "speculative: acceptance " in err and "mean accepted length " in err, err
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(dense, tmp_path_factory):
+    """The target with noise on its LM head and last layer's MLP: a draft model that agrees
+    with it often but not always (the draft cache is caught up after partial acceptance)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, _ = dense
+    out = tmp_path_factory.mktemp("draft")
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(7)
+    for f in model_dir.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name in tensors:
+            if name == "lm_head.weight" or name.startswith("model.layers.3.mlp"):
+                tensors[name] = tensors[name] + 0.08 * torch.randn(tensors[name].shape, generator=g)
+        save_file(tensors, out / f.name, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["TP1", "TP2"])
+def test_greedy_with_a_draft_model(dense, noisy_draft, layout):
+    model_dir, expected = dense
+    spec = {"model": str(noisy_draft), "num_speculative_tokens": 3}
+    outs = LLM(model_dir, layout=layout, block_size=4, speculative_config=spec).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    drafted, accepted = _spec_counts(outs)
+    assert 0 < accepted < drafted
+
+
+def test_draft_model_of_another_vocabulary_refused(dense, tiny_model):
+    model_dir, _ = dense
+    other = tiny_model("llama", vocab_size=300)
+    with pytest.raises(InputError, match=r"draft model's vocabulary \(300 tokens\) is not the target's \(301\)"):
+        LLM(model_dir, speculative_config={"model": str(other)})
