@@ -49,8 +49,8 @@ def build(runner):
         from atoll.engine.graphs import GraphedDecode
 
         return GraphedDecode(runner.model, runner.cache, **kw)
-    if runner.device.type != "cpu" or runner.config.is_moe:
-        return None
+    if runner.device.type != "cpu" or runner.config.is_moe or eng.quantization == "fp8":
+        return None  # fp8 weights on the CPU dequantize per product: eager (not compiled yet)
     from atoll.engine.compiled import CompiledDecode, inductor_cache_dir, linear_weights
     from atoll.engine.blocks import copy_fits
 
