@@ -137,3 +137,23 @@ def test_a_replica_found_dead_at_submit_is_skipped():
     reps = Replicas(engines, RoundRobinRouter())
     reps.submit(Req(reps.new_id(), [1]), lambda *a: None)
     assert 0 in engines[1].sinks and reps.degraded.keys() == {0}
+
+
+def test_a_dense_model_s_dp_is_replicas_and_an_moe_model_keeps_it():
+    from types import SimpleNamespace
+
+    from atoll.cli.serve_replicas import check_replicas, take_replicas
+    from atoll.errors import InputError, LaunchError
+
+    dense, moe = SimpleNamespace(is_moe=False), SimpleNamespace(is_moe=True)
+    args = SimpleNamespace(plan=None, data_parallel_size=None, layout="TP2DP2")
+    assert take_replicas(args, dense) == 2 and args.layout == "TP2"
+    args = SimpleNamespace(plan=None, data_parallel_size=3, layout=None)
+    assert take_replicas(args, dense) == 3 and args.data_parallel_size is None
+    args = SimpleNamespace(plan=None, data_parallel_size=2, layout=None)
+    assert take_replicas(args, moe) == 1 and args.data_parallel_size == 2
+    with pytest.raises(InputError, match="not both"):
+        take_replicas(SimpleNamespace(plan=None, data_parallel_size=2, layout="DP2"), dense)
+    with pytest.raises(LaunchError, match="one job serves one engine"):
+        check_replicas(2, "torchrun")
+    check_replicas(2, "ray")
