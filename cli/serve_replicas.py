@@ -25,8 +25,8 @@ def take_replicas(args, config) -> int:
     flags into it (args is changed so the engine's layout has dp 1)."""
     from atoll.parallel.layout import Layout
 
-    if config.is_moe or args.plan:  # a plan names its replicas (and -dp beside it is refused)
-        return 1
+    if config.is_moe or args.plan or getattr(args, "prefill", None):
+        return 1  # a plan names its replicas; disaggregated: --prefill/--decode-replicas (-dp is refused)
     replicas = 1
     if args.data_parallel_size is not None:
         if args.data_parallel_size < 1:
