@@ -183,7 +183,7 @@ def test_engine_sampling_matches_plain_sampling(tiny_model, monkeypatch):
 
     plain, _ = joint(None)
     spec, results = joint(dict(NGRAM, num_speculative_tokens=1))
-    assert _spec_counts(results)[0] >= n  # every request drafted
+    assert _spec_counts(results)[0] == n  # every request drafted once
     assert pvalue(plain, spec) > ALPHA
     monkeypatch.setattr(verify, "residual", lambda p, t: p)
     wrong, _ = joint(dict(NGRAM, num_speculative_tokens=1))
