@@ -144,7 +144,8 @@ class DraftModelDrafter(Drafter):
         ids = [t for seq, s in zip(seqs, starts) for t in seq.tokens[s:seq.cached + 1]]
         meta = AttentionMetadata.build([seq.blocks for seq in seqs], starts,
                                        [seq.cached + 1 - s for seq, s in zip(seqs, starts)], size, device=runner.device)
-        last = self.model(torch.tensor(ids, dtype=torch.long, device=runner.device), meta, self.cache).argmax(-1).tolist()
+        ids = torch.tensor(ids, dtype=torch.long, device=runner.device)
+        last = self.model(ids, meta, self.cache).argmax(-1).tolist()
         for step in range(max(ks)):
             for i in range(len(seqs)):
                 if ks[i] > step:

@@ -68,8 +68,7 @@ class Metrics:
         Gauge(f"{PREFIX}_spec_decode_acceptance_rate", d["spec_decode_acceptance_rate"], registry=r).set_function(
             lambda: self._spec["accepted_tokens"] / self._spec["draft_tokens"] if self._spec["draft_tokens"] else 0.0)
         Gauge(f"{PREFIX}_spec_decode_mean_accepted_length", d["spec_decode_mean_accepted_length"],
-              registry=r).set_function(lambda: (self._spec["accepted_tokens"] + self._spec["drafts"]) / self._spec["drafts"]
-                                       if self._spec["drafts"] else 0.0)
+              registry=r).set_function(self.mean_accepted_length)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(reason)
         for reason in ("invalid", "rejected", "engine", "shutdown"):
@@ -83,6 +82,11 @@ class Metrics:
         for decision in ("prefill", "decode", "queue"):
             routed.labels(decision).set_function(lambda k=decision: stats().get("routed", {}).get(k, 0))
         self._prompt = self._cached = 0
+
+    def mean_accepted_length(self) -> float:
+        """Tokens a speculative verify step gave a request: its accepted drafts and one more."""
+        s = self._spec
+        return (s["accepted_tokens"] + s["drafts"]) / s["drafts"] if s["drafts"] else 0.0
 
     def hit_rate(self) -> float:
         return self._cached / self._prompt if self._prompt else 0.0
