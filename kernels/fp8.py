@@ -56,7 +56,12 @@ quantize_activations = quantize_weight  # the same grouping, per token instead o
 
 
 def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, col_offset: int = 0) -> torch.Tensor:
-    return w.float() * _expand(scale.float(), w.shape[1], col_offset)
+    """float32 [N, K]: each 128-column group times its scale, in place on one float copy."""
+    out = w.float()
+    for g in range(scale.shape[1]):
+        a, b = max(0, g * GROUP - col_offset), min(w.shape[1], (g + 1) * GROUP - col_offset)
+        out[:, a:b] *= scale[:, g:g + 1].float()
+    return out
 
 
 def gemm_reference(a, a_scale, b, b_scale, out_dtype) -> torch.Tensor:
