@@ -37,8 +37,9 @@ def prefix_names(tokens, block_size: int, blocks: int | None = None) -> list[byt
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, first: int = 0):
-        """Blocks first .. first + num_blocks - 1 of the cache."""
+    def __init__(self, num_blocks: int, block_size: int, first: int = 0, hole: int | None = None):
+        """Blocks first .. first + num_blocks - 1 of the cache. hole: the cache's scratch block,
+        which stands in a table for blocks let go of before its end (`free_before`)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -48,6 +49,7 @@ class BlockPool:
         self._named: dict[bytes, int] = {}  # hash -> block
         self._name_of: dict[int, bytes] = {}  # block -> hash
         self.evictions = 0
+        self.hole = hole
 
     @property
     def num_free(self) -> int:
@@ -86,6 +88,8 @@ class BlockPool:
         as evictable, the table's last blocks nearest eviction (a later prefix is worth less:
         it is only reused when everything before it is)."""
         for block in reversed(table):
+            if block == self.hole:
+                continue
             self._refs[block] -= 1
             if self._refs[block]:
                 continue
@@ -95,6 +99,16 @@ class BlockPool:
             else:
                 self._free.append(block)
         table.clear()
+
+    def free_before(self, table: list[int], blocks: int) -> int:
+        """Let go of the table's first `blocks` blocks (a sliding window has passed them: no
+        query reads them again), each replaced by the hole so the table keeps its positions.
+        Returns how many were let go now."""
+        gone = [b for b in table[:blocks] if b != self.hole]
+        table[:blocks] = [self.hole] * blocks
+        count = len(gone)
+        self.release(gone)
+        return count
 
     def trim(self, table: list[int], tokens: int) -> None:
         """Let go of the table's blocks past the first `tokens` positions (speculative rollback:
@@ -131,7 +145,7 @@ class BlockPool:
         """Record that a held, fully computed block holds the prefix `name`. If another block
         already holds it (two sequences computed the same prefix at once), the first keeps it
         and this one stays unnamed."""
-        if name not in self._named and block not in self._name_of:
+        if name not in self._named and block not in self._name_of and block != self.hole:
             self._named[name] = block
             self._name_of[block] = name
 

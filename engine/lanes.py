@@ -137,17 +137,19 @@ def lane_count(*, num_blocks: int, block_size: int, max_model_len: int, depth: i
 class Lanes:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, depth: int, pipelined: bool = True, prefix_caching: bool = False,
-                 drafter=None):
+                 drafter=None, sliding_window: int | None = None):
         """depth: pipeline stages; as many lanes as `lane_count` gives. prefix_caching: each
         lane's pool keeps its own cache of named blocks (engine.blocks). drafter: speculative
-        tokens for every lane (engine.drafters), or None."""
+        tokens for every lane (engine.drafters), or None. sliding_window: blocks a running
+        sequence's window has passed go back to its lane's pool (block num_blocks, the cache's
+        scratch block, stands in for them)."""
         count = lane_count(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                            depth=depth, pipelined=pipelined)
         share = num_blocks // count
         self.depth = depth
-        self.schedulers = [Scheduler(BlockPool(share, block_size, first=i * share), max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
-                                     drafter=drafter)
+        self.schedulers = [Scheduler(BlockPool(share, block_size, first=i * share, hole=num_blocks),
+                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                     prefix_caching=prefix_caching, drafter=drafter, sliding_window=sliding_window)
                            for i in range(count)]
 
     def __len__(self) -> int:

@@ -40,6 +40,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     names: list[bytes] = field(default_factory=list)  # names of its first full blocks of tokens
     named: int = 0  # leading blocks of `blocks` already named (or found) in the pool
+    slid: int = 0  # leading blocks a sliding window has passed, let go of (BlockPool.free_before)
     spec_steps: int = 0  # speculative verify steps it took part in (engine.verify)
     spec_drafted: int = 0  # tokens drafted for it
     spec_accepted: int = 0  # drafted tokens the target kept
@@ -74,9 +75,12 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = False, drafter=None):
-        """drafter: proposes speculative tokens for decoding sequences (engine.drafters), or None."""
+                 prefix_caching: bool = False, drafter=None, sliding_window: int | None = None):
+        """drafter: proposes speculative tokens for decoding sequences (engine.drafters), or None.
+        sliding_window: every layer attends to this many positions at most (Mistral): blocks
+        wholly before a running sequence's window go back to the pool (the pool needs a hole)."""
         self.pool = pool
+        self.window = sliding_window if pool.hole is not None else None
         self.drafter = drafter
         self.prefix_caching = prefix_caching
         self.max_num_seqs = max_num_seqs
@@ -126,10 +130,19 @@ class Scheduler:
             seq.cached_tokens = start
         return self._commit(Scheduled(seq, start, count))
 
+    def _slide(self, seq: Sequence) -> None:
+        """Let go of the blocks the sequence's window has passed: its next query is at position
+        seq.cached and reads keys after seq.cached - window, so every block ending at or
+        before seq.cached - window + 1 is read no more (named ones stay cached)."""
+        dead = (seq.cached - self.window + 1) // self.pool.block_size
+        if dead > seq.slid:
+            self.pool.free_before(seq.blocks, dead)
+            seq.slid = dead
+
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
         self.pool.release(victim.blocks)
-        victim.cached = victim.named = 0  # recompute: prompt and output so far are prefilled again
+        victim.cached = victim.named = victim.slid = 0  # recompute: prompt and output so far are prefilled again
         victim.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(victim)
@@ -144,6 +157,8 @@ class Scheduler:
             count = min(seq.remaining, budget)
             if count == 0:
                 continue
+            if self.window:
+                self._slide(seq)
             while not self.pool.grow(seq.blocks, seq.cached + count):
                 victim = self.running[-1]
                 self._preempt(victim)
