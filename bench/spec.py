@@ -151,7 +151,8 @@ def measure(runner, requests) -> dict:
 def summarize(runs: list[dict]) -> dict:
     out = {"tok_s": statistics.median(r["tok_s"] for r in runs),
            "total_s": statistics.median(r["total_s"] for r in runs),
-           "load_avg_1m": [round(r["load_avg_1m"], 2) for r in runs]}
+           "load_avg_1m": [round(r["load_avg_1m"], 2) for r in runs],
+           "runs_s": [round(r["total_s"], 2) for r in runs]}  # each round's time, in order
     if runs[0]["spec"] is not None:
         out["acceptance_rate"] = statistics.median(r["spec"]["acceptance_rate"] for r in runs)
         out["mean_accepted_length"] = statistics.median(r["spec"]["mean_accepted_length"] for r in runs)
