@@ -15,7 +15,6 @@ and the load average after the side. Give both sides the same ranks for a fair c
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 from atoll.bench.harness import sig
@@ -57,10 +56,10 @@ LAYOUT_FLAGS = ("--layout", "--tensor-parallel-size", "--pipeline-parallel-size"
 
 
 def run_disagg(args, bench, model_dir: str, vocab_size: int, slos: dict, percentiles) -> dict:
-    from atoll.bench.serve_load import random_requests, run_load, served_model, warm_up
+    from atoll.bench.serve_load import random_requests
     from atoll.bench.serve_report import report
-    from atoll.bench.serve_routing import scrape
-    from atoll.bench.serve_server import Server, engine_argv
+    from atoll.bench.serve_routing import server_round
+    from atoll.bench.serve_server import engine_argv
 
     if args.url:
         raise ConfigError("--scenario disagg starts its own servers (colocated, then disaggregated): drop --url")
@@ -76,15 +75,7 @@ def run_disagg(args, bench, model_dir: str, vocab_size: int, slos: dict, percent
     argvs = {"colocated": _without(full, DISAGG_FLAGS), "disaggregated": _without(full, LAYOUT_FLAGS)}
     sides = {}
     for name in SIDES:
-        with Server(model_dir, argvs[name], ready_timeout_s=args.server_timeout) as url:
-            model = served_model(url, model_dir)
-            warm_up(url, model, warm, args)
-            before = scrape(url)
-            results, duration = asyncio.run(run_load(
-                url, model, requests, rate=args.request_rate, burstiness=args.burstiness,
-                max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
-                timeout_s=args.timeout))
-            after = scrape(url)
+        results, duration, before, after = server_round(args, model_dir, argvs[name], requests, warm)
         bench.note()
         rep = report(results, duration, slos=slos, percentiles=percentiles)
         paths = {p: int(after.get(f'atoll_disagg_requests_total{{path="{p}"}}', 0)

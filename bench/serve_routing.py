@@ -44,6 +44,23 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def server_round(args, model_dir: str, argv: list[str], requests, warm) -> tuple[list, float, dict, dict]:
+    """One server of `argv` (started here, ended after): warmed by `warm`, then `requests` at
+    the bench's rate; (results, duration, /metrics before, /metrics after)."""
+    from atoll.bench.serve_load import run_load, served_model, warm_up
+    from atoll.bench.serve_server import Server
+
+    with Server(model_dir, argv, ready_timeout_s=args.server_timeout) as url:
+        model = served_model(url, model_dir)
+        warm_up(url, model, warm, args)
+        before = scrape(url)
+        results, duration = asyncio.run(run_load(
+            url, model, requests, rate=args.request_rate, burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
+            timeout_s=args.timeout))
+        return results, duration, before, scrape(url)
+
+
 def side(before: dict, after: dict, rep: dict, *, models_cache: bool) -> dict:
     """One router's figures over the round (the metrics' differences); models_cache: the
     router keeps a model of the caches (round-robin expects nothing)."""
@@ -73,9 +90,9 @@ def side(before: dict, after: dict, rep: dict, *, models_cache: bool) -> dict:
 
 def run_routing(args, bench, model_dir: str, vocab_size: int, percentiles) -> dict:
     """Both routers (module docstring), each on a server of its own."""
-    from atoll.bench.serve_load import random_requests, run_load, served_model, warm_up
+    from atoll.bench.serve_load import random_requests
     from atoll.bench.serve_report import report
-    from atoll.bench.serve_server import Server, engine_argv
+    from atoll.bench.serve_server import engine_argv
 
     if args.url:
         raise ConfigError("--scenario routing starts its own servers (one per router): drop --url")
@@ -90,15 +107,7 @@ def run_routing(args, bench, model_dir: str, vocab_size: int, percentiles) -> di
     sides = {}
     for router in ROUTERS:
         argv = engine_argv(args) + ["--router", router]
-        with Server(model_dir, argv, ready_timeout_s=args.server_timeout) as url:
-            model = served_model(url, model_dir)
-            warm_up(url, model, warm, args)
-            before = scrape(url)
-            results, duration = asyncio.run(run_load(
-                url, model, requests, rate=args.request_rate, burstiness=args.burstiness,
-                max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
-                timeout_s=args.timeout))
-            after = scrape(url)
+        results, duration, before, after = server_round(args, model_dir, argv, requests, warm)
         bench.note()
         rep = report(results, duration, percentiles=percentiles)
         sides[router] = side(before, after, rep, models_cache=router == "cache_aware") | {"load_avg_1m_after": round(bench.loads[-1], 2),
