@@ -34,7 +34,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 from atoll.comm.group import Group
 from atoll.engine import kv_transfer
-from atoll.engine.blocks import block_hash
+from atoll.engine.blocks import prefix_names
 from atoll.engine.generate import Request, run_requests
 from atoll.engine.runner import ModelRunner, RunSpec
 from atoll.engine.sampling import SamplerState
@@ -77,14 +77,12 @@ def uncached_tokens(ids: list[int], seen: set[bytes], *, block_size: int, prefix
     """The prompt tokens an engine that has seen the blocks named in `seen` still computes,
     and `ids`' full blocks added to `seen` (with prefix caching). Never the last token's
     block (scheduler._admit): it is computed for the first token."""
-    hits, parent, names = 0, None, []
-    for i in range((len(ids) - 1) // block_size):
-        parent = block_hash(parent, ids[i * block_size:(i + 1) * block_size])
-        names.append(parent)
-    if prefix_caching:
-        while hits < len(names) and names[hits] in seen:
-            hits += 1
-        seen.update(names)
+    if not prefix_caching:
+        return len(ids)
+    names, hits = prefix_names(ids, block_size, (len(ids) - 1) // block_size), 0
+    while hits < len(names) and names[hits] in seen:
+        hits += 1
+    seen.update(names)
     return len(ids) - hits * block_size
 
 

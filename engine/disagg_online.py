@@ -29,7 +29,7 @@ from dataclasses import replace
 from atoll.engine.disagg import EngineFailure, uncached_tokens
 from atoll.engine.disagg_serve import LiveJob, disagg_serve_worker
 from atoll.engine.living import engine_spec
-from atoll.engine.online import EngineDead, OnlineEngine
+from atoll.engine.online import OnlineEngine
 from atoll.engine.request import Request
 from atoll.errors import RankFailure
 from atoll.parallel.parts import engine_of
@@ -82,13 +82,7 @@ class DisaggEngine(OnlineEngine):
     def submit(self, request: Request, sink) -> None:
         o = self.spec.engine
         with self._lock:
-            if self.error is not None:
-                raise EngineDead(self.error)
-            if self._closing:
-                raise EngineDead("the engine is shutting down")
-            slot = self._load.index(min(self._load))
-            self._load[slot] += 1
-            self._sinks[request.index], self._replica[request.index] = sink, slot
+            slot = self._take(request, sink)  # a decode replica of any decode engine
             new = uncached_tokens(request.prompt_token_ids, self._seen[slot], block_size=o.block_size,
                                   prefix_caching=o.enable_prefix_caching)
             prefill = self._waiting.index(min(self._waiting))

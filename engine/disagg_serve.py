@@ -155,10 +155,7 @@ class Handoffs:
         while self.queue:
             header, req = self.queue[0]
             mine = header.replica == self.replica
-            state = SamplerState(req.params, self.runner.device)
-            if state.generator is not None and header.rng is not None:
-                state.generator.set_state(torch.frombuffer(bytearray(header.rng), dtype=torch.uint8))
-            seq = Sequence(req, state, output=[header.first], arrived_step=tick)
+            seq = self._sequence(header, req, tick) if mine else None
             ok = lanes.adopt(seq, tick) if mine else True
             if self.replicas > 1:  # only the named replica decides; every decode rank follows it
                 flag = torch.tensor([int(ok)], device=self.runner.device)
@@ -173,6 +170,14 @@ class Handoffs:
             seq.first_token_at = header.first_at
             out.append((seq, header.started))
         return out
+
+    def _sequence(self, header: Header, req, tick: int) -> Sequence:
+        """The request as the prefill engine left it: its first token, and with random sampling
+        its generator where the first token left it."""
+        state = SamplerState(req.params, self.runner.device)
+        if state.generator is not None and header.rng is not None:
+            state.generator.set_state(torch.frombuffer(bytearray(header.rng), dtype=torch.uint8))
+        return Sequence(req, state, output=[header.first], arrived_step=tick)
 
     def _end_aborted(self) -> None:
         """Requests aborted while their KV was on the way: ended at the tick after it came."""

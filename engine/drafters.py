@@ -20,13 +20,15 @@ only the tokens, and the self-draft runs the same forward on every rank of its T
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 from atoll.config.speculative import SpeculativeConfig
 from atoll.errors import InputError
 
 
-class Drafter:
+class Drafter(ABC):
     """What every drafter shares: which chunks get a draft, and how long it may be."""
 
     def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int):
@@ -59,9 +61,9 @@ class Drafter:
             pool.trim(c.seq.blocks, c.start + c.count)  # the blocks a shorter draft left unused
         return used
 
+    @abstractmethod
     def propose(self, wants: list[tuple]) -> list[list[int]]:
         """[(sequence, k)] -> each sequence's draft, at most k tokens (maybe none)."""
-        raise NotImplementedError
 
 
 class NgramDrafter(Drafter):

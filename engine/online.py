@@ -91,14 +91,20 @@ class OnlineEngine:
     def submit(self, request: Request, sink) -> None:
         """Queue `request` (its index from new_id) for the ranks; `sink` gets its events."""
         with self._lock:
-            if self.error is not None:
-                raise EngineDead(self.error)
-            if self._closing:
-                raise EngineDead("the engine is shutting down")
-            replica = self._load.index(min(self._load))
-            self._load[replica] += 1
-            self._sinks[request.index], self._replica[request.index] = sink, replica
+            replica = self._take(request, sink)
         self._inbox.put(("add", request, replica))
+
+    def _take(self, request: Request, sink) -> int:
+        """Under the lock: refuse when dead or closing, else hold the request's sink and give
+        it the replica with the fewest unfinished requests (its index)."""
+        if self.error is not None:
+            raise EngineDead(self.error)
+        if self._closing:
+            raise EngineDead("the engine is shutting down")
+        replica = self._load.index(min(self._load))
+        self._load[replica] += 1
+        self._sinks[request.index], self._replica[request.index] = sink, replica
+        return replica
 
     def abort(self, index: int) -> None:
         """End a running request; its sink gets "finish" with finish_reason "abort"."""

@@ -147,3 +147,16 @@ def device_report(rank: int, world_size: int) -> dict:
         out["free_gpus"] = ray.available_resources().get("GPU", 0)
     dist.barrier()
     return out
+
+
+def free_gpus_back(expected: float = 4.0, within_s: float = 15.0) -> float:
+    """The Ray cluster's free GPUs once they are back to `expected`, or what they are after
+    within_s (a job's actors release their reservation asynchronously)."""
+    import ray
+
+    end = time.monotonic() + within_s
+    while True:
+        free = ray.available_resources().get("GPU", 0)
+        if free == expected or time.monotonic() > end:
+            return free
+        time.sleep(0.2)

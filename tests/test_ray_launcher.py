@@ -13,7 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the Ray launcher tests need `pip install ray`")
 
-from launch_fns import collective, device_report, die_on_rank, raise_on_rank  # noqa: E402
+from launch_fns import collective, device_report, die_on_rank, free_gpus_back, raise_on_rank  # noqa: E402
 
 from atoll.errors import LaunchError, RankFailure  # noqa: E402
 from atoll.launch.device import DeviceError  # noqa: E402
@@ -22,15 +22,6 @@ from atoll.launch.ray_launcher import gpu_index, run_ray  # noqa: E402
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_gpus_back(expected: float = 4.0, within_s: float = 15.0) -> float:
-    end = time.monotonic() + within_s
-    while True:
-        free = ray.available_resources().get("GPU", 0)
-        if free == expected or time.monotonic() > end:
-            return free
-        time.sleep(0.2)
 
 
 def _alive(pid: int) -> bool:
@@ -78,7 +69,7 @@ def test_two_nodes_each_tp_pair_on_one_node(cluster):
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3], nodes
     assert nodes[0] != nodes[2], nodes
     assert set(nodes) == set(cluster.gpu_nodes)  # nothing on the driver's GPU-less node
-    assert _free_gpus_back() == 4
+    assert free_gpus_back() == 4
 
 
 def test_auto_reserves_a_gpu_per_rank_and_each_sees_its_node(cluster):
@@ -102,7 +93,7 @@ def test_auto_reserves_a_gpu_per_rank_and_each_sees_its_node(cluster):
     # during the run: 4 bundles of one GPU each hold every GPU of the cluster, the driver none
     assert sorted(out[0]["bundles"], key=str) == [{"CPU": 1.0, "GPU": 1.0}] * 4, out[0]["bundles"]
     assert out[0]["free_gpus"] == 0
-    assert _free_gpus_back() == 4
+    assert free_gpus_back() == 4
 
 
 def test_cpu_reserves_no_gpu(cluster):
@@ -123,7 +114,7 @@ def test_cuda_without_cuda_torch_is_one_line(cluster):
     assert str(info.value).startswith(f"rank {info.value.rank} on 127.0.0.1 (node ")
     assert "--device cuda but this rank sees no GPU" in info.value.cause, info.value.cause
     assert "\n" not in str(info.value)
-    assert _free_gpus_back() == 4
+    assert free_gpus_back() == 4
 
 
 def test_placement_object_decides_the_nodes(cluster):
@@ -150,7 +141,7 @@ def _assert_prompt_failure(tmp_path, exc: RankFailure, rank: int):
     while any(_alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.2)
     assert not [p for p in pids if _alive(p)], "a rank's actor outlived the job"
-    assert _free_gpus_back() == 4
+    assert free_gpus_back() == 4
 
 
 def test_a_rank_that_raises_ends_the_job(cluster, tmp_path):
@@ -195,7 +186,7 @@ def test_placement_that_never_fits_times_out(cluster):
         assert took < 15
     finally:
         remove_placement_group(hog)
-    assert _free_gpus_back() == 4  # the launcher released its partial reservation
+    assert free_gpus_back() == 4  # the launcher released its partial reservation
 
 
 def test_unknown_device_fails_before_ray_starts(monkeypatch):
@@ -294,7 +285,7 @@ def test_living_engine_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model
         assert llm.start() is engine  # the same ranks served both calls
     assert got == local_tokens(model)
     assert again == got[0]
-    assert _free_gpus_back() == 4
+    assert free_gpus_back() == 4
 
 
 def test_generate_cli_on_ray_writes_each_result_as_it_ends(cluster, tiny_model, tmp_path):
@@ -339,4 +330,4 @@ def test_generate_cli_on_ray_writes_each_result_as_it_ends(cluster, tiny_model, 
     assert [len(r["token_ids"]) for r in rows] == [64, 2], rows
     assert ("short",) in seen, seen  # written while the long request still ran
     assert ended - seen[("short",)] > 0.5, (ended - seen[("short",)], seen)
-    assert _free_gpus_back() == 4
+    assert free_gpus_back() == 4

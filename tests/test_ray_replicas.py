@@ -4,25 +4,14 @@ shares a node, the two on different nodes, behind the cache-aware router; greedy
 transformers', and closing them gives every GPU back."""
 
 import threading
-import time
 from dataclasses import replace
 
 import pytest
+from launch_fns import free_gpus_back
 from reference import reference_tokens
 
 PROMPTS = [[5, 7, 9], [100, 3], [42], list(range(20, 60))]
 NEW = 6
-
-
-def _free_gpus_back(expected: float = 4.0, within_s: float = 15.0) -> float:
-    import ray
-
-    end = time.monotonic() + within_s
-    while True:
-        free = ray.available_resources().get("GPU", 0)
-        if free == expected or time.monotonic() > end:
-            return free
-        time.sleep(0.2)
 
 
 @pytest.mark.timeout(300)
@@ -60,4 +49,4 @@ def test_two_tp2_replicas_one_per_ray_node(cluster, tiny_model):
         assert replicas.degraded == {}
     finally:
         replicas.close()
-    assert _free_gpus_back() == 4
+    assert free_gpus_back() == 4
