@@ -79,17 +79,20 @@ def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        rc = args.run(args)
+        rc = args.run(args) or 0
     except AtollError as e:
         text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         print(f"atoll: error: {text or type(e).__name__}", file=sys.stderr)
-        sys.exit(2)
+        rc = 2
     except KeyboardInterrupt as e:
         print(f"atoll: {e or 'interrupted'}", file=sys.stderr)
-        sys.exit(143 if isinstance(e, Terminated) else 130)
+        rc = 143 if isinstance(e, Terminated) else 130
     except BrokenPipeError:  # `atoll plan ... | head`: the reader left; no traceback
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
-    sys.exit(rc or 0)
+    from atoll.launch.leave import leave_job
+
+    leave_job(rc)  # a torchrun/mpirun rank: at once, before gloo's threads meet the shutdown
+    sys.exit(rc)

@@ -115,3 +115,18 @@ def test_generate_tp2pp2_matches_local(tmp_path, tiny_model):
     assert run.returncode == 0, run.stderr[-2000:]
     got = [r["token_ids"] for r in map(json.loads, out.read_text().splitlines())]
     assert got == local_tokens(model)  # no EOS among them: 8 tokens each, as with ignore_eos
+
+
+@pytest.mark.parametrize("env", [{"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+                                 {"OMPI_COMM_WORLD_RANK": "1"}])
+def test_a_rank_leaves_at_once_with_its_code_and_its_output(env):
+    """A torchrun/mpirun rank ends through leave_job: its exit code and its buffered output kept,
+    nothing after it run (interpreter shutdown, where gloo's threads could abort the process)."""
+    code = ("import sys, torch.distributed; from atoll.launch.leave import leave_job; "
+            "sys.stdout.write('written'); leave_job(3); raise SystemExit(9)")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX_", "RANK", "MASTER_"))}
+    proc = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout) == (3, "written"), proc.stderr
+    plain = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 9  # outside a job it returns and the interpreter ends as usual
