@@ -11,7 +11,8 @@ transformers (AutoModelForCausalLM float32, the prompts as one left-padded batch
 max_new_tokens, as many threads as atoll). Reported per run: the process's wall time, the
 median time to first token of its requests (from the request's start, after the model load),
 whether the default compiled, and whether its tokens equal the eager run's. The prompts are
-text asking for long answers; greedy decoding may end a request at EOS on every side alike.
+text asking for long answers, and every side makes all TOKENS of each (atoll --ignore-eos,
+transformers min_new_tokens), so the work is the job's size.
 The 1-minute load average is read before and after each job.
 """
 
@@ -44,8 +45,9 @@ if tok.pad_token is None:
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 batch = tok(prompts, return_tensors="pt", padding=True)
 with torch.inference_mode():
-    out = model.generate(**batch, max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id)
-print(json.dumps({"tokens": int((out[:, batch["input_ids"].shape[1]:] != tok.pad_token_id).sum())}))
+    out = model.generate(**batch, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         pad_token_id=tok.pad_token_id)
+print(json.dumps({"tokens": int(out[:, batch["input_ids"].shape[1]:].numel())}))
 """
 
 
@@ -115,7 +117,7 @@ def _atoll(model: str, tmp: Path, cache: Path, tokens: int, *flags: str) -> dict
                                                             "ATOLL_COMPILE")}
     env["ATOLL_CACHE"] = str(cache)
     cmd = [sys.executable, "-m", "atoll", "generate", "--model", model, "--prompts", str(tmp / "p.jsonl"),
-           "--max-new-tokens", str(tokens), "--output", str(out), "--no-progress", *flags]
+           "--max-new-tokens", str(tokens), "--ignore-eos", "--output", str(out), "--no-progress", *flags]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0

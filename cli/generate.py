@@ -25,6 +25,8 @@ def add_sampling_options(p) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end a request when its text contains TEXT (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token, to max tokens (benchmarks)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
 
 
@@ -35,7 +37,7 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help='one request a line: {"id": ..., "prompt": "..."} or "prompt_token_ids": [...], and '
-                          "optionally max_tokens, temperature, top_p, top_k, seed, stop for that request; "
+                          "optionally max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos for that request; "
                           "a bad line becomes its own error line and the others run")
     p.add_argument("--output", metavar="FILE.jsonl",
                    help="write results here instead of stdout: one line per request with its id and input "
@@ -59,13 +61,14 @@ def add_parser(sub) -> None:
 
 # SamplingParams' fields -> the flags that set them (its messages start with `field=`)
 FLAGS = {"max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
-         "top_k": "--top-k", "seed": "--seed", "stop": "--stop"}
+         "top_k": "--top-k", "seed": "--seed", "stop": "--stop", "ignore_eos": "--ignore-eos"}
 
 
 def sampling_params(args):
     try:
         return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                              ignore_eos=getattr(args, "ignore_eos", False))
     except InputError as e:
         field, _, rest = str(e).partition("=")
         field = field.split("[")[0]  # stop[1]=... names one --stop

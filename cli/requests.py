@@ -24,7 +24,7 @@ from pathlib import Path
 
 from atoll.errors import InputError
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 FIELDS = ("id", "prompt", "prompt_token_ids", *SAMPLING_FIELDS)
 
 

@@ -52,6 +52,8 @@ class SamplingParams:
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise InputError(f"stop_token_ids={_short(self.stop_token_ids)} must be token ids (whole numbers >= 0)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise InputError(f"ignore_eos={_short(self.ignore_eos)} must be true or false")
         if self.logprobs is not None:
             _whole(self, "logprobs", low=0, high=MAX_LOGPROBS)
 
