@@ -5,12 +5,16 @@ torch reference of kernels/triton_fp8_gemm.py, and the dispatch between them.
     quantize_weight(w [N, K]) -> (fp8 [N, K], scale [N, ceil(K / 128)])        per row per group
     dequantize_weight(w, scale, col_offset=0) -> float32 [N, K]
     gemm_reference(a, a_scale, b, b_scale, out_dtype) -> [M, N]                the kernel's math
-    fp8_linear(x, w, scale, *, col_offset=0) -> [M, N] in x's dtype
+    fp8_linear(x, w, scale, *, col_offset=0, input_scale=None) -> [M, N] in x's dtype
 
 fp8_linear on the Triton path (CUDA, or kernels=triton in the interpreter) quantizes the
 activations per token per 128 columns and multiplies fp8 by fp8 (DeepSeek-V3's recipe); on the
 torch path (the CPU) it multiplies the activations as they are by the weight dequantized block
 by block for this call: fp8 is what stays in memory, float32 lives only for the product.
+input_scale (a float32 scalar: a checkpoint's static activation scale) makes the Triton path
+quantize the activations by that one scale instead of per token per group (x / input_scale,
+clamped to e4m3's range; the GEMM's activation scale is input_scale everywhere); the torch
+path does not quantize the activations, so it ignores it.
 col_offset: where the weight's first column sits inside its 128-column group (a row-parallel
 shard of a checkpoint's block grid starting mid-block); the kernel takes 0 only.
 """
@@ -77,15 +81,22 @@ def _check(x, w, scale, col_offset) -> None:
     check(0 <= col_offset < GROUP, f"col_offset={col_offset} must be in [0, {GROUP})")
 
 
+def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [M, K], float32 scale [M, groups]): x by one static scale, in the GEMM's layout."""
+    s = input_scale.float().reshape(1, 1)
+    q = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, s.expand(x.shape[0], groups(x.shape[1])).contiguous()
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, col_offset: int = 0,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (w * scale).T (+ bias) -> [..., N] in x's dtype (see the module docstring)."""
     _check(x, w, scale, col_offset)
     if col_offset == 0 and use_triton(x, w):
         from atoll.kernels.triton_fp8_gemm import fp8_gemm
 
         rows = x.reshape(-1, x.shape[-1])
-        a, a_scale = quantize_activations(rows)
+        a, a_scale = quantize_activations(rows) if input_scale is None else quantize_static(rows, input_scale)
         out = fp8_gemm(a, a_scale, w, scale, out_dtype=x.dtype, group_k=GROUP).reshape(*x.shape[:-1], w.shape[0])
     else:
         out = F.linear(x, dequantize_weight(w, scale, col_offset).to(x.dtype))

@@ -10,6 +10,11 @@ callers (models/quantize.py) keep a weight in float where a shard's columns woul
 
 Sources written into an fp8 destination:
 - a raw fp8 slice of a block-fp8 checkpoint (models.fp8.Fp8Source.raw): copied as stored;
+- a raw fp8 slice of a per-tensor or per-channel checkpoint (models.fp8.ChannelFp8Source.raw):
+  copied as stored, its rows' scale repeated over their 128-column groups (so any first
+  column will do); its static input scale, if any, goes to the module's `input_scale`: the
+  largest of the parts' (a merged [q; k; v] or [gate; up] quantizes its one input once, as
+  vLLM does);
 - a float slice (a bf16 or float32 checkpoint: online quantization): quantized per row and
   128 columns, scale = amax / 448.
 """
@@ -23,15 +28,16 @@ from torch import nn
 
 from atoll.kernels.fp8 import FP8, dequantize_weight, groups, quantize_weight
 
-# the fp8 parameter's storage -> (its shape, its scale tensor): copy_into finds a destination
-# view's scale rows from the view's storage and offset
-_SCALES: dict[int, tuple[torch.Size, torch.Tensor]] = {}
+# the fp8 parameter's storage -> (its shape, its scale tensor, its static input scale or None):
+# copy_into finds a destination view's scale rows from the view's storage and offset
+_SCALES: dict[int, tuple[torch.Size, torch.Tensor, torch.Tensor | None]] = {}
 
 
-def keep_fp8(module: nn.Module, name: str, scale_name: str) -> None:
+def keep_fp8(module: nn.Module, name: str, scale_name: str, input_name: str | None = None) -> None:
     """Replaces module.<name> (a float parameter [..., rows, cols], not loaded yet) by an fp8
     one of the same shape, and sets module.<scale_name> to its float32 scales [..., rows,
-    groups]; the weight_loader and shards attributes carry over."""
+    groups] and, given input_name, module.<input_name> to its static input scale (a float32
+    scalar, filled from the checkpoint); the weight_loader and shards attributes carry over."""
     old = getattr(module, name)
     new = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
     for attr in ("weight_loader", "shards"):
@@ -40,10 +46,14 @@ def keep_fp8(module: nn.Module, name: str, scale_name: str) -> None:
     setattr(module, name, new)
     scale = torch.ones(*old.shape[:-1], groups(old.shape[-1]), dtype=torch.float32, device=old.device)
     setattr(module, scale_name, scale)
+    inp = None
+    if input_name is not None:
+        inp = torch.zeros((), dtype=torch.float32, device=old.device)
+        setattr(module, input_name, inp)
     if new.is_meta:  # a model built to count its bytes: never loaded
         return
     key = new.untyped_storage().data_ptr()
-    _SCALES[key] = (new.shape, scale)
+    _SCALES[key] = (new.shape, scale, inp)
     weakref.finalize(new, _SCALES.pop, key, None)
 
 
@@ -56,7 +66,7 @@ def write(dst: torch.Tensor, src: torch.Tensor) -> None:
     entry = _SCALES.get(dst.untyped_storage().data_ptr())
     if entry is None:
         raise ValueError("an fp8 parameter that keep_fp8 did not make")
-    shape, scale = entry
+    shape, scale, inp = entry
     cols = shape[-1]
     if dst.shape[-1] != cols or not dst.is_contiguous():
         raise ValueError(f"an fp8 weight is written by whole rows, not a {tuple(dst.shape)} slice of {tuple(shape)}")
@@ -68,6 +78,9 @@ def write(dst: torch.Tensor, src: torch.Tensor) -> None:
         q, s = quantize_weight(src.reshape(rows, cols).to(dst.device))
     dst.copy_(q.view(dst.shape))
     scale.view(-1, scale.shape[-1])[first:first + rows] = s.to(scale.device)
+    static = getattr(src, "fp8_input_scale", None)
+    if static is not None and inp is not None:
+        inp.copy_(torch.maximum(inp, static.to(inp.device)))
 
 
 def dequantized(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

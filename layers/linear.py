@@ -50,6 +50,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(self.out_local, in_features, dtype=dtype)
         self.weight.weight_loader = self._load_rows
         self.register_buffer("weight_scale", None)  # int8 weights' per-row scales (layers.quant_linear)
+        self.register_buffer("input_scale", None)  # an fp8 checkpoint's static activation scale
         self.bias = None
         if bias:
             self.bias = _param(self.out_local, dtype=dtype)
@@ -60,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param.data, src[start:start + self.out_local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)  # [tokens, out/tp]
+        return linear(x, self.weight, self.bias, self.weight_scale, self.input_scale)  # [tokens, out/tp]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -124,6 +125,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(out_features, self.in_local, dtype=dtype)
         self.weight.weight_loader = self._load_cols
         self.register_buffer("weight_scale", None)  # int8 weights' per-row scales (layers.quant_linear)
+        self.register_buffer("input_scale", None)  # an fp8 checkpoint's static activation scale
         self.bias = None
         if bias:  # added once, after the reduction
             self.bias = _param(out_features, dtype=dtype)
@@ -134,7 +136,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param.data, src[:, start:start + self.in_local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(linear(x, self.weight, scale=self.weight_scale))  # [tokens, out]
+        y = self.group.all_reduce(linear(x, self.weight, scale=self.weight_scale, input_scale=self.input_scale))
         return y if self.bias is None else y + self.bias
 
 
@@ -146,10 +148,11 @@ class ReplicatedLinear(nn.Module):
         self.weight = _param(out_features, in_features, dtype=dtype)
         self.weight.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
         self.register_buffer("weight_scale", None)  # int8 weights' per-row scales (layers.quant_linear)
+        self.register_buffer("input_scale", None)  # an fp8 checkpoint's static activation scale
         self.bias = None
         if bias:
             self.bias = _param(out_features, dtype=dtype)
             self.bias.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        return linear(x, self.weight, self.bias, self.weight_scale, self.input_scale)

@@ -23,14 +23,14 @@ from atoll.layers.quant_linear import int8_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor:
+           scale: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the weight's packed copy when it was packed for x's row count; an
     int8 weight with its per-row `scale` through layers.quant_linear, an fp8 one with its
-    per-row-and-128-column scales through kernels.fp8."""
+    per-row-and-128-column scales (and a checkpoint's static input_scale) through kernels.fp8."""
     if scale is not None:
         if weight.dtype == torch.int8:
             return int8_linear(x, weight, scale, bias)
-        return fp8_linear(x, weight, scale, bias=bias)
+        return fp8_linear(x, weight, scale, bias=bias, input_scale=input_scale)
     if x.dim() == 2 and x.device.type == "cpu" and torch.compiler.is_compiling():
         if x.shape[0] == 1:
             return row_product(x, weight, bias)

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from atoll.errors import CheckpointError
 from atoll.models import fp8
+from atoll.models.fp8_scheme import scheme as fp8_scheme
 from atoll.models.safetensors_header import HeaderSource, read_header, slice_stops
 from atoll.models.strict import check_all_read, check_filled, is_fp8_scale, source
 from atoll.models.unused import known_unused
@@ -192,7 +193,8 @@ def load_weights(model, ckpt: Checkpoint, *, get=None, world=None) -> Loaded:
     pairs; tensors of other stages map to parameters this rank lacks and are never read. A
     weight_loader returns False for a shard it does not hold (another rank's expert), and
     a parameter's `shards` attribute lists the shard ids it must receive (default: one, None).
-    An fp8 weight is read with its block scales through an fp8.Fp8Source.
+    An fp8 weight is read with its scales through an fp8.Fp8Source (block scales) or an
+    fp8.ChannelFp8Source (per tensor or per channel, and a static input scale).
 
     Strict (models/strict.py): a dtype atoll cannot read or a parameter left unfilled raises a
     CheckpointError naming the tensor; given `world`, the Group of every rank loading the
@@ -201,17 +203,17 @@ def load_weights(model, ckpt: Checkpoint, *, get=None, world=None) -> Loaded:
     """
     get = get or ckpt.get  # ckpt.header: shapes only (check_layout_fits)
     config = getattr(model, "config", None)  # None: a bare module (a test's block) skips nothing
-    block = fp8.block_size(getattr(config, "raw", None) or {})
+    scheme = fp8_scheme(getattr(config, "raw", None) or {})
     params = dict(model.named_parameters())
     loaded, done = set(), Loaded()
     for name in ckpt.names():
-        if is_fp8_scale(ckpt, name) or (config is not None and known_unused(name, config)):
+        if is_fp8_scale(ckpt, name, scheme) or (config is not None and known_unused(name, config)):
             continue  # scales are read with their weight
         for target, shard in model.checkpoint_targets(name):
             param = params.get(target)
             if param is None:
                 continue
-            src = source(ckpt, name, get, block, param.device)
+            src = source(ckpt, name, get, scheme, param.device)
             if isinstance(src, fp8.Fp8Source) and param.dtype == torch.float8_e4m3fn:
                 src = src.raw()  # a weight kept in fp8 (--quantization fp8) takes the stored values
             try:
@@ -219,7 +221,7 @@ def load_weights(model, ckpt: Checkpoint, *, get=None, world=None) -> Loaded:
             except ValueError as e:
                 raise CheckpointError(f"tensor {name} does not fit the model config: {e}; "
                                       f"{ckpt.path_of(name)} stores it as {tuple(src.shape)}") from None
-            parts = {name, fp8.scale_of(name)} if isinstance(src, fp8.Fp8Source) else {name}
+            parts = src.parts if isinstance(src, fp8.Fp8Source) else {name}
             done.offered |= parts
             if took is not False:
                 loaded.add((target, shard))

@@ -3,12 +3,16 @@
 
 - fp8: float8 e4m3 weights with a float32 scale per row and 128 columns (layers/fp8_linear.py),
   made before the weights are read (prepare), so each rank's fp8 bytes are all it ever holds
-  of them: a block-fp8 checkpoint's fp8 weights are kept as stored (the ones it stores in
-  bf16 stay float), a float checkpoint's are quantized as read (amax / 448 per row and 128
-  columns). Kept in fp8: the column, row and replicated linears and the MoE experts, where a
-  shard's columns start on a 128 boundary
+  of them: an fp8 checkpoint's fp8 weights are kept as stored (block scales, or vLLM's scale
+  per tensor or per channel, models/fp8_scheme.py; the ones it stores in bf16 stay float), a
+  float checkpoint's are quantized as read (amax / 448 per row and 128 columns). Kept in fp8:
+  the column, row and replicated linears and the MoE experts, where a shard's columns start
+  on a 128 boundary
   (a row-parallel shard of in_features / tp columns needs in_features / tp % 128 == 0, an
-  expert's down projection moe_intermediate / moe_tp % 128 == 0; else that weight is float).
+  expert's down projection moe_intermediate / moe_tp % 128 == 0; else that weight is float);
+  a checkpoint with one scale per row (per tensor or per channel) has no column blocks, so
+  its row-parallel shards stay fp8 whatever their width. With static activations each fp8
+  linear also keeps the checkpoint's input_scale (the Triton path quantizes by it).
   Not: the embedding, the LM head, norms, routers, MLA's kv_b_proj. Products: the block-fp8
   Triton GEMM on CUDA (activations quantized per token per 128 columns: DeepSeek-V3's
   recipe); on the CPU each product dequantizes the weight for that call (kernels/fp8.py);
@@ -33,6 +37,7 @@ from atoll.layers.fp8_linear import keep_fp8
 from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from atoll.layers.moe import Experts
 from atoll.models import fp8
+from atoll.models.fp8_scheme import scheme as fp8_scheme
 
 NOT_QUANTIZED = ("kv_b_proj",)  # module names whose weight other code reads as floats
 
@@ -62,10 +67,11 @@ def fp8_targets(model: nn.Module, stored_fp8: set[str] | None = None) -> list[tu
     stored_fp8: the parameters an fp8 checkpoint stores in fp8 (only those are kept: a weight
     the checkpoint left in bf16 stays float), None for a float checkpoint."""
     out = []
+    per_row = _per_row(model)
     for name, m in model.named_modules():
-        if isinstance(m, Experts) and (m.group.size == 1 or m.inter_local % GROUP == 0):
+        if isinstance(m, Experts) and (per_row or m.group.size == 1 or m.inter_local % GROUP == 0):
             out += [(m, "w13", "w13_scale"), (m, "w2", "w2_scale")]
-        elif isinstance(m, RowParallelLinear) and m.group.size > 1 and m.in_local % GROUP:
+        elif isinstance(m, RowParallelLinear) and m.group.size > 1 and m.in_local % GROUP and not per_row:
             continue  # the shard's columns start inside a 128-column block
         elif (isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear))
               and name.rsplit(".", 1)[-1] not in NOT_QUANTIZED):
@@ -74,6 +80,17 @@ def fp8_targets(model: nn.Module, stored_fp8: set[str] | None = None) -> list[tu
         return out
     names = {id(m): name for name, m in model.named_modules()}
     return [t for t in out if f"{names[id(t[0])]}.{t[1]}".removeprefix(".") in stored_fp8]
+
+
+def _scheme(model: nn.Module):
+    config = getattr(model, "config", None)
+    return fp8_scheme(getattr(config, "raw", None) or {})
+
+
+def _per_row(model: nn.Module) -> bool:
+    """Whether the model's checkpoint stores fp8 weights with a scale per tensor or per row."""
+    s = _scheme(model)
+    return s is not None and s.block is None
 
 
 def stored_fp8(model: nn.Module, ckpt) -> set[str] | None:
@@ -91,8 +108,10 @@ def prepare(model: nn.Module, method: str | None, ckpt=None) -> int:
     if method != "fp8":
         return 0
     targets = fp8_targets(model, stored_fp8(model, ckpt) if ckpt is not None else None)
+    scheme = _scheme(model)
+    static = scheme is not None and scheme.static_inputs
     for m, weight, scale in targets:
-        keep_fp8(m, weight, scale)
+        keep_fp8(m, weight, scale, "input_scale" if static and weight == "weight" else None)
     return len(targets)
 
 

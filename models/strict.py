@@ -1,7 +1,7 @@
 """Strict loading: what load_weights refuses, each as one CheckpointError line naming the tensor.
 
-- a tensor stored in a dtype atoll cannot read (integers, or fp8 outside an fp8
-  block-quantized checkpoint): `source`, before anything of it is read;
+- a tensor stored in a dtype atoll cannot read (integers, or fp8 outside an fp8-quantized
+  checkpoint; models/fp8_scheme.py), or an fp8 weight whose scales are missing or malformed: `source`, before anything of it is read;
 - a parameter no checkpoint tensor filled: `check_filled`;
 - a checkpoint tensor no rank read, unless its family lists it in models/unused.py:
   `check_all_read`, over every rank loading the checkpoint.
@@ -18,30 +18,42 @@ from atoll.models.unused import known_unused
 LOADABLE = ("F32", "F16", "BF16", "F64")  # safetensors' names, cast to the compute dtype as copied
 
 
-def source(ckpt, name: str, get, block: tuple[int, int] | None, device="cpu"):
+def source(ckpt, name: str, get, scheme, device="cpu"):
     """The lazy source the weight_loaders read `name` through: get(name) for float tensors, an
-    Fp8Source (weight and scales, dequantized on `device`) for an fp8 weight of an fp8
-    block-quantized checkpoint."""
+    fp8 source (weight and scales, dequantized on `device`) for an fp8 weight of a checkpoint
+    with an fp8 `scheme` (models.fp8_scheme.Scheme)."""
     dtype = ckpt.dtype(name)
     if dtype in LOADABLE:
         return get(name)
     if dtype not in fp8.FP8_DTYPES:
         raise CheckpointError(f"tensor {name} is stored as {dtype}, which atoll cannot load (it reads "
-                              f"{', '.join(LOADABLE)}, and fp8 weights of fp8 block-quantized checkpoints)")
-    if block is None:
+                              f"{', '.join(LOADABLE)}, and fp8 weights of fp8-quantized checkpoints)")
+    if scheme is None:
         raise CheckpointError(f"tensor {name} is stored as {dtype} but config.json has no fp8 "
-                              "quantization_config with its weight_block_size")
-    scale = fp8.scale_of(name)
+                              "quantization_config")
+    scale = scheme.scale_of(name)
     if scale not in ckpt.weight_map:
-        raise CheckpointError(f"tensor {name} is stored as {dtype} without its block scales {scale}")
+        kind = "block scales" if scheme.block else "scales"
+        raise CheckpointError(f"tensor {name} is stored as {dtype} without its {kind} {scale}")
     if ckpt.dtype(scale) not in LOADABLE:
-        raise CheckpointError(f"tensor {scale} is stored as {ckpt.dtype(scale)}; block scales must be float")
-    return fp8.Fp8Source(name, get(name), get(scale), block, device)
+        raise CheckpointError(f"tensor {scale} is stored as {ckpt.dtype(scale)}; fp8 scales must be float")
+    if scheme.block:
+        return fp8.Fp8Source(name, get(name), get(scale), scheme.block, device)
+    inp = scheme.input_of(name)
+    has_input = inp is not None and inp in ckpt.weight_map
+    if scheme.static_inputs and not has_input:
+        raise CheckpointError(f"tensor {name} has no static input scale {inp} (config.json says the "
+                              "activations are static)")
+    if has_input and ckpt.dtype(inp) not in LOADABLE:
+        raise CheckpointError(f"tensor {inp} is stored as {ckpt.dtype(inp)}; fp8 scales must be float")
+    return fp8.ChannelFp8Source(name, get(name), get(scale), get(inp) if has_input else None, device,
+                                scale_name=scale, input_name=inp)
 
 
-def is_fp8_scale(ckpt, name: str) -> bool:
-    """Whether `name` is the block scales of an fp8 weight (read with the weight)."""
-    weight = fp8.weight_of(name)
+def is_fp8_scale(ckpt, name: str, scheme) -> bool:
+    """Whether `name` is the scales (or the static input scale) of an fp8 weight, read with
+    the weight."""
+    weight = scheme.weight_of(name) if scheme is not None else None
     return weight is not None and weight in ckpt.weight_map and ckpt.dtype(weight) in fp8.FP8_DTYPES
 
 

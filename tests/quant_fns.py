@@ -25,4 +25,5 @@ def weight_report(rank: int, world_size: int, spec, parallel=None, device: str =
             "fp8_elements": sum(p.numel() for p in fp8), "fp8_bytes": sum(p.numel() * p.element_size() for p in fp8),
             "scale_bytes": sum(t.numel() * t.element_size() for t in scales),
             "param_bytes": {n: p.numel() * p.element_size() for n, p in runner.model.named_parameters()},
+            "input_scales": {n: float(t) for n, t in runner.model.named_buffers() if n.endswith("input_scale")},
             "fp8_names": sorted(n for n, p in runner.model.named_parameters() if p.dtype == torch.float8_e4m3fn)}
