@@ -41,6 +41,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tpot-ms", type=float, default=None, help="SLO: time per output token")
     p.add_argument("--layouts", default=None, help="only these, comma-separated: TP8PP2,EP16,'2 x TP8'")
     p.add_argument("--allow-cross-island", action="store_true", help="let TP groups span NVLink islands")
+    p.add_argument("--max-cp", type=int, default=None, metavar="N",
+                   help="context parallelism: search cp degrees up to N (1: none). Default: none below "
+                        "32768 input tokens, else one cp rank per 16384 input tokens, rounded up: 8 at 128k")
     p.add_argument("--top", type=int, default=10, help="rows of the table (default 10)")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.add_argument("--no-progress", action="store_true",
@@ -113,6 +116,8 @@ def run(args) -> int:
         raise ConfigError(f"--nodes {args.nodes}: must be at least 1")
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: must be at least 1")
+    if args.max_cp is not None and args.max_cp < 1:
+        raise ConfigError(f"--max-cp {args.max_cp}: must be at least 1 (1: no context parallelism)")
     for flag, v in (("--ttft-ms", args.ttft_ms), ("--tpot-ms", args.tpot_ms)):
         if v is not None and not 0 < v < float("inf"):
             raise ConfigError(f"{flag} {v}: an SLO must be a positive number of milliseconds")
@@ -138,7 +143,7 @@ def run(args) -> int:
                  for c in _concurrencies(args.concurrency)]
     with SearchProgress(enabled=not args.no_progress) as progress:  # every layout costed once for all
         plans = plan_sweep(config, topology, workloads, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, layouts=layouts,
-                           allow_cross_island=args.allow_cross_island, progress=progress)
+                           allow_cross_island=args.allow_cross_island, max_cp=args.max_cp, progress=progress)
     plans = [_renamed(p, name) for p in plans]
     if args.format == "json":
         import json

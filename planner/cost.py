@@ -26,7 +26,8 @@ import numpy as np
 
 from atoll.planner import efficiency as eff
 from atoll.planner.categories import KERNELS, KV, OVERHEAD, WEIGHTS
-from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, send_recv
+from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, all_to_all, send_recv
+from atoll.planner.context import cp_of, partial_bytes_per_token, query_bytes_per_token
 from atoll.planner.moe_cost import moe_layer, sub_links
 from atoll.planner.parts import Many, Parts, is_many, parts_for, vceil, vmax, vmin
 from atoll.planner.runtime_terms import Measured
@@ -71,8 +72,11 @@ class CostModel:
         self.stages = stage_split(config, layout.pp)
         self.n_dense = [sum(1 for i in range(a, b) if shapes.dense_layers[i]) for a, b in self.stages]
         tp, st = layout.tp, layout.stage_size
+        self.cp = cp_of(layout)  # ranks sharing each sequence (context.py); 1 without cp
         self.g_tp = GroupLinks.of(list(range(tp)), placement, topology)
-        self.g_stage = GroupLinks.of(list(range(st)), placement, topology)
+        # the stage's tp x dp ranks (one cp rank's share of the stage): the MoE layers' grid
+        self.g_stage = GroupLinks.of(list(range(tp * layout.dp)), placement, topology)
+        self.g_cp = GroupLinks.of([j * tp for j in range(self.cp)], placement, topology)  # tp innermost, then cp
         self._placement = placement
         self.g_pp = [GroupLinks.of(list(range(s * st, s * st + tp)) + list(range((s + 1) * st, (s + 1) * st + tp)),
                                    placement, topology) for s in range(layout.pp - 1)]
@@ -108,24 +112,37 @@ class CostModel:
         """Seconds per category of one decoder layer (dense or MoE) in one pass; the arguments
         are stage()'s."""
         s, l, w = self.s, self.l, self.w
-        wb, h, tp = w.weight_bytes, s.hidden, l.tp
-        n = seqs_per_dp * new_tokens + prompt_tokens  # tokens on one DP rank
-        n_all = seqs_per_dp * new_tokens * active_dp + prompt_rows  # tokens entering the MoE layers of the stage
+        wb, h, tp, cp = w.weight_bytes, s.hidden, l.tp, self.cp
+        # with cp (context.py) a prompt's tokens are split over the cp ranks; decode tokens are not
+        per_seq = new_tokens / cp if prefill and cp > 1 else new_tokens
+        chunks = prompt_tokens  # the step's chunk tokens on all cp ranks
+        if cp > 1:
+            prompt_tokens, prompt_rows = prompt_tokens / cp, prompt_rows / cp
+        n = seqs_per_dp * per_seq + prompt_tokens  # tokens on one DP rank
+        n_all = seqs_per_dp * per_seq * active_dp + prompt_rows  # tokens entering the MoE layers of the stage
         act = n * h * w.act_bytes  # activations of one DP rank, bytes
         attn_w = s.attn_sharded / tp + s.attn_replicated
         one = parts_for(seqs_per_dp, prompt_tokens, prompt_rows)
         self._op(one, attn_w * wb, 2 * n * attn_w, WEIGHTS, rows=n)
-        if prefill:  # causal attention core: half of the n x ctx score matrix, QK and PV
-            core = 2 * 2 * seqs_per_dp * new_tokens * ctx / 2 * (s.heads / tp) * s.head_dim
-            self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=new_tokens)
-        else:  # every sequence reads its cache: [ctx, kv] per rank
+        if prefill:  # causal attention core: half of the n x ctx score matrix, QK and PV (1/cp of it here)
+            core = 2 * 2 * seqs_per_dp * per_seq * ctx / 2 * (s.heads / tp) * s.head_dim
+            self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=per_seq)
+            if cp > 1:
+                self._cp_prefill(one, seqs_per_dp * new_tokens)
+        else:  # every sequence reads its cache: [ctx, kv] per rank (1/cp of each sequence's)
             kv_tok = s.kv_bytes_per_token_layer(tp, w.kv_bytes, w.kv_scale_bytes)
-            core = 4 * seqs_per_dp * new_tokens * ctx * (s.heads / tp) * s.attn_dim
-            self._op(one, seqs_per_dp * ctx * kv_tok, core, KV, rows=seqs_per_dp, when=seqs_per_dp != 0)
+            core = 4 * seqs_per_dp * new_tokens * ctx / cp * (s.heads / tp) * s.attn_dim
+            self._op(one, seqs_per_dp * ctx / cp * kv_tok, core, KV, rows=seqs_per_dp, when=seqs_per_dp != 0)
+            if cp > 1:  # every rank's partials of every token: one all-gather over the cp group
+                parts = seqs_per_dp * new_tokens * cp * partial_bytes_per_token(s, tp)
+                one.add(self._comm_name("CP exchange", self.g_cp), all_gather(parts, self.g_cp),
+                        when=seqs_per_dp != 0)
         # the chunks' causal attention: each token over half its prompt
         core = 2 * 2 * prompt_tokens * w.isl / 2 * (s.heads / tp) * s.head_dim
         self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=prompt_tokens,
                  when=prompt_tokens != 0)
+        if cp > 1:
+            self._cp_prefill(one, chunks, when=prompt_tokens != 0)
         tp_all_reduce = self._comm_name("TP all-reduce", self.g_tp)
         one.add(tp_all_reduce, all_reduce(act, self.g_tp))
         if dense:
@@ -141,6 +158,14 @@ class CostModel:
         elif not prefill:  # a prefill-only pass is costed as prefill: no floors
             one.add(KERNELS, layer_kernels(self.c, dense) * eff.KERNEL_OVERHEAD_S, when=seqs_per_dp != 0)
         return one
+
+    def _cp_prefill(self, out, tokens, when=True) -> None:
+        """One layer's cp exchange for `tokens` prompt tokens of a step (all cp ranks'): their
+        queries all-gathered, then each rank's partials of every token all-to-all (context.py)."""
+        s, g = self.s, self.g_cp
+        t = all_gather(tokens * query_bytes_per_token(s, self.l.tp, self.w.act_bytes), g)
+        t = t + all_to_all(tokens * partial_bytes_per_token(s, self.l.tp), g)
+        out.add(self._comm_name("CP exchange", g), t, when=when)
 
     def stage(self, stage: int, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
               prompt_tokens=0.0, prompt_rows=0.0, layers: dict | None = None):
@@ -164,7 +189,9 @@ class CostModel:
                     layers[dense] = self.layer(dense, **kw)
                 out.merge(layers[dense], count)  # the stage's `count` layers of this kind
         tp = l.tp
-        act = (seqs_per_dp * new_tokens + prompt_tokens) * s.hidden * w.act_bytes
+        cp = self.cp  # a prompt's tokens are split over the cp ranks
+        act = ((seqs_per_dp * (new_tokens / cp if prefill else new_tokens) + prompt_tokens / cp) if cp > 1
+               else (seqs_per_dp * new_tokens + prompt_tokens)) * s.hidden * w.act_bytes
         if stage == 0 and tp > 1:  # the vocab-parallel embedding sums its rows over tp
             out.add(self._comm_name("TP all-reduce", self.g_tp), all_reduce(act, self.g_tp))
         if stage == l.pp - 1:  # LM head (bf16 under fp8 weights), logits of the last token of each sequence
@@ -174,6 +201,10 @@ class CostModel:
             # each rank's vocab shard of the logits gathered over tp (layers.embedding.ParallelLMHead)
             logits = rows * s.vocab * w.act_bytes
             out.add(self._comm_name("TP all-gather", self.g_tp), all_gather(logits, self.g_tp))
+            if cp > 1:  # a prefill step's hidden rows gathered over cp for the head (context.py)
+                tokens = seqs_per_dp * new_tokens if prefill else prompt_tokens
+                out.add(self._comm_name("CP exchange", self.g_cp),
+                        all_gather(tokens * s.hidden * w.act_bytes, self.g_cp), when=prefill or prompt_tokens != 0)
         if self.runtime:  # every rank runs each tick's scheduling, metadata and sampling
             out[OVERHEAD] += self.measured.tick_overhead(seqs_per_dp)
         elif not prefill and stage == 0:
@@ -182,7 +213,7 @@ class CostModel:
 
     def handoff(self, stage: int, nbytes) -> tuple[str, float]:
         g = self.g_pp[stage]
-        return f"PP send/recv over {g.kind}", send_recv(nbytes, self.l.tp, g)
+        return f"PP send/recv over {g.kind}", send_recv(nbytes, self.l.tp * self.cp, g)
 
     # -- whole steps -----------------------------------------------------------------------
     def _through_stages(self, parts: list, handoff_bytes):
@@ -227,7 +258,8 @@ class CostModel:
             for p in parts:
                 for k, v in self.measured.tick_exchange(self, per_dp).items():
                     p[k] += v
-        total = self._through_stages(parts, (per_dp * active + lane * prompt_len) * self.s.hidden * w.act_bytes)
+        # every cp rank hands on the whole decode batch and its share of the chunks' tokens
+        total = self._through_stages(parts, (per_dp * active * self.cp + lane * prompt_len) * self.s.hidden * w.act_bytes)
         chain = total.total()
         if l.pp == 1:
             slowest = chain  # the one stage is the whole pass

@@ -4,6 +4,8 @@ activations of one prefill chunk, communication buffers and a fixed reserve.
 The worst GPU is the one on the heaviest pipeline stage (the last holds the LM head, the
 first the embedding). Every term is arithmetic a reader can redo from the config:
 weights = parameters x bytes / shards; KV = requests x (isl + osl) x layers x bytes per token.
+With context parallelism (context.py) each of the cp ranks of a sequence holds 1/cp of its KV
+and of a prompt chunk's activations, beside a whole copy of its stage's weights.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from atoll.planner import efficiency as eff
+from atoll.planner.context import cp_of, partial_bytes_per_token, query_bytes_per_token
 from atoll.planner.quantized import stage_weight_bytes
 from atoll.planner.shapes import stage_split
 
@@ -67,6 +70,7 @@ def stage_weight_params(shapes, layout, start: int, end: int, first: bool, last:
 def memory_fit(config, shapes, topology, workload, layout, batch: int) -> MemoryFit:
     """Per-GPU memory for `batch` concurrent requests on one replica of `layout`."""
     s, l, w = shapes, layout, workload
+    cp = cp_of(layout)
     per_dp = math.ceil(batch / l.dp)
     worst = None
     for i, (start, end) in enumerate(stage_split(config, l.pp)):
@@ -75,15 +79,22 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
         if w.quantization is not None:  # what the ranks allocate, by the runtime's rule
             weights = stage_weight_bytes(config, layout, i, w)
         kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes, w.kv_scale_bytes)
+        if cp > 1:
+            kv = kv / cp  # the runtime splits a sequence's blocks evenly (context.py)
         if worst is None or weights + kv > worst[0] + worst[1]:
             worst = (weights, kv)
     chunk = min(eff.prefill_chunk_tokens(topology.gpu), per_dp * w.isl)
     inter = max(config.intermediate_size / l.tp if config.intermediate_size else 0,
                 s.top_k * config.moe_intermediate_size / l.moe_tp if config.is_moe else 0)
     # residual, normed input, attention output, a scratch copy, the MLP's gate and up (bf16)
+    if cp > 1:
+        chunk = chunk / cp  # a chunk's tokens split over the cp ranks
     activations = chunk * (4 * s.hidden + 2 * inter) * w.act_bytes
-    groups = sum(1 for size in (l.tp, l.dp, l.pp, l.ep) if size > 1)
+    groups = sum(1 for size in (l.tp, l.dp, l.pp, l.ep, cp) if size > 1)
     buffers = groups * eff.NCCL_BUFFER_BYTES
+    if cp > 1:  # a prefill step's gathered queries and every rank's partials of them, one layer at a time
+        full = chunk * cp
+        buffers += full * (query_bytes_per_token(s, l.tp, w.act_bytes) + 2 * partial_bytes_per_token(s, l.tp))
     if l.ep > 1 and l.dp > 1:  # all-to-all receive buffers for one chunk of dispatched tokens
         buffers += chunk * min(s.top_k, l.ep) * s.hidden * 2
     return MemoryFit(weights=worst[0], kv_cache=worst[1], activations=activations, buffers=buffers,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from atoll.planner.context import cp_reason
+
 GIB = 2**30
 
 
@@ -87,6 +89,8 @@ def recommend(predictions, *, ttft_ms: float | None = None, tpot_ms: float | Non
                  f"(measure them before committing: atoll bench)")
     reasons.append(line)
     reasons.append(best.reason)
+    if why_cp := cp_reason(best, preds):  # only where the search held cp layouts
+        reasons.append(why_cp)
     if len(ok) > 1:
         second = ok[1]
         reasons.append(f"runner-up {second.reason} ({score(best) / score(second):.2f}x lower {what})")

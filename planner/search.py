@@ -15,6 +15,7 @@ from atoll.errors import AtollError, ConfigError
 from atoll.parallel.layout import Layout, divisors
 from atoll.parallel.placement import Placement, tp_domain_size
 from atoll.planner import efficiency as eff
+from atoll.planner.context import parse_layout, with_cp
 from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
 from atoll.planner.plan import Prediction
@@ -25,16 +26,21 @@ _REPLICAS = re.compile(r"^\s*(\d+)\s*[xX*]\s*(.+)$")
 
 
 def parse_candidate(text: str, num_gpus: int) -> tuple[Layout, int]:
-    """"TP8PP2" -> (layout, replicas filling the cluster); "2 x TP8" -> exactly 2 replicas."""
+    """"TP8PP2" -> (layout, replicas filling the cluster); "2 x TP8" -> exactly 2 replicas;
+    "TP8CP2": a cp layout (context.py)."""
     m = _REPLICAS.match(text)
-    layout = Layout.parse(m.group(2) if m else text)
+    layout = parse_layout(m.group(2) if m else text)
     replicas = int(m.group(1)) if m else max(1, num_gpus // layout.world_size)
     if replicas * layout.world_size > num_gpus:
         raise ConfigError(f"{text} needs {replicas * layout.world_size} GPUs; the cluster has {num_gpus}")
     return layout, replicas
 
 
-def enumerate_layouts(config, topology, *, allow_cross_island: bool = False) -> list[tuple[Layout, int]]:
+def enumerate_layouts(config, topology, *, allow_cross_island: bool = False,
+                      max_cp: int = 1) -> list[tuple[Layout, int]]:
+    """Every candidate without context parallelism, in the order the search has always listed
+    them; then, with max_cp > 1, each of those without attention DP again at every cp from 2 to
+    max_cp that the cluster's GPUs divide (context.py)."""
     n = topology.num_gpus
     max_tp = n if allow_cross_island else tp_domain_size(topology)
     out = []
@@ -56,6 +62,12 @@ def enumerate_layouts(config, topology, *, allow_cross_island: bool = False) -> 
                     except AtollError:
                         continue
                     out.append((layout, n // world))
+    base = [lay for lay, _ in out if lay.dp == 1 and lay.ep == 1 and not config.is_mla]
+    for cp in range(2, max_cp + 1):
+        for layout in base:
+            world = layout.world_size * cp
+            if n % world == 0:
+                out.append((with_cp(layout, cp), n // world))
     return out
 
 
