@@ -90,7 +90,7 @@ def with_cp(layout: Layout, cp: int) -> Layout:
     if cp == 1:
         return layout
     if layout.dp > 1 or layout.ep > 1:
-        raise ConfigError(f"{layout} with cp={cp}: context parallelism goes only with TP and PP (dp 1, ep 1)")
+        raise ConfigError(f"{layout} with cp={cp}: cp does not combine with dp or ep: use TP, CP and PP only")
     if NATIVE:
         return dataclasses.replace(layout, cp=cp)
     return CpLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, moe_tp=layout.moe_tp, cp=cp)
