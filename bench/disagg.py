@@ -4,7 +4,8 @@
 tokens each (greedy, ignore_eos), once on the --colocated layout and once as --prefill ->
 --decode (engine.disagg), each a fresh job. Reported: wall time, median TTFT and TPOT, the
 KV bytes sent with their analytic figure, and whether the tokens are identical. The decode
-step runs eagerly on both sides. The 1-minute load average is read before and after.
+step runs eagerly on both sides. --kv-cache-dtype (both runs) sends the quantized cache as
+stored. The 1-minute load average is read before and after.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import statistics
 import time
 
 from atoll.bench.harness import Run
+from atoll.config.engine import KV_CACHE_DTYPES
 
 
 def add_parser(sub) -> None:
@@ -26,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request (default 256)")
     p.add_argument("--output-len", type=int, default=16, help="generated tokens per request (default 16)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="both runs' KV cache storage (default auto: the compute dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run)
 
@@ -35,6 +39,7 @@ def run(args) -> int:
 
     from atoll import LLM, SamplingParams
     from atoll.engine.kv_transfer import analytic_bytes
+    from atoll.layers.kv_quant import kv_format
     from atoll.parallel.layout import Layout
 
     bench = Run(args.model, quiet=args.json)
@@ -43,7 +48,7 @@ def run(args) -> int:
     runs = {}
     for name, kw in (("colocated " + args.colocated, {"layout": args.colocated}),
                      (f"{args.prefill} -> {args.decode}", {"prefill": args.prefill, "decode": args.decode})):
-        llm = LLM(bench.model, enforce_eager=True, **kw)
+        llm = LLM(bench.model, enforce_eager=True, kv_cache_dtype=args.kv_cache_dtype, **kw)
         vocab = llm.config.vocab_size
         rng.seed(args.seed)
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
@@ -61,9 +66,11 @@ def run(args) -> int:
     from atoll.engine.runner import resolve_dtype
 
     itemsize = resolve_dtype(llm.options.dtype, llm.config, torch.device("cpu")).itemsize  # the CPU ranks' dtype
+    fmt = kv_format(args.kv_cache_dtype)
+    itemsize, scale_bytes = (itemsize, 0) if fmt is None else (fmt.itemsize, fmt.scale_bytes)
     report = {"runs": {k: {f: v for f, v in r.items() if f != "tokens"} for k, r in runs.items()},
               "analytic_kv_mib": args.requests * analytic_bytes(llm.config, Layout.parse(args.decode),
-                                                                args.prompt_len, itemsize) / 2**20,
+                                                                args.prompt_len, itemsize, scale_bytes) / 2**20,
               "identical": first["tokens"] == second["tokens"]}
     bench.note()
     bench.emit(report, as_json=args.json, render=render, indent=None)  # one line

@@ -157,9 +157,6 @@ class EngineConfig:
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
         if (self.prefill is None) != (self.decode is None):
             raise InputError("give --prefill and --decode together (the two engines' layouts)")
-        if self.prefill is not None and self.kv_cache_dtype != "auto":
-            raise InputError(f"disaggregated prefill does not send a quantized KV cache yet: drop "
-                             f"--kv-cache-dtype {self.kv_cache_dtype} or --prefill/--decode")
         m = self.disagg_min_prompt_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 0:
             raise InputError(f"disagg_min_prompt_tokens={m!r} must be a whole number of at least 0")

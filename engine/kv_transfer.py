@@ -13,7 +13,15 @@ holds it, so the bytes for a prompt of T tokens are
     layers x T x 2 x kv_heads x head_dim x dtype bytes x r,
 
 r = max(1, decode tp / kv_heads), the decode side's own replication of heads (1 when its tp
-divides kv_heads): `analytic_bytes`. MLA's latent cache is one "head" of kv_lora_rank +
+divides kv_heads): `analytic_bytes`.
+
+A quantized cache (--kv-cache-dtype fp8/int8, layers/kv_quant.py; both engines share the
+run's one setting) is sent as it is stored: each message carries the 8-bit values and, for
+int8, their float32 scales (one per token, head and k/v), and the decode side writes both
+into its cache unchanged, so it reads exactly the bytes the prefill engine's cache holds.
+A message is one buffer of bytes: the values [layers, 2, T, heads, head_dim] then the scales
+[layers, 2, T, heads]; per token and head, dtype bytes becomes head_dim x 1 byte + 4 (int8)
+or head_dim x 1 byte (fp8) in the figure above. MLA's latent cache is one "head" of kv_lora_rank +
 qk_rope_head_dim values and no v (576 a token for DeepSeek-V3), which every TP rank holds
 whole: the prefill engine's TP rank 0 of each stage sends it to every decode rank holding the
 layer, layers x T x 576 x dtype bytes x decode tp. Messages go in one order, (decode rank, prefill rank),
@@ -23,10 +31,12 @@ ends waiting on it, so the exchange cannot deadlock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from atoll.layers.kv_quant import QuantizedKV
 from atoll.parallel.layout import Layout
 from atoll.parallel.pipeline import stage_layers
 
@@ -79,9 +89,12 @@ def plan(config, src: Layout, dst: Layout, replica: int = 0) -> list[Message]:
     return sorted(out, key=lambda m: (m.dst, m.src))
 
 
-def analytic_bytes(config, dst: Layout, tokens: int, itemsize: int) -> int:
+def analytic_bytes(config, dst: Layout, tokens: int, itemsize: int, scale_bytes: int = 0) -> int:
+    """The bytes one prompt's KV takes to send (see the module docstring): itemsize, the
+    cache's bytes per value; scale_bytes, its scale's bytes per token and head (int8: 4)."""
     kv, dim, values = cache_heads(config)
-    return config.num_hidden_layers * tokens * (2 if values else 1) * kv * dim * itemsize * max(1, dst.tp // kv)
+    per_head = dim * itemsize + scale_bytes
+    return config.num_hidden_layers * tokens * (2 if values else 1) * kv * per_head * max(1, dst.tp // kv)
 
 
 def _positions(blocks: list[int], tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +102,20 @@ def _positions(blocks: list[int], tokens: int, block_size: int, device) -> tuple
     pos = torch.arange(tokens)
     block = torch.tensor(blocks, dtype=torch.long)[pos // block_size]
     return block.to(device), (pos % block_size).to(device)
+
+
+def _planes(layer) -> list[torch.Tensor]:
+    """The tensors one layer's k (or v) cache stores, each [blocks, block_size, heads, ...]:
+    a plain tensor, or a quantized cache's values and scales; 1-byte dtypes as uint8 (the
+    same storage: fp8 is read and written as its bytes)."""
+    planes = layer.tensors() if isinstance(layer, QuantizedKV) else [layer]
+    return [t.view(torch.uint8) if t.element_size() == 1 else t for t in planes]
+
+
+def _shapes(runner, layers: int, tokens: int, heads: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each plane a message carries, from this rank's own cache layer 0."""
+    kinds = len(_kinds(runner.cache))
+    return [((layers, kinds, tokens, heads, *t.shape[3:]), t.dtype) for t in _planes(runner.cache.k[0])]
 
 
 def send(runner, messages: list[Message], rank: int, blocks: list[int], tokens: int, world, dst_base: int) -> int:
@@ -104,11 +131,14 @@ def send(runner, messages: list[Message], rank: int, blocks: list[int], tokens: 
         if m.src != rank:
             continue
         at = torch.tensor([local[h] for h in m.heads], device=runner.device)
-        parts = [torch.stack([c[layer - first][block, offset][:, at] for c in _kinds(runner.cache)])
-                 for layer in m.layers]
-        x = torch.stack(parts).contiguous()  # [layers, 2, tokens, heads, head_dim]
+        planes = []
+        for p in range(len(_planes(runner.cache.k[0]))):
+            parts = [torch.stack([_planes(c[layer - first])[p][block, offset][:, at] for c in _kinds(runner.cache)])
+                     for layer in m.layers]
+            planes.append(torch.stack(parts).contiguous())  # [layers, 2, tokens, heads(, head_dim)]
+        x = torch.cat([t.view(torch.uint8).reshape(-1) for t in planes])  # the planes' bytes, in order
         world.send(x, dst=world.ranks.index(dst_base + m.dst))
-        sent += x.numel() * x.element_size()
+        sent += x.numel()
     return sent
 
 
@@ -118,7 +148,7 @@ def receive(runner, messages: list[Message], rank: int, blocks: list[int], token
     returns the bytes received."""
     cfg, ctx = runner.config, runner.ctx
     first = runner.model.model.start
-    kv, dim, values = cache_heads(cfg)
+    kv = cache_heads(cfg)[0]
     mine = sorted(heads_held(kv, ctx.layout.tp, ctx.coords.tp))
     local = {h: i for i, h in enumerate(mine)}
     block, offset = _positions(blocks, tokens, runner.spec.engine.block_size, runner.device)
@@ -126,16 +156,21 @@ def receive(runner, messages: list[Message], rank: int, blocks: list[int], token
     for m in messages:
         if m.dst != rank:
             continue
-        shape = (len(m.layers), 2 if values else 1, tokens, len(m.heads), dim)
-        x = world.recv(shape, runner.dtype, src=world.ranks.index(src_base + m.src), device=runner.device)
+        shapes = _shapes(runner, len(m.layers), tokens, len(m.heads))
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
+        x = world.recv((sum(sizes),), torch.uint8, src=world.ranks.index(src_base + m.src), device=runner.device)
         at = torch.tensor([local[h] for h in m.heads], device=runner.device)
-        for i, layer in enumerate(m.layers):
-            for j, c in enumerate(_kinds(runner.cache)):
-                view = c[layer - first]  # [blocks, block_size, heads, head_dim]
-                rows = view[block, offset]
-                rows[:, at] = x[i, j]
-                view[block, offset] = rows
-        got += x.numel() * x.element_size()
+        for p, (chunk, (shape, dtype)) in enumerate(zip(x.split(sizes), shapes)):
+            if chunk.storage_offset() % dtype.itemsize:  # a view to a wider dtype needs aligned bytes
+                chunk = chunk.clone()
+            got_plane = chunk.view(dtype).view(shape)
+            for i, layer in enumerate(m.layers):
+                for j, c in enumerate(_kinds(runner.cache)):
+                    view = _planes(c[layer - first])[p]  # [blocks, block_size, heads(, head_dim)]
+                    rows = view[block, offset]
+                    rows[:, at] = got_plane[i, j]
+                    view[block, offset] = rows
+        got += x.numel()
     return got
 
 

@@ -1,0 +1,45 @@
+"""A quantized KV cache over disaggregated prefill (engine.kv_transfer): the prefill engine
+sends its cache's 8-bit values and, for int8, their float32 scales as stored, and the decode
+engine writes them into its own cache unchanged. Greedy tokens equal the colocated run's
+with the same --kv-cache-dtype (whose prefill layout is the prefill engine's, so both decode
+from the same cached bytes), and each request's kv_bytes_sent is the analytic figure for the
+quantized cache: 1 byte a value (a quarter of the float32 cache), plus 4 bytes per token, head
+and k/v for int8's scale."""
+
+import pytest
+
+from atoll import LLM, SamplingParams
+from atoll.engine.kv_transfer import analytic_bytes
+from atoll.layers.kv_quant import kv_format
+from atoll.models import ModelConfig
+from atoll.parallel.layout import Layout
+
+PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(5 + 6 * i)] for i in range(4)]  # 5 .. 23 tokens
+NEW = 6
+GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
+FAMILIES = {"llama": ("llama", {}),
+            "deepseek_v3": ("deepseek_v3", dict(num_hidden_layers=2))}  # MLA: the latent vector, one "head"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family,kv,decode", [("llama", "fp8", "TP1"), ("llama", "int8", "TP2"),
+                                              ("deepseek_v3", "int8", "TP1")])
+def test_disaggregated_tokens_and_bytes_with_a_quantized_cache(tiny_model, family, kv, decode):
+    kind, overrides = FAMILIES[family]
+    model_dir = tiny_model(kind, **overrides)
+    with LLM(model_dir, layout="TP1", kv_cache_dtype=kv, block_size=4) as llm:
+        colocated = llm.generate(PROMPTS, GREEDY, timeout_s=240)
+    with LLM(model_dir, prefill="TP1", decode=decode, kv_cache_dtype=kv, block_size=8) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, timeout_s=240)
+    assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in colocated]
+    cfg, fmt, dst = ModelConfig.load(model_dir), kv_format(kv), Layout.parse(decode)
+    sent = [o.metrics["kv_bytes_sent"] for o in outs]
+    assert sent == [analytic_bytes(cfg, dst, len(p), fmt.itemsize, fmt.scale_bytes) for p in PROMPTS]
+    fp32 = [analytic_bytes(cfg, dst, len(p), 4) for p in PROMPTS]
+    values = [f // 4 for f in fp32]  # 1 byte a value
+    if kv == "int8":  # plus a float32 scale per head_dim values
+        dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+        assert sent == [v + v // dim * 4 for v in values]
+    else:
+        assert sent == values
