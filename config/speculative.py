@@ -4,6 +4,7 @@ JSON so a vLLM user's settings carry over.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     {"method": "layer_skip", "num_speculative_tokens": 3, "num_layers": 8}
     {"model": "/path/to/draft", "num_speculative_tokens": 4}
+    {"method": "deepseek_mtp", "num_speculative_tokens": 2}
 
 `ngram` drafts by prompt lookup: the tokens that followed the last earlier occurrence of the
 sequence's final n tokens (n from prompt_lookup_max down to prompt_lookup_min). `layer_skip`
@@ -11,8 +12,9 @@ drafts with the target model's own first `num_layers` layers and its LM head (a 
 no second model, and no cache of its own, since those layers' keys and values are the
 target's). "model" names a separate draft model (method draft_model) that shares the
 target's vocabulary: it runs on the same ranks with the same TP, in a paged cache of its own
-indexed by the target's block tables. DeepSeek-V3's MTP layer ("deepseek_mtp") is recognised
-and refused with a clear message: it is not built yet.
+indexed by the target's block tables. "deepseek_mtp" drafts with DeepSeek-V3's own
+multi-token-prediction layer, read from the target's checkpoint (engine/mtp.py), applied
+recurrently for K > 1.
 
 disable_by_batch_size (vLLM's spelling): a step drafts nothing when its lane runs at least
 this many sequences, since at large batch the verify forward is no longer nearly free.
@@ -25,8 +27,8 @@ from dataclasses import dataclass, fields
 
 from atoll.errors import InputError
 
-METHODS = ("ngram", "layer_skip", "draft_model")
-NOT_BUILT = ("deepseek_mtp", "eagle", "eagle3", "medusa", "mlp_speculator")
+METHODS = ("ngram", "layer_skip", "draft_model", "deepseek_mtp")
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator")
 
 
 @dataclass(frozen=True)

@@ -16,54 +16,17 @@ only the tokens, and the self-draft runs the same forward on every rank of its T
   A sequence's draft cache holds its tokens up to what it last computed and the target kept;
   each drafting step first catches up the rest (the whole prompt the first time, else the
   pending token and a last accepted draft), then drafts greedily one token at a time.
+- MtpDrafter (engine/mtp.py): DeepSeek-V3's multi-token-prediction layer from the target's
+  checkpoint, fed the target's own hidden states, applied recurrently for K > 1.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import torch
 
 from atoll.config.speculative import SpeculativeConfig
+from atoll.engine.drafter import Drafter
 from atoll.errors import InputError
-
-
-class Drafter(ABC):
-    """What every drafter shares: which chunks get a draft, and how long it may be."""
-
-    def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int):
-        self.cfg, self.max_model_len = cfg, max_model_len
-
-    def extend(self, chunks, pool, budget: int, *, running: int) -> int:
-        """Adds a draft to each decoding chunk that takes one; returns the tokens added (the
-        step's token budget pays for them). A draft never runs past max_tokens or
-        max_model_len, and a chunk whose draft finds no free block goes without one."""
-        cfg = self.cfg
-        if cfg.disable_by_batch_size is not None and running >= cfg.disable_by_batch_size:
-            return 0
-        wants = []
-        for c in chunks:
-            seq, params = c.seq, c.seq.request.params
-            if c.count != 1 or not c.samples or not seq.output or params.logprobs is not None:
-                continue  # a prompt's chunk, or a request that asks for logprobs (given per plain step)
-            k = min(cfg.k, budget, self.max_model_len - len(seq.tokens) - 1, params.max_tokens - len(seq.output) - 1)
-            if k < 1 or not pool.grow(seq.blocks, c.start + 1 + k):
-                continue
-            budget -= k
-            wants.append((c, k))
-        if not wants:
-            return 0
-        used = 0
-        for (c, k), draft in zip(wants, self.propose([(c.seq, k) for c, k in wants])):
-            c.draft = list(draft[:k])
-            c.count += len(c.draft)
-            used += len(c.draft)
-            pool.trim(c.seq.blocks, c.start + c.count)  # the blocks a shorter draft left unused
-        return used
-
-    @abstractmethod
-    def propose(self, wants: list[tuple]) -> list[list[int]]:
-        """[(sequence, k)] -> each sequence's draft, at most k tokens (maybe none)."""
 
 
 class NgramDrafter(Drafter):
@@ -177,6 +140,8 @@ def check(cfg: SpeculativeConfig | None, layout, num_hidden_layers: int, vocab_s
     if cfg.method == "draft_model":
         _check_draft(cfg, layout, vocab_size)
         return None
+    if cfg.method == "deepseek_mtp":  # the checkpoint is checked as the drafter loads (engine.mtp.check_mtp)
+        return None
     layers = cfg.num_layers or max(1, num_hidden_layers // 4)
     if layers >= num_hidden_layers:
         raise InputError(f"speculative num_layers={layers} must be below the model's {num_hidden_layers} layers")
@@ -203,4 +168,8 @@ def make_drafter(cfg: SpeculativeConfig | None, runner, *, max_model_len: int) -
         return NgramDrafter(cfg, max_model_len=max_model_len)
     if cfg.method == "draft_model":
         return DraftModelDrafter(cfg, max_model_len=max_model_len, runner=runner)
+    if cfg.method == "deepseek_mtp":
+        from atoll.engine.mtp import MtpDrafter  # lazy: engine.mtp builds on this module's Drafter
+
+        return MtpDrafter(cfg, max_model_len=max_model_len, runner=runner)
     return LayerSkipDrafter(cfg, max_model_len=max_model_len, runner=runner)

@@ -17,7 +17,8 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 def after_last_layer(name: str, config) -> bool:
     """DeepSeek's multi-token-prediction layers, stored as decoder layers numbered from
-    num_hidden_layers on (the official V3 checkpoint's layer 61); atoll runs no MTP head."""
+    num_hidden_layers on (the official V3 checkpoint's layer 61): the target model reads none
+    of them; only the deepseek_mtp drafter loads them, into its own module (models/mtp.py)."""
     m = _LAYER.match(name)
     return m is not None and int(m.group(1)) >= config.num_hidden_layers
 

@@ -214,7 +214,7 @@ def test_disable_by_batch_size(dense):
     ('{"method": "ngram", "k": 3}', "unknown key 'k'"),
     ('{"method": "draft_model"}', "goes with method draft_model"),
     ('{"method": "ngram", "model": "/some/draft"}', "goes with method draft_model"),
-    ('{"method": "deepseek_mtp"}', "not built yet"),
+    ('{"method": "eagle"}', "not built yet"),
     ("ngram", "not JSON"),
 ])
 def test_bad_config_one_line(bad, says):
