@@ -241,7 +241,8 @@ def compare_plan(args, model_dir: str, config, requests, measured: dict) -> dict
     from atoll.launch.device import decide
 
     layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
-                            args.data_parallel_size, args.expert_parallel_size)
+                            args.data_parallel_size, args.expert_parallel_size,
+                            getattr(args, "context_parallel_size", None))
     n = measured["completed"]  # the mean lengths the server counted, else those sent
     if n:
         isl, osl = round(measured["total_input_tokens"] / n), round(measured["total_output_tokens"] / n)

@@ -19,7 +19,8 @@ from atoll.errors import LaunchError
 # the model options of cli/generate.add_model_options that are not EngineConfig fields
 LAYOUT_FLAGS = (("--layout", "layout"), ("--tensor-parallel-size", "tensor_parallel_size"),
                 ("--pipeline-parallel-size", "pipeline_parallel_size"),
-                ("--data-parallel-size", "data_parallel_size"), ("--expert-parallel-size", "expert_parallel_size"))
+                ("--data-parallel-size", "data_parallel_size"), ("--expert-parallel-size", "expert_parallel_size"),
+                ("--context-parallel-size", "context_parallel_size"))
 
 
 def engine_argv(args, **override) -> list[str]:

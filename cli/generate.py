@@ -119,7 +119,8 @@ def _plan(args, launcher: str, lines):
     if not args.plan and not auto:
         return None
     sizes = [f for f, v in (("-tp", args.tensor_parallel_size), ("-pp", args.pipeline_parallel_size),
-                            ("-dp", args.data_parallel_size), ("-ep", args.expert_parallel_size)) if v is not None]
+                            ("-dp", args.data_parallel_size), ("-ep", args.expert_parallel_size),
+                            ("-cp", getattr(args, "context_parallel_size", None))) if v is not None]
     if args.plan and args.layout is not None or sizes:
         raise InputError(f"give {'--plan' if args.plan else '--layout auto'} or "
                          f"{'--layout' if args.plan and args.layout else ' '.join(sizes)}, not both")

@@ -28,14 +28,16 @@ def add_cli_options(parser, defaults: EngineConfig | None = None) -> None:
 
 
 def add_model_options(p, defaults: EngineConfig | None = None) -> None:
-    """The layout flags (--layout or vLLM's -tp/-pp/-dp/-ep) and every engine option: what
+    """The layout flags (--layout or vLLM's -tp/-pp/-dp/-ep, and -cp) and every engine option: what
     `atoll generate`, `serve`, `eval` and the serving benchmark take alike."""
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, metavar="N")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
                    help="attention data parallel replicas inside a stage (MoE models)")
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=None, metavar="N")
-    p.add_argument("--layout", default=None, help="e.g. TP2PP2, DP2EP2 (instead of -tp/-pp/-dp/-ep); auto: plan "
+    p.add_argument("--context-parallel-size", "-cp", type=int, default=None, metavar="N",
+                   help="context parallel ranks: each computes a share of a prompt and keeps a share of its KV cache")
+    p.add_argument("--layout", default=None, help="e.g. TP2PP2, DP2EP2, TP2CP2 (instead of -tp/-pp/-dp/-ep/-cp); auto: plan "
                                                   "on this machine's topology for these requests")
     add_cli_options(p, defaults=defaults)
 

@@ -37,14 +37,23 @@ def prefix_names(tokens, block_size: int, blocks: int | None = None) -> list[byt
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, first: int = 0, hole: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, first: int = 0, hole: int | None = None,
+                 stripes: int = 1):
         """Blocks first .. first + num_blocks - 1 of the cache. hole: the cache's scratch block,
-        which stands in a table for blocks let go of before its end (`free_before`)."""
-        if num_blocks < 1 or block_size < 1:
+        which stands in a table for blocks let go of before its end (`free_before`).
+        stripes: context parallel ranks (cp). Block j of every table lives on rank j % stripes,
+        so each rank keeps a share of every sequence: the pool hands out global ids
+        local * stripes + rank, local in first .. first + num_blocks - 1 on each rank (num_blocks
+        per rank; self.num_blocks counts them all), and a rank reads global id g as its local
+        block g // stripes. With one stripe a global id is the block itself."""
+        if num_blocks < 1 or block_size < 1 or stripes < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(first + num_blocks - 1, first - 1, -1))  # pop() hands out first, first + 1, ...
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unreferenced; oldest first
+        self.num_blocks, self.block_size, self.stripes = num_blocks * stripes, block_size, stripes
+        # pop() hands out first, first + 1, ... on each rank
+        self._free = [[local * stripes + s for local in range(first + num_blocks - 1, first - 1, -1)]
+                      for s in range(stripes)]
+        # named, unreferenced blocks per rank; oldest first
+        self._evictable: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(stripes)]
         self._refs: dict[int, int] = {}  # block -> holders, for every block in use
         self._named: dict[bytes, int] = {}  # hash -> block
         self._name_of: dict[int, bytes] = {}  # block -> hash
@@ -54,7 +63,11 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks a sequence can be given: never named, or named but unreferenced."""
-        return len(self._free) + len(self._evictable)
+        return sum(self.free_on(s) for s in range(self.stripes))
+
+    def free_on(self, stripe: int) -> int:
+        """Blocks rank `stripe` can still give."""
+        return len(self._free[stripe]) + len(self._evictable[stripe])
 
     @property
     def num_cached(self) -> int:
@@ -64,21 +77,33 @@ class BlockPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def _needs(self, have: int, tokens: int) -> list[int]:
+        """Blocks each rank must give to grow a table of `have` blocks to hold `tokens` positions."""
+        need = [0] * self.stripes
+        for j in range(have, self.blocks_for(tokens)):
+            need[j % self.stripes] += 1
+        return need
+
+    def fits(self, hits: list[int], tokens: int) -> bool:
+        """Whether a table of the cached blocks `hits` (shared first) can grow to `tokens` positions."""
+        need = self._needs(len(hits), tokens)
+        return all(n <= self.free_on(s) - sum(b in self._evictable[s] for b in hits[s::self.stripes])
+                   for s, n in enumerate(need))
+
     def grow(self, table: list[int], tokens: int) -> bool:
         """Extend table to hold `tokens` positions; False (and no change) if blocks run out."""
-        need = self.blocks_for(tokens) - len(table)
-        if need <= 0:
-            return True
-        if need > self.num_free:
+        need = self._needs(len(table), tokens)
+        if any(n > self.free_on(s) for s, n in enumerate(need)):
             return False
-        for _ in range(need):
-            block = self._free.pop() if self._free else self._evict()
+        for j in range(len(table), self.blocks_for(tokens)):
+            s = j % self.stripes
+            block = self._free[s].pop() if self._free[s] else self._evict(s)
             self._refs[block] = 1
             table.append(block)
         return True
 
-    def _evict(self) -> int:
-        block, _ = self._evictable.popitem(last=False)
+    def _evict(self, stripe: int) -> int:
+        block, _ = self._evictable[stripe].popitem(last=False)
         del self._named[self._name_of.pop(block)]
         self.evictions += 1
         return block
@@ -95,9 +120,9 @@ class BlockPool:
                 continue
             del self._refs[block]
             if block in self._name_of:
-                self._evictable[block] = None
+                self._evictable[block % self.stripes][block] = None
             else:
-                self._free.append(block)
+                self._free[block % self.stripes].append(block)
         table.clear()
 
     def free_before(self, table: list[int], blocks: int) -> int:
@@ -131,13 +156,13 @@ class BlockPool:
 
     def reusable(self, blocks: list[int]) -> int:
         """How many of these cached blocks are evictable now (sharing them takes them off the free count)."""
-        return sum(b in self._evictable for b in blocks)
+        return sum(b in self._evictable[b % self.stripes] for b in blocks)
 
     def share(self, table: list[int], blocks: list[int]) -> None:
         """Append cached blocks to an empty table, one more holder each."""
         for block in blocks:
-            if block in self._evictable:
-                del self._evictable[block]
+            if block in self._evictable[block % self.stripes]:
+                del self._evictable[block % self.stripes][block]
             self._refs[block] = self._refs.get(block, 0) + 1
             table.append(block)
 

@@ -44,7 +44,7 @@ class EngineCore:
                            max_num_seqs=spec.engine.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                            max_model_len=spec.max_model_len, depth=self.depth, pipelined=pipelined,
                            prefix_caching=spec.engine.enable_prefix_caching, drafter=self.drafter,
-                           sliding_window=runner.config.sliding_window)
+                           sliding_window=runner.config.sliding_window, cp=runner.ctx.layout.cp)
         self.inflight: deque[MicroBatch | None] = deque()  # inflight[s]: the micro-batch at stage s
         self.results: dict[int, dict] = {}
         self.tick, self.produced = 0, 0

@@ -6,6 +6,9 @@ gpu_memory_utilization x the GPU's memory becomes KV blocks. CPU: what max_num_s
 sequences of max_model_len need in every pipeline lane (the LLM bounds max_model_len by its
 requests), never a share of free memory. --num-blocks or --kv-cache-gb override both.
 Every rank of a job runs the same scheduler, so all take the smallest count (min over ranks).
+Counts are per rank: with context parallelism (cp ranks) block j of a sequence lives on cp rank
+j % cp, so a sequence takes ceil(blocks / cp) of each rank's blocks and a replica holds cp
+times the tokens one rank does.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from atoll.errors import InputError
 from atoll.layers.attention import AttentionMetadata
 
 
-def blocks_per_seq(max_model_len: int, block_size: int) -> int:
-    return -(-max_model_len // block_size)
+def blocks_per_seq(max_model_len: int, block_size: int, cp: int = 1) -> int:
+    """Blocks one sequence of max_model_len takes on each rank (its blocks striped over cp ranks)."""
+    return -(-(-(-max_model_len // block_size)) // cp)
 
 
-def cpu_blocks(*, block_size: int, max_num_seqs: int, max_model_len: int, lanes: int) -> int:
-    return max_num_seqs * blocks_per_seq(max_model_len, block_size) * lanes
+def cpu_blocks(*, block_size: int, max_num_seqs: int, max_model_len: int, lanes: int, cp: int = 1) -> int:
+    return max_num_seqs * blocks_per_seq(max_model_len, block_size, cp) * lanes
 
 
 def explicit_blocks(*, bytes_per_block: int, kv_cache_gb: float | None, num_blocks: int | None) -> int | None:
@@ -47,17 +51,20 @@ def budget_blocks(*, total: int, utilization: float, used_after_load: int, activ
     return free // bytes_per_block
 
 
-def check_fits(num_blocks: int, *, block_size: int, max_model_len: int) -> None:
-    if num_blocks < blocks_per_seq(max_model_len, block_size):
-        raise InputError(f"the KV cache holds {num_blocks * block_size} tokens per replica but one "
+def check_fits(num_blocks: int, *, block_size: int, max_model_len: int, cp: int = 1) -> None:
+    """num_blocks: per rank; a sequence's blocks are striped over cp ranks."""
+    if num_blocks < blocks_per_seq(max_model_len, block_size, cp):
+        ranks = f" ({num_blocks} blocks on each of {cp} cp ranks)" if cp > 1 else ""
+        raise InputError(f"the KV cache holds {num_blocks * block_size * cp} tokens per replica{ranks} but one "
                          f"sequence may need max_model_len={max_model_len}: raise --kv-cache-gb or "
-                         f"--num-blocks, or lower --max-model-len")
+                         f"--num-blocks, or lower --max-model-len" + ("" if cp > 1 else ", or shard the "
+                         "sequence over context parallel ranks (-cp)"))
 
 
-def summary(num_blocks: int, *, block_size: int, bytes_per_block: int, max_model_len: int) -> str:
+def summary(num_blocks: int, *, block_size: int, bytes_per_block: int, max_model_len: int, cp: int = 1) -> str:
     """The one line a run prints about its cache."""
     tokens = num_blocks * block_size
-    seqs = num_blocks // blocks_per_seq(max_model_len, block_size)
+    seqs = num_blocks // blocks_per_seq(max_model_len, block_size, cp)
     size = num_blocks * bytes_per_block
     size = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     return (f"KV cache: {num_blocks} blocks of {block_size} tokens ({tokens} tokens, {size} per rank); "

@@ -127,27 +127,31 @@ class MicroBatch:
         return out
 
 
-def lane_count(*, num_blocks: int, block_size: int, max_model_len: int, depth: int, pipelined: bool = True) -> int:
+def lane_count(*, num_blocks: int, block_size: int, max_model_len: int, depth: int, pipelined: bool = True,
+               cp: int = 1) -> int:
     """depth lanes when pipelined, but no more than the blocks allow while each lane still
-    holds one max_model_len sequence; at least one."""
-    per_seq = -(-max_model_len // block_size)
+    holds one max_model_len sequence (num_blocks per rank, a sequence striped over cp ranks);
+    at least one."""
+    per_seq = -(-(-(-max_model_len // block_size)) // cp)
     return max(1, min(depth if pipelined else 1, num_blocks // per_seq))
 
 
 class Lanes:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, depth: int, pipelined: bool = True, prefix_caching: bool = False,
-                 drafter=None, sliding_window: int | None = None):
+                 drafter=None, sliding_window: int | None = None, cp: int = 1):
         """depth: pipeline stages; as many lanes as `lane_count` gives. prefix_caching: each
         lane's pool keeps its own cache of named blocks (engine.blocks). drafter: speculative
         tokens for every lane (engine.drafters), or None. sliding_window: blocks a running
         sequence's window has passed go back to its lane's pool (block num_blocks, the cache's
-        scratch block, stands in for them)."""
+        scratch block, stands in for them). cp: context parallel ranks; num_blocks is per rank
+        and each pool stripes a sequence's blocks over the cp ranks (engine.blocks)."""
         count = lane_count(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                           depth=depth, pipelined=pipelined)
+                           depth=depth, pipelined=pipelined, cp=cp)
         share = num_blocks // count
         self.depth = depth
-        self.schedulers = [Scheduler(BlockPool(share, block_size, first=i * share, hole=num_blocks),
+        # the hole's global id reads as local block num_blocks (the scratch block) on every cp rank
+        self.schedulers = [Scheduler(BlockPool(share, block_size, first=i * share, hole=num_blocks * cp, stripes=cp),
                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      prefix_caching=prefix_caching, drafter=drafter, sliding_window=sliding_window)
                            for i in range(count)]

@@ -42,7 +42,7 @@ def engine_spec(llm, requests: list[Request] | None = None) -> RunSpec:
         per_block = kv_bytes_per_block(llm.config, layout, resolve_dtype(o.dtype, llm.config, torch.device("cpu")).itemsize,
                                        o.block_size, kv_cache_dtype=o.kv_cache_dtype)
         need = cpu_blocks(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_model_len=llm.max_model_len,
-                          lanes=layout.pp)
+                          lanes=layout.pp, cp=layout.cp)
         cap = int(available_memory() * CPU_CACHE_SHARE / layout.world_size) // per_block
         if need > cap:
             spec = spec.with_engine(num_blocks=max(cap, 1))

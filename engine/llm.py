@@ -50,18 +50,18 @@ class RequestOutput:
 
 
 def resolve_layout(layout=None, tp: int | None = None, pp: int | None = None,
-                   dp: int | None = None, ep: int | None = None) -> Layout:
-    """A Layout from its text ("TP2PP2") or from vLLM-style sizes (-tp, -pp, -dp, -ep)."""
+                   dp: int | None = None, ep: int | None = None, cp: int | None = None) -> Layout:
+    """A Layout from its text ("TP2PP2") or from vLLM-style sizes (-tp, -pp, -dp, -ep, -cp)."""
     if layout is not None:
-        if any(v is not None for v in (tp, pp, dp, ep)):
-            raise InputError("give either --layout or the -tp/-pp/-dp/-ep sizes, not both")
+        if any(v is not None for v in (tp, pp, dp, ep, cp)):
+            raise InputError("give either --layout or the -tp/-pp/-dp/-ep sizes, not both (-cp is one of them)")
         return layout if isinstance(layout, Layout) else Layout.parse(layout)
-    for flag, v in (("-tp", tp), ("-pp", pp), ("-dp", dp), ("-ep", ep)):
+    for flag, v in (("-tp", tp), ("-pp", pp), ("-dp", dp), ("-ep", ep), ("-cp", cp)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise InputError(f"{flag} {v!r} must be a whole number of at least 1")
     if ep and not tp and not dp:
         tp = ep  # as in Layout.parse: EP alone means TP attention over the same ranks
-    return Layout(tp=tp or 1, pp=pp or 1, dp=dp or 1, ep=ep or 1)
+    return Layout(tp=tp or 1, pp=pp or 1, dp=dp or 1, ep=ep or 1, cp=cp or 1)
 
 
 def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[int, ...]:
@@ -113,7 +113,7 @@ class LLM:
     def __init__(self, model: str | Path, *, layout: str | Layout | None = None,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, expert_parallel_size: int | None = None,
-                 launcher=None, **options):
+                 context_parallel_size: int | None = None, launcher=None, **options):
         self.launcher = launcher
         self._engine: OnlineEngine | None = None
         try:
@@ -127,15 +127,19 @@ class LLM:
         self.prefill_layout = None
         if self.options.prefill is not None:  # disaggregated: the decode engine is `layout`
             if layout is not None or any((tensor_parallel_size, pipeline_parallel_size,
-                                          data_parallel_size, expert_parallel_size)):
+                                          data_parallel_size, expert_parallel_size, context_parallel_size)):
                 raise InputError("give --prefill/--decode or a layout, not both")
             layout = self.options.decode
             self.prefill_layout = self._prefill_layout(self.options.prefill)
         self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size,
-                                     data_parallel_size, expert_parallel_size).validate(self.config)
+                                     data_parallel_size, expert_parallel_size,
+                                     context_parallel_size).validate(self.config)
         if self.layout.dp > 1 and not self.config.is_moe:
             raise LayoutError(f"layout {self.layout}: attention data parallelism (dp > 1) is for MoE "
                               f"models; for {self.config.model_type} run replicas of a tp/pp layout")
+        if self.layout.cp > 1 and (self.options.speculative_config is not None or self.prefill_layout is not None):
+            raise LayoutError(f"layout {self.layout}: context parallelism does not combine with speculative "
+                              "decoding or disaggregated prefill yet")
         Checkpoint(self.model_dir).check()
         check_layout_fits(self.model_dir, self.config, self.layout)  # shapes, before any rank starts
         quantize.check(self.options.quantization, self.config, self.options.device)
@@ -149,7 +153,7 @@ class LLM:
         self.max_num_batched_tokens = o.batched_tokens(_device_memory_gib(o.device))
         blocks = self._explicit_blocks()
         if blocks is not None:
-            check_fits(blocks, block_size=o.block_size, max_model_len=self.max_model_len)
+            check_fits(blocks, block_size=o.block_size, max_model_len=self.max_model_len, cp=self.layout.cp)
             self._check_lanes(blocks)
         self.tokenizer = None
         if (self.model_dir / "tokenizer.json").exists():
@@ -160,6 +164,9 @@ class LLM:
         layout = Layout.parse(text).validate(self.config)
         if layout.dp > 1:
             raise InputError(f"--prefill {layout}: the prefill engine is one replica (dp 1)")
+        if layout.cp > 1:
+            raise LayoutError(f"--prefill {layout}: context parallelism does not combine with disaggregated "
+                              "prefill yet")
         check_layout_fits(self.model_dir, self.config, layout)
         return layout
 
@@ -179,7 +186,7 @@ class LLM:
         """Pipelined decode wants room for one max-length sequence per stage (engine.lanes)."""
         pp = self.layout.pp
         lanes = lane_count(num_blocks=num_blocks, block_size=self.block_size,
-                           max_model_len=self.max_model_len, depth=pp)
+                           max_model_len=self.max_model_len, depth=pp, cp=self.layout.cp)
         if lanes < pp:
             warnings.warn(f"the KV cache holds {num_blocks * self.block_size} tokens per replica, room for "
                           f"{lanes} max_model_len={self.max_model_len} sequences: {lanes} of {pp} pipeline stages "

@@ -86,7 +86,8 @@ class ModelRunner:
         from atoll.engine import step_policy
 
         self.ranks_here = ranks_here or ctx.layout.world_size
-        self.decode_step = step_policy.build(self)  # None: every step eager
+        # None: every step eager (always under context parallelism, whose steps are eager only)
+        self.decode_step = step_policy.build(self) if ctx.layout.cp == 1 else None
         self.packer = _packer(self.model, self.ranks_here, spec.engine.mkl_pack) if self.decode_step is None else None
         self.stats: dict = {}
 
@@ -108,7 +109,7 @@ class ModelRunner:
         """Blocks per rank, the same on every rank (engine.kv_sizing)."""
         from atoll.engine import kv_sizing as kv
 
-        spec = self.spec
+        spec, cp = self.spec, self.ctx.layout.cp
         blocks = kv.explicit_blocks(bytes_per_block=self.bytes_per_block, kv_cache_gb=spec.engine.kv_cache_gb,
                                     num_blocks=spec.engine.num_blocks)
         if blocks is None and self.device.type == "cuda":
@@ -119,16 +120,16 @@ class ModelRunner:
                                       bytes_per_block=self.bytes_per_block)
         elif blocks is None:
             blocks = kv.cpu_blocks(block_size=spec.engine.block_size, max_num_seqs=spec.cache_seqs or spec.engine.max_num_seqs,
-                                   max_model_len=spec.max_model_len, lanes=self.ctx.layout.pp)
+                                   max_model_len=spec.max_model_len, lanes=self.ctx.layout.pp, cp=cp)
         if self.ctx.layout.world_size > 1:  # every rank schedules the same blocks
             t = torch.tensor([blocks], dtype=torch.long, device=self.device)
             blocks = int(self.ctx.world.all_reduce(t, op="min")[0])
-        kv.check_fits(blocks, block_size=spec.engine.block_size, max_model_len=spec.max_model_len)
+        kv.check_fits(blocks, block_size=spec.engine.block_size, max_model_len=spec.max_model_len, cp=cp)
         if self.ctx.rank == 0:
             import sys
 
             print("atoll: " + kv.summary(blocks, block_size=spec.engine.block_size, bytes_per_block=self.bytes_per_block,
-                                         max_model_len=spec.max_model_len), file=sys.stderr, flush=True)
+                                         max_model_len=spec.max_model_len, cp=cp), file=sys.stderr, flush=True)
         return blocks
 
     def agree(self, busy: bool, mb):
@@ -172,10 +173,11 @@ class ModelRunner:
         self.stats["ticks"] += 1
         if mb is not None:
             stepped = self.decode_step is not None and self.decode_step.takes(mb)  # padded to a bucket, compiled
+            meta, ids, tokens = (None, None, mb.tokens) if stepped else self._view(mb)
             if ctx.is_first_stage:
-                x = None if stepped else mb.ids  # the decode step reads the ids from the chunks
+                x = None if stepped else ids  # the decode step reads the ids from the chunks
             else:
-                x = ctx.pp.recv((mb.tokens, self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
+                x = ctx.pp.recv((tokens, self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
             t0 = time.perf_counter()
             self.stats["worked"] += 1
             if self.packer is not None and mb.is_decode:
@@ -183,7 +185,7 @@ class ModelRunner:
             if stepped:
                 out = self.decode_step(x, mb)
             else:
-                out = self.model(x, mb.meta, self.cache)
+                out = self.model(x, meta, self.cache)
                 if mb.is_decode:
                     self._eager_decode_s.append(time.perf_counter() - t0)
             if not ctx.is_last_stage:
@@ -211,13 +213,25 @@ class ModelRunner:
             table[ctx.coords.dp, :seqs] = out
         return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]
 
+    def _view(self, mb):
+        """(metadata, token ids, token count) of the micro-batch as this rank computes it: all of
+        it, or under context parallelism its cp rank's share (layers.context_parallel)."""
+        if self.ctx.layout.cp == 1:
+            return mb.meta, (mb.ids if self.ctx.is_first_stage else None), mb.tokens
+        from atoll.layers.context_parallel import CpShards
+
+        shards = CpShards.build(mb.meta, [c.seq.blocks for c in mb.chunks], group=self.ctx.cp,
+                                scratch=self.num_blocks, device=self.device)
+        ids = mb.ids[shards.own] if self.ctx.is_first_stage else None
+        return shards, ids, len(shards.own)
+
     def _logprobs(self, done, seqs: int) -> torch.Tensor | None:
         """The logprob rows of a micro-batch leaving the pipeline (MicroBatch.sample), on its
         replica's leader (tp rank 0 of the first stage, which reports its tokens): sent down
         the tp-rank-0 pipeline group from the sampler, when a chunk asked for them."""
         ctx = self.ctx
         k = done.logprobs_k
-        if k is None or ctx.coords.tp != 0:
+        if k is None or ctx.coords.tp != 0 or ctx.coords.cp != 0:
             return None
         if ctx.layout.pp == 1:
             return done.logprobs  # this rank sampled them

@@ -121,7 +121,7 @@ class Scheduler:
             hits = pool.lookup(self._names(seq, (len(seq.tokens) - 1) // pool.block_size))
         start = len(hits) * pool.block_size
         count = min(len(seq.tokens) - start, budget)
-        if pool.blocks_for(start + count) - len(hits) > pool.num_free - pool.reusable(hits):
+        if not pool.fits(hits, start + count):
             return None
         pool.share(seq.blocks, hits)
         pool.grow(seq.blocks, start + count)

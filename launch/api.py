@@ -72,4 +72,5 @@ def llm_from_args(args, model_dir, layout=None, **kwargs) -> LLM:
     """The LLM that parsed flags (config.add_model_options) describe; `layout` in place of theirs."""
     return LLM(model_dir, layout=layout or args.layout, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
-               expert_parallel_size=args.expert_parallel_size, **asdict(from_args(args)), **kwargs)
+               expert_parallel_size=args.expert_parallel_size,
+               context_parallel_size=getattr(args, "context_parallel_size", None), **asdict(from_args(args)), **kwargs)

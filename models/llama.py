@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from atoll.layers.attention import AttentionMetadata, attend, write_cache
+from atoll.layers.context_parallel import CpShards
 from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atoll.layers.linear import QKVParallelLinear, RowParallelLinear
 from atoll.layers.mlp import GatedMLP
@@ -66,6 +67,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, meta.positions)
         write_cache(k_cache, v_cache, k, v, meta)
+        if isinstance(meta, CpShards):  # context parallel: partials over each cp rank's blocks, merged
+            return self.o_proj(meta.attend(q, k_cache, v_cache, sliding_window=self.sliding_window).flatten(1))
         out = fresh_prefill(q, k, v, meta, sliding_window=self.sliding_window)  # None: not such a step
         if out is None:
             out = attend(q, k_cache, v_cache, meta, sliding_window=self.sliding_window)
@@ -136,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, meta, cache.k[j], cache.v[j])
         if not self.ctx.is_last_stage:
             return h if residual is None else residual + h
+        if isinstance(meta, CpShards) and not meta.is_decode:  # each cp rank's rows -> the step's
+            h, residual = meta.gather_rows(h if residual is None else residual + h), None
         if not meta.is_decode:  # decode: one token per sequence, every row is a last token
             rows = meta.last_tokens()
             h, residual = h[rows], None if residual is None else residual[rows]

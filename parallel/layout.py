@@ -1,9 +1,11 @@
 """Layout: how one model replica is split over ranks.
 
 tp: tensor parallel (attention and dense MLP), pp: pipeline stages, dp: attention data
-parallel inside a stage, ep: expert parallel, moe_tp: tensor parallel inside each expert.
-One pipeline stage holds tp * dp ranks, and the MoE layers see the same ranks as an
-ep x moe_tp grid, so tp * dp == ep * moe_tp.
+parallel inside a stage, ep: expert parallel, moe_tp: tensor parallel inside each expert,
+cp: context parallel (each cp rank computes a share of a prompt's tokens and keeps a share of
+every sequence's KV blocks; layers/context_parallel.py). One pipeline stage holds
+tp * dp * cp ranks; the MoE layers see each cp rank's tp * dp ranks as an ep x moe_tp grid,
+so tp * dp == ep * moe_tp. cp does not combine with dp or ep yet.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from dataclasses import dataclass, field
 
 from atoll.errors import LayoutError
 
-_TOKEN = re.compile(r"(MOETP|TP|PP|DP|EP)(\d+)", re.IGNORECASE)
-_EXAMPLES = "e.g. TP8, TP8PP2, TP4EP4, DP4EP4, EP16"
+_TOKEN = re.compile(r"(MOETP|TP|PP|DP|EP|CP)(\d+)", re.IGNORECASE)
+_EXAMPLES = "e.g. TP8, TP8PP2, TP4EP4, DP4EP4, EP16, TP2CP2"
 
 
 def divisors(n: int) -> list[int]:
@@ -28,9 +30,10 @@ class Layout:
     dp: int = 1
     ep: int = 1
     moe_tp: int = field(default=0)  # 0: derived as tp * dp // ep
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "ep", "moe_tp"):
+        for name in ("tp", "pp", "dp", "ep", "moe_tp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise LayoutError(f"{name}={value!r} must be a positive integer")
@@ -49,18 +52,21 @@ class Layout:
                 f"ep*moe_tp={self.ep}*{self.moe_tp}={self.ep * self.moe_tp} must equal "
                 f"tp*dp={self.tp}*{self.dp}={stage}: the MoE layers use the stage's ranks"
             )
+        if self.cp > 1 and (self.dp > 1 or self.ep > 1):
+            raise LayoutError(f"cp={self.cp} does not combine with dp or ep yet: use TP, CP and PP only")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.dp * self.cp * self.pp
 
     @property
     def stage_size(self) -> int:
-        return self.tp * self.dp
+        """Ranks of one pipeline stage: tp * dp * cp."""
+        return self.tp * self.dp * self.cp
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
-        """Parse "TP2PP2", "DP4EP4", "TP4EP4MOETP1". EP alone means TP attention: EP16 = TP16EP16."""
+        """Parse "TP2PP2", "DP4EP4", "TP4EP4MOETP1", "TP2CP2". EP alone means TP attention: EP16 = TP16EP16."""
         s = str(text).strip().replace("x", "").replace("X", "").replace("-", "").replace("_", "")
         pos, values = 0, {}
         for m in _TOKEN.finditer(s):
@@ -87,6 +93,8 @@ class Layout:
             parts.append(f"EP{self.ep}")
             if self.moe_tp > 1:
                 parts.append(f"MOETP{self.moe_tp}")
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
         if self.pp > 1:
             parts.append(f"PP{self.pp}")
         return "".join(parts) or "TP1"
@@ -113,6 +121,9 @@ class Layout:
                 f"pp={self.pp} exceeds num_hidden_layers={config.num_hidden_layers}: "
                 "every stage needs at least one layer"
             )
+        if self.cp > 1 and config.is_mla:
+            raise LayoutError(f"layout {self}: context parallelism does not cover MLA attention "
+                              f"({config.model_type}) yet")
         if self.ep > 1 and not config.is_moe:
             raise LayoutError(
                 f"layout {self} uses expert parallelism but {config.model_type} is a dense model"

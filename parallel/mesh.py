@@ -1,8 +1,12 @@
 """The rank grid and ParallelContext.
 
-Ranks are laid out as grid[pp, dp, tp]: TP innermost, then DP, PP outermost, so
-consecutive ranks share a node and a stage maps onto whole nodes. Inside a stage the
-MoE layers see the same tp*dp ranks as an [ep, moe_tp] grid (moe_tp innermost).
+Ranks are laid out as grid[pp, cp, dp, tp]: TP innermost, then DP, then CP, PP outermost, so
+consecutive ranks share a node and a stage maps onto whole nodes. TP talks every layer with
+large all-reduces, so it stays innermost (inside an NVLink island); CP comes next: it talks
+every layer too (a decode step gathers a small [seqs, heads, head_dim] partial per layer, a
+prefill step the queries and partial outputs of its tokens), more than PP, which sends one
+activation per stage per step and so can cross the slowest link. Inside a stage each cp rank's
+tp*dp ranks are the MoE layers' [ep, moe_tp] grid (moe_tp innermost).
 
 Islands and nodes: every rank sits in one island (an NVLink domain; by default its node) and
 one node, given as rank -> island id and rank -> node id (from a plan's placement; by default
@@ -25,7 +29,7 @@ from atoll.comm.group import Group
 from atoll.config import EngineConfig
 from atoll.parallel.layout import Layout
 
-KINDS = ("tp", "dp", "pp", "ep", "moe_tp", "stage", "world", "ep_island", "ep_rail")
+KINDS = ("tp", "dp", "cp", "pp", "ep", "moe_tp", "stage", "world", "ep_island", "ep_rail")
 
 
 @dataclass(frozen=True)
@@ -66,20 +70,21 @@ def island_groups(layout: Layout, islands) -> dict[str, list[list[int]]]:
 
 
 def rank_grid(layout: Layout) -> torch.Tensor:
-    return torch.arange(layout.world_size, device="cpu").view(layout.pp, layout.dp, layout.tp)  # host arithmetic
+    return torch.arange(layout.world_size, device="cpu").view(layout.pp, layout.cp, layout.dp, layout.tp)  # host arithmetic
 
 
 def group_ranks(layout: Layout, islands=False) -> dict[str, list[list[int]]]:
     """Every group of each kind as lists of global ranks, in group order; islands: rank ->
     island id for the ep_island / ep_rail groups too (None: one island; False: leave them out)."""
     g = rank_grid(layout)
-    pp, dp, tp = g.shape
-    moe = g.reshape(pp, layout.ep, layout.moe_tp)  # stage ranks as [ep, moe_tp]
+    pp, cp, dp, tp = g.shape
+    moe = g.reshape(pp * cp, layout.ep, layout.moe_tp)  # each cp rank's stage ranks as [ep, moe_tp]
     rows = lambda t: [r.tolist() for r in t]  # noqa: E731
     return {
         "tp": rows(g.reshape(-1, tp)),
-        "dp": rows(g.permute(0, 2, 1).reshape(-1, dp)),
-        "pp": rows(g.permute(1, 2, 0).reshape(-1, pp)),
+        "dp": rows(g.permute(0, 1, 3, 2).reshape(-1, dp)),
+        "cp": rows(g.permute(0, 2, 3, 1).reshape(-1, cp)),
+        "pp": rows(g.permute(1, 2, 3, 0).reshape(-1, pp)),
         "ep": rows(moe.permute(0, 2, 1).reshape(-1, layout.ep)),
         "moe_tp": rows(moe.reshape(-1, layout.moe_tp)),
         "stage": rows(g.reshape(pp, -1)),
@@ -95,15 +100,17 @@ class Coords:
     tp: int
     ep: int
     moe_tp: int
+    cp: int = 0
 
 
 def coords(layout: Layout, rank: int) -> Coords:
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} outside world of {layout.world_size}")
     p, rest = divmod(rank, layout.stage_size)
+    c, rest = divmod(rest, layout.tp * layout.dp)
     d, t = divmod(rest, layout.tp)
     e, m = divmod(rest, layout.moe_tp)
-    return Coords(pp=p, dp=d, tp=t, ep=e, moe_tp=m)
+    return Coords(pp=p, dp=d, tp=t, ep=e, moe_tp=m, cp=c)
 
 
 class ParallelContext:
@@ -172,6 +179,7 @@ class ParallelContext:
 
     tp = property(lambda self: self.groups["tp"])
     dp = property(lambda self: self.groups["dp"])
+    cp = property(lambda self: self.groups.get("cp") or Group.single("cp", self.device))
     pp = property(lambda self: self.groups["pp"])
     ep = property(lambda self: self.groups["ep"])
     moe_tp = property(lambda self: self.groups["moe_tp"])

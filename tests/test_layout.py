@@ -44,7 +44,8 @@ def layouts(draw):
     pp = draw(st.sampled_from([1, 2, 3, 4]))
     stage = tp * dp
     ep = draw(st.sampled_from([d for d in range(1, stage + 1) if stage % d == 0]))
-    return Layout(tp=tp, dp=dp, pp=pp, ep=ep)
+    cp = draw(st.sampled_from([1, 2, 4])) if dp == ep == 1 else 1  # cp combines with tp and pp only
+    return Layout(tp=tp, dp=dp, pp=pp, ep=ep, cp=cp)
 
 
 @settings(max_examples=200, deadline=None)
@@ -52,7 +53,7 @@ def layouts(draw):
 def test_grid_partitions_every_kind(layout):
     groups = group_ranks(layout)
     world = layout.world_size
-    sizes = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "ep": layout.ep,
+    sizes = {"tp": layout.tp, "dp": layout.dp, "cp": layout.cp, "pp": layout.pp, "ep": layout.ep,
              "moe_tp": layout.moe_tp, "stage": layout.stage_size, "world": world}
     for kind, gs in groups.items():
         flat = sorted(r for g in gs for r in g)
@@ -65,6 +66,7 @@ def test_grid_partitions_every_kind(layout):
         assert tp_group.index(rank) == c.tp
         assert next(g for g in groups["pp"] if rank in g).index(rank) == c.pp
         assert next(g for g in groups["dp"] if rank in g).index(rank) == c.dp
+        assert next(g for g in groups["cp"] if rank in g).index(rank) == c.cp
         assert next(g for g in groups["ep"] if rank in g).index(rank) == c.ep
         assert next(g for g in groups["moe_tp"] if rank in g).index(rank) == c.moe_tp
         # TP innermost: a TP group is consecutive ranks; a stage is a consecutive block

@@ -50,7 +50,7 @@ def test_lanes_split_the_blocks_and_fall_back_to_one():
     lanes = Lanes(num_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                   max_model_len=32, depth=2)
     assert len(lanes) == 2
-    firsts = [s.pool._free[-1] for s in lanes.schedulers]
+    firsts = [s.pool._free[0][-1] for s in lanes.schedulers]
     assert firsts == [0, 20] and all(s.pool.num_free == 20 for s in lanes.schedulers)
     assert [lanes.at(t) is lanes.schedulers[t % 2] for t in range(4)] == [True] * 4
     # 12 blocks hold one 32-token sequence (8 blocks) but not two: one lane, a slot every other tick
