@@ -157,3 +157,15 @@ def test_a_tiny_qwen3_moe_matches_transformers(moe, layout):
     with LLM(model_dir, layout=layout, block_size=BLOCK, max_num_batched_tokens=512) as llm:
         outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=NEW, ignore_eos=True), timeout_s=500)
     assert [o.token_ids for o in outs] == want
+
+
+@pytest.mark.timeout(300)
+def test_a_sliding_window_model_matches_transformers_at_cp2(tiny_model):
+    """Masks by each key's position on its rank; the blocks the window has passed go back to
+    both ranks' pools (engine.scheduler._slide over a striped pool)."""
+    model_dir = tiny_model("mistral", sliding_window=256, max_position_embeddings=4096, num_hidden_layers=2)
+    prompts = [_prompt(700, 6), _prompt(90, 7)]
+    want = reference_tokens(model_dir, prompts, 40)
+    with LLM(model_dir, layout="CP2", block_size=BLOCK, max_num_batched_tokens=512) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), timeout_s=250)
+    assert [o.token_ids for o in outs] == want
