@@ -4,7 +4,12 @@ engine writes them into its own cache unchanged. Greedy tokens equal the colocat
 with the same --kv-cache-dtype (whose prefill layout is the prefill engine's, so both decode
 from the same cached bytes), and each request's kv_bytes_sent is the analytic figure for the
 quantized cache: 1 byte a value (a quarter of the float32 cache), plus 4 bytes per token, head
-and k/v for int8's scale."""
+and k/v for int8's scale.
+
+Both runs take one sequence at a time (max_num_seqs 1): a step that prefills prompts of
+different lengths together attends over the quantized cache (layers.attention.attend), one
+that prefills a single prompt over its own unquantized keys (layers.prefill), so with a
+quantized cache a run's tokens depend on how its prompts happened to be batched."""
 
 import pytest
 
@@ -27,9 +32,9 @@ FAMILIES = {"llama": ("llama", {}),
 def test_disaggregated_tokens_and_bytes_with_a_quantized_cache(tiny_model, family, kv, decode):
     kind, overrides = FAMILIES[family]
     model_dir = tiny_model(kind, **overrides)
-    with LLM(model_dir, layout="TP1", kv_cache_dtype=kv, block_size=4) as llm:
+    with LLM(model_dir, layout="TP1", kv_cache_dtype=kv, block_size=4, max_num_seqs=1) as llm:
         colocated = llm.generate(PROMPTS, GREEDY, timeout_s=240)
-    with LLM(model_dir, prefill="TP1", decode=decode, kv_cache_dtype=kv, block_size=8) as llm:
+    with LLM(model_dir, prefill="TP1", decode=decode, kv_cache_dtype=kv, block_size=8, max_num_seqs=1) as llm:
         outs = llm.generate(PROMPTS, GREEDY, timeout_s=240)
     assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in colocated]
