@@ -228,3 +228,19 @@ def test_without_quantization_the_checkpoint_loads_dequantized(pairs):
     with LLM(fp8_dir, layout="TP2") as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference_tokens(ref_dir, PROMPTS, NEW)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["TP2", "EP2"])
+def test_moe_experts_with_per_channel_scales_stay_fp8(tiny_model, tmp_path, layout):
+    """qwen3_moe's experts (intermediate 32: 16-column down-projection shards under TP2, whose
+    block rule would keep them float) stay fp8 with a scale per row."""
+    fp8_dir, ref_dir, _ = write_pair(tiny_model("qwen3_moe"), tmp_path, per_channel=True, static=True)
+    with LLM(fp8_dir, layout=layout, quantization="fp8", max_num_seqs=4) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+        reports = llm.run(weight_report, llm.layout.world_size, llm.spec(), parallel=llm.context_options())
+    assert [o.token_ids for o in outs] == reference_tokens(ref_dir, PROMPTS, NEW)
+    for r in reports:
+        names = r["fp8_names"]
+        assert sum("experts.w13" in n or "experts.w2" in n for n in names) == 2 * 3, names
+        assert not any("mlp.gate." in n or "embed" in n or "lm_head" in n for n in names), names
