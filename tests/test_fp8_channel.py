@@ -203,6 +203,9 @@ def test_fp8_checkpoint_kept_in_fp8_matches_the_dequantized_model(pairs, variant
     nll = -torch.log_softmax(logits[:, :-1], -1).gather(2, torch.tensor(wins)[:, 1:, None])
     assert scores.perplexity == pytest.approx(math.exp(nll.mean().item()), rel=1e-4)
     assert scores.top1 == logits[:, :-1].argmax(-1).tolist()
+    from test_int8_weights import planner_weight_bytes
+
+    assert planner_weight_bytes(fp8_dir, layout, "fp8") == max(r["bytes"] for r in reports)  # the same rule
     for r in reports:
         names = r["fp8_names"]  # qkv, o, gate_up, down of 3 layers: row-parallel shards too
         assert len(names) == 12 and sum("o_proj" in n or "down_proj" in n for n in names) == 6, names
