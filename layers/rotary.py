@@ -90,6 +90,14 @@ class RotaryEmbedding(nn.Module):
         need not call it: each has a positions tensor of its own."""
         self._memo = None
 
+    def prime(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute this step's cos and sin now, before the layers run (a compiled layer then
+        finds them made, as every layer after the first does); returns them."""
+        memo = self._memo
+        if memo is None or memo[0] is not positions or memo[1] != dtype:
+            memo = self._memo = (positions, dtype, *self.cos_sin(positions, dtype))
+        return memo[2], memo[3]
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [tokens, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
