@@ -18,6 +18,7 @@ from atoll.engine.disagg_online import DisaggEngine, disagg_job
 from atoll.engine.kv_sizing import check_fits, explicit_blocks
 from atoll.engine.lanes import lane_count
 from atoll.engine.living import engine_spec, lane_load, run_through
+from atoll.engine.mtp import check_mtp
 from atoll.engine.online import OnlineEngine
 from atoll.engine.request import Request
 from atoll.engine.runner import RunSpec, resolve_dtype
@@ -145,6 +146,8 @@ class LLM:
         quantize.check(self.options.quantization, self.config, self.options.device)
         drafters.check(self.options.speculative_config, self.layout, self.config.num_hidden_layers,
                        self.config.vocab_size)
+        if getattr(self.options.speculative_config, "method", None) == "deepseek_mtp":
+            check_mtp(self.model_dir, self.config)  # its tensors in the checkpoint, before any rank starts
         o = self.options
         self.device, self.dtype = o.device, o.dtype
         self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size
