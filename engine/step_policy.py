@@ -12,7 +12,7 @@ EngineConfig.compile (--compile, env ATOLL_COMPILE; --enforce-eager means never)
   compile time, cold or from inductor's cache, under a key of the model, layout, dtype,
   buckets, weight packing and torch version. Without a record they are estimated from the
   model's size, on the side that does not compile: a cold compile of a 30-layer model is then
-  taken as ~90 s. A graph inductor already holds compiles in seconds, so once a run has
+  taken as ~16.5 s. A graph inductor already holds compiles in seconds, so once a run has
   compiled, a long job repays it.
 
 Rank 0 decides and every rank of the job takes its answer (one broadcast at build), since
@@ -29,8 +29,10 @@ from pathlib import Path
 import torch
 
 RECORD = "decode_steps.json"
-COLD_S_PER_LAYER, COLD_S_BASE = 2.5, 15.0  # estimated cold compile, 2 cores (measured 53-157 s for 30 layers)
-WARM_SHARE = 0.2  # a compile from inductor's cache against a cold one (measured 7.9 s / 53 s, 19.8 s / 194 s)
+# estimated cold compile, 2 cores: one graph a decoder layer kind (engine.compiled), so the
+# layer count adds little (measured 16.6 s for SmolLM2's 30 layers at load 2-3)
+COLD_S_PER_LAYER, COLD_S_BASE = 0.15, 12.0
+WARM_SHARE = 0.5  # a compile from inductor's cache against a cold one (measured 8.3 s / 16.6 s)
 EAGER_GB_S = 10.0  # estimated eager step: the weights read at this rate (measured 58-109 ms for 0.54 GB)
 SPEEDUP = 2.0  # estimated compiled step speed-up over eager (measured 2.4x at 16 rows, 3x at 1)
 
