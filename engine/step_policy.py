@@ -4,8 +4,10 @@ EngineConfig.compile (--compile, env ATOLL_COMPILE; --enforce-eager means never)
 - never: every step eager.
 - always: compile at once (the CPU's inductor graph, CUDA graphs on a GPU).
 - auto (the default): on CUDA capture (a few seconds); on the CPU compile only when the run's
-  expected decode steps x the time a compiled step saves exceed the expected compile time, so
-  the default never makes a job slower than eager by more than a misestimate. The steps come
+  expected decode steps x the time a compiled step saves reach the expected compile time, less
+  5% of the steps' eager time (AMORTIZE: a compile that costs a job that little is worth making,
+  since later runs find it in inductor's cache), so the default never makes a job slower than
+  eager by more than that and a misestimate. The steps come
   from the requests (RunSpec.decode_steps: their max_tokens, an upper bound when a sequence
   stops early; unknown: compile, as before). The times come from this machine's record
   (`cache_path / "decode_steps.json"`): each run adds its eager and compiled step times and its
@@ -34,7 +36,10 @@ RECORD = "decode_steps.json"
 COLD_S_PER_LAYER, COLD_S_BASE = 0.15, 12.0
 WARM_SHARE = 0.5  # a compile from inductor's cache against a cold one (measured 8.3 s / 16.6 s)
 EAGER_GB_S = 10.0  # estimated eager step: the weights read at this rate (measured 58-109 ms for 0.54 GB)
-SPEEDUP = 2.0  # estimated compiled step speed-up over eager (measured 2.4x at 16 rows, 3x at 1)
+SPEEDUP = 2.4  # estimated compiled step speed-up over eager (measured 2.4x at 16 rows, 3x at 1)
+# a compile that would cost this job at most this share of its eager decoding is made: it is
+# all but free now, and inductor's cache then serves every later run of the same job warm
+AMORTIZE = 0.05
 
 
 def build(runner):
@@ -95,8 +100,11 @@ def expected(entry: dict, *, layers: int, weight_bytes: int, cached: bool = True
 
 
 def repays(steps: int | None, e: dict) -> bool:
-    """Whether `steps` decode steps save more than the compile costs (unknown steps: yes)."""
-    return steps is None or steps * (e["eager_step_s"] - e["compiled_step_s"]) > e["compile_s"]
+    """Whether `steps` decode steps save what the compile costs, within AMORTIZE of their eager
+    time (unknown steps: yes)."""
+    if steps is None:
+        return True
+    return steps * (e["eager_step_s"] - e["compiled_step_s"] + AMORTIZE * e["eager_step_s"]) >= e["compile_s"]
 
 
 def decide(runner, pack: bool, weight_bytes: int) -> bool:
