@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -252,8 +253,8 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
                                                                bar=not args.no_progress)
     try:
         sent = None
-        if llm.prefill_layout is not None:  # disaggregated: both engines in one living local job
-            results = _disaggregated(llm, requests, launcher, done)
+        if llm.prefill_layout is not None:  # disaggregated: both engines in one living job (local or Ray)
+            results = _disaggregated(args, llm, requests, launcher, done)
         elif living:  # results written as each ends, the progress bar fed by the engine's stream
             bar = ProgressBar(len(requests)) if not args.no_progress else None
             try:
@@ -307,12 +308,14 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     return 1 if failed else 0
 
 
-def _disaggregated(llm, requests, launcher: str, done) -> list[dict]:
+def _disaggregated(args, llm, requests, launcher: str, done) -> list[dict]:
     """Both engines as one living job (engine.disagg_online); each result written as it ends."""
     from atoll.errors import LaunchError
 
-    if launcher != "local":
-        raise LaunchError(f"--prefill/--decode run under the local launcher only, not {launcher}")
+    if launcher not in ("local", "ray"):
+        raise LaunchError(f"--prefill/--decode run under the local or Ray launcher, not {launcher}")
+    if launcher == "ray":
+        llm.launcher = _living_launcher(args, llm, launcher)
     try:
         results = llm.generate_requests(requests, on_result=done)
     finally:
@@ -328,8 +331,9 @@ def _living_launcher(args, llm, launcher: str):
     """The launcher object that starts the living engine's ranks under Ray, torchrun or mpirun."""
     from atoll.launch.api import RankLauncher, RayLauncher
 
-    if launcher == "ray":
-        return RayLauncher(address=args.ray_address, tp_size=llm.layout.tp, parallel=args.context, **_placement(args))
+    if launcher == "ray":  # each TP group on one node (a disaggregated job's two TP sizes: their gcd)
+        tp = math.gcd(llm.layout.tp, llm.prefill_layout.tp) if llm.prefill_layout is not None else llm.layout.tp
+        return RayLauncher(address=args.ray_address, tp_size=tp, parallel=args.context, **_placement(args))
     return RankLauncher(launcher, parallel=args.context, **_placement(args))
 
 

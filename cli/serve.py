@@ -113,8 +113,9 @@ def run(args) -> int:
     replicas = plan.replicas if plan else replicas
     check_replicas(replicas, launcher)
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
-    if llm.prefill_layout is not None and launcher != "local":
-        raise LaunchError(f"--prefill/--decode: disaggregated serving runs under the local launcher only, not {launcher}")
+    if llm.prefill_layout is not None and launcher not in ("local", "ray"):
+        raise LaunchError(f"--prefill/--decode: disaggregated serving runs under the local or Ray launcher, "
+                          f"not {launcher}")
     check_launcher(launcher, device=llm.device, world_size=llm.layout.world_size * replicas)
     args.context = llm.context_options(islands=plan.islands if plan else None, nodes=plan.nodes if plan else None)
     if launcher != "local":

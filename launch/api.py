@@ -56,6 +56,7 @@ class RayLauncher:
         return RayJob(fn, world_size, *args, **self._kwargs(kwargs))
 
     channel = staticmethod(ray_channel)
+    disaggregates = True  # prefill and decode engines' actors are one job, each TP group on a node
 
 
 class LLM(EngineLLM):

@@ -288,9 +288,13 @@ def test_living_engine_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model
     assert free_gpus_back() == 4
 
 
-def test_generate_cli_on_ray_writes_each_result_as_it_ends(cluster, tiny_model, tmp_path):
+@pytest.mark.parametrize("layout", [["-tp", "2", "-pp", "2"],
+                                    ["--prefill", "TP2", "--decode", "TP2", "--disagg-min-prompt-tokens", "1"]],
+                         ids=["TP2PP2", "disaggregated"])
+def test_generate_cli_on_ray_writes_each_result_as_it_ends(cluster, tiny_model, tmp_path, layout):
     """`atoll generate --launcher ray` writes a request's line as it finishes: the short
-    request (second in the file) is in the output alone while the long one still runs."""
+    request (second in the file) is in the output alone while the long one still runs; also
+    with a TP2 prefill engine and a TP2 decode engine (every prompt prefilled remotely)."""
     import signal
     import threading
 
@@ -318,7 +322,7 @@ def test_generate_cli_on_ray_writes_each_result_as_it_ends(cluster, tiny_model, 
     try:
         with pytest.raises(SystemExit) as info:
             main(["generate", "--model", str(model), "--prompts", str(prompts), "--output", str(out),
-                  "--launcher", "ray", "-tp", "2", "-pp", "2", "--no-progress"])
+                  "--launcher", "ray", *layout, "--no-progress"])
     finally:
         ended = time.monotonic()
         stop.set()

@@ -1,0 +1,38 @@
+"""Disaggregated prefill/decode under the Ray launcher, on the simulated cluster (conftest's
+`cluster`: two nodes of 2 CPUs and 2 fake GPUs on 127.0.0.1): a TP2 prefill engine and a TP2
+decode engine, one living job whose two TP pairs each share a node, the two on different
+nodes, so the KV transfer crosses nodes; greedy tokens equal transformers', long prompts
+prefilled remotely, and closing the job gives every GPU back."""
+
+import pytest
+from launch_fns import free_gpus_back
+from reference import reference_tokens
+
+SHORT = [[5, 7, 9], [42]]
+LONG = [list(range(20, 60)), list(range(100, 148))]
+NEW = 6
+
+
+@pytest.mark.timeout(300)
+def test_tp2_prefill_to_tp2_decode_across_two_ray_nodes(cluster, tiny_model):
+    from atoll.engine.sampling import SamplingParams
+    from atoll.launch.api import LLM, RayLauncher
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    llm = LLM(model, prefill="TP2", decode="TP2", disagg_min_prompt_tokens=16, launcher=RayLauncher(tp_size=2))
+    try:
+        assert llm.living  # both engines stay up between calls, as with the local launcher
+        prompts = SHORT + LONG
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == reference_tokens(model, prompts, NEW)
+        where = [o.metrics["prefilled_on"] for o in outs]
+        assert where == ["decode", "decode", "prefill", "prefill"], where
+        assert all(o.metrics["kv_bytes_sent"] > 0 for o in outs[2:])
+        nodes = llm._engine.job.node_of
+        prefill_nodes, decode_nodes = {nodes[0], nodes[1]}, {nodes[2], nodes[3]}
+        assert len(prefill_nodes) == len(decode_nodes) == 1 and prefill_nodes != decode_nodes, nodes
+        again = llm.generate(LONG[:1], SamplingParams(max_tokens=NEW, ignore_eos=True))  # the same job serves on
+        assert again[0].token_ids == outs[2].token_ids
+    finally:
+        llm.close()
+    assert free_gpus_back() == 4
