@@ -34,6 +34,7 @@ import torch
 from atoll.layers.attention import AttentionMetadata, gather_blocks
 
 _CHUNK = 512  # queries scored at a time: bounds the [heads, queries, keys] score matrix
+FUSED = True  # on the CPU, torch's fused flash kernel (False: the plain float32 path other devices take)
 
 
 @dataclass
@@ -175,12 +176,19 @@ def partial_attention(q, k, v, mask, scale: float | None = None) -> tuple[torch.
     """q: [b, heads, n, d], k, v: [b, kv_heads, keys, d], mask: [b, 1, n, keys] ->
     (out [b, heads, n, dv] float32, lse [b, heads, n] float32): attention over these keys only,
     and the log-sum-exp of its scaled scores (-inf and a zero output where no key is visible).
-    Scores in float32, _CHUNK queries at a time."""
+    On the CPU torch's fused flash kernel (it returns the lse); elsewhere scores in float32,
+    _CHUNK queries at a time."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads != kv_heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if FUSED and q.device.type == "cpu" and flash is not None:  # torch's fused CPU kernel, which returns the lse too
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        out, lse = flash(q, k.to(q.dtype), v.to(q.dtype), 0.0, False, attn_mask=bias, scale=scale)
+        empty = ~mask.any(dim=-1)  # [b, 1, n]: it gives such a row lse 0, which must weigh nothing
+        return out.float().masked_fill(empty[..., None], 0.0), lse.float().masked_fill(empty, float("-inf"))
     k, v = k.float(), v.float()
     outs, lses = [], []
     for a in range(0, q.shape[2], _CHUNK):

@@ -15,6 +15,7 @@ from atoll.engine.blocks import BlockPool
 from atoll.engine.llm import resolve_layout
 from atoll.errors import InputError, LayoutError
 from atoll.launch.local import run_local
+from atoll.layers import context_parallel
 from atoll.layers.context_parallel import merge, pack, partial_attention
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import coords, group_ranks
@@ -80,7 +81,9 @@ def test_striped_pool_puts_block_j_on_rank_j_mod_cp_and_counts_blocks_per_rank()
     assert pool.num_free == 8 and pool.fits([], 8 * BLOCK) and not pool.fits([], 9 * BLOCK)
 
 
-def test_partials_over_split_keys_merge_to_full_attention():
+@pytest.mark.parametrize("fused", [True, False])
+def test_partials_over_split_keys_merge_to_full_attention(monkeypatch, fused):
+    monkeypatch.setattr(context_parallel, "FUSED", fused)
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 50, 8), torch.randn(1, 2, 50, 8)
     pos_q, pos_k = torch.arange(30, 50), torch.arange(50)
