@@ -3,6 +3,8 @@ partials merged by log-sum-exp, greedy tokens identical to transformers at CP2, 
 CP2PP2 on long and short prompts (chunked prefill and prefix caching on), each rank's share of
 a long sequence's KV bytes, and a sequence one rank's cache cannot hold."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -172,3 +174,19 @@ def test_a_sliding_window_model_matches_transformers_at_cp2(tiny_model):
     with LLM(model_dir, layout="CP2", block_size=BLOCK, max_num_batched_tokens=512) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), timeout_s=250)
     assert [o.token_ids for o in outs] == want
+
+
+@pytest.mark.timeout(300)
+def test_generate_with_cp_flag_matches_transformers(llama, tmp_path):
+    """`atoll generate -cp 2` end to end: the flag, the local ranks, the results file."""
+    model_dir, want = llama
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": PROMPTS[i]}) + "\n" for i in (0, 1)))
+    out = tmp_path / "out.jsonl"
+    try:
+        main(["generate", "--model", str(model_dir), "-cp", "2", "--prompts", str(prompts), "--output", str(out),
+              "--max-new-tokens", str(NEW), "--ignore-eos", "--no-progress", "--block-size", str(BLOCK)])
+    except SystemExit as e:
+        assert not e.code
+    got = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert got == {0: want[0], 1: want[1]}
