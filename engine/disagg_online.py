@@ -131,6 +131,8 @@ class DisaggEngine(OnlineEngine):
                 count[1] += nbytes
                 done = count[0] == self.layouts[0].world_size and index in self._held
                 result = self._held.pop(index) if done else None
+                if result is not None:  # held for this count: its metric now has every rank's bytes
+                    result["metrics"]["kv_bytes_sent"] = self._sent.pop(index)[1]
             if result is not None:
                 super()._deliver([], [(index, result)], None)
         elif kind == "stopped":

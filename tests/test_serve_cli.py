@@ -46,7 +46,7 @@ def taken_port():
     (["--shutdown-timeout", "0"], "--shutdown-timeout 0 must be a positive number"),
     (["--max-waiting-requests", "0"], "--max-waiting-requests 0 must be at least 1"),
     (["--launcher", "torchrun"], "torchrun"),
-    (["--prefill", "TP1", "--decode", "TP1", "--launcher", "ray"], "local launcher only"),
+    (["--prefill", "TP1", "--decode", "TP1", "--launcher", "torchrun"], "local or Ray launcher"),
     (["-tp", "3"], "tp=3"),
     (["--plan", "no-such-plan.yaml"], "no plan file at"),
     (["--plan", "no-such-plan.yaml", "-tp", "2"], "give --plan or -tp, not both"),
