@@ -36,7 +36,10 @@ RECORD = "decode_steps.json"
 COLD_S_PER_LAYER, COLD_S_BASE = 0.15, 12.0
 WARM_SHARE = 0.5  # a compile from inductor's cache against a cold one (measured 8.3 s / 16.6 s)
 EAGER_GB_S = 10.0  # estimated eager step: the weights read at this rate (measured 58-109 ms for 0.54 GB)
-SPEEDUP = 2.4  # estimated compiled step speed-up over eager (measured 2.4x at 16 rows, 3x at 1)
+# estimated compiled step speed-up over eager until a run records one: measured 2.4x at 16 rows
+# and short contexts and 3x at one row, but 0.95x at 16 rows decoding 256 tokens each (the
+# compiled attention reads each context padded to a power of two of blocks), so a cautious guess
+SPEEDUP = 1.5
 # a compile that would cost this job at most this share of its eager decoding is made: it is
 # all but free now, and inductor's cache then serves every later run of the same job warm
 AMORTIZE = 0.05
