@@ -1,8 +1,7 @@
 """Context parallelism (cp) as the planner costs it: a sequence's tokens and its KV cache split
 over cp ranks, costed as the runtime runs it (layers/context_parallel.py).
 
-The planner's own description of a cp layout (CpLayout) is a Layout with a cp degree. Rank
-order inside a pipeline stage: TP innermost, then CP; PP outermost (the runtime's rank grid,
+A cp layout is the runtime's Layout with cp > 1. Rank order inside a pipeline stage: TP innermost, then CP; PP outermost (the runtime's rank grid,
 parallel/mesh.py): a cp group's ranks are tp apart, so TP4CP2 keeps its cp pairs inside one
 8-GPU node and TP8CP2's cross the network. cp goes only with dp 1 and ep 1, as in the runtime.
 
@@ -27,10 +26,8 @@ difference in GEMM rows that the weights' reads hide).
 from __future__ import annotations
 
 import dataclasses
-import re
-from dataclasses import dataclass
 
-from atoll.errors import ConfigError, LayoutError
+from atoll.errors import ConfigError
 from atoll.parallel.layout import Layout
 
 # searched by default (max_cp None) only from this input length: below it the quadratic part of
@@ -40,72 +37,22 @@ CP_FROM_TOKENS = 32768
 CP_MIN_SLICE = 16384
 PARTIAL_BYTES = 4  # the merged partial outputs and log-sum-exps are float32
 
-_CP = re.compile(r"CP(\d+)", re.IGNORECASE)
-# the runtime's Layout carries cp itself once it has the field: then the planner uses it as is
-NATIVE = "cp" in {f.name for f in dataclasses.fields(Layout)}
-
-
-@dataclass(frozen=True)
-class CpLayout(Layout):
-    """A Layout whose every stage is cp copies of its tp x dp ranks, each with a slice of the
-    sequence."""
-
-    cp: int = 1
-
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
-            raise LayoutError(f"cp={self.cp!r} must be a positive integer")
-        if self.cp > 1 and (self.dp > 1 or self.ep > 1):
-            raise LayoutError(f"cp={self.cp} does not combine with dp or ep: use TP, CP and PP only")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.dp * self.cp * self.pp
-
-    @property
-    def stage_size(self) -> int:
-        return self.tp * self.dp * self.cp
-
-    def __str__(self) -> str:
-        inner = str(Layout(tp=self.tp, dp=self.dp, ep=self.ep, moe_tp=self.moe_tp))  # a stage's tp x dp ranks
-        return ("" if inner == "TP1" else inner) + f"CP{self.cp}" + (f"PP{self.pp}" if self.pp > 1 else "")
-
-    def validate(self, config, world_size: int | None = None) -> "CpLayout":
-        Layout(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, moe_tp=self.moe_tp).validate(config)
-        if world_size is not None and world_size != self.world_size:
-            raise LayoutError(f"layout {self} needs {self.world_size} ranks, got {world_size}")
-        if config.is_mla:
-            raise LayoutError(f"layout {self}: context parallelism does not cover MLA attention "
-                              f"({config.model_type})")
-        return self
-
-
 def cp_of(layout) -> int:
     return getattr(layout, "cp", 1)
 
 
 def with_cp(layout: Layout, cp: int) -> Layout:
-    """The layout with `cp` ranks per sequence: itself at cp 1 (a plain Layout)."""
+    """The layout with `cp` ranks per sequence: itself at cp 1."""
     if cp == 1:
         return layout
     if layout.dp > 1 or layout.ep > 1:
         raise ConfigError(f"{layout} with cp={cp}: cp does not combine with dp or ep: use TP, CP and PP only")
-    if NATIVE:
-        return dataclasses.replace(layout, cp=cp)
-    return CpLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=layout.ep, moe_tp=layout.moe_tp, cp=cp)
+    return dataclasses.replace(layout, cp=cp)
 
 
 def parse_layout(text: str) -> Layout:
-    """Layout.parse, with a CP<n> token anywhere: "TP8CP2", "CP2PP2", "TP4CP2PP2", "CP2"."""
-    if NATIVE:
-        return Layout.parse(text)
-    found = _CP.findall(text)
-    if len(found) > 1:
-        raise LayoutError(f"layout {text!r} names CP twice")
-    rest = _CP.sub("", text)
-    layout = Layout.parse(rest if rest.strip() else "TP1")
-    return with_cp(layout, int(found[0])) if found else layout
+    """Layout.parse, which takes a CP<n> token: "TP8CP2", "CP2PP2", "TP4CP2PP2", "CP2"."""
+    return Layout.parse(text)
 
 
 def max_cp_for(isl: int, max_cp: int | None, gpus: int) -> int:

@@ -9,7 +9,7 @@ from atoll.models.presets import resolve_model
 from atoll.parallel.layout import Layout
 from atoll.parallel.placement import Placement
 from atoll.planner import Workload, plan_layouts
-from atoll.planner.context import (CP_FROM_TOKENS, CpLayout, cp_of, decode_bytes_per_token, parse_layout,
+from atoll.planner.context import (CP_FROM_TOKENS, cp_of, decode_bytes_per_token, parse_layout,
                                    partial_bytes_per_token, prefill_bytes_per_token, query_bytes_per_token)
 from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
@@ -56,11 +56,10 @@ def test_cp_refused_in_one_line_beside_dp_or_twice():
         parse_layout("CP2TP2CP2")
 
 
-def test_planner_layout_stands_in_for_a_layout_without_cp():
-    # the planner's own CpLayout, used where the runtime's Layout has no cp field
-    lay = CpLayout(tp=4, pp=2, cp=2)
+def test_a_cp_layout_is_the_runtimes_layout():
+    lay = parse_layout("TP4CP2PP2")
     assert (str(lay), lay.world_size, lay.stage_size, cp_of(lay)) == ("TP4CP2PP2", 16, 8, 2)
-    assert str(CpLayout(cp=2)) == "CP2" and cp_of(Layout(tp=8)) == 1
+    assert str(parse_layout("CP2")) == "CP2" and cp_of(Layout(tp=8)) == 1
     with pytest.raises(AtollError, match="MLA"):
         lay.validate(resolve_model("DeepSeek-V3")[1])
 
@@ -161,18 +160,6 @@ def test_128k_plan_with_cp_picks_a_cp_layout_that_fits(plans):
     assert len(why) == 1 and best.name in why[0]
     # cp halves the prefill's attention per rank: a shorter TTFT than every layout without it
     assert best.ttft_s < min(p.ttft_s for p in without.predictions if p.fits)
-
-
-def test_the_planners_own_cp_layout_when_the_runtimes_has_none(monkeypatch, h200x2):
-    """Where parallel.Layout has no cp field, the planner's CpLayout carries cp through the
-    search, the costs and the placement alike."""
-    from atoll.planner import context
-
-    monkeypatch.setattr(context, "NATIVE", False)
-    assert type(parse_layout("TP8CP2")) is CpLayout
-    plan = plan_layouts(MODEL, h200x2, Workload(concurrency=CONCURRENCY, **LONG), max_cp=2)
-    best = plan.recommended
-    assert type(best.layout) is CpLayout and best.name == "TP8CP2" and plan.placement.node_of(8) == 1
 
 
 def test_cli_max_cp(capsys):
