@@ -156,7 +156,7 @@ def moe(tiny_model):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["CP2", "TP2CP2"])
+@pytest.mark.parametrize("layout", ["CP2", "TP2CP2", "CP2PP2"])
 def test_a_tiny_qwen3_moe_matches_transformers(moe, layout):
     model_dir, want = moe
     with LLM(model_dir, layout=layout, block_size=BLOCK, max_num_batched_tokens=512) as llm:
