@@ -16,6 +16,24 @@ _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
+def _windows(d: dict, mt: str) -> dict:
+    """sliding_window and layer_windows as transformers reads them: the window applies where
+    use_sliding_window (default: Mistral only), to the layers config.json's layer_types mark
+    "sliding_attention", else (Qwen2/3) to the layers from max_window_layers on, else to all."""
+    window = d.get("sliding_window") if d.get("use_sliding_window", mt == "mistral") else None
+    n = d["num_hidden_layers"]
+    if not window:
+        return {"sliding_window": None, "layer_windows": None}
+    types = d.get("layer_types")
+    if not isinstance(types, list) or len(types) != n:
+        first = d.get("max_window_layers") if mt.startswith(("qwen2", "qwen3")) else None
+        types = ["sliding_attention" if first is None or i >= first else "full_attention" for i in range(n)]
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    if all(w == window for w in windows):
+        return {"sliding_window": window, "layer_windows": None}
+    return {"sliding_window": None, "layer_windows": windows}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -33,7 +51,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # every layer's window (Mistral); None when any layer has none
+    # each layer's window where they differ (Qwen2/3's max_window_layers, config.json's
+    # layer_types): None for a full-attention layer; None here when every layer is alike
+    layer_windows: tuple | None = None
     # MoE (num_experts == 0 means dense)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -95,6 +116,10 @@ class ModelConfig:
                 raise ConfigError(f"{f.name}={v!r} must be a finite number")
             if kind == "dict | None" and v is not None and not isinstance(v, dict):
                 raise ConfigError(f"{f.name}={v!r} must be a JSON object or null")
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to every position)."""
+        return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
 
     @property
     def is_moe(self) -> bool:
@@ -158,7 +183,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", mt in ("qwen2", "qwen2_moe"))),
             qk_norm=mt in ("qwen3", "qwen3_moe"),
-            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", mt == "mistral") else None,
+            **_windows(d, mt),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
             raw=d,

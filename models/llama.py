@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.sliding_window  # LlamaModel sets each layer's own (ModelConfig.window_of)
 
     def forward(self, x, meta: AttentionMetadata, k_cache, v_cache):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -109,6 +109,8 @@ class LlamaModel(nn.Module):
             str(i): LlamaDecoderLayer(cfg, ctx, rotary, dtype, make_mlp(i) if make_mlp else None)
             for i in range(start, end)
         })
+        for i, layer in self.layers.items():
+            layer.self_attn.sliding_window = cfg.window_of(int(i))
         if ctx.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 

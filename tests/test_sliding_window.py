@@ -41,3 +41,23 @@ def test_a_window_model_generates_2000_tokens_in_bounded_blocks(tiny_model):
     bound = len(PROMPTS) * (WINDOW // BLOCK + 2)
     assert 0 < peak[0] <= bound, (peak[0], bound)
     assert left == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_per_layer_windows_match_transformers(tiny_model, kind):
+    """Qwen2/3 with use_sliding_window: only the layers from max_window_layers on slide (as
+    transformers' layer_types say), the others attend to every position; with the window far
+    shorter than the sequence, a model applying it to every layer, or to none, gives other
+    tokens. Blocks are not freed: the full-attention layers still read them."""
+    from atoll.models.config import ModelConfig
+
+    window, prompt = 24, [[(7 * i + 3) % 90 + 5 for i in range(60)], [9, 8, 7]]
+    model_dir = tiny_model(kind, use_sliding_window=True, sliding_window=window, max_window_layers=1,
+                           num_hidden_layers=2, max_position_embeddings=512)
+    cfg = ModelConfig.load(model_dir)
+    assert (cfg.sliding_window, cfg.layer_windows) == (None, (None, window))
+    want = reference_tokens(model_dir, prompt, 40)
+    with LLM(model_dir, block_size=4) as llm:
+        outs = llm.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True), timeout_s=200)
+    assert [o.token_ids for o in outs] == want
