@@ -19,7 +19,7 @@ from atoll.errors import ConfigError
 from atoll.models.config import ModelConfig
 from atoll.models.presets import resolve_model
 from atoll.parallel.placement import Placement
-from atoll.planner.context import cp_of, max_cp_for
+from atoll.planner.context import max_cp_for
 from atoll.planner.memory import memory_fit
 from atoll.planner.plan import Plan, Prediction
 from atoll.planner.recommend import explain, recommend
@@ -59,7 +59,7 @@ def plan_sweep(model, topology, workloads: list[Workload], *, ttft_ms: float | N
         most_cp = min(max_cp_for(w.isl, max_cp, topology.num_gpus) for w in workloads)
         cands = enumerate_layouts(config, topology, allow_cross_island=allow_cross_island, max_cp=most_cp)
         if most_cp > 1:  # cp copies the weights: where they alone do not fit, no cp makes room
-            cands = [(lay, reps) for lay, reps in cands if cp_of(lay) == 1
+            cands = [(lay, reps) for lay, reps in cands if lay.cp == 1
                      or memory_fit(config, sh, topology, workloads[0], lay, 1).weights_fit]
     every = evaluate_all(config, sh, topology, workloads, cands, allow_cross_island=allow_cross_island,
                          progress=progress)

@@ -37,10 +37,6 @@ CP_FROM_TOKENS = 32768
 CP_MIN_SLICE = 16384
 PARTIAL_BYTES = 4  # the merged partial outputs and log-sum-exps are float32
 
-def cp_of(layout) -> int:
-    return getattr(layout, "cp", 1)
-
-
 def with_cp(layout: Layout, cp: int) -> Layout:
     """The layout with `cp` ranks per sequence: itself at cp 1."""
     if cp == 1:
@@ -48,11 +44,6 @@ def with_cp(layout: Layout, cp: int) -> Layout:
     if layout.dp > 1 or layout.ep > 1:
         raise ConfigError(f"{layout} with cp={cp}: cp does not combine with dp or ep: use TP, CP and PP only")
     return dataclasses.replace(layout, cp=cp)
-
-
-def parse_layout(text: str) -> Layout:
-    """Layout.parse, which takes a CP<n> token: "TP8CP2", "CP2PP2", "TP4CP2PP2", "CP2"."""
-    return Layout.parse(text)
 
 
 def max_cp_for(isl: int, max_cp: int | None, gpus: int) -> int:
@@ -94,18 +85,18 @@ def cp_reason(best, preds) -> str:
     """Why the recommendation has cp or not, beside the best layout of the other kind; "" when
     the search held no cp layout. preds: every prediction, best first."""
     gib = 2**30
-    with_cp_ = [p for p in preds if cp_of(p.layout) > 1]
+    with_cp_ = [p for p in preds if p.layout.cp > 1]
     if not with_cp_:
         return ""
-    plain = [p for p in preds if cp_of(p.layout) == 1 and p.fits]
-    if cp_of(best.layout) == 1:
+    plain = [p for p in preds if p.layout.cp == 1 and p.fits]
+    if best.layout.cp == 1:
         other = next((p for p in with_cp_ if p.fits), None)
         if other is None:
             return "context parallelism: no layout with cp fits"
         return (f"context parallelism: the best layout with cp, {other.name}, gives "
                 f"{other.tokens_per_s_per_gpu:.1f} tokens/s/GPU (TTFT {other.ttft_s * 1e3:.0f} ms) against "
                 f"{best.tokens_per_s_per_gpu:.1f} (TTFT {best.ttft_s * 1e3:.0f} ms)")
-    cp = cp_of(best.layout)
+    cp = best.layout.cp
     pf = sum(best.prefill.values())
     moved = sum(v for k, v in best.prefill.items() if k.startswith("CP exchange"))
     text = (f"context parallelism: {best.name} splits each sequence over {cp} ranks: KV "

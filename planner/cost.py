@@ -27,7 +27,7 @@ import numpy as np
 from atoll.planner import efficiency as eff
 from atoll.planner.categories import KERNELS, KV, OVERHEAD, WEIGHTS
 from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, all_to_all, send_recv
-from atoll.planner.context import cp_of, partial_bytes_per_token, query_bytes_per_token
+from atoll.planner.context import partial_bytes_per_token, query_bytes_per_token
 from atoll.planner.moe_cost import moe_layer, sub_links
 from atoll.planner.parts import Many, Parts, is_many, parts_for, vceil, vmax, vmin
 from atoll.planner.runtime_terms import Measured
@@ -72,7 +72,7 @@ class CostModel:
         self.stages = stage_split(config, layout.pp)
         self.n_dense = [sum(1 for i in range(a, b) if shapes.dense_layers[i]) for a, b in self.stages]
         tp, st = layout.tp, layout.stage_size
-        self.cp = cp_of(layout)  # ranks sharing each sequence (context.py); 1 without cp
+        self.cp = layout.cp  # ranks sharing each sequence (context.py); 1 without cp
         self.g_tp = GroupLinks.of(list(range(tp)), placement, topology)
         # the stage's tp x dp ranks (one cp rank's share of the stage): the MoE layers' grid
         self.g_stage = GroupLinks.of(list(range(tp * layout.dp)), placement, topology)

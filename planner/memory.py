@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from atoll.planner import efficiency as eff
-from atoll.planner.context import cp_of, partial_bytes_per_token, query_bytes_per_token
+from atoll.planner.context import partial_bytes_per_token, query_bytes_per_token
 from atoll.planner.quantized import stage_weight_bytes
 from atoll.planner.shapes import stage_split
 
@@ -70,7 +70,7 @@ def stage_weight_params(shapes, layout, start: int, end: int, first: bool, last:
 def memory_fit(config, shapes, topology, workload, layout, batch: int) -> MemoryFit:
     """Per-GPU memory for `batch` concurrent requests on one replica of `layout`."""
     s, l, w = shapes, layout, workload
-    cp = cp_of(layout)
+    cp = layout.cp
     per_dp = math.ceil(batch / l.dp)
     worst = None
     for i, (start, end) in enumerate(stage_split(config, l.pp)):

@@ -15,7 +15,7 @@ from atoll.errors import AtollError, ConfigError
 from atoll.parallel.layout import Layout, divisors
 from atoll.parallel.placement import Placement, tp_domain_size
 from atoll.planner import efficiency as eff
-from atoll.planner.context import parse_layout, with_cp
+from atoll.planner.context import with_cp
 from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
 from atoll.planner.plan import Prediction
@@ -29,7 +29,7 @@ def parse_candidate(text: str, num_gpus: int) -> tuple[Layout, int]:
     """"TP8PP2" -> (layout, replicas filling the cluster); "2 x TP8" -> exactly 2 replicas;
     "TP8CP2": a cp layout (context.py)."""
     m = _REPLICAS.match(text)
-    layout = parse_layout(m.group(2) if m else text)
+    layout = Layout.parse(m.group(2) if m else text)
     replicas = int(m.group(1)) if m else max(1, num_gpus // layout.world_size)
     if replicas * layout.world_size > num_gpus:
         raise ConfigError(f"{text} needs {replicas * layout.world_size} GPUs; the cluster has {num_gpus}")

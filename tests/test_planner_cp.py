@@ -9,7 +9,7 @@ from atoll.models.presets import resolve_model
 from atoll.parallel.layout import Layout
 from atoll.parallel.placement import Placement
 from atoll.planner import Workload, plan_layouts
-from atoll.planner.context import (CP_FROM_TOKENS, cp_of, decode_bytes_per_token, parse_layout,
+from atoll.planner.context import (CP_FROM_TOKENS, decode_bytes_per_token,
                                    partial_bytes_per_token, prefill_bytes_per_token, query_bytes_per_token)
 from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
@@ -43,23 +43,23 @@ def plans(h200x2):
 @pytest.mark.parametrize("text, tp, cp, pp", [("CP2", 1, 2, 1), ("TP2CP2", 2, 2, 1), ("CP2PP2", 1, 2, 2),
                                               ("TP4CP2PP2", 4, 2, 2), ("TP8CP2", 8, 2, 1)])
 def test_cp_layouts_parse_and_print_back(text, tp, cp, pp):
-    layout = parse_layout(text)
-    assert (layout.tp, cp_of(layout), layout.pp, layout.world_size) == (tp, cp, pp, tp * cp * pp)
-    assert str(layout) == text and str(parse_layout(str(layout))) == text
+    layout = Layout.parse(text)
+    assert (layout.tp, layout.cp, layout.pp, layout.world_size) == (tp, cp, pp, tp * cp * pp)
+    assert str(layout) == text and str(Layout.parse(str(layout))) == text
     assert parse_candidate(text, 16) == (layout, 16 // layout.world_size)
 
 
 def test_cp_refused_in_one_line_beside_dp_or_twice():
     with pytest.raises(AtollError, match="does not combine with dp or ep"):
-        parse_layout("TP2DP2EP4CP2")
+        Layout.parse("TP2DP2EP4CP2")
     with pytest.raises(AtollError, match="CP twice"):
-        parse_layout("CP2TP2CP2")
+        Layout.parse("CP2TP2CP2")
 
 
 def test_a_cp_layout_is_the_runtimes_layout():
-    lay = parse_layout("TP4CP2PP2")
-    assert (str(lay), lay.world_size, lay.stage_size, cp_of(lay)) == ("TP4CP2PP2", 16, 8, 2)
-    assert str(parse_layout("CP2")) == "CP2" and cp_of(Layout(tp=8)) == 1
+    lay = Layout.parse("TP4CP2PP2")
+    assert (str(lay), lay.world_size, lay.stage_size, lay.cp) == ("TP4CP2PP2", 16, 8, 2)
+    assert str(Layout.parse("CP2")) == "CP2" and Layout(tp=8).cp == 1
     with pytest.raises(AtollError, match="MLA"):
         lay.validate(resolve_model("DeepSeek-V3")[1])
 
@@ -73,23 +73,23 @@ def test_a_cp_group_is_tp_ranks_apart(llama, h200x2):
 
 def test_cp_searched_only_for_long_prompts_or_when_asked(llama, h200x2):
     base = enumerate_layouts(llama, h200x2)
-    assert all(cp_of(lay) == 1 for lay, _ in base)
+    assert all(lay.cp == 1 for lay, _ in base)
     short = plan_layouts(MODEL, h200x2, Workload(isl=CP_FROM_TOKENS - 1, concurrency=8))
-    assert short.evaluated == len(base) and all(cp_of(p.layout) == 1 for p in short.predictions)
+    assert short.evaluated == len(base) and all(p.layout.cp == 1 for p in short.predictions)
     asked = plan_layouts(MODEL, h200x2, Workload(concurrency=8), max_cp=2)
-    assert any(cp_of(p.layout) == 2 for p in asked.predictions)
-    assert max(cp_of(p.layout) for p in asked.predictions) == 2
+    assert any(p.layout.cp == 2 for p in asked.predictions)
+    assert max(p.layout.cp for p in asked.predictions) == 2
     # the cp = 1 candidates come first, as before, and keep their predictions
     same = {p.name: p.tpot_s for p in short.predictions}
     again = plan_layouts(MODEL, h200x2, Workload(isl=CP_FROM_TOKENS - 1, concurrency=8), max_cp=2)
-    assert {p.name: p.tpot_s for p in again.predictions if cp_of(p.layout) == 1} == same
+    assert {p.name: p.tpot_s for p in again.predictions if p.layout.cp == 1} == same
 
 
 def test_kv_bytes_per_gpu_halve_at_cp2(llama, h200x2):
     w = Workload(concurrency=CONCURRENCY, **LONG).resolved(llama)
     s = shapes(llama)
     one = memory_fit(llama, s, h200x2, w, Layout(tp=8), 1)
-    two = memory_fit(llama, s, h200x2, w, parse_layout("TP8CP2"), 1)
+    two = memory_fit(llama, s, h200x2, w, Layout.parse("TP8CP2"), 1)
     # 130816 + 256 tokens x 80 layers x 1 KV head of 128 (K and V, bf16) on each TP8 rank
     assert one.kv_cache == 131072 * 80 * 1 * 128 * 2 * 2
     assert two.kv_cache == one.kv_cache / 2 and two.weights == one.weights
@@ -118,7 +118,7 @@ def test_exchange_bytes_per_token_by_hand(llama):
 
 
 def cost_model(llama, topo, layout_text, **work):
-    layout = parse_layout(layout_text)
+    layout = Layout.parse(layout_text)
     w = Workload(**work).resolved(llama)
     return CostModel(llama, shapes(llama), topo, w, layout, Placement.build(layout, topo))
 
@@ -146,7 +146,7 @@ def test_exchange_time_over_the_network_by_hand(llama, h200x2):
 
 def test_128k_plan_without_cp_states_its_reason(plans):
     without, _ = plans
-    assert all(cp_of(p.layout) == 1 for p in without.predictions)
+    assert all(p.layout.cp == 1 for p in without.predictions)
     assert without.reasons
     if without.recommended is not None:
         assert without.recommended.fits and without.reasons[0].startswith(f"recommended {without.recommended.name}")
@@ -155,7 +155,7 @@ def test_128k_plan_without_cp_states_its_reason(plans):
 def test_128k_plan_with_cp_picks_a_cp_layout_that_fits(plans):
     without, with_cp = plans
     best = with_cp.recommended
-    assert best is not None and cp_of(best.layout) > 1 and best.fits
+    assert best is not None and best.layout.cp > 1 and best.fits
     why = [r for r in with_cp.reasons if r.startswith("context parallelism:")]
     assert len(why) == 1 and best.name in why[0]
     # cp halves the prefill's attention per rank: a shorter TTFT than every layout without it
