@@ -142,26 +142,29 @@ class CompiledDecode(DecodeStep):
         if self._layers:
             self._layer_graphs = {kind: torch.compile(kind.forward, dynamic=False, fullgraph=True)
                                   for kind in {type(layer) for layer in self._layers}}
+            self._rows = None if self.buckets[-1] == 1 else max(4, self.buckets[-1])  # None: the one-row graph
+            self._forwards = [partial(self._through_graph, layer) for layer in self._layers]  # made once
             self._step = self._run_layers
         else:
             self._step = torch.compile(self.run_model, dynamic=False, fullgraph=True)
 
+    def _through_graph(self, layer, x, residual, meta, *rest):
+        """One decoder layer through its kind's graph. The first layer runs as the others: its
+        residual stream starts from zeros (0 + x is x exactly), and this step's cos and sin are
+        made before the graph."""
+        residual = torch.zeros_like(x) if residual is None else residual
+        cos_sin = layer.self_attn.rotary.prime(meta.positions, self.dtype)
+        if self._rows is not None:  # tensors made outside the graphs: the same symbolic rows
+            for t in (x, residual, *cos_sin):
+                torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=self._rows)
+        return self._layer_graphs[type(layer)](layer, x, residual, meta, *rest)
+
     def _run_layers(self, *inputs) -> torch.Tensor:
-        """run_model with each decoder layer's forward through its kind's compiled graph; the
-        embedding, the final norm and the head run as they do eagerly."""
-        rows = None if self.buckets[-1] == 1 else max(4, self.buckets[-1])  # None: the static one-row graph
-
-        def through_graph(layer, x, residual, meta, *rest):
-            # the first layer as the others: 0 + x is x exactly, and this step's cos and sin made
-            residual = torch.zeros_like(x) if residual is None else residual
-            cos_sin = layer.self_attn.rotary.prime(meta.positions, self.dtype)
-            if rows is not None:  # tensors made outside the graphs: the same symbolic rows
-                for t in (x, residual, *cos_sin):
-                    torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=rows)
-            return self._layer_graphs[type(layer)](layer, x, residual, meta, *rest)
-
-        for layer in self._layers:
-            layer.forward = partial(through_graph, layer)
+        """run_model with each decoder layer's forward through its kind's compiled graph (only
+        for this call: eager steps use the same layers); the embedding, the final norm and the
+        head run as they do eagerly."""
+        for layer, forward in zip(self._layers, self._forwards):
+            layer.forward = forward
         try:
             return self.run_model(*inputs)
         finally:
