@@ -89,8 +89,10 @@ class EngineConfig:
                                 "when the run's decode steps repay the compile time recorded (or estimated) on this "
                                 "machine, always compiles at once, never = --enforce-eager (env ATOLL_COMPILE)",
                         choices=COMPILE_POLICIES)
-    compile_freezing: bool = _opt(True, "CPU compiled step: pack the linear weights for oneDNN (a second copy, "
-                                        "made when it fits) (env ATOLL_COMPILE_FREEZING)")
+    compile_freezing: bool = _opt(True, "CPU: pack the linear weights for oneDNN (a second copy, made when it "
+                                        "fits): all of them for the compiled step, and for the eager step those "
+                                        "whose packed product measures faster here (not with --enforce-eager) "
+                                        "(env ATOLL_COMPILE_FREEZING)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already computed "
                                              "(engine.blocks)")
     prefill: str | None = _opt(None, "disaggregated prefill: the prefill engine's layout (e.g. TP2), beside "

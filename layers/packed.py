@@ -13,6 +13,7 @@ turns it on.
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -36,6 +37,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return row_product(x, weight, bias)
         if getattr(weight, "onednn", False):
             return torch.ops.atoll.onednn_linear(x, weight, bias)
+    if getattr(weight, "onednn_eager", False) and x.dim() == 2 and x.shape[0] <= EAGER_MAX_ROWS:
+        shape, packed = _ONEDNN.get(weight.data_ptr(), (None, None))
+        if shape == weight.shape:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     packed = getattr(weight, "packed", None)
     if packed is not None and x.dim() == 2 and x.shape[0] == packed[0]:
         return torch.ops.mkl._mkl_linear(x, packed[1], weight, bias, packed[0])
@@ -107,6 +112,65 @@ def pack_onednn(weights: list[torch.Tensor], rows: int = 16) -> int:
         w.onednn = True
         done += 1
     return done
+
+
+# --- oneDNN-packed weights for the eager decode step, where they measure faster ---
+# Products of at most this many rows (decode steps, short prefills) go through a weight's
+# packed copy once tune_onednn has chosen it; longer ones stay with F.linear.
+EAGER_MAX_ROWS = 64
+TUNE_REPEATS = 5  # timed products a side and shape, after two untimed ones
+TUNE_MARGIN = 0.9  # a shape's packed product is taken when it takes at most this share of F.linear's
+# the tuning runs ~14 products of each shape: a job of fewer decode steps than this could not
+# repay it even where the packed product is twice as fast, so it is not tuned
+TUNE_MIN_STEPS = 32
+
+
+def tune_onednn(weights: list[torch.Tensor], rows: int) -> dict:
+    """For eager decode: times, for each distinct weight shape, F.linear against its
+    oneDNN-packed product at `rows` rows on this machine, and packs every weight of the shapes
+    where the packed one wins (by TUNE_MARGIN), marking them for `linear`. Whichever wins
+    depends on the CPU and its BLAS (oneDNN streamed SmolLM2's weights up to 2x faster at 1-16
+    rows on a 2-core AMD EPYC, but not its small k/v projections), hence a measurement, not a
+    rule. Returns {"packed": weights packed, "weights": weights seen, "plain_s", "packed_s":
+    seconds a step of these products takes each way, as measured}."""
+    out = {"packed": 0, "weights": 0, "plain_s": 0.0, "packed_s": 0.0}
+    if not onednn_can_pack():
+        return out
+    shapes: dict[tuple, list[torch.Tensor]] = {}
+    for w in weights:
+        if w.dim() == 2 and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16):
+            shapes.setdefault((tuple(w.shape), w.dtype), []).append(w)
+    rows = max(1, min(rows, EAGER_MAX_ROWS))
+    for (shape, dtype), group in shapes.items():
+        w = group[0].detach()
+        x = torch.randn(rows, shape[1], dtype=dtype)
+        plain_s = _best_of(lambda: F.linear(x, w))
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+            packed_s = _best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        except RuntimeError:  # this oneDNN build does not pack this dtype here
+            packed_s = float("inf")
+        out["weights"] += len(group)
+        out["plain_s"] += plain_s * len(group)
+        if packed_s > TUNE_MARGIN * plain_s:
+            out["packed_s"] += plain_s * len(group)
+            continue
+        out["packed_s"] += packed_s * len(group)
+        pack_onednn(group, rows)
+        for g in group:
+            g.onednn_eager = True
+        out["packed"] += len(group)
+    return out
+
+
+def _best_of(fn) -> float:
+    fn(), fn()
+    best = float("inf")
+    for _ in range(TUNE_REPEATS):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 @torch.library.custom_op("atoll::onednn_linear", mutates_args=())
