@@ -90,8 +90,8 @@ class ModelRunner:
         # None: every step eager (always under context parallelism, whose steps are eager only)
         self.decode_step = step_policy.build(self) if ctx.layout.cp == 1 else None
         self.packer = _packer(self.model, self.ranks_here, spec.engine.mkl_pack) if self.decode_step is None else None
-        if self.decode_step is None and self.packer is None:
-            _tune_eager(self)
+        # whether the eager step runs the weights _tune_eager chose (False: plain F.linear products)
+        self.eager_tuned = self.decode_step is None and self.packer is None and _tune_eager(self)
         self.stats: dict = {}
 
     @property
@@ -259,11 +259,12 @@ def _widen(tokens: torch.Tensor, shape: tuple) -> torch.Tensor:
     return out
 
 
-def _tune_eager(runner) -> None:
+def _tune_eager(runner) -> bool:
     """Eager CPU decode, unless --enforce-eager: each linear weight shape whose oneDNN-packed
     product measures faster than F.linear here, at the decode batch this run expects, is
     packed (layers.packed.tune_onednn; no compile, a fraction of a second), when a second copy
-    of the weights fits as for the compiled step. Rank 0 says what it chose."""
+    of the weights fits as for the compiled step. Rank 0 says what it chose. Returns whether
+    it tuned (a job too short to repay the tuning is not tuned)."""
     from atoll.engine.blocks import copy_fits
     from atoll.engine.compiled import linear_weights
     from atoll.layers import packed
@@ -271,12 +272,12 @@ def _tune_eager(runner) -> None:
     eng = runner.spec.engine
     weights = linear_weights(runner.model)
     if eng.enforce_eager or eng.compile == "never" or not eng.compile_freezing or runner.device.type != "cpu":
-        return
+        return False
     steps = runner.spec.decode_steps
     if not weights or (steps is not None and steps < packed.TUNE_MIN_STEPS):
-        return
+        return False
     if not copy_fits(sum(w.numel() * w.element_size() for w in weights), runner.ranks_here):
-        return
+        return False
     rows = min(runner.spec.cache_seqs or eng.max_num_seqs, eng.max_num_seqs)
     t0 = time.perf_counter()
     done = packed.tune_onednn(weights, rows)
@@ -285,6 +286,7 @@ def _tune_eager(runner) -> None:
               f"measured {done['plain_s'] * 1e3:.1f} -> {done['packed_s'] * 1e3:.1f} ms of products a step at "
               f"{min(rows, packed.EAGER_MAX_ROWS)} rows ({time.perf_counter() - t0:.1f} s; --enforce-eager: none)",
               file=sys.stderr, flush=True)
+    return True
 
 
 def _packer(model, ranks_here: int, enabled: bool):

@@ -150,7 +150,9 @@ def load(cache_path) -> dict:
 
 
 def save_run(runner, eager_step_s: list[float]) -> None:
-    """Adds this run's times to the record (rank 0 calls it at the end of a run)."""
+    """Adds this run's times to the record (rank 0 calls it at the end of a run). The eager
+    step's time the policy weighs is the tuned one (engine.runner._tune_eager), which a long
+    job runs; a job too short to tune records its plain one apart (plain_step_s), for reading."""
     key = getattr(runner, "step_key", None)
     step = runner.decode_step
     if key is None or (step is None and not eager_step_s):
@@ -159,7 +161,7 @@ def save_run(runner, eager_step_s: list[float]) -> None:
     records = load(path.parent)
     entry = records.setdefault(key, {})
     if eager_step_s:
-        entry["eager_step_s"] = _median(eager_step_s)
+        entry["eager_step_s" if getattr(runner, "eager_tuned", False) else "plain_step_s"] = _median(eager_step_s)
     if step is not None:
         done = step.summary()
         if done["step_s"]:
