@@ -8,8 +8,10 @@ activations, positions, cache slots, context lengths) and a block table, filled 
 copies from the micro-batch's metadata.
 
 Graphs: one per decoder layer kind, compiled on first use, which every layer of the stage
-runs (its weights and cache are the graph's inputs, not constants); the embedding, the final
-norm and the head stay eager. Inductor's time grows with the code it generates, so one layer's
+runs (its weights and cache are the graph's inputs, not constants), and on the last stage one
+for the LM head (the largest product of a step: eagerly it would run F.linear, or int8's
+bf16 kernel, 2.2 ms against 1.25 ms as a compiled row reduction at one row); the embedding and
+the final norm stay eager. Inductor's time grows with the code it generates, so one layer's
 graph compiles far sooner than the whole stack's: SmolLM2-135M's 30 layers compiled cold in
 28.9 s this way against 185.0 s as one graph of the stage, one run after the other on a 2-core
 machine at load 4, with the same tokens and the same step time (187.6 against 187.3 ms at 16
@@ -22,7 +24,11 @@ static at one row and every linear is a row reduction (layers.packed.row_product
 inductor turns into one vectorised pass over the weight: SmolLM2's 121 linears took 15-23 ms
 that way against 26-29 ms through oneDNN at two rows, side by side on a 2-core AMD EPYC. It
 stays out of the shared graph: a run whose batch drains to one sequence would stall compiling a
-second graph for its last tokens. Rank 0 prints a line on stderr whenever the step compiles.
+second graph for its last tokens. In that graph a product's input (a norm's output, silu(gate)
+* up) is written once to a buffer (ONE_ROW_OPTIONS): by default inductor recomputes it inside
+the loop over the weight's rows, once per row, which made int8's row reductions compute-bound
+(the int8 step went from 19-20 ms to 15.5 ms a token on SmolLM2, float32's stayed as it was).
+Rank 0 prints a line on stderr whenever the step compiles.
 
 Collectives. TP's all_reduce / all_gather (comm.Group -> torch.distributed) are traced:
 dynamo turns them into functional collectives, which inductor calls in place in the graph,
@@ -60,6 +66,10 @@ from atoll.models.llama import LlamaDecoderLayer
 # one sequence runs padded to two: dynamo would specialise a dimension of size 1 (a second
 # graph); at two rows it shares the symbolic one
 MIN_ROWS = 2
+# the one-row graph: a product's input (a norm's output, silu(gate) * up) is computed once into
+# a buffer, not again inside the loop over every weight row, where inductor would inline it
+# (it does so for a broadcast input whose expression has up to 50 operations on the CPU)
+ONE_ROW_OPTIONS = {"realize_opcount_threshold": 4}
 
 
 def inductor_cache_dir(cache_path) -> str | None:
@@ -140,10 +150,15 @@ class CompiledDecode(DecodeStep):
         # decoder layer kind, which every layer of the stage runs (see the module's docstring)
         self._layers = decoder_layers(model)
         if self._layers:
-            self._layer_graphs = {kind: torch.compile(kind.forward, dynamic=False, fullgraph=True)
-                                  for kind in {type(layer) for layer in self._layers}}
             self._rows = None if self.buckets[-1] == 1 else max(4, self.buckets[-1])  # None: the one-row graph
+            options = ONE_ROW_OPTIONS if self._rows is None else None
+            self._layer_graphs = {kind: torch.compile(kind.forward, dynamic=False, fullgraph=True, options=options)
+                                  for kind in {type(layer) for layer in self._layers}}
             self._forwards = [partial(self._through_graph, layer) for layer in self._layers]  # made once
+            last = getattr(getattr(model, "ctx", None), "is_last_stage", False)
+            self._head = getattr(model, "lm_head", None) if last else None
+            if self._head is not None:  # the LM head, the largest product of a step, in a graph of its own
+                self._head_graph = torch.compile(type(self._head).forward, dynamic=False, fullgraph=True)
             self._step = self._run_layers
         else:
             self._step = torch.compile(self.run_model, dynamic=False, fullgraph=True)
@@ -159,17 +174,28 @@ class CompiledDecode(DecodeStep):
                 torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=self._rows)
         return self._layer_graphs[type(layer)](layer, x, residual, meta, *rest)
 
+    def _through_head(self, x):
+        """The LM head through its graph: at one row the weight's row reduction (int8's too),
+        at more the packed product, inside the graph where eager would run F.linear."""
+        if self._rows is not None:
+            torch._dynamo.mark_dynamic(x, 0, min=MIN_ROWS, max=self._rows)
+        return self._head_graph(self._head, x)
+
     def _run_layers(self, *inputs) -> torch.Tensor:
-        """run_model with each decoder layer's forward through its kind's compiled graph (only
-        for this call: eager steps use the same layers); the embedding, the final norm and the
-        head run as they do eagerly."""
+        """run_model with each decoder layer's forward through its kind's compiled graph, and
+        the LM head's through its own (only for this call: eager steps use the same modules);
+        the embedding and the final norm run as they do eagerly."""
         for layer, forward in zip(self._layers, self._forwards):
             layer.forward = forward
+        if self._head is not None:
+            self._head.forward = self._through_head
         try:
             return self.run_model(*inputs)
         finally:
             for layer in self._layers:
                 del layer.forward
+            if self._head is not None:
+                del self._head.forward
 
     def __call__(self, x: torch.Tensor, mb) -> torch.Tensor:
         """x: [n] token ids (first stage) or [n, hidden] activations -> [n, ...] rows."""

@@ -58,7 +58,7 @@ def _eager_then_compiled_twice(rank, world, spec, requests):
     second = _tokens(run_requests(runner, requests))
     return {"eager": eager, "first": first, "second": second, "kv_diff": kv_diff, "graphs_first": graphs_first,
             "graphs_second": counters["stats"]["unique_graphs"], "buckets": step.buckets_run,
-            "compiles": len(step.compiles), "freezing": step.freezing}
+            "compiles": len(step.compiles), "freezing": step.freezing, "last_stage": ctx.is_last_stage}
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,9 @@ def test_compiled_tokens_match_eager_and_transformers(model_and_reference, compi
         assert r["kv_diff"] < 1e-4  # padding rows wrote no real sequence's slot
         assert r["buckets"] == buckets  # every decode batch ran compiled
         assert r["freezing"] is (freezing == "1")
-        # one graph for every bucket and context length (sequences and blocks are symbolic)...
-        assert r["graphs_first"] == 1, r
+        # one graph for every bucket and context length (sequences and blocks are symbolic), and
+        # on the last stage one for the LM head...
+        assert r["graphs_first"] == (2 if r["last_stage"] else 1), r
         assert r["graphs_second"] == r["graphs_first"]  # ...and the same shapes again compile nothing
         assert r["compiles"] == 1
 
@@ -174,14 +175,15 @@ def _runs_eagerly(rank, world, spec, requests):
 
 @pytest.mark.timeout(240)
 def test_one_sequence_graph_matches_transformers(model_and_reference, compiling):
-    """max_num_seqs=1: one static one-row graph whose linears are row reductions."""
+    """max_num_seqs=1: one static one-row graph whose linears are row reductions, and the LM
+    head's."""
     compiling.setenv("ATOLL_COMPILE_FREEZING", "1")
     model_dir, expected = model_and_reference
     llm = LLM(model_dir, layout="TP1", max_num_seqs=1, block_size=4)
     requests = _requests(llm)
     r = run_local(_eager_then_compiled_twice, 1, llm.spec(requests), requests, timeout_s=220)[0]
     assert r["eager"] == expected and r["first"] == expected and r["second"] == expected
-    assert r["buckets"] == [1] and r["graphs_first"] == r["graphs_second"] == 1 and r["compiles"] == 1
+    assert r["buckets"] == [1] and r["graphs_first"] == r["graphs_second"] == 2 and r["compiles"] == 1
 
 
 def test_row_product_is_linear():
