@@ -10,7 +10,9 @@ once; each round runs off and on (the order alternating between rounds) after an
 warm-up of each (every prompt, 4 tokens). Reported, medians over --rounds: output tokens per second, the ratio on /
 off, the acceptance rate and mean accepted length (engine.spec_stats), whether the tokens
 are identical, and the 1-minute load average read before each timed run. Both sides decode
-eagerly (--enforce-eager): the verify step is not compiled, so the plain side is not either.
+eagerly (--compile never: the verify step is not compiled, so the plain side is not either),
+with the products engine.runner._tune_eager chose for the verify step's rows (both sides run
+the same weights).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def prepare(args, speculative):
     n = args.requests or max(args.batch, 4)
     tok = Tokenizer(args.model)
     ids = [tok.encode_chat(t) for t in prompts(args.prompts, n)]
-    llm = LLM(args.model, layout=args.layout, max_num_seqs=args.batch, enforce_eager=True,
+    llm = LLM(args.model, layout=args.layout, max_num_seqs=args.batch, compile="never", enforce_eager=False,
               max_model_len=max(map(len, ids)) + args.output_len + speculative.k + 1)
     requests = llm.prepare(ids, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
     return llm, llm.spec(requests).with_engine(speculative_config=speculative), requests

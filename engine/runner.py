@@ -260,8 +260,9 @@ def _widen(tokens: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 
 def _tune_eager(runner) -> bool:
-    """Eager CPU decode, unless --enforce-eager: each linear weight shape whose oneDNN-packed
-    product measures faster than F.linear here, at the decode batch this run expects, is
+    """Eager CPU decode (also under --compile never), unless --enforce-eager: each linear
+    weight shape whose oneDNN-packed product measures faster than F.linear here, at the decode
+    batch this run expects (times 1 + K when speculating: the verify step's rows), is
     packed (layers.packed.tune_onednn; no compile, a fraction of a second), when a second copy
     of the weights fits as for the compiled step. Rank 0 says what it chose. Returns whether
     it tuned (a job too short to repay the tuning is not tuned)."""
@@ -271,7 +272,7 @@ def _tune_eager(runner) -> bool:
 
     eng = runner.spec.engine
     weights = linear_weights(runner.model)
-    if eng.enforce_eager or eng.compile == "never" or not eng.compile_freezing or runner.device.type != "cpu":
+    if eng.enforce_eager or not eng.compile_freezing or runner.device.type != "cpu":
         return False
     steps = runner.spec.decode_steps
     if not weights or (steps is not None and steps < packed.TUNE_MIN_STEPS):
@@ -279,6 +280,7 @@ def _tune_eager(runner) -> bool:
     if not copy_fits(sum(w.numel() * w.element_size() for w in weights), runner.ranks_here):
         return False
     rows = min(runner.spec.cache_seqs or eng.max_num_seqs, eng.max_num_seqs)
+    rows *= 1 + (runner.spec_k or 0)  # a verify step scores each sequence's pending token and its drafts
     t0 = time.perf_counter()
     done = packed.tune_onednn(weights, rows)
     if runner.ctx.rank == 0 and done["weights"]:

@@ -1,6 +1,7 @@
 """Packed decode weights. MKL's (opt-in: the config's mkl_pack, env ATOLL_MKL_PACK=1): F.linear to float32 tolerance (bit
 for bit on some CPUs, not on every one), packed only for a batch size that persists. oneDNN's for the eager step
-(engine.runner._tune_eager): only the shapes measured faster, only for short products, never under --enforce-eager."""
+(engine.runner._tune_eager): only the shapes measured faster, only for short products, never under --enforce-eager
+(--compile never: no compile, tuned products)."""
 
 from types import SimpleNamespace
 
@@ -75,13 +76,13 @@ def _runner(**engine):
     layer = ReplicatedLinear(40, 96)
     model = torch.nn.Sequential(layer)
     spec = SimpleNamespace(engine=EngineConfig(**engine), cache_seqs=4, decode_steps=None)
-    return SimpleNamespace(spec=spec, model=model, device=torch.device("cpu"), ranks_here=1,
+    return SimpleNamespace(spec=spec, model=model, device=torch.device("cpu"), ranks_here=1, spec_k=None,
                            ctx=SimpleNamespace(rank=0)), layer.weight
 
 
 @onednn
 @pytest.mark.parametrize("options, tuned", [({}, True), ({"enforce_eager": True}, False),
-                                            ({"compile": "never"}, False), ({"compile_freezing": False}, False)])
+                                            ({"compile": "never"}, True), ({"compile_freezing": False}, False)])
 def test_eager_step_tunes_unless_told_not_to(monkeypatch, capsys, options, tuned):
     from atoll.engine.runner import _tune_eager
 
