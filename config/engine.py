@@ -87,7 +87,8 @@ class EngineConfig:
                                       "(env ATOLL_ENFORCE_EAGER)")
     compile: str = _opt("auto", "the compiled decode step (inductor on CPU, CUDA graphs on GPU): auto compiles "
                                 "when the run's decode steps repay the compile time recorded (or estimated) on this "
-                                "machine, always compiles at once, never = --enforce-eager (env ATOLL_COMPILE)",
+                                "machine, always compiles at once, never does not (the eager step keeps the "
+                                "products tuned for this CPU; --enforce-eager runs plain ones) (env ATOLL_COMPILE)",
                         choices=COMPILE_POLICIES)
     compile_freezing: bool = _opt(True, "CPU: pack the linear weights for oneDNN (a second copy, made when it "
                                         "fits): all of them for the compiled step, and for the eager step those "

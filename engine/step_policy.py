@@ -1,7 +1,8 @@
 """Whether a run compiles its decode step, and with which backend: `build(runner)`.
 
 EngineConfig.compile (--compile, env ATOLL_COMPILE; --enforce-eager means never):
-- never: every step eager.
+- never: every step eager (its products tuned for this CPU, engine.runner._tune_eager, except
+  under --enforce-eager).
 - always: compile at once (the CPU's inductor graph, CUDA graphs on a GPU).
 - auto (the default): on CUDA capture (a few seconds); on the CPU compile only when the run's
   expected decode steps x the time a compiled step saves reach the expected compile time, less
