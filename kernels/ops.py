@@ -8,6 +8,8 @@ reference (backend.use_triton decides; the config's kernels=torch forces the ref
     rotary_(q [T, Hq, D], k [T, Hk, D], cos [T, D], sin [T, D]) -> None (in place)
     paged_decode_attention(q [S, Hq, D], k_cache, v_cache [B, bs, Hk, D], block_tables [S, M],
                            context_lens [S], *, scale=None, sliding_window=None) -> [S, Hq, D]
+    mla_decode_attention(q [S, H, D], cache [B, bs, 1, D], block_tables [S, M], context_lens [S],
+                         *, latent, scale, cache_scale=None) -> [S, H, latent]
 
 Triton modules are imported inside the functions, on the Triton path only.
 """
@@ -178,3 +180,44 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          for t in (q, k_cache, v_cache, block_tables))
     return run(q, k_cache, v_cache, block_tables, context_lens.contiguous(), scale=scale,
                sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+
+
+def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, *, latent: int, scale: float,
+                         cache_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA's absorbed decode (layers/mla.py), one query per sequence -> [seqs, heads, latent].
+
+    q: [seqs, heads, D], each head's [W_uk^T q_nope, rope(q_rope)], D = kv_lora_rank + rope;
+    cache: [blocks, block_size, 1, D], the latent vectors [c, k_r], every head's key, whose first
+    `latent` values are the value; block_tables, context_lens: as paged_decode_attention's (0
+    keys give a row of zeros). A quantized cache: int8 (cache_scale [blocks, block_size, 1]
+    float32, required) or fp8 e4m3fn/e5m2 (cache_scale None).
+    """
+    check(q.dim() == 3 and cache.dim() == 4,
+          f"q must be [seqs, heads, D] and cache 4-D, got {q.dim()}-D and {cache.dim()}-D")
+    seqs, heads, dim = q.shape
+    check(cache.shape[2] == 1, f"the latent cache has one head, got {cache.shape[2]}")
+    check(cache.shape[3] == dim, f"the cache has D={cache.shape[3]}, q has {dim}")
+    check(0 < latent <= dim, f"latent={latent} must be in 1..D={dim}")
+    check(q.dtype in FLOATS and cache.dtype in (q.dtype, *KV_QUANT),
+          f"q and cache must share a float dtype, got {q.dtype} and {cache.dtype} "
+          f"(or the cache one of int8, float8_e4m3fn, float8_e5m2)")
+    check(cache.dtype != torch.int8 or cache_scale is not None, "an int8 cache needs cache_scale")
+    check(cache_scale is None or (cache_scale.shape == cache.shape[:3] and cache_scale.dtype == torch.float32),
+          f"cache_scale must be float32 {tuple(cache.shape[:3])}, got "
+          f"{None if cache_scale is None else (tuple(cache_scale.shape), cache_scale.dtype)}")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == seqs,
+          f"block_tables must be [seqs={seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    check(block_tables.dtype in (torch.int32, torch.int64),
+          f"block_tables must be int32 or int64, got {block_tables.dtype}")
+    check(context_lens.shape == (seqs,) and not context_lens.is_floating_point(),
+          f"context_lens must be [seqs={seqs}] integers, got {tuple(context_lens.shape)} {context_lens.dtype}")
+    devices = {t.device for t in (q, cache, block_tables, context_lens)}
+    check(len(devices) == 1, f"all inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
+    if not use_triton(q, cache, block_tables, context_lens):
+        return reference.mla_decode_attention(q, cache, block_tables, context_lens, latent=latent, scale=scale,
+                                              cache_scale=cache_scale)
+    from atoll.kernels.triton_mla_decode import mla_decode_attention as run
+    q, cache, block_tables = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, cache, block_tables))
+    return run(q, cache, block_tables, context_lens.contiguous(), latent=latent, scale=scale,
+               cache_scale=None if cache_scale is None else cache_scale.contiguous())

@@ -7,7 +7,8 @@ layers/norm.py and layers/rotary.py compute. fused_moe follows transformers' Mix
 (matmuls in the input dtype) but sums the top-k contributions in float32.
 paged_decode_attention computes what the decode branch of layers/attention.py's attend
 computes, in the input dtype (its kernel keeps float32 until one rounding: test it against
-the reference run on float32 copies).
+the reference run on float32 copies). mla_decode_attention computes what layers/mla.py's
+absorbed decode computes over the latent cache, in the same way.
 """
 
 from __future__ import annotations
@@ -191,3 +192,28 @@ def _dequantized(cache: torch.Tensor, scale: torch.Tensor | None, ids: torch.Ten
     if scale is not None:
         x = x * scale.index_select(0, ids)[..., None]
     return x.to(dtype)
+
+
+def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, *, latent: int, scale: float,
+                         cache_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """MLA's absorbed decode. q: [seqs, heads, D], D = kv_lora_rank + rope; cache: [blocks,
+    block_size, 1, D], one latent vector per token that every head reads as its key, its first
+    `latent` values the value; block_tables, context_lens as paged_decode_attention's. The blocks
+    up to the longest context are gathered and masked -> [seqs, heads, latent] in q's dtype; a
+    sequence with no keys gives zeros. A quantized cache is read as float32 value times
+    cache_scale [blocks, block_size, 1] (None: 1), then cast to q's dtype."""
+    seqs, heads, dim = q.shape
+    bs = cache.shape[1]
+    ctx = context_lens.to(q.device, torch.long)
+    longest = int(ctx.max()) if seqs else 0
+    if longest == 0:
+        return q.new_zeros(seqs, heads, latent)
+    blocks = -(-longest // bs)
+    ids = block_tables[:, :blocks].to(q.device, torch.long).reshape(-1)
+    # [seqs*blocks, block_size, 1, D] -> [seqs, 1, blocks*block_size, D]
+    kv = _dequantized(cache, cache_scale, ids, q.dtype).view(seqs, blocks * bs, 1, dim).transpose(1, 2)
+    mask = torch.arange(blocks * bs, device=q.device)[None, :] < ctx[:, None]  # [seqs, keys]
+    out = F.scaled_dot_product_attention(q[:, :, None], kv, kv[..., :latent], attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=heads > 1)[:, :, 0]
+    return out.masked_fill((ctx == 0)[:, None, None], 0.0)  # an all-masked row: 0, whatever the backend
