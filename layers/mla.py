@@ -12,8 +12,12 @@ Prefill expands each sequence's latents through kv_b_proj and attends over k_h, 
 absorbs kv_b_proj instead: q_h . k_h = (W_uk_h^T q_nope_h) . c + rope(q_rope_h) . k_r, so the
 query [W_uk_h^T q_nope_h, rope(q_rope_h)] attends over the cached vectors themselves (one head
 shared by all, whose first kv_lora_rank values are also the value), and W_uv_h maps the
-result to v_head_dim: a decode step reads only the latent cache. (Torch ops on every device:
-the Triton paged-attention kernel's tiles are sized for heads of <= 256 values, not 576.)
+result to v_head_dim: a decode step reads only the latent cache. When the kernels take the
+Triton path (kernels.backend.use_triton: on CUDA, or forced) the decode runs
+kernels/triton_mla_decode.py, which reads the cache (plain or quantized) in place through the
+block tables, q.k over D in chunks; otherwise torch gathers the blocks into one copy and runs
+SDPA. (The GQA paged-attention kernel is not used: its tiles hold a whole head, sized for
+<= 256 values, not 576.)
 
 Rotary touches the rope part only. DeepSeek's rope dims come in pairs (x0, x1), (x2, x3), ...
 (rope_interleave): they are gathered evens then odds, after which the rotation is the
@@ -28,7 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atoll.kernels.backend import use_triton
+from atoll.kernels.ops import mla_decode_attention
 from atoll.layers.attention import AttentionMetadata, gather_blocks, read_blocks, write_cache
+from atoll.layers.kv_quant import QuantizedKV
 from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from atoll.layers.norm import RMSNorm
 from atoll.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -111,11 +118,17 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._absorbed()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [seqs, heads/tp, kv_lora_rank]
         q = torch.cat([q_latent, q_rope], dim=-1)  # [seqs, heads/tp, kv_lora_rank + rope]
-        tables, mask = meta.decode_keys(None)
-        kv = gather_blocks(cache, tables)  # [seqs, 1, keys, kv_lora_rank + rope], one copy
-        # every head reads the one shared latent head; the value is its first kv_lora_rank values
-        o = F.scaled_dot_product_attention(q[:, :, None], kv, kv[..., :self.latent], attn_mask=mask,
-                                           scale=self.scale, enable_gqa=self.heads > 1)[:, :, 0]
+        if use_triton(q, cache):  # reads the latent cache in place -> [seqs, heads/tp, kv_lora_rank]
+            quantized = isinstance(cache, QuantizedKV)
+            o = mla_decode_attention(q, cache.data if quantized else cache, meta.block_tables, meta.context_lens(),
+                                     latent=self.latent, scale=self.scale,
+                                     cache_scale=cache.scale if quantized else None)
+        else:
+            tables, mask = meta.decode_keys(None)
+            kv = gather_blocks(cache, tables)  # [seqs, 1, keys, kv_lora_rank + rope], one copy
+            # every head reads the one shared latent head; the value is its first kv_lora_rank values
+            o = F.scaled_dot_product_attention(q[:, :, None], kv, kv[..., :self.latent], attn_mask=mask,
+                                               scale=self.scale, enable_gqa=self.heads > 1)[:, :, 0]
         return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _prefill(self, q, cache, meta) -> torch.Tensor:
