@@ -48,8 +48,9 @@ def _mla_layer(heads=4, latent=16, rope=8, nope=12, v_dim=10):
                           v_head_dim=v_dim, kv_lora_rank=latent, q_lora_rank=None, attention_bias=False,
                           rope_interleave=True, rope_scaling=None)
     layer = MLAttention(cfg, ParallelContext.create(Layout(tp=1), 0), rotary=None, dtype=torch.float32)
+    w = layer.kv_b_proj.weight
     with torch.no_grad():
-        layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, generator=torch.Generator().manual_seed(1)))
+        w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
     return layer
 
 
@@ -58,12 +59,11 @@ def _layer_inputs(layer, ctx, block_size, cache_dtype):
     g = torch.Generator().manual_seed(2)
     q_nope = torch.randn(len(ctx), layer.heads, layer.nope, generator=g)
     q_rope = torch.randn(len(ctx), layer.heads, layer.rope, generator=g)
-    _, cache, scale, _ = latent_batch(ctx, 1, layer.latent, layer.rope, block_size, cache_dtype)
-    _, _, _, tables = paged_batch(ctx, 1, 1, layer.latent + layer.rope, block_size)  # the same tables
-    if scale is not None or cache.dtype != torch.float32:
-        qkv = QuantizedKV(tuple(cache.shape), kv_format(cache_dtype), torch.float32)
-        qkv.data, qkv.scale = cache, scale
-        cache = qkv
+    _, cache, _, tables = paged_batch(ctx, 1, 1, layer.latent + layer.rope, block_size)
+    if cache_dtype != "float32":
+        quantized = QuantizedKV(tuple(cache.shape), kv_format(cache_dtype), torch.float32)
+        quantized.data, quantized.scale = quantize(cache, quantized.format)
+        cache = quantized
     meta = AttentionMetadata.build(tables, [n - 1 for n in ctx], [1] * len(ctx), block_size)
     return q_nope, q_rope, cache, meta
 
