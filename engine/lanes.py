@@ -61,6 +61,9 @@ class MicroBatch:
     def meta(self) -> AttentionMetadata:
         if self._meta is None:
             chunks = self.chunks
+            if self.width > 1 and all(c.count == 1 + len(c.draft) for c in chunks):
+                self._meta = self._verify_rows()
+                return self._meta
             self._meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],
                                                  [c.count for c in chunks], self.block_size, device=self.device)
             if self.width > 1:  # the model's logits rows: every position of a verified chunk, not just its last
@@ -70,6 +73,18 @@ class MicroBatch:
                     rows.extend(range(end - 1 - len(c.draft), end))
                 self._meta._memo["last"] = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self._meta
+
+    def _verify_rows(self) -> AttentionMetadata:
+        """A verify step of decoding sequences as a decode step of one row per position: the
+        pending token and each draft attend as a decoding token would, over the cache up to
+        their own position (each layer writes the step's keys before any row reads them), and
+        the model gives logits for every row. The decode attention path reads a sequence's
+        blocks once per row instead of expanding its context into a causal prefill."""
+        tables, starts = [], []
+        for c in self.chunks:
+            tables += [c.seq.blocks] * c.count
+            starts += range(c.start, c.start + c.count)
+        return AttentionMetadata.build(tables, starts, [1] * len(starts), self.block_size, device=self.device)
 
     @property
     def width(self) -> int:
