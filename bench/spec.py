@@ -9,10 +9,10 @@ so both sides must give identical tokens. The ranks are spawned once and build t
 once; each round runs off and on (the order alternating between rounds) after an untimed
 warm-up of each (every prompt, 4 tokens). Reported, medians over --rounds: output tokens per second, the ratio on /
 off, the acceptance rate and mean accepted length (engine.spec_stats), whether the tokens
-are identical, and the 1-minute load average read before each timed run. Both sides decode
-eagerly (--compile never: the verify step is not compiled, so the plain side is not either),
-with the products engine.runner._tune_eager chose for the verify step's rows (both sides run
-the same weights).
+are identical, and the 1-minute load average read before each timed run. By default both
+sides decode eagerly (--compile never), with the products engine.runner._tune_eager chose for
+the verify step's rows; with --compile always both run the compiled CPU decode step, whose
+buckets hold a verify step's rows too (both sides run the same weights and graph).
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests per run (default: --batch, at least 4)")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request (default 128)")
     p.add_argument("--rounds", type=int, default=1, help="rounds, each running off and on (default 1)")
+    p.add_argument("--compile", choices=("never", "always"), default="never",
+                   help="never: both sides eager (default); always: both sides through the compiled CPU "
+                        "decode step, verify steps included")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=run)
 
@@ -100,7 +103,7 @@ def prepare(args, speculative):
     n = args.requests or max(args.batch, 4)
     tok = Tokenizer(args.model)
     ids = [tok.encode_chat(t) for t in prompts(args.prompts, n)]
-    llm = LLM(args.model, layout=args.layout, max_num_seqs=args.batch, compile="never", enforce_eager=False,
+    llm = LLM(args.model, layout=args.layout, max_num_seqs=args.batch, compile=args.compile, enforce_eager=False,
               max_model_len=max(map(len, ids)) + args.output_len + speculative.k + 1)
     requests = llm.prepare(ids, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
     return llm, llm.spec(requests).with_engine(speculative_config=speculative), requests

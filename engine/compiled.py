@@ -197,9 +197,15 @@ class CompiledDecode(DecodeStep):
             if self._head is not None:
                 del self._head.forward
 
+    def takes(self, mb) -> bool:
+        """A decode micro-batch, or a speculative verify step of decoding sequences (one row per
+        position: MicroBatch.decode_rows), of at most the largest bucket's rows."""
+        return bool(mb.chunks) and mb.decode_rows and mb.tokens <= self.buckets[-1]
+
     def __call__(self, x: torch.Tensor, mb) -> torch.Tensor:
-        """x: [n] token ids (first stage) or [n, hidden] activations -> [n, ...] rows."""
-        meta, n = mb.meta, len(mb.chunks)
+        """x: [n] token ids (first stage) or [n, hidden] activations -> [n, ...] rows, a row a
+        token (a verify step's pending token and drafts are rows of their own)."""
+        meta, n = mb.meta, mb.tokens
         size = self.bucket(n)
         inp = self._inputs.get(size)
         if inp is None:

@@ -50,6 +50,12 @@ class MicroBatch:
         return all(c.count == 1 for c in self.chunks)
 
     @property
+    def decode_rows(self) -> bool:
+        """Whether every chunk is a decoding sequence's pending token and its drafts (a plain
+        decode step, or a verify step): `meta` then holds one decode row per token."""
+        return all(c.count == 1 + len(c.draft) for c in self.chunks)
+
+    @property
     def ids(self) -> torch.Tensor:
         """[tokens] every chunk's new tokens, concatenated."""
         if self._ids is None:
@@ -61,7 +67,7 @@ class MicroBatch:
     def meta(self) -> AttentionMetadata:
         if self._meta is None:
             chunks = self.chunks
-            if self.width > 1 and all(c.count == 1 + len(c.draft) for c in chunks):
+            if self.width > 1 and self.decode_rows:
                 self._meta = self._verify_rows()
                 return self._meta
             self._meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],

@@ -60,6 +60,23 @@ def test_greedy_tp1_in_process(dense, method):
 
 
 @pytest.mark.timeout(300)
+def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_path):
+    """CPU compiled step: a verify step's rows (4 sequences x (1 + 3 drafts)) run in its graph,
+    at buckets up to max_num_seqs x (1 + K), with transformers' tokens."""
+    monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
+    monkeypatch.setenv("ATOLL_CACHE", str(tmp_path))
+    model_dir, expected = dense
+    results, runner = _in_process(model_dir, PROMPTS, GREEDY, speculative_config=NGRAM, block_size=4,
+                                  max_num_seqs=4, compile="always")
+    assert [r["token_ids"] for r in results] == expected
+    drafted, accepted = _spec_counts(results)
+    assert 0 < accepted < drafted
+    step = runner.decode_step
+    assert step.buckets == [2, 4, 8, 16] and max(step.buckets_run) > 4  # more rows than sequences: verify steps
+    assert len(step.compiles) == 1 and runner.stats["blocks_held"] == 0
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout,method", [("TP2", NGRAM), ("PP2", NGRAM), ("TP2", SKIP)],
                          ids=["TP2-ngram", "PP2-ngram", "TP2-layer_skip"])
 def test_greedy_matches_transformers(dense, layout, method):
