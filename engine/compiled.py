@@ -137,31 +137,51 @@ class CompiledDecode(DecodeStep):
     kind = "inductor"
 
     def __init__(self, model, cache, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                 scratch_block: int, rank: int = 0, freezing: bool = True, cache_dir: str | None = None):
-        # max_num_seqs 1 (a latency run): one static one-row graph of row reductions; else the shared symbolic one
+                 scratch_block: int, rank: int = 0, freezing: bool = True, cache_dir: str | None = None,
+                 one_row: bool | None = None):
+        # one_row (default: max_num_seqs 1, a latency run): a one-sequence step runs a static one-row
+        # graph of row reductions; rows beyond it (max_num_seqs > 1: speculative verify rows) the
+        # shared symbolic graph. Otherwise every step the shared graph, one sequence padded to two.
+        one_row = max_num_seqs == 1 if one_row is None else one_row
         super().__init__(model, cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          block_size=block_size, scratch_block=scratch_block, rank=rank,
-                         smallest=1 if max_num_seqs == 1 else MIN_ROWS)
+                         smallest=1 if one_row else MIN_ROWS)
         self.cache_dir = cache_dir  # None: torch's own choice (the user's TORCHINDUCTOR_CACHE_DIR)
-        self.freezing = freezing and max_num_seqs > 1 and _pack(model)  # the one-row graph packs nothing
+        self.freezing = freezing and self.buckets[-1] > 1 and _pack(model)  # the one-row graph packs nothing
         self._inputs: dict[int, Bucket] = {}
         self._announced = False
         # static but for the dimensions marked dynamic; no graph break allowed. One graph per
         # decoder layer kind, which every layer of the stage runs (see the module's docstring)
         self._layers = decoder_layers(model)
         if self._layers:
-            self._rows = None if self.buckets[-1] == 1 else max(4, self.buckets[-1])  # None: the one-row graph
-            options = ONE_ROW_OPTIONS if self._rows is None else None
-            self._layer_graphs = {kind: torch.compile(kind.forward, dynamic=False, fullgraph=True, options=options)
-                                  for kind in {type(layer) for layer in self._layers}}
+            self._rows = None if self.buckets[-1] == 1 else max(4, self.buckets[-1])  # the shared graph's rows
+            kinds = {type(layer) for layer in self._layers}
+            # {rows: {layer kind: graph}}: 1 the one-row graph, None the shared symbolic one
+            self._layer_graphs = {}
+            if one_row and self._rows is not None:
+                self.warm_rows = (1, MIN_ROWS)  # both graphs made before a living engine says it is ready
+            if one_row:
+                self._layer_graphs[1] = {kind: torch.compile(kind.forward, dynamic=False, fullgraph=True,
+                                                             options=ONE_ROW_OPTIONS) for kind in kinds}
+            if self._rows is not None:
+                self._layer_graphs[None] = {kind: torch.compile(kind.forward, dynamic=False, fullgraph=True)
+                                            for kind in kinds}
             self._forwards = [partial(self._through_graph, layer) for layer in self._layers]  # made once
             last = getattr(getattr(model, "ctx", None), "is_last_stage", False)
             self._head = getattr(model, "lm_head", None) if last else None
             if self._head is not None:  # the LM head, the largest product of a step, in a graph of its own
-                self._head_graph = torch.compile(type(self._head).forward, dynamic=False, fullgraph=True)
+                self._head_graphs = {rows: torch.compile(type(self._head).forward, dynamic=False, fullgraph=True)
+                                     for rows in self._layer_graphs}
             self._step = self._run_layers
         else:
             self._step = torch.compile(self.run_model, dynamic=False, fullgraph=True)
+
+    def _graphs(self, x) -> tuple:
+        """(the key of self._layer_graphs and self._head_graphs that x's rows run, whether
+        that graph's rows are symbolic: False for the static one-row graph)."""
+        if len(x) == 1 and 1 in self._layer_graphs:
+            return 1, False
+        return None, True
 
     def _through_graph(self, layer, x, residual, meta, *rest):
         """One decoder layer through its kind's graph. The first layer runs as the others: its
@@ -169,17 +189,19 @@ class CompiledDecode(DecodeStep):
         made before the graph."""
         residual = torch.zeros_like(x) if residual is None else residual
         cos_sin = layer.self_attn.rotary.prime(meta.positions, self.dtype)
-        if self._rows is not None:  # tensors made outside the graphs: the same symbolic rows
+        key, symbolic = self._graphs(x)
+        if symbolic:  # tensors made outside the graphs: the same symbolic rows
             for t in (x, residual, *cos_sin):
                 torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=self._rows)
-        return self._layer_graphs[type(layer)](layer, x, residual, meta, *rest)
+        return self._layer_graphs[key][type(layer)](layer, x, residual, meta, *rest)
 
     def _through_head(self, x):
         """The LM head through its graph: at one row the weight's row reduction (int8's too),
         at more the packed product, inside the graph where eager would run F.linear."""
-        if self._rows is not None:
+        key, symbolic = self._graphs(x)
+        if symbolic:
             torch._dynamo.mark_dynamic(x, 0, min=MIN_ROWS, max=self._rows)
-        return self._head_graph(self._head, x)
+        return self._head_graphs[key](self._head, x)
 
     def _run_layers(self, *inputs) -> torch.Tensor:
         """run_model with each decoder layer's forward through its kind's compiled graph, and
@@ -246,7 +268,8 @@ class CompiledDecode(DecodeStep):
         where = self.cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's default")
         again = f" (compile {len(self.compiles)}: a recompile)" if len(self.compiles) > 1 else ""
         graphs = (f"one graph a decoder layer kind ({len(self._layers)} layers share "
-                  f"{'it' if len(self._layer_graphs) == 1 else 'them'})" if self._layers else "one graph")
+                  f"{'it' if len(next(iter(self._layer_graphs.values()))) == 1 else 'them'})"
+                  if self._layers else "one graph")
         print(f"atoll: compiled the decode step in {seconds:.1f} s{again}, inductor, {how}, cached in {where}: "
               f"{graphs} for buckets of {', '.join(map(str, self.buckets))} sequences x up to {self.max_blocks} "
               f"blocks (first run at {size})", file=sys.stderr, flush=True)

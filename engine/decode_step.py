@@ -49,6 +49,7 @@ class DecodeStep:
 
     kind = "eager"  # the backend's name in messages
     freezing = False  # whether the weights were packed for the backend (a second copy)
+    warm_rows = (1,)  # the padding rows warm_up runs, one run each (a backend with graphs per row count: more)
 
     def __init__(self, model, cache, *, max_num_seqs: int, max_model_len: int, block_size: int,
                  scratch_block: int, rank: int = 0, smallest: int = 1):
@@ -85,19 +86,20 @@ class DecodeStep:
 
     @torch.inference_mode()  # as the runner's tick: the graph's guards include it
     def warm_up(self) -> None:
-        """Run the step once on one padding row (positions in the scratch block), so that a
-        living engine compiles or captures its first graph before it says it is ready, not
-        on its first request. Every rank of a TP group calls it together (its collectives)."""
+        """Run the step once on one padding row (positions in the scratch block), and on more
+        where the backend has a graph per row count (warm_rows), so that a living engine
+        compiles or captures its graphs before it says it is ready, not on its first request. Every rank of a TP group calls it together (its collectives)."""
         from atoll.config.sampling import SamplingParams
         from atoll.engine.lanes import MicroBatch
         from atoll.engine.request import Request
         from atoll.engine.scheduler import Scheduled, Sequence
 
-        seq = Sequence(Request(-1, [0], SamplingParams(max_tokens=2)), None, output=[0], blocks=[self.scratch],
-                       cached=1)
-        mb = MicroBatch.of([Scheduled(seq, 1, 1)], self.block_size, device=self.device)
-        x = None if self.first_stage else torch.zeros(1, self.hidden, dtype=self.dtype, device=self.device)
-        self(x, mb)
+        for rows in self.warm_rows:
+            seqs = [Sequence(Request(-1, [0], SamplingParams(max_tokens=2)), None, output=[0], blocks=[self.scratch],
+                             cached=1) for _ in range(rows)]
+            mb = MicroBatch.of([Scheduled(seq, 1, 1) for seq in seqs], self.block_size, device=self.device)
+            x = None if self.first_stage else torch.zeros(rows, self.hidden, dtype=self.dtype, device=self.device)
+            self(x, mb)
 
     @property
     def buckets_run(self) -> list[int]:

@@ -73,10 +73,11 @@ def build(runner):
     if policy == "auto" and not _agree(runner, lambda: decide(runner, pack, weight_bytes)):
         return None
     _thread_lock_for_tqdm()
-    # speculative decoding: a verify step's rows (each sequence's pending token and K drafts) are buckets too
+    # speculative decoding: a verify step's rows (each sequence's pending token and K drafts) are buckets too;
+    # a one-sequence run keeps its one-row graph for the plain steps
     kw["max_num_seqs"] *= 1 + (runner.spec_k or 0)
     return CompiledDecode(runner.model, runner.cache, freezing=pack, cache_dir=inductor_cache_dir(eng.cache_path),
-                          **kw)
+                          one_row=eng.max_num_seqs == 1, **kw)
 
 
 def record_key(runner, pack: bool) -> str:

@@ -129,6 +129,19 @@ def _check_rotary(q, k, cos, sin) -> None:
           f"cos and sin must be [{tokens}, {dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
 
 
+def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, seqs: int, tensors) -> None:
+    """A paged kernel's block tables and context lengths for `seqs` queries, on the device of
+    its other `tensors`."""
+    check(block_tables.dim() == 2 and block_tables.shape[0] == seqs,
+          f"block_tables must be [seqs={seqs}, max_blocks], got {tuple(block_tables.shape)}")
+    check(block_tables.dtype in (torch.int32, torch.int64),
+          f"block_tables must be int32 or int64, got {block_tables.dtype}")
+    check(context_lens.shape == (seqs,) and not context_lens.is_floating_point(),
+          f"context_lens must be [seqs={seqs}] integers, got {tuple(context_lens.shape)} {context_lens.dtype}")
+    devices = {t.device for t in (*tensors, block_tables, context_lens)}
+    check(len(devices) == 1, f"all inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                            scale: float | None = None, sliding_window: int | None = None,
@@ -160,14 +173,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                               and k_scale.dtype == v_scale.dtype == torch.float32),
           f"k_scale and v_scale must be float32 {tuple(k_cache.shape[:3])}, got "
           f"{None if k_scale is None else (tuple(k_scale.shape), k_scale.dtype)}")
-    check(block_tables.dim() == 2 and block_tables.shape[0] == seqs,
-          f"block_tables must be [seqs={seqs}, max_blocks], got {tuple(block_tables.shape)}")
-    check(block_tables.dtype in (torch.int32, torch.int64),
-          f"block_tables must be int32 or int64, got {block_tables.dtype}")
-    check(context_lens.shape == (seqs,) and not context_lens.is_floating_point(),
-          f"context_lens must be [seqs={seqs}] integers, got {tuple(context_lens.shape)} {context_lens.dtype}")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
-    check(len(devices) == 1, f"all inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
+    _check_tables(block_tables, context_lens, seqs, (q, k_cache, v_cache))
     check(sliding_window is None or sliding_window >= 0,
           f"sliding_window={sliding_window} must be >= 0 or None (0: no window)")
     scale = dim**-0.5 if scale is None else scale
@@ -206,14 +212,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     check(cache_scale is None or (cache_scale.shape == cache.shape[:3] and cache_scale.dtype == torch.float32),
           f"cache_scale must be float32 {tuple(cache.shape[:3])}, got "
           f"{None if cache_scale is None else (tuple(cache_scale.shape), cache_scale.dtype)}")
-    check(block_tables.dim() == 2 and block_tables.shape[0] == seqs,
-          f"block_tables must be [seqs={seqs}, max_blocks], got {tuple(block_tables.shape)}")
-    check(block_tables.dtype in (torch.int32, torch.int64),
-          f"block_tables must be int32 or int64, got {block_tables.dtype}")
-    check(context_lens.shape == (seqs,) and not context_lens.is_floating_point(),
-          f"context_lens must be [seqs={seqs}] integers, got {tuple(context_lens.shape)} {context_lens.dtype}")
-    devices = {t.device for t in (q, cache, block_tables, context_lens)}
-    check(len(devices) == 1, f"all inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
+    _check_tables(block_tables, context_lens, seqs, (q, cache))
     if not use_triton(q, cache, block_tables, context_lens):
         return reference.mla_decode_attention(q, cache, block_tables, context_lens, latent=latent, scale=scale,
                                               cache_scale=cache_scale)

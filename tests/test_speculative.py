@@ -77,6 +77,21 @@ def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_pa
 
 
 @pytest.mark.timeout(300)
+def test_one_sequence_keeps_its_one_row_graph_beside_the_verify_graph(dense, monkeypatch, tmp_path):
+    """max_num_seqs 1 with speculation: plain steps run the static one-row graph, verify steps
+    (1 + K rows) the shared one; transformers' tokens for each prompt."""
+    monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
+    monkeypatch.setenv("ATOLL_CACHE", str(tmp_path))
+    model_dir, expected = dense
+    results, runner = _in_process(model_dir, PROMPTS, GREEDY, speculative_config=NGRAM, block_size=4,
+                                  max_num_seqs=1, compile="always")
+    assert [r["token_ids"] for r in results] == expected
+    step = runner.decode_step
+    assert step.buckets == [1, 2, 4] and 1 in step.buckets_run and max(step.buckets_run) > 1
+    assert len(step.compiles) == 2 and step.warm_rows == (1, 2)  # the one-row graph, then the shared one
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout,method", [("TP2", NGRAM), ("PP2", NGRAM), ("TP2", SKIP)],
                          ids=["TP2-ngram", "PP2-ngram", "TP2-layer_skip"])
 def test_greedy_matches_transformers(dense, layout, method):
