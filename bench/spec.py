@@ -12,7 +12,8 @@ off, the acceptance rate and mean accepted length (engine.spec_stats), whether t
 are identical, and the 1-minute load average read before each timed run. By default both
 sides decode eagerly (--compile never), with the products engine.runner._tune_eager chose for
 the verify step's rows; with --compile always both run the compiled CPU decode step, whose
-buckets hold a verify step's rows too (both sides run the same weights and graph).
+buckets hold a verify step's rows too (both sides run the same weights and graphs, every graph
+made by the step's warm-up before the first timed run).
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
+    if runner.decode_step is not None:  # --compile always: every graph made before any timed run
+        runner.decode_step.warm_up()
     sides = {"off": spec.with_engine(speculative_config=None), "on": spec}
     # untimed: every prompt and a few decode steps on each side, so the first timed run does
     # not pay for the batch's first allocations
