@@ -63,6 +63,7 @@ def test_greedy_tp1_in_process(dense, method):
 def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_path):
     """CPU compiled step: a verify step's rows (4 sequences x (1 + 3 drafts)) run in its graph,
     at buckets up to max_num_seqs x (1 + K), with transformers' tokens."""
+    torch._dynamo.reset()  # this process's earlier compiles of the same layer code would change the count
     monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
     monkeypatch.setenv("ATOLL_CACHE", str(tmp_path))
     model_dir, expected = dense
@@ -80,6 +81,7 @@ def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_pa
 def test_one_sequence_keeps_its_one_row_graph_beside_the_verify_graph(dense, monkeypatch, tmp_path):
     """max_num_seqs 1 with speculation: plain steps run the static one-row graph, verify steps
     (1 + K rows) the shared one; transformers' tokens for each prompt."""
+    torch._dynamo.reset()
     monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
     monkeypatch.setenv("ATOLL_CACHE", str(tmp_path))
     model_dir, expected = dense
@@ -88,7 +90,7 @@ def test_one_sequence_keeps_its_one_row_graph_beside_the_verify_graph(dense, mon
     assert [r["token_ids"] for r in results] == expected
     step = runner.decode_step
     assert step.buckets == [1, 2, 4] and 1 in step.buckets_run and max(step.buckets_run) > 1
-    assert len(step.compiles) == 2 and step.warm_rows == (1, 2)  # the one-row graph, then the shared one
+    assert {rows > 1 for rows, _ in step.compiles} == {False, True} and step.warm_rows == (1, 2)  # both graphs
 
 
 @pytest.mark.timeout(300)
