@@ -176,12 +176,10 @@ class CompiledDecode(DecodeStep):
         else:
             self._step = torch.compile(self.run_model, dynamic=False, fullgraph=True)
 
-    def _graphs(self, x) -> tuple:
-        """(the key of self._layer_graphs and self._head_graphs that x's rows run, whether
-        that graph's rows are symbolic: False for the static one-row graph)."""
-        if len(x) == 1 and 1 in self._layer_graphs:
-            return 1, False
-        return None, True
+    def _graphs(self, x) -> int | None:
+        """The key of self._layer_graphs and self._head_graphs that x's rows run: 1 the static
+        one-row graph, None the shared one, whose rows are symbolic."""
+        return 1 if len(x) == 1 and 1 in self._layer_graphs else None
 
     def _through_graph(self, layer, x, residual, meta, *rest):
         """One decoder layer through its kind's graph. The first layer runs as the others: its
@@ -189,8 +187,8 @@ class CompiledDecode(DecodeStep):
         made before the graph."""
         residual = torch.zeros_like(x) if residual is None else residual
         cos_sin = layer.self_attn.rotary.prime(meta.positions, self.dtype)
-        key, symbolic = self._graphs(x)
-        if symbolic:  # tensors made outside the graphs: the same symbolic rows
+        key = self._graphs(x)
+        if key is None:  # tensors made outside the graphs: the same symbolic rows
             for t in (x, residual, *cos_sin):
                 torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=self._rows)
         return self._layer_graphs[key][type(layer)](layer, x, residual, meta, *rest)
@@ -198,8 +196,8 @@ class CompiledDecode(DecodeStep):
     def _through_head(self, x):
         """The LM head through its graph: at one row the weight's row reduction (int8's too),
         at more the packed product, inside the graph where eager would run F.linear."""
-        key, symbolic = self._graphs(x)
-        if symbolic:
+        key = self._graphs(x)
+        if key is None:
             torch._dynamo.mark_dynamic(x, 0, min=MIN_ROWS, max=self._rows)
         return self._head_graphs[key](self._head, x)
 

@@ -38,9 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if getattr(weight, "onednn", False):
             return torch.ops.atoll.onednn_linear(x, weight, bias)
     if getattr(weight, "onednn_eager", False) and x.dim() == 2 and x.shape[0] <= EAGER_MAX_ROWS:
-        shape, packed = _ONEDNN.get(weight.data_ptr(), (None, None))
-        if shape == weight.shape:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return _onednn_product(x, weight, bias)
     packed = getattr(weight, "packed", None)
     if packed is not None and x.dim() == 2 and x.shape[0] == packed[0]:
         return torch.ops.mkl._mkl_linear(x, packed[1], weight, bias, packed[0])
@@ -176,8 +174,14 @@ def _best_of(fn) -> float:
 @torch.library.custom_op("atoll::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T (+ bias) through weight's oneDNN-packed copy (pack_onednn)."""
+    return _onednn_product(x, weight, bias)
+
+
+def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The packed product where weight has a packed copy, else F.linear (not packed, or its
+    address reused by another tensor)."""
     shape, packed = _ONEDNN.get(weight.data_ptr(), (None, None))
-    if shape != weight.shape:  # not packed (or its address reused): the plain product
+    if shape != weight.shape:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

@@ -59,17 +59,24 @@ def test_greedy_tp1_in_process(dense, method):
     assert runner.stats["blocks_held"] == 0  # rejected drafts' blocks came back
 
 
-@pytest.mark.timeout(300)
-def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_path):
-    """CPU compiled step: a verify step's rows (4 sequences x (1 + 3 drafts)) run in its graph,
-    at buckets up to max_num_seqs x (1 + K), with transformers' tokens."""
-    torch._dynamo.reset()  # this process's earlier compiles of the same layer code would change the count
+def _compiled_in_process(dense, monkeypatch, tmp_path, *, max_num_seqs):
+    """n-gram speculation through the compiled CPU step, one rank in this process; asserts
+    transformers' tokens, returns (results, runner)."""
+    torch._dynamo.reset()  # this process's earlier compiles of the same layer code would change the counts
     monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
     monkeypatch.setenv("ATOLL_CACHE", str(tmp_path))
     model_dir, expected = dense
     results, runner = _in_process(model_dir, PROMPTS, GREEDY, speculative_config=NGRAM, block_size=4,
-                                  max_num_seqs=4, compile="always")
+                                  max_num_seqs=max_num_seqs, compile="always")
     assert [r["token_ids"] for r in results] == expected
+    return results, runner
+
+
+@pytest.mark.timeout(300)
+def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_path):
+    """CPU compiled step: a verify step's rows (4 sequences x (1 + 3 drafts)) run in its graph,
+    at buckets up to max_num_seqs x (1 + K), with transformers' tokens."""
+    results, runner = _compiled_in_process(dense, monkeypatch, tmp_path, max_num_seqs=4)
     drafted, accepted = _spec_counts(results)
     assert 0 < accepted < drafted
     step = runner.decode_step
@@ -81,13 +88,7 @@ def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_pa
 def test_one_sequence_keeps_its_one_row_graph_beside_the_verify_graph(dense, monkeypatch, tmp_path):
     """max_num_seqs 1 with speculation: plain steps run the static one-row graph, verify steps
     (1 + K rows) the shared one; transformers' tokens for each prompt."""
-    torch._dynamo.reset()
-    monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
-    monkeypatch.setenv("ATOLL_CACHE", str(tmp_path))
-    model_dir, expected = dense
-    results, runner = _in_process(model_dir, PROMPTS, GREEDY, speculative_config=NGRAM, block_size=4,
-                                  max_num_seqs=1, compile="always")
-    assert [r["token_ids"] for r in results] == expected
+    results, runner = _compiled_in_process(dense, monkeypatch, tmp_path, max_num_seqs=1)
     step = runner.decode_step
     assert step.buckets == [1, 2, 4] and 1 in step.buckets_run and max(step.buckets_run) > 1
     assert {rows > 1 for rows, _ in step.compiles} == {False, True} and step.warm_rows == (1, 2)  # both graphs
