@@ -96,6 +96,11 @@ class EngineConfig:
                                         "(env ATOLL_COMPILE_FREEZING)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already computed "
                                              "(engine.blocks)")
+    disable_hybrid_kv_cache_manager: bool = _opt(False, "a model whose sliding-window layers sit beside "
+                                                        "full-attention ones keeps one block table for all "
+                                                        "layers, every block kept (default: the sliding layers "
+                                                        "keep their own cache and let go of the blocks their "
+                                                        "window has passed; engine.window_pool)")
     prefill: str | None = _opt(None, "disaggregated prefill: the prefill engine's layout (e.g. TP2), beside "
                                      "--decode; the job runs both engines (engine.disagg)")
     decode: str | None = _opt(None, "disaggregated prefill: the decode engine's layout (e.g. TP4), beside --prefill")
@@ -155,7 +160,8 @@ class EngineConfig:
                 raise InputError(f"{name}={value!r} must be a positive number")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        for name in ("enforce_eager", "compile_freezing", "enable_prefix_caching", "mkl_pack"):
+        for name in ("enforce_eager", "compile_freezing", "enable_prefix_caching", "mkl_pack",
+                     "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
         if (self.prefill is None) != (self.decode is None):

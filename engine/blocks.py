@@ -90,10 +90,17 @@ class BlockPool:
         return all(n <= self.free_on(s) - sum(b in self._evictable[s] for b in hits[s::self.stripes])
                    for s, n in enumerate(need))
 
+    def table(self) -> list[int]:
+        """A new sequence's (empty) block table."""
+        return []
+
+    def can_grow(self, table: list[int], tokens: int) -> bool:
+        """Whether `grow(table, tokens)` would succeed."""
+        return all(n <= self.free_on(s) for s, n in enumerate(self._needs(len(table), tokens)))
+
     def grow(self, table: list[int], tokens: int) -> bool:
         """Extend table to hold `tokens` positions; False (and no change) if blocks run out."""
-        need = self._needs(len(table), tokens)
-        if any(n > self.free_on(s) for s, n in enumerate(need)):
+        if not self.can_grow(table, tokens):
             return False
         for j in range(len(table), self.blocks_for(tokens)):
             s = j % self.stripes
@@ -165,6 +172,10 @@ class BlockPool:
                 del self._evictable[block % self.stripes][block]
             self._refs[block] = self._refs.get(block, 0) + 1
             table.append(block)
+
+    def name_at(self, table: list[int], i: int, name: bytes) -> None:
+        """Name the table's block i (see name)."""
+        self.name(table[i], name)
 
     def name(self, block: int, name: bytes) -> None:
         """Record that a held, fully computed block holds the prefix `name`. If another block

@@ -44,7 +44,8 @@ class EngineCore:
                            max_num_seqs=spec.engine.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                            max_model_len=spec.max_model_len, depth=self.depth, pipelined=pipelined,
                            prefix_caching=spec.engine.enable_prefix_caching, drafter=self.drafter,
-                           sliding_window=runner.config.sliding_window, cp=runner.ctx.layout.cp)
+                           sliding_window=runner.config.pool_window, cp=runner.ctx.layout.cp,
+                           window_pool=runner.window_pool)
         self.inflight: deque[MicroBatch | None] = deque()  # inflight[s]: the micro-batch at stage s
         self.results: dict[int, dict] = {}
         self.tick, self.produced = 0, 0
@@ -166,6 +167,14 @@ class EngineCore:
     def blocks_in_use(self) -> int:
         """KV blocks held by sequences (named blocks no sequence holds are free to evict)."""
         return sum(s.pool.num_blocks - s.pool.num_free for s in self.lanes.schedulers)
+
+    def window_stats(self) -> dict:
+        """The sliding layers' own blocks (engine.window_pool), held and in all; {} without them."""
+        pools = [s.pool.window for s in self.lanes.schedulers if hasattr(s.pool, "window")]
+        if not pools:
+            return {}
+        return {"window_blocks_in_use": sum(p.num_blocks - p.num_free for p in pools),
+                "window_num_blocks": sum(p.num_blocks for p in pools)}
 
     def cached_blocks(self) -> int:
         return sum(s.pool.num_cached for s in self.lanes.schedulers)

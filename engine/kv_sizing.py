@@ -28,6 +28,24 @@ def cpu_blocks(*, block_size: int, max_num_seqs: int, max_model_len: int, lanes:
     return max_num_seqs * blocks_per_seq(max_model_len, block_size, cp) * lanes
 
 
+def window_blocks(*, width: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, lanes: int,
+                  spec_tokens: int = 0) -> int:
+    """Blocks the sliding layers' own cache needs (engine.window_pool) when every sequence lets
+    go of the blocks its window has passed: per running sequence its window, the step's new
+    positions (1 + spec_tokens) and two blocks of misalignment, plus one step's prompt chunks,
+    in every lane."""
+    per_seq = -(-(width + 1 + spec_tokens) // block_size) + 2
+    return lanes * (max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size))
+
+
+def full_blocks(blocks: int, window: int, *, full_layers: int, sliding_layers: int) -> int:
+    """The full-attention layers' blocks when `blocks` blocks of every layer's memory are split:
+    the sliding layers take `window`, the rest of their share goes to the full layers."""
+    if not full_layers:
+        return 1 << 62  # this stage holds no full-attention layer: another stage sets the count
+    return blocks + (blocks - window) * sliding_layers // full_layers
+
+
 def explicit_blocks(*, bytes_per_block: int, kv_cache_gb: float | None, num_blocks: int | None) -> int | None:
     """--num-blocks, else --kv-cache-gb in blocks, else None."""
     if num_blocks is not None:
@@ -61,10 +79,16 @@ def check_fits(num_blocks: int, *, block_size: int, max_model_len: int, cp: int 
                          "sequence over context parallel ranks (-cp)"))
 
 
-def summary(num_blocks: int, *, block_size: int, bytes_per_block: int, max_model_len: int, cp: int = 1) -> str:
-    """The one line a run prints about its cache."""
+def summary(num_blocks: int, *, block_size: int, bytes_per_block: int, max_model_len: int, cp: int = 1,
+            window_pool: tuple[int, int] | None = None) -> str:
+    """The one line a run prints about its cache (window_pool: the sliding layers' own, engine.window_pool)."""
     tokens = num_blocks * block_size
     seqs = num_blocks // blocks_per_seq(max_model_len, block_size, cp)
+    if window_pool is not None:  # bytes_per_block counts every layer: no one size to give
+        width, window = window_pool
+        return (f"KV cache: {num_blocks} blocks of {block_size} tokens ({tokens} tokens) for the full-attention "
+                f"layers, {window} of their own for the sliding-window layers (window {width}); room for {seqs} "
+                f"sequences of max_model_len={max_model_len}")
     size = num_blocks * bytes_per_block
     size = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     return (f"KV cache: {num_blocks} blocks of {block_size} tokens ({tokens} tokens, {size} per rank); "

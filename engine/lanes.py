@@ -22,6 +22,7 @@ from atoll.engine.blocks import BlockPool
 from atoll.engine.sampling import logprob_rows, sample
 from atoll.engine.verify import verify_greedy, verify_sampled
 from atoll.engine.scheduler import Scheduled, Scheduler, Sequence
+from atoll.engine.window_pool import WindowedPool
 from atoll.layers.attention import AttentionMetadata
 
 
@@ -160,22 +161,32 @@ def lane_count(*, num_blocks: int, block_size: int, max_model_len: int, depth: i
 class Lanes:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, depth: int, pipelined: bool = True, prefix_caching: bool = False,
-                 drafter=None, sliding_window: int | None = None, cp: int = 1):
+                 drafter=None, sliding_window: int | None = None, cp: int = 1,
+                 window_pool: tuple[int, int] | None = None):
         """depth: pipeline stages; as many lanes as `lane_count` gives. prefix_caching: each
         lane's pool keeps its own cache of named blocks (engine.blocks). drafter: speculative
         tokens for every lane (engine.drafters), or None. sliding_window: blocks a running
         sequence's window has passed go back to its lane's pool (block num_blocks, the cache's
         scratch block, stands in for them). cp: context parallel ranks; num_blocks is per rank
-        and each pool stripes a sequence's blocks over the cp ranks (engine.blocks)."""
+        and each pool stripes a sequence's blocks over the cp ranks (engine.blocks).
+        window_pool: (width, blocks) when the sliding layers keep their own cache of `blocks`
+        blocks (engine.window_pool; width their widest window); its block `blocks` is its hole."""
         count = lane_count(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                            depth=depth, pipelined=pipelined, cp=cp)
         share = num_blocks // count
         self.depth = depth
         # the hole's global id reads as local block num_blocks (the scratch block) on every cp rank
-        self.schedulers = [Scheduler(BlockPool(share, block_size, first=i * share, hole=num_blocks * cp, stripes=cp),
-                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        pools = [BlockPool(share, block_size, first=i * share, hole=num_blocks * cp, stripes=cp) for i in range(count)]
+        if window_pool is not None:
+            if cp != 1:
+                raise ValueError("a sliding layers' pool is not striped over cp ranks")
+            sliding_window, blocks = window_pool
+            part = blocks // count
+            pools = [WindowedPool(pool, BlockPool(part, block_size, first=i * part, hole=blocks), sliding_window)
+                     for i, pool in enumerate(pools)]
+        self.schedulers = [Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      prefix_caching=prefix_caching, drafter=drafter, sliding_window=sliding_window)
-                           for i in range(count)]
+                           for pool in pools]
 
     def __len__(self) -> int:
         return len(self.schedulers)

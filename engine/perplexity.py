@@ -125,7 +125,9 @@ def run_scores(llm, wins: list[list[int]], *, timeout_s: float | None = None) ->
         raise InputError(f"--window {length} exceeds the model's context of {llm.max_model_len} tokens")
     bs = llm.options.block_size
     spec = dataclasses.replace(llm.spec(), max_model_len=length)
-    spec = spec.with_engine(num_blocks=min(len(wins), llm.max_num_seqs) * -(-length // bs), enforce_eager=True)
+    # its own tables, one list per window for every layer (no sliding layers' cache: engine.window_pool)
+    spec = spec.with_engine(num_blocks=min(len(wins), llm.max_num_seqs) * -(-length // bs), enforce_eager=True,
+                            disable_hybrid_kv_cache_manager=True)
     values = llm.run(score_worker, layout.world_size, spec, wins, parallel=llm.context_options(),
                      timeout_s=timeout_s)
     return next(v for v in values if v is not None)

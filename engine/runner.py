@@ -18,6 +18,7 @@ from atoll.models import ModelConfig, build_model
 from atoll.models import quantize
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.parallel.mesh import ParallelContext
+from atoll.parallel.pipeline import stage_layers
 
 DTYPES = {name: getattr(torch, name) for name in config.DTYPES}
 
@@ -76,9 +77,12 @@ class ModelRunner:
         quantize.apply(self.model, spec.engine.quantization)  # --quantization: int8/fp8 weights (models/quantize.py)
         self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.engine.block_size,
                                                   kv_cache_dtype=spec.engine.kv_cache_dtype)
+        # (widest window, blocks) when the sliding layers keep their own cache (engine.window_pool)
+        self.window_pool: tuple[int, int] | None = None
         self.num_blocks = self._size_cache()
         # one block more than the schedulers hand out: the compiled step's padding rows write there
-        self.cache = self.new_cache(self.num_blocks + 1)
+        self.cache = self.new_cache(self.num_blocks + 1,
+                                    window_blocks=self.window_pool[1] + 1 if self.window_pool else None)
         lay = ctx.layout
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
@@ -88,7 +92,8 @@ class ModelRunner:
 
         self.ranks_here = ranks_here or ctx.layout.world_size
         # None: every step eager (always under context parallelism, whose steps are eager only)
-        self.decode_step = step_policy.build(self) if ctx.layout.cp == 1 else None
+        # and with a sliding layers' cache of their own, whose tables the compiled steps do not take
+        self.decode_step = step_policy.build(self) if ctx.layout.cp == 1 and self.window_pool is None else None
         self.packer = _packer(self.model, self.ranks_here, spec.engine.mkl_pack) if self.decode_step is None else None
         # whether the eager step runs the weights _tune_eager chose (False: plain F.linear products)
         self.eager_tuned = self.decode_step is None and self.packer is None and _tune_eager(self)
@@ -100,13 +105,33 @@ class ModelRunner:
         speculative = self.spec.engine.speculative_config
         return speculative.num_speculative_tokens if speculative is not None else None
 
-    def new_cache(self, blocks: int, *, config: ModelConfig | None = None, layers: int | None = None):
+    def new_cache(self, blocks: int, *, config: ModelConfig | None = None, layers: int | None = None,
+                  window_blocks: int | None = None):
         """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind
-        (or another model's: a draft model's, engine.drafters)."""
+        (or another model's: a draft model's, engine.drafters); window_blocks: the sliding layers'
+        own count (engine.window_pool)."""
+        if window_blocks is not None:
+            blocks = [window_blocks if w else blocks for w in self._local_windows()]
         return make_cache(config or self.config, self.ctx.tp.size, layers=layers or self.model.num_local_layers,
                           blocks=blocks,
                           block_size=self.spec.engine.block_size, dtype=self.dtype, device=self.device,
                           kv_cache_dtype=self.spec.engine.kv_cache_dtype)
+
+    def _local_windows(self) -> list[int | None]:
+        """Each of this rank's layers' sliding window (None: full attention)."""
+        start, end = stage_layers(self.config, self.ctx.layout.pp)[self.ctx.coords.pp]
+        return [self.config.window_of(i) for i in range(start, end)]
+
+    def _hybrid_width(self) -> int | None:
+        """The sliding layers' widest window when they keep their own cache (engine.window_pool):
+        a model with both kinds of layer, unless switched off or in a job whose other parts read one
+        table per sequence (context parallel stripes, a disaggregated transfer, a draft model's cache)."""
+        eng, width = self.spec.engine, self.config.hybrid_window
+        draft = eng.speculative_config is not None and eng.speculative_config.model is not None
+        if width is None or eng.disable_hybrid_kv_cache_manager or self.ctx.layout.cp > 1 \
+                or eng.prefill is not None or draft:
+            return None
+        return width
 
     def _size_cache(self) -> int:
         """Blocks per rank, the same on every rank (engine.kv_sizing)."""
@@ -124,15 +149,28 @@ class ModelRunner:
         elif blocks is None:
             blocks = kv.cpu_blocks(block_size=spec.engine.block_size, max_num_seqs=spec.cache_seqs or spec.engine.max_num_seqs,
                                    max_model_len=spec.max_model_len, lanes=self.ctx.layout.pp, cp=cp)
+        width, window, full = self._hybrid_width(), None, blocks
+        if width is not None:
+            k = spec.engine.speculative_config.num_speculative_tokens if spec.engine.speculative_config else 0
+            window = kv.window_blocks(width=width, block_size=spec.engine.block_size,
+                                      max_num_seqs=spec.engine.max_num_seqs,
+                                      max_num_batched_tokens=spec.max_num_batched_tokens, lanes=self.ctx.layout.pp,
+                                      spec_tokens=k)
+            kinds = self._local_windows()
+            full = kv.full_blocks(blocks, min(window, blocks), sliding_layers=sum(w is not None for w in kinds),
+                                  full_layers=sum(w is None for w in kinds))
         if self.ctx.layout.world_size > 1:  # every rank schedules the same blocks
-            t = torch.tensor([blocks], dtype=torch.long, device=self.device)
-            blocks = int(self.ctx.world.all_reduce(t, op="min")[0])
+            t = torch.tensor([blocks, full], dtype=torch.long, device=self.device)
+            blocks, full = self.ctx.world.all_reduce(t, op="min").tolist()
+        if window is not None and window < blocks:  # else the sliding layers would save nothing
+            self.window_pool, blocks = (width, window), full
         kv.check_fits(blocks, block_size=spec.engine.block_size, max_model_len=spec.max_model_len, cp=cp)
         if self.ctx.rank == 0:
             import sys
 
             print("atoll: " + kv.summary(blocks, block_size=spec.engine.block_size, bytes_per_block=self.bytes_per_block,
-                                         max_model_len=spec.max_model_len, cp=cp), file=sys.stderr, flush=True)
+                                         max_model_len=spec.max_model_len, cp=cp, window_pool=self.window_pool),
+                  file=sys.stderr, flush=True)
         return blocks
 
     def agree(self, busy: bool, mb):

@@ -78,7 +78,9 @@ class Scheduler:
                  prefix_caching: bool = False, drafter=None, sliding_window: int | None = None):
         """drafter: proposes speculative tokens for decoding sequences (engine.drafters), or None.
         sliding_window: every layer attends to this many positions at most (Mistral): blocks
-        wholly before a running sequence's window go back to the pool (the pool needs a hole)."""
+        wholly before a running sequence's window go back to the pool (the pool needs a hole).
+        With a WindowedPool (engine.window_pool) it is the sliding layers' widest window, and
+        only their blocks go back."""
         self.pool = pool
         self.window = sliding_window if pool.hole is not None else None
         self.drafter = drafter
@@ -90,6 +92,8 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        if not seq.blocks:
+            seq.blocks = self.pool.table()  # the pool's kind of table (engine.window_pool)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -109,7 +113,7 @@ class Scheduler:
         if self.prefix_caching and full > seq.named:
             names = self._names(seq, full)
             for i in range(seq.named, full):
-                self.pool.name(seq.blocks[i], names[i])
+                self.pool.name_at(seq.blocks, i, names[i])
             seq.named = full
         return chunk
 
@@ -190,6 +194,8 @@ class Scheduler:
         prompt, which is then cached, its first token already in `output`. False (and no
         change) when the blocks or max_num_seqs leave no room for it yet."""
         prompt = len(seq.request.prompt_token_ids)
+        if not seq.blocks:
+            seq.blocks = self.pool.table()
         if len(self.running) >= self.max_num_seqs or not self.pool.grow(seq.blocks, prompt):
             return False
         self._commit(Scheduled(seq, 0, prompt))  # names its full prompt blocks for later prompts

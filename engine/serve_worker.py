@@ -146,7 +146,7 @@ def _stats(core: EngineCore) -> dict:
     lanes = core.lanes.schedulers
     return {"running": sum(len(s.running) for s in lanes), "waiting": sum(len(s.waiting) for s in lanes),
             "blocks_in_use": core.blocks_in_use(), "blocks_cached": core.cached_blocks(),
-            "num_blocks": sum(s.pool.num_blocks for s in lanes)}
+            "num_blocks": sum(s.pool.num_blocks for s in lanes)} | core.window_stats()
 
 
 def _sum(parts: list[dict]) -> dict | None:

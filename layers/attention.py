@@ -34,6 +34,9 @@ class AttentionMetadata:
     start_list: list[int] = field(default_factory=list)  # starts, on the host
     slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (block, offset) of every new token
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per step, shared by all layers
+    # the same step over the sliding layers' own block tables, when they keep their own cache
+    # (engine.window_pool: tables with a `window` list); None when every layer reads these tables
+    windowed: "AttentionMetadata | None" = None
 
     @classmethod
     def build(cls, block_tables: list[list[int]], starts: list[int], query_lens: list[int],
@@ -50,8 +53,11 @@ class AttentionMetadata:
         flat += blocks + offsets + list(starts) + positions
         # one host-to-device copy for the step (each copy to a GPU costs a round trip), then views
         tables, block, offset, start, pos = torch.tensor(flat, dtype=torch.long, device=device).split(parts)
+        windowed = None
+        if block_tables and hasattr(block_tables[0], "window"):
+            windowed = cls.build([t.window for t in block_tables], starts, query_lens, block_size, device=device)
         return cls(tables.view(len(block_tables), width), start, list(query_lens), pos, block_size, list(starts),
-                   (block, offset))
+                   (block, offset), windowed=windowed)
 
     @classmethod
     def contiguous(cls, slots: list[int], starts: list[int], query_lens: list[int], max_len: int, *, device="cpu"):
@@ -144,19 +150,23 @@ class KVCache:
     kv_format: quantized storage (layers/kv_quant.py), each layer's k and v a QuantizedKV
     whose reads return `dtype`; None: plain tensors of `dtype`."""
 
-    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype,
-                 *, device="cpu", values: bool = True, kv_format: KVFormat | None = None):
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+    def __init__(self, num_layers: int, num_blocks: int | list[int], kv_heads: int, block_size: int, head_dim: int,
+                 dtype, *, device="cpu", values: bool = True, kv_format: KVFormat | None = None):
+        """num_blocks: every layer's, or a list of each layer's (a sliding layer keeping fewer:
+        engine.window_pool); self.num_blocks is the largest."""
+        counts = num_blocks if isinstance(num_blocks, list) else [num_blocks] * num_layers
 
-        def one():
+        def one(blocks):
+            shape = (blocks, block_size, kv_heads, head_dim)
             if kv_format is not None:
                 return QuantizedKV(shape, kv_format, dtype, device=device)
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.k = [one() for _ in range(num_layers)]
-        self.v = [one() if values else None for _ in range(num_layers)]
+        self.k = [one(n) for n in counts]
+        self.v = [one(n) if values else None for n in counts]
         self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.num_blocks = max(counts, default=0)
+        self.layer_blocks = counts
         self.kv_format = kv_format
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -172,7 +182,10 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes in every layer of this stage on this rank."""
-        return self.bytes // (self.num_blocks * self.block_size)
+        return sum(t.numel() * t.element_size() // (n * self.block_size)
+                   for ts, n in zip(zip(self.k, self.v), self.layer_blocks)
+                   for x in ts if x is not None
+                   for t in (x.tensors() if isinstance(x, QuantizedKV) else [x]))
 
 
 def write_cache(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:

@@ -70,10 +70,10 @@ def kv_bytes_per_block(config, layout, itemsize: int, block_size: int, *, kv_cac
     return int(block_size * layers * token_shape(config, layout.tp).bytes(*storage_bytes(itemsize, kv_cache_dtype)))
 
 
-def make_cache(config, tp: int, *, layers: int, blocks: int, block_size: int, dtype, device,
+def make_cache(config, tp: int, *, layers: int, blocks: int | list[int], block_size: int, dtype, device,
                kv_cache_dtype: str = "auto"):
     """The paged cache of `layers` layers on one rank (layers.attention.KVCache; keys only for MLA),
-    quantized when kv_cache_dtype is not auto."""
+    quantized when kv_cache_dtype is not auto; blocks: every layer's count, or each layer's."""
     s = token_shape(config, tp)
     return KVCache(layers, blocks, s.heads, block_size, s.dim, dtype, device=device, values=s.values,
                    kv_format=kv_format(kv_cache_dtype))

@@ -122,6 +122,24 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
 
     @property
+    def pool_window(self) -> int | None:
+        """The window every layer keeps within (the widest when they differ), when every layer
+        slides: blocks before it go back to the pool (engine.scheduler). None if any layer
+        attends to every position."""
+        if self.layer_windows is None:
+            return self.sliding_window
+        return None if None in self.layer_windows else max(self.layer_windows)
+
+    @property
+    def hybrid_window(self) -> int | None:
+        """The widest sliding window when some layers slide and others attend to every position
+        (Qwen2/3's max_window_layers, config.json's layer_types): the sliding layers can keep
+        their own, shorter block tables (engine.window_pool). None otherwise."""
+        if self.layer_windows is None or None not in self.layer_windows:
+            return None
+        return max((w for w in self.layer_windows if w is not None), default=None)
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
