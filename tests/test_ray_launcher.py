@@ -288,7 +288,7 @@ def test_living_engine_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model
     assert free_gpus_back() == 4
 
 
-@pytest.mark.parametrize("layout", [["-tp", "2", "-pp", "2"],
+@pytest.mark.parametrize("layout", [pytest.param(["-tp", "2", "-pp", "2"], marks=pytest.mark.slow),
                                     ["--prefill", "TP2", "--decode", "TP2", "--disagg-min-prompt-tokens", "1"]],
                          ids=["TP2PP2", "disaggregated"])
 def test_generate_cli_on_ray_writes_each_result_as_it_ends(cluster, tiny_model, tmp_path, layout):

@@ -94,7 +94,8 @@ def test_per_layer_windows_match_transformers(tiny_model, kind):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind,layout", [("qwen2", "TP1"), ("qwen3", "PP2"), ("qwen2", "TP2")])
+@pytest.mark.parametrize("kind,layout", [("qwen2", "TP1"), ("qwen3", "PP2"),
+                                         pytest.param("qwen2", "TP2", marks=pytest.mark.slow)])
 def test_sliding_layers_let_go_of_their_blocks_beside_full_attention_layers(tiny_model, kind, layout):
     """Per-layer windows (a 24-token window on the last of three layers): the sliding layer
     keeps its own cache, whose blocks in use stay near the window's share while the sequences
