@@ -26,19 +26,41 @@ import time
 from atoll.bench.harness import Run
 from atoll.errors import ConfigError
 
+# each text longer than the default --output-len, so a faithful copy or light edit of it is the
+# whole answer (texts shorter than the output let the model run on into unrelated text)
 TEXTS = [
     "The committee met on Tuesday to review the budget for the coming year. After a long discussion, "
     "the members agreed to increase spending on public libraries by ten percent, to repair the old bridge "
-    "over the river, and to delay the new parking garage until the spring.",
+    "over the river, and to delay the new parking garage until the spring. The treasurer warned that the "
+    "cost of heating the town hall had doubled since last winter, and asked the members to look for savings "
+    "in the other departments before the next meeting. Two members proposed closing the swimming pool on "
+    "Mondays, but the others said that the pool was used by the schools on that day and should stay open. "
+    "In the end the committee decided to ask each department for a written list of possible savings, to be "
+    "sent to the treasurer by the end of the month, and to meet again in six weeks to choose among them.",
     "Photosynthesis is the process by which green plants use sunlight to make food from carbon dioxide and "
     "water. It takes place mainly in the leaves, inside small structures called chloroplasts, and it "
-    "releases oxygen into the air as a by-product.",
+    "releases oxygen into the air as a by-product. The green pigment in the chloroplasts, chlorophyll, "
+    "absorbs red and blue light and reflects green light, which is why most leaves look green to us. The "
+    "energy captured from the light is used to split water into hydrogen and oxygen, and the hydrogen is "
+    "then joined with carbon dioxide to build sugars. Plants use these sugars to grow and to store energy "
+    "for the night and for the winter. Almost every living thing on land depends on this process, either by "
+    "eating plants or by eating animals that eat plants, and the oxygen we breathe comes from it too.",
     "To reset your password, open the settings page, choose the account tab, and press the button marked "
     "reset. A message with a link will be sent to your email address. Follow the link within one hour, "
-    "then type your new password twice and save it.",
+    "then type your new password twice and save it. Your new password must be at least twelve characters "
+    "long and must not be the same as any of your last five passwords. If the message does not arrive within "
+    "a few minutes, look in your spam folder, and make sure that the email address on your account is the "
+    "one you are checking. If you no longer have access to that address, contact the help desk by phone "
+    "during office hours and have your account number ready. For your safety, the help desk will never ask "
+    "you to tell them your password, and you should not share it with anyone, even a colleague.",
     "The train to the coast leaves the central station every hour from six in the morning until ten at "
     "night. Tickets can be bought at the machines in the hall or on the train itself, and children under "
-    "twelve travel free when they are with an adult.",
+    "twelve travel free when they are with an adult. The journey takes about two hours and stops at five "
+    "towns on the way, the largest of which is the market town in the valley, where many people change for "
+    "the bus to the mountains. On weekends in the summer an extra train runs every half hour, and bicycles "
+    "may be taken on board at no extra cost, as long as there is room in the first carriage. There is a "
+    "small cafe on the platform at the coast, and the beach is a short walk from the station along the "
+    "main street, past the harbour and the old lighthouse.",
 ]
 COPY = ["Repeat the following text exactly, word for word:\n\n{}",
         "Fix any spelling mistakes in this text and write it out again in full:\n\n{}",
@@ -162,6 +184,7 @@ def summarize(runs: list[dict]) -> dict:
            "load_avg_1m": [round(r["load_avg_1m"], 2) for r in runs],
            "runs_s": [round(r["total_s"], 2) for r in runs]}  # each round's time, in order
     if runs[0]["spec"] is not None:
+        out["drafted"] = sum(r["spec"]["drafted"] for r in runs)
         out["acceptance_rate"] = statistics.median(r["spec"]["acceptance_rate"] for r in runs)
         out["mean_accepted_length"] = statistics.median(r["spec"]["mean_accepted_length"] for r in runs)
     return out
@@ -174,7 +197,7 @@ def render(r: dict) -> str:
     for name in ("off", "on"):
         s = r[name]
         extra = (f", acceptance {s['acceptance_rate']:.1%}, mean accepted length {s['mean_accepted_length']:.2f}"
-                 if "acceptance_rate" in s else "")
+                 if s.get("drafted") else ", no drafts made (disable_by_batch_size)" if "drafted" in s else "")
         lines.append(f"  {name:>3}: {s['tok_s']:8.1f} tok/s ({s['total_s']:.2f} s){extra}  load {s['load_avg_1m']}")
     lines.append(f"  on / off: {r['speedup']:.2f}x, tokens identical: {r['tokens_identical']}")
     return "\n".join(lines)

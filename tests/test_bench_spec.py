@@ -1,0 +1,33 @@
+"""atoll bench spec: speculation off and on side by side (a smoke run on the real model, and
+the table's lines)."""
+
+import json
+
+import cli
+import pytest
+
+from atoll.bench.spec import render
+
+
+@pytest.mark.timeout(300)
+def test_bench_spec_smoke_on_copy_prompts(capsys, smollm2_dir):
+    code, out, err = cli.run_cli(capsys, "bench", "spec", "--model", str(smollm2_dir), "--speculative-config",
+                                 '{"method": "ngram", "num_speculative_tokens": 3}', "--requests", "2",
+                                 "--output-len", "24", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["tokens_identical"] is True and r["requests"] == 2 and r["output_len"] == 24
+    on, off = r["on"], r["off"]
+    # the model copies the given text, so n-gram drafts are made and mostly kept
+    assert on["drafted"] > 0 and 0 < on["acceptance_rate"] <= 1 and on["mean_accepted_length"] > 1
+    assert r["speedup"] == pytest.approx(on["tok_s"] / off["tok_s"], rel=1e-6)
+
+
+def test_render_says_when_no_draft_was_made():
+    side = {"tok_s": 10.0, "total_s": 1.0, "load_avg_1m": [1.0]}
+    r = {"model": "m", "layout": "TP1", "device": "cpu", "prompts": "copy", "batch": 16, "requests": 16,
+         "output_len": 8, "rounds": 1, "speculative_config": "{}", "speedup": 1.0, "tokens_identical": True,
+         "off": side, "on": side | {"drafted": 0, "acceptance_rate": 0.0, "mean_accepted_length": 0.0}}
+    assert "no drafts made" in render(r)
+    r["on"] |= {"drafted": 12, "acceptance_rate": 0.5, "mean_accepted_length": 2.5}
+    assert "acceptance 50.0%, mean accepted length 2.50" in render(r)
