@@ -1,7 +1,9 @@
 """The decode step on CUDA: captured once per sequence bucket as a CUDA graph, replayed each step.
 
 A decode micro-batch of n sequences runs at the smallest bucket >= n of 1, 2, 4, 8, ... and
-max_num_seqs. Each bucket owns one packed device buffer of longs (token ids, positions, cache
+max_num_seqs; with speculative decoding, a verify step of decoding sequences is a decode step
+of one row per position (each sequence's pending token and its K drafts), so the buckets go up
+to max_num_seqs x (1 + K) rows and the verify step replays a graph too. Each bucket owns one packed device buffer of longs (token ids, positions, cache
 block and offset of the new token, context lengths, and a block table max_model_len /
 block_size wide) and its pinned host twin: a step writes the real rows on the host from the
 scheduler's chunks (padding rows write into the cache's scratch block and attend to it
@@ -68,18 +70,23 @@ class Packed:
         self.device_buf.copy_(self.host)
 
     def fill_host(self, chunks, block_size: int) -> None:
-        """The decode chunks' rows, then padding rows (token 0 at position 0, writing the
-        scratch block's first slot, attending to it alone)."""
+        """The decode chunks' rows, one per new token (a verify step's pending token and each
+        draft: a row at its own position, attending to the cache up to it), then padding rows
+        (token 0 at position 0, writing the scratch block's first slot, attending to it alone)."""
         if self.copied is not None:
             self.copied.synchronize()  # the copy of the last step has left the host buffer
         ids, pos, block, offset, lengths = self.host_rows
         tables = self.host_tables
-        for i, c in enumerate(chunks):
-            s, blocks = c.start, c.seq.blocks
-            ids[i], pos[i], block[i], offset[i], lengths[i] = c.seq.tokens[s], s, blocks[s // block_size], \
-                s % block_size, s + 1
-            tables[i, :len(blocks)] = blocks  # entries past the context are never read
-        n = len(chunks)
+        i = 0
+        for c in chunks:
+            blocks = c.seq.blocks
+            for j, token in enumerate(c.token_ids):
+                s = c.start + j
+                ids[i], pos[i], block[i], offset[i], lengths[i] = token, s, blocks[s // block_size], \
+                    s % block_size, s + 1
+                tables[i, :len(blocks)] = blocks  # entries past the context are never read
+                i += 1
+        n = i
         ids[n:], pos[n:], block[n:], offset[n:], lengths[n:] = 0, 0, self.scratch, 0, 1
         tables[n:, 0] = self.scratch
 
@@ -153,12 +160,17 @@ class GraphedDecode(DecodeStep):
                   f"{', '.join(map(str, self.buckets))} sequences x {self.max_blocks} blocks "
                   "(--enforce-eager: no graphs)", file=sys.stderr, flush=True)
 
+    def takes(self, mb) -> bool:
+        """A decode micro-batch, or a speculative verify step of decoding sequences (a row per
+        position: MicroBatch.decode_rows), of at most the largest bucket's rows."""
+        return bool(mb.chunks) and mb.decode_rows and mb.tokens <= self.buckets[-1]
+
     def __call__(self, x: torch.Tensor | None, mb) -> torch.Tensor:
         """x: None on the first stage (the ids come from the chunks), else [n, hidden]
-        received activations -> [n, ...] rows."""
+        received activations -> [n, ...] rows, a row a new token."""
         if not self._graphs:
             self._capture_all()
-        n = len(mb.chunks)
+        n = mb.tokens
         size = self.bucket(n)
         inp = self._inputs[size]
         inp.fill_host(mb.chunks, self.block_size)

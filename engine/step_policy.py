@@ -54,8 +54,9 @@ def build(runner):
     policy = "never" if eng.enforce_eager else eng.compile
     if policy == "never" or runner.config.is_mla:  # MLA (DeepSeek) decodes eagerly
         return None
-    kw = dict(max_num_seqs=eng.max_num_seqs, max_model_len=spec.max_model_len, block_size=eng.block_size,
-              scratch_block=runner.num_blocks, rank=runner.ctx.rank)
+    # speculative decoding: a verify step's rows (each sequence's pending token and K drafts) are buckets too
+    kw = dict(max_num_seqs=eng.max_num_seqs * (1 + (runner.spec_k or 0)), max_model_len=spec.max_model_len,
+              block_size=eng.block_size, scratch_block=runner.num_blocks, rank=runner.ctx.rank)
     if runner.device.type == "cuda":
         if runner.config.is_moe and runner.ctx.layout.dp > 1:
             return None  # the fixed-shape MoE exchange needs every DP rank at one bucket: not yet
@@ -73,9 +74,7 @@ def build(runner):
     if policy == "auto" and not _agree(runner, lambda: decide(runner, pack, weight_bytes)):
         return None
     _thread_lock_for_tqdm()
-    # speculative decoding: a verify step's rows (each sequence's pending token and K drafts) are buckets too;
     # a one-sequence run keeps its one-row graph for the plain steps
-    kw["max_num_seqs"] *= 1 + (runner.spec_k or 0)
     return CompiledDecode(runner.model, runner.cache, freezing=pack, cache_dir=inductor_cache_dir(eng.cache_path),
                           one_row=eng.max_num_seqs == 1, **kw)
 

