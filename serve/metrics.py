@@ -25,6 +25,9 @@ DESCRIPTIONS = {
     "kv_blocks_in_use": "KV cache blocks held by running requests, all replicas",
     "kv_blocks_cached": "KV cache blocks no request holds that keep a cached prefix",
     "kv_blocks_total": "KV cache blocks, all replicas",
+    "kv_window_blocks_in_use": "the sliding-window layers' own KV blocks held by running requests (a model whose "
+                               "sliding layers sit beside full-attention ones; 0 otherwise)",
+    "kv_window_blocks_total": "the sliding-window layers' own KV blocks, all replicas (0: none of their own)",
     "prefix_cache_hit_rate": "prompt tokens served from the prefix cache / prompt tokens, since start",
     "prompt_tokens_total": "prompt tokens of finished requests",
     "prompt_tokens_cached_total": "of those, served from the prefix cache",
@@ -75,7 +78,8 @@ class Metrics:
             self.failed.labels(reason)
         for name, key in (("num_requests_running", "running"), ("num_requests_waiting", "waiting"),
                           ("kv_blocks_in_use", "blocks_in_use"), ("kv_blocks_cached", "blocks_cached"),
-                          ("kv_blocks_total", "num_blocks")):
+                          ("kv_blocks_total", "num_blocks"), ("kv_window_blocks_in_use", "window_blocks_in_use"),
+                          ("kv_window_blocks_total", "window_num_blocks")):
             Gauge(f"{PREFIX}_{name}", d[name], registry=r).set_function(lambda key=key: stats().get(key, 0))
         Gauge(f"{PREFIX}_prefix_cache_hit_rate", d["prefix_cache_hit_rate"], registry=r).set_function(self.hit_rate)
         routed = Gauge(f"{PREFIX}_disagg_routed", d["disagg_routed"], ["decision"], registry=r)
