@@ -8,6 +8,9 @@ reference (backend.use_triton decides; the config's kernels=torch forces the ref
     rotary_(q [T, Hq, D], k [T, Hk, D], cos [T, D], sin [T, D]) -> None (in place)
     paged_decode_attention(q [S, Hq, D], k_cache, v_cache [B, bs, Hk, D], block_tables [S, M],
                            context_lens [S], *, scale=None, sliding_window=None) -> [S, Hq, D]
+    paged_prefill_attention(q [T, Hq, D], k_cache, v_cache [B, bs, Hk, D], block_tables [S, M],
+                            query_starts [S+1], starts [S], *, max_query_len=None, scale=None,
+                            sliding_window=None) -> [T, Hq, D]
     mla_decode_attention(q [S, H, D], cache [B, bs, 1, D], block_tables [S, M], context_lens [S],
                          *, latent, scale, cache_scale=None) -> [S, H, latent]
 
@@ -158,21 +161,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     as value * scale with k_scale, v_scale [blocks, block_size, kv_heads] float32 (required for
     int8; None for unscaled fp8).
     """
-    check(q.dim() == 3 and k_cache.dim() == 4,
-          f"q must be [seqs, heads, head_dim] and k_cache 4-D, got {q.dim()}-D and {k_cache.dim()}-D")
-    seqs, heads, dim = q.shape
-    check(v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)}")
-    check(k_cache.shape[3] == dim, f"the cache has head_dim={k_cache.shape[3]}, q has {dim}")
-    check(heads % k_cache.shape[2] == 0, f"kv_heads={k_cache.shape[2]} does not divide heads={heads}")
-    check(q.dtype in FLOATS and k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, *KV_QUANT),
-          f"q, k_cache and v_cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype} "
-          f"(or the cache one of int8, float8_e4m3fn, float8_e5m2)")
-    check((k_scale is None) == (v_scale is None), "give k_scale and v_scale together")
-    check(k_cache.dtype != torch.int8 or k_scale is not None, "an int8 cache needs k_scale and v_scale")
-    check(k_scale is None or (k_scale.shape == v_scale.shape == k_cache.shape[:3]
-                              and k_scale.dtype == v_scale.dtype == torch.float32),
-          f"k_scale and v_scale must be float32 {tuple(k_cache.shape[:3])}, got "
-          f"{None if k_scale is None else (tuple(k_scale.shape), k_scale.dtype)}")
+    _check_kv(q, k_cache, v_cache, k_scale, v_scale, rows="seqs")
+    seqs, _, dim = q.shape
     _check_tables(block_tables, context_lens, seqs, (q, k_cache, v_cache))
     check(sliding_window is None or sliding_window >= 0,
           f"sliding_window={sliding_window} must be >= 0 or None (0: no window)")
@@ -186,6 +176,70 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          for t in (q, k_cache, v_cache, block_tables))
     return run(q, k_cache, v_cache, block_tables, context_lens.contiguous(), scale=scale,
                sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+
+
+def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
+              rows: str) -> None:
+    """q [rows, heads, head_dim] against a paged (possibly quantized) cache and its scales."""
+    check(q.dim() == 3 and k_cache.dim() == 4,
+          f"q must be [{rows}, heads, head_dim] and k_cache 4-D, got {q.dim()}-D and {k_cache.dim()}-D")
+    _, heads, dim = q.shape
+    check(v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)}")
+    check(k_cache.shape[3] == dim, f"the cache has head_dim={k_cache.shape[3]}, q has {dim}")
+    check(heads % k_cache.shape[2] == 0, f"kv_heads={k_cache.shape[2]} does not divide heads={heads}")
+    check(q.dtype in FLOATS and k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, *KV_QUANT),
+          f"q, k_cache and v_cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype} "
+          f"(or the cache one of int8, float8_e4m3fn, float8_e5m2)")
+    check((k_scale is None) == (v_scale is None), "give k_scale and v_scale together")
+    check(k_cache.dtype != torch.int8 or k_scale is not None, "an int8 cache needs k_scale and v_scale")
+    check(k_scale is None or (k_scale.shape == v_scale.shape == k_cache.shape[:3]
+                              and k_scale.dtype == v_scale.dtype == torch.float32),
+          f"k_scale and v_scale must be float32 {tuple(k_cache.shape[:3])}, got "
+          f"{None if k_scale is None else (tuple(k_scale.shape), k_scale.dtype)}")
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_starts: torch.Tensor, starts: torch.Tensor, *,
+                            max_query_len: int | None = None, scale: float | None = None,
+                            sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill step's new tokens over their sequences' paged cache -> [tokens, heads, head_dim]
+    in q's dtype.
+
+    q: [tokens, heads, head_dim], every sequence's new tokens back to back: sequence i's are rows
+    query_starts[i] .. query_starts[i + 1] ([seqs + 1] integers, from 0 to tokens), at positions
+    starts[i], starts[i] + 1, ... ([seqs] integers: positions cached before the step). Their keys
+    and values must already be in the cache. Each token attends causally to its sequence's keys
+    up to its own position, and to the last sliding_window of them when one is given (None or 0:
+    all), as attend's prefill branch. k_cache, v_cache, block_tables, scale, k_scale, v_scale: as
+    paged_decode_attention's (a quantized cache included). max_query_len: the longest chunk (the
+    kernel's grid); None reads it from query_starts (a device sync). Not checked (a device sync
+    each): query_starts ascending and ending at tokens, each table covering its positions.
+    """
+    _check_kv(q, k_cache, v_cache, k_scale, v_scale, rows="tokens")
+    check(starts.dim() == 1 and not starts.is_floating_point(),
+          f"starts must be [seqs] integers, got {tuple(starts.shape)} {starts.dtype}")
+    seqs, dim = starts.shape[0], q.shape[2]
+    check(query_starts.shape == (seqs + 1,) and not query_starts.is_floating_point(),
+          f"query_starts must be [seqs + 1={seqs + 1}] integers, got {tuple(query_starts.shape)} {query_starts.dtype}")
+    _check_tables(block_tables, starts, seqs, (q, k_cache, v_cache, query_starts))
+    check(sliding_window is None or sliding_window >= 0,
+          f"sliding_window={sliding_window} must be >= 0 or None (0: no window)")
+    check(max_query_len is None or 0 <= max_query_len <= q.shape[0],
+          f"max_query_len={max_query_len} must be in [0, tokens={q.shape[0]}]")
+    scale = dim**-0.5 if scale is None else scale
+    if not use_triton(q, k_cache, v_cache, block_tables, query_starts, starts):
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_starts, starts,
+                                                 scale=scale, sliding_window=sliding_window, k_scale=k_scale,
+                                                 v_scale=v_scale)
+    from atoll.kernels.triton_paged_prefill import paged_prefill_attention as run
+    if max_query_len is None:
+        max_query_len = int(query_starts.diff().max()) if seqs else 0
+    q, k_cache, v_cache, block_tables = (t if t.stride(-1) == 1 else t.contiguous()
+                                         for t in (q, k_cache, v_cache, block_tables))
+    return run(q, k_cache, v_cache, block_tables, query_starts.contiguous(), starts.contiguous(),
+               max_query_len=max_query_len, scale=scale, sliding_window=sliding_window, k_scale=k_scale,
+               v_scale=v_scale)
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,

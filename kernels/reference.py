@@ -8,7 +8,8 @@ layers/norm.py and layers/rotary.py compute. fused_moe follows transformers' Mix
 paged_decode_attention computes what the decode branch of layers/attention.py's attend
 computes, in the input dtype (its kernel keeps float32 until one rounding: test it against
 the reference run on float32 copies). mla_decode_attention computes what layers/mla.py's
-absorbed decode computes over the latent cache, in the same way.
+absorbed decode computes over the latent cache, in the same way. paged_prefill_attention
+computes what the non-decode branch of attend computes (a loop over sequences), in the same way.
 """
 
 from __future__ import annotations
@@ -181,6 +182,38 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None, :],
                                          scale=scale, enable_gqa=q.shape[1] != kv_heads)[:, :, 0]
     return out.masked_fill((ctx == 0)[:, None, None], 0.0)  # an all-masked row: 0, whatever the backend
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_starts: torch.Tensor, starts: torch.Tensor, *,
+                            max_query_len: int | None = None, scale: float | None = None,
+                            sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [tokens, heads, head_dim], sequence i's new tokens at rows query_starts[i] ..
+    query_starts[i + 1], positions starts[i], starts[i] + 1, ... (their keys already in the
+    cache); k_cache/v_cache, block_tables, k_scale/v_scale as paged_decode_attention's. Per
+    sequence, its blocks are gathered and SDPA runs with the causal (and window) mask, as
+    attend's prefill branch does. max_query_len: unused (the kernel's grid)."""
+    out = torch.zeros_like(q)
+    _, bs, kv_heads, dim = k_cache.shape
+    bounds, first = query_starts.tolist(), starts.tolist()
+    for i, start in enumerate(first):
+        lo, hi = bounds[i], bounds[i + 1]
+        if hi == lo:
+            continue
+        length = start + hi - lo
+        ids = block_tables[i, :-(-length // bs)].to(q.device, torch.long)
+        k, v = (_dequantized(c, s, ids, q.dtype).reshape(-1, kv_heads, dim)[:length].transpose(0, 1)[None]
+                for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+        pos = torch.arange(start, length, device=q.device)[:, None]
+        keys = torch.arange(length, device=q.device)[None, :]
+        mask = keys <= pos
+        if sliding_window:
+            mask &= keys > pos - sliding_window
+        o = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1)[None], k, v, attn_mask=mask[None, None],
+                                           scale=scale, enable_gqa=q.shape[1] != kv_heads)
+        out[lo:hi] = o[0].transpose(0, 1)
+    return out
 
 
 def _dequantized(cache: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, dtype) -> torch.Tensor:

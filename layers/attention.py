@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from atoll.kernels.backend import use_triton
-from atoll.kernels.ops import paged_decode_attention
+from atoll.kernels.ops import paged_decode_attention, paged_prefill_attention
 from atoll.layers.kv_quant import KVFormat, QuantizedKV
 
 
@@ -91,6 +91,16 @@ class AttentionMetadata:
         if "context" not in self._memo:
             self._memo["context"] = self.starts + 1
         return self._memo["context"]
+
+    def query_starts(self) -> torch.Tensor:
+        """[seqs + 1] offset of each sequence's first new token in the step's flat batch, then
+        the step's token count."""
+        if "query_starts" not in self._memo:
+            bounds = [0]
+            for n in self.query_lens:
+                bounds.append(bounds[-1] + n)
+            self._memo["query_starts"] = torch.tensor(bounds, dtype=torch.long, device=self.device)
+        return self._memo["query_starts"]
 
     def decode_keys(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables cut to the longest context, key mask [seqs, keys]) of a decode step."""
@@ -223,13 +233,16 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
     gqa = heads != kv_heads
     if q.shape[0] == 0:  # an idle DP replica still runs the layer (its MoE joins the collectives)
         return q
-    if meta.is_decode and use_triton(q, k_cache):  # reads the paged cache in place
-        if isinstance(k_cache, QuantizedKV):
-            return paged_decode_attention(q, k_cache.data, v_cache.data, meta.block_tables, meta.context_lens(),
-                                          sliding_window=sliding_window, scale=scale, k_scale=k_cache.scale,
-                                          v_scale=v_cache.scale)
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens(),
-                                      sliding_window=sliding_window, scale=scale)
+    if use_triton(q, k_cache):  # reads the paged cache in place
+        quantized = isinstance(k_cache, QuantizedKV)
+        kv = (k_cache.data, v_cache.data) if quantized else (k_cache, v_cache)
+        scales = dict(k_scale=k_cache.scale, v_scale=v_cache.scale) if quantized else {}
+        if meta.is_decode:
+            return paged_decode_attention(q, *kv, meta.block_tables, meta.context_lens(),
+                                          sliding_window=sliding_window, scale=scale, **scales)
+        return paged_prefill_attention(q, *kv, meta.block_tables, meta.query_starts(), meta.starts,
+                                       max_query_len=max(meta.query_lens), sliding_window=sliding_window,
+                                       scale=scale, **scales)
     if meta.is_decode:
         tables, mask = meta.decode_keys(sliding_window)
         k = gather_blocks(k_cache, tables)  # [seqs, kv_heads, length, head_dim]
