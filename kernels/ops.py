@@ -145,6 +145,26 @@ def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, seqs: 
     check(len(devices) == 1, f"all inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
 
 
+def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
+              rows: str) -> None:
+    """q [rows, heads, head_dim] against a paged (possibly quantized) cache and its scales."""
+    check(q.dim() == 3 and k_cache.dim() == 4,
+          f"q must be [{rows}, heads, head_dim] and k_cache 4-D, got {q.dim()}-D and {k_cache.dim()}-D")
+    _, heads, dim = q.shape
+    check(v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)}")
+    check(k_cache.shape[3] == dim, f"the cache has head_dim={k_cache.shape[3]}, q has {dim}")
+    check(heads % k_cache.shape[2] == 0, f"kv_heads={k_cache.shape[2]} does not divide heads={heads}")
+    check(q.dtype in FLOATS and k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, *KV_QUANT),
+          f"q, k_cache and v_cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype} "
+          f"(or the cache one of int8, float8_e4m3fn, float8_e5m2)")
+    check((k_scale is None) == (v_scale is None), "give k_scale and v_scale together")
+    check(k_cache.dtype != torch.int8 or k_scale is not None, "an int8 cache needs k_scale and v_scale")
+    check(k_scale is None or (k_scale.shape == v_scale.shape == k_cache.shape[:3]
+                              and k_scale.dtype == v_scale.dtype == torch.float32),
+          f"k_scale and v_scale must be float32 {tuple(k_cache.shape[:3])}, got "
+          f"{None if k_scale is None else (tuple(k_scale.shape), k_scale.dtype)}")
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                            scale: float | None = None, sliding_window: int | None = None,
@@ -176,26 +196,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                          for t in (q, k_cache, v_cache, block_tables))
     return run(q, k_cache, v_cache, block_tables, context_lens.contiguous(), scale=scale,
                sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
-
-
-def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
-              rows: str) -> None:
-    """q [rows, heads, head_dim] against a paged (possibly quantized) cache and its scales."""
-    check(q.dim() == 3 and k_cache.dim() == 4,
-          f"q must be [{rows}, heads, head_dim] and k_cache 4-D, got {q.dim()}-D and {k_cache.dim()}-D")
-    _, heads, dim = q.shape
-    check(v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)}")
-    check(k_cache.shape[3] == dim, f"the cache has head_dim={k_cache.shape[3]}, q has {dim}")
-    check(heads % k_cache.shape[2] == 0, f"kv_heads={k_cache.shape[2]} does not divide heads={heads}")
-    check(q.dtype in FLOATS and k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, *KV_QUANT),
-          f"q, k_cache and v_cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype} "
-          f"(or the cache one of int8, float8_e4m3fn, float8_e5m2)")
-    check((k_scale is None) == (v_scale is None), "give k_scale and v_scale together")
-    check(k_cache.dtype != torch.int8 or k_scale is not None, "an int8 cache needs k_scale and v_scale")
-    check(k_scale is None or (k_scale.shape == v_scale.shape == k_cache.shape[:3]
-                              and k_scale.dtype == v_scale.dtype == torch.float32),
-          f"k_scale and v_scale must be float32 {tuple(k_cache.shape[:3])}, got "
-          f"{None if k_scale is None else (tuple(k_scale.shape), k_scale.dtype)}")
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -83,7 +83,7 @@ def test_reference_is_attend_prefill(window):
 # heads, kv_heads, block_size, window, scale, starts, chunks
 CASES = [
     (4, 2, 16, None, None, STARTS, CHUNKS),
-    (2, 2, 32, None, 0.1, [33, 0], [3, 40]),     # MHA, block_size 32, a given scale, 2 query tiles
+    (2, 2, 32, None, 0.1, [33, 0], [3, 70]),     # MHA, block_size 32, a given scale, 2 query tiles of 64
     (4, 1, 16, 7, None, [0, 18, 3], [20, 1, 5]),  # window mid-block and before key 0; group 4
 ]
 IDS = [f"h{h}-kv{k}-bs{bs}-w{w}" for h, k, bs, w, _, _, _ in CASES]
