@@ -20,10 +20,25 @@ ranks); `routed` counts the decisions:
 prefill, decode (short or cached) and queue (the prefill engines were full).
 
 The local launcher runs it: every engine's ranks are one job on this machine.
+
+Faults. An engine whose rank dies fails only its own requests, naming it; the rest of the job
+goes on (where the launcher can end some ranks of a job: the local launcher's `give_up`). The
+driver ends the dead engine's other ranks and stops routing to it. A request that has streamed
+no token yet is sent again: one waiting in a dead prefill engine goes to another prefill engine
+(or, with none left, is prefilled by its decode replica), one waiting in a dead decode engine to
+another decode replica. A request whose first token has streamed ends with an error naming the
+engine: one decoding in the dead engine, one whose KV a dead prefill engine was sending (the
+decode ranks' receive fails: they drop it together and say so, "lost"), and one handed off to a
+dead decode engine. Gloo's point-to-point transfers to a dead peer fail at once rather than
+hang, and the surviving engines' own groups do not involve it. With no decode engine left the
+whole engine fails. `degraded` names the dead engines (the server's /health).
 """
 
 from __future__ import annotations
 
+import math
+import sys
+import time
 from dataclasses import replace
 
 from atoll.engine.disagg import EngineFailure, uncached_tokens
@@ -31,8 +46,8 @@ from atoll.engine.disagg_serve import LiveJob, disagg_serve_worker
 from atoll.engine.living import engine_spec
 from atoll.engine.online import OnlineEngine
 from atoll.engine.request import Request
-from atoll.errors import RankFailure
-from atoll.parallel.parts import engine_of
+from atoll.errors import AtollError, RankFailure
+from atoll.parallel.parts import bases, engine_of
 
 
 def disagg_job(llm, requests=None) -> LiveJob:
@@ -78,28 +93,49 @@ class DisaggEngine(OnlineEngine):
         self._held: dict[int, dict] = {}  # results waiting for every prefill rank's byte count
         self._engine_stats: dict[str, dict] = {}
         self._stopped_engines: set[int] = set()
+        self._dead: dict[int, str] = {}  # engine -> why it is dead
+        self._labels = {self.live.name(e): e for e in range(len(self.layouts))}
+        self._requests: dict[int, Request] = {}  # every unfinished request, to send again
+        self._streamed: set[int] = set()  # requests whose first token reached their sink
+        self._told = False  # whether the decode engines were told to stop
+        self._first: dict[int, int] = {}  # handed off, first token not out yet -> that token
+        self._early: dict[int, tuple[list, list]] = {}  # ... -> the decode engine's tokens and end meanwhile
+
+    @property
+    def degraded(self) -> dict[str, str]:
+        """The dead engines by name, and why (empty while every engine serves)."""
+        return {self.live.name(e): line for e, line in sorted(self._dead.items())}
 
     def submit(self, request: Request, sink) -> None:
-        o = self.spec.engine
         with self._lock:
-            slot = self._take(request, sink)  # a decode replica of any decode engine
-            new = uncached_tokens(request.prompt_token_ids, self._seen[slot], block_size=o.block_size,
-                                  prefix_caching=o.enable_prefix_caching)
-            prefill = self._waiting.index(min(self._waiting))
-            full = self.max_prefill_queue is not None and sum(self._waiting) >= self.max_prefill_queue
-            remote = new >= self.min_prompt_tokens and not full
-            self.routed["prefill" if remote else "queue" if new >= self.min_prompt_tokens else "decode"] += 1
-            self._where[request.index] = (slot, prefill if remote else None)
-            if remote:
-                self._handed[request.index] = request
-                self._waiting[prefill] += 1
+            slot = self._take(request, sink)  # a decode replica of any live decode engine
+            self._requests[request.index] = request
+            sends = self._route(request, slot)
+        self._post(sends)
+
+    def _route(self, request: Request, slot: int) -> list:
+        """Under the lock: the path of a request bound for decode replica `slot` (see the
+        module docstring), recorded; the messages that send it there."""
+        o = self.spec.engine
+        new = uncached_tokens(request.prompt_token_ids, self._seen[slot], block_size=o.block_size,
+                              prefix_caching=o.enable_prefix_caching)
+        prefill = self._waiting.index(min(self._waiting))
+        live = [w for w in self._waiting if w != math.inf]
+        full = not live or (self.max_prefill_queue is not None and sum(live) >= self.max_prefill_queue)
+        remote = new >= self.min_prompt_tokens and not full
+        self.routed["prefill" if remote else "queue" if new >= self.min_prompt_tokens else "decode"] += 1
+        self._where[request.index] = (slot, prefill if remote else None)
         j, d = self._slots[slot]
-        if remote:
-            first = replace(request, params=replace(request.params, max_tokens=1))
-            self._inboxes[prefill].put(("route", request.index, j, d))
-            self._inboxes[prefill].put(("add", first, 0))
-        else:
-            self._inboxes[self.x + j].put(("add", request, d))
+        if not remote:
+            return [(self.x + j, ("add", request, d))]
+        self._handed[request.index] = request
+        self._waiting[prefill] += 1
+        first = replace(request, params=replace(request.params, max_tokens=1))
+        return [(prefill, ("route", request.index, j, d)), (prefill, ("add", first, 0))]
+
+    def _post(self, sends: list) -> None:
+        for engine, msg in sends:
+            self._inboxes[engine].put(msg)
 
     def abort(self, index: int) -> None:
         with self._lock:
@@ -116,9 +152,18 @@ class DisaggEngine(OnlineEngine):
         if kind == "handoff":
             header = msg[1]
             with self._lock:
+                if header.prefill in self._dead or self._handed.get(header.index) is None:
+                    return  # its prefill engine died: the request was sent again or failed
                 req = self._handed.pop(header.index)
                 self._waiting[header.prefill] -= 1
                 aborted = header.index in self._aborted
+                dead = self._dead.get(self.x + header.decode)
+            if dead is not None:  # its first token is on its way: it cannot start again
+                self._end_with(header.index, f"{self.live.name(self.x + header.decode)} failed: {dead}")
+                return
+            with self._lock:  # (under PP the step and the header come from different ranks: either first)
+                if header.index not in self._streamed:
+                    self._first[header.index] = header.first  # until its prefill engine's step brings it
             inbox = self._inboxes[self.x + header.decode]
             inbox.put(("adopt", header, req))
             if aborted:  # the abort may have reached the decode ranks before the header
@@ -135,17 +180,73 @@ class DisaggEngine(OnlineEngine):
                     result["metrics"]["kv_bytes_sent"] = self._sent.pop(index)[1]
             if result is not None:
                 super()._deliver([], [(index, result)], None)
+        elif kind == "lost":  # a decode engine could not receive this prompt's KV: its prefill engine died
+            _, index, prefill = msg
+            self._learn_death(prefill)
+            why = self._dead.get(prefill, "its ranks stopped answering")
+            self._end_with(index, f"{self.live.name(prefill)} failed while sending this request's KV cache: {why}")
         elif kind == "stopped":
             self._stopped_engines.add(msg[1])
-            if all(e in self._stopped_engines for e in range(self.x)):
-                for inbox in self._inboxes[self.x:]:  # the prefill ranks are out: nothing more to hand off
-                    inbox.put(("stop",))
+            self._stop_decodes()
+
+    def _stop_decodes(self) -> None:
+        """Once every prefill engine is out (stopped or dead), nothing more is handed off: the
+        decode engines may stop (once told to, which close() does through the prefill ones)."""
+        if self._closing and not self._told and all(e in self._stopped_engines for e in range(self.x)):
+            self._told = True
+            for e in range(self.x, len(self.layouts)):
+                if e not in self._dead:
+                    self._inboxes[e].put(("stop",))
+
+    def _in_order(self, tokens, finished, decoded: bool) -> tuple[list, list]:
+        """Under the lock: a handed-off request's first token comes in its prefill engine's step
+        and the rest in the decode engine's, from two processes whose messages may cross on the
+        way here; the decode engine's tokens and end wait until the first token is out.
+        Returns (tokens, [(index, result, from a decode engine)])."""
+        if decoded:
+            out_tokens, out_done = [], []
+            for entry in tokens:
+                if entry[0] in self._first:
+                    self._early.setdefault(entry[0], ([], []))[0].append(entry)
+                else:
+                    out_tokens.append(entry)
+            for index, result in finished:
+                if index in self._first:
+                    self._early.setdefault(index, ([], []))[1].append((index, result, True))
+                else:
+                    out_done.append((index, result, True))
+            return out_tokens, out_done
+        out_tokens, out_done = [], [(index, result, False) for index, result in finished]
+        for entry in tokens:
+            out_tokens.append(entry)
+            if self._first.pop(entry[0], None) is not None:  # its first token: what waited follows it
+                early_tokens, early_done = self._early.pop(entry[0], ([], []))
+                out_tokens += early_tokens
+                out_done += early_done
+        return out_tokens, out_done
+
+    def _release_first(self, index: int) -> tuple[list, list]:
+        """Under the lock: a handed-off request whose prefill engine died before its first token
+        came: that token (from the header), then what waited for it."""
+        first = self._first.pop(index, None)
+        early_tokens, early_done = self._early.pop(index, ([], []))
+        return ([(index, first, None)] if first is not None else []) + early_tokens, early_done
 
     def _deliver(self, tokens, finished, stats, engine: str | None = None) -> None:
-        now = []
         decoded = engine is not None and engine.startswith("decode")
         with self._lock:
-            for index, result in finished:
+            if self._labels.get(engine) in self._dead:  # sent before it died: its requests went elsewhere
+                return
+            tokens, done = self._in_order(tokens, finished, decoded)
+        self._deliver_ordered(tokens, done, stats, engine)
+
+    def _deliver_ordered(self, tokens, done, stats, engine) -> None:
+        now = []
+        with self._lock:
+            self._streamed.update(index for index, *_ in tokens)
+            for index, result, decoded in done:
+                self._requests.pop(index, None)
+                self._streamed.discard(index)
                 _, prefill = self._where.pop(index, (None, None))
                 remote = prefill is not None
                 if remote and not decoded and index in self._handed:  # ended (aborted) in its prefill engine
@@ -155,7 +256,7 @@ class DisaggEngine(OnlineEngine):
                 sent = self._sent.get(index, [0, 0])
                 result["metrics"] |= {"prefilled_on": "prefill" if remote else "decode", "kv_bytes_sent": sent[1],
                                       "prefill_engine": prefill}
-                if remote and decoded and sent[0] < self.layouts[0].world_size:
+                if remote and decoded and sent[0] < self.layouts[0].world_size and prefill not in self._dead:
                     self._held[index] = result  # a prefill rank's byte count is still on its way
                 else:
                     self._sent.pop(index, None)
@@ -168,8 +269,11 @@ class DisaggEngine(OnlineEngine):
         self.stats = {k: sum(p.get(k, 0) for p in parts) for k in parts[0]} | {"routed": dict(self.routed)}
 
     def _stop_ranks(self) -> None:
-        for inbox in self._inboxes[: self.x]:  # the decode ranks are told once the prefill ranks are out
-            inbox.put(("stop",))
+        self._told = False
+        for e in range(self.x):  # the decode ranks are told once the prefill ranks are out
+            if e not in self._dead:
+                self._inboxes[e].put(("stop",))
+        self._stop_decodes()
 
     @property
     def _stopped(self) -> bool:
@@ -177,6 +281,112 @@ class DisaggEngine(OnlineEngine):
 
     def _describe(self, e) -> str:
         return str(self._named(e)) if isinstance(e, RankFailure) else str(e)
+
+    # --- faults ----------------------------------------------------------------------------
+
+    def _survive(self, e) -> bool:
+        """A rank of one engine failed: end that engine, send its requests on or fail them (the
+        module docstring), and go on, unless no decode engine would be left."""
+        if not isinstance(e, RankFailure) or not hasattr(self.job, "give_up"):
+            return False
+        engine, _ = engine_of(self.layouts, e.rank)
+        with self._lock:
+            if engine in self._dead:
+                return True  # a peer of an engine already ended
+            decoders = [j for j in range(self.x, len(self.layouts)) if j not in self._dead and j != engine]
+            if not decoders:
+                return False
+            self._dead[engine] = line = str(self._named(e))
+            self._stopped_engines.add(engine)
+            self._engine_stats.pop(self.live.name(engine), None)
+        print(f"atoll: {line}; the other engines go on without it", file=sys.stderr, flush=True)
+        base = bases(self.layouts)[engine]
+        self.job.give_up(range(base, base + self.layouts[engine].world_size))
+        again, fail, held = self._orphans(engine)
+        for index in fail:
+            self._end_with(index, line)
+        for index in self._handed_from(engine):  # their first token will not come in its step
+            with self._lock:
+                tokens, done = self._release_first(index)
+            self._deliver_ordered(tokens, done, None, None)
+        for index, result in held:  # their byte counts will not all come
+            super()._deliver([], [(index, result)], None)
+        for index in again:
+            self._again(index)
+        if self._closing:
+            self._stop_decodes()
+        return True
+
+    def _learn_death(self, engine: int, wait_s: float = 3.0) -> None:
+        """Wait briefly for the launcher to report the death the ranks saw first (a closed
+        connection), so that the request's error names the rank and its cause."""
+        deadline = time.monotonic() + wait_s
+        while engine not in self._dead and self.error is None and time.monotonic() < deadline:
+            try:
+                self.job.check(wait_s=0.1)
+            except AtollError as e:
+                if not self._survive(e):
+                    self._fail(self._describe(e))
+
+    def _orphans(self, engine: int) -> tuple[list[int], list[int], list]:
+        """The dead engine's requests: (to send again, to fail, results held for its byte counts);
+        it gets no more."""
+        again, fail, held = [], [], []
+        with self._lock:
+            if engine < self.x:
+                self._waiting[engine] = math.inf
+                for index in [i for i, (_, p) in self._where.items() if p == engine and i in self._handed]:
+                    del self._handed[index]
+                    (fail if index in self._streamed else again).append(index)
+                for index in [i for i, r in self._held.items() if self._where.get(i, (0, engine))[1] == engine]:
+                    held.append((index, self._held.pop(index)))
+            else:
+                for slot, (j, _) in enumerate(self._slots):
+                    if self.x + j == engine:
+                        self._load[slot] = math.inf
+                for index, (slot, prefill) in list(self._where.items()):
+                    if self.x + self._slots[slot][0] != engine or index in self._handed:
+                        continue  # (one still in a prefill engine fails at its handoff)
+                    (fail if index in self._streamed or prefill is not None else again).append(index)
+        return again, fail, held
+
+    def _handed_from(self, engine: int) -> list[int]:
+        """Requests a prefill engine handed off whose first token has not come out yet."""
+        with self._lock:
+            return [i for i in self._first if self._where.get(i, (None, None))[1] == engine]
+
+    def _again(self, index: int) -> None:
+        """Send a request that streamed nothing yet on another path, on live engines."""
+        with self._lock:
+            request = self._requests.get(index)
+            if request is None or index not in self._sinks:
+                return
+            slot, _ = self._where[index]
+            if self.x + self._slots[slot][0] in self._dead:  # a new decode replica
+                self._load[slot] = self._load[slot] if self._load[slot] == math.inf else self._load[slot] - 1
+                slot = self._load.index(min(self._load))
+                self._load[slot] += 1
+                self._replica[index] = slot
+            sends = self._route(request, slot)
+        self._post(sends)
+
+    def _end_with(self, index: int, line: str) -> None:
+        """End one request with an error line (its engine died)."""
+        with self._lock:
+            sink = self._sinks.pop(index, None)
+            slot = self._replica.pop(index, None)
+            if slot is not None and self._load[slot] != math.inf:
+                self._load[slot] -= 1
+            _, prefill = self._where.pop(index, (None, None))
+            if self._handed.pop(index, None) is not None and prefill is not None \
+                    and self._waiting[prefill] != math.inf:
+                self._waiting[prefill] -= 1
+            self._requests.pop(index, None)
+            self._streamed.discard(index)
+            self._first.pop(index, None)
+            self._early.pop(index, None)
+        if sink is not None:
+            sink("error", line)
 
     def _named(self, e: RankFailure) -> RankFailure:
         if isinstance(e, EngineFailure):

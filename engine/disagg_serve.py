@@ -115,7 +115,10 @@ def _prefill_loop(runner, world, inbox, outbox, me: int, decodes: list[Layout], 
             generator = seq.state.generator
             rng = generator.get_state().numpy().tobytes() if generator is not None else None
             outbox.put(("handoff", Header(index, me, j, seq.output[0], tokens, d, started, seq.first_token_at, rng)))
-        sent = kv_transfer.send(runner, messages[j, d], ctx.rank, seq.blocks, tokens, world, decode_bases[j])
+        try:
+            sent = kv_transfer.send(runner, messages[j, d], ctx.rank, seq.blocks, tokens, world, decode_bases[j])
+        except RuntimeError:  # its decode engine died (gloo: the connection closed); the driver ends it
+            sent = 0
         outbox.put(("sent", index, sent))
 
     def forward(index, result) -> bool:  # its decode engine reports the end, unless it never got there
@@ -129,8 +132,8 @@ class Handoffs:
     """The decode side: headers in the order they came, adopted in that order (EngineCore's
     inbox). Requests aborted before their KV came are still received, then ended."""
 
-    def __init__(self, runner, world, prefills: list[Layout], prefill_bases: list[int]):
-        self.runner, self.world, self.bases = runner, world, prefill_bases
+    def __init__(self, runner, world, prefills: list[Layout], prefill_bases: list[int], outbox=None):
+        self.runner, self.world, self.bases, self.outbox = runner, world, prefill_bases, outbox
         ctx = runner.ctx
         self.replica, self.replicas = ctx.coords.dp, ctx.layout.dp
         self.messages = {(i, d): kv_transfer.plan(runner.config, lay, ctx.layout, d)
@@ -163,13 +166,35 @@ class Handoffs:
             if not ok:
                 break  # no room yet: this header and those behind it wait
             self.queue.popleft()
+            if not self._received(header, seq if mine else None):
+                continue
             if not mine:
                 continue
-            kv_transfer.receive(self.runner, self.messages[header.prefill, header.replica], self.runner.ctx.rank,
-                                seq.blocks, header.tokens, self.world, self.bases[header.prefill])
             seq.first_token_at = header.first_at
             out.append((seq, header.started))
         return out
+
+    def _received(self, header: Header, seq: Sequence | None) -> bool:
+        """Receive the prompt's KV into seq's blocks (seq None: another replica's request). If
+        its prefill engine died on the way (gloo's receive fails at once), every rank of this
+        engine drops the request together, and rank 0 tells the driver ("lost")."""
+        ok = True
+        if seq is not None:
+            try:
+                kv_transfer.receive(self.runner, self.messages[header.prefill, header.replica], self.runner.ctx.rank,
+                                    seq.blocks, header.tokens, self.world, self.bases[header.prefill])
+            except RuntimeError:
+                ok = False
+        ctx = self.runner.ctx
+        if ctx.world.size > 1:
+            flag = torch.tensor([int(ok)], device=self.runner.device)
+            ok = bool(ctx.world.all_reduce(flag, op="min").item())
+        if not ok:
+            if seq is not None:
+                self.core.lanes.end(seq)  # its blocks go back; the driver ends the request
+            if ctx.rank == 0 and self.outbox is not None:
+                self.outbox.put(("lost", header.index, header.prefill))
+        return ok
 
     def _sequence(self, header: Header, req, tick: int) -> Sequence:
         """The request as the prefill engine left it: its first token, and with random sampling
@@ -187,7 +212,7 @@ class Handoffs:
 
 
 def _decode_loop(runner, world, inbox, outbox, me: int, prefills: list[Layout], prefill_bases: list[int]) -> ServeLoop:
-    handoffs = Handoffs(runner, world, prefills, prefill_bases)
+    handoffs = Handoffs(runner, world, prefills, prefill_bases, outbox)
     loop = ServeLoop(runner, inbox, outbox, inbox_hook=handoffs, command=handoffs.command)
     handoffs.core = loop.core
     return loop

@@ -77,6 +77,11 @@ class OnlineEngine:
         """The line a failure of the job ends every request with."""
         return str(e)
 
+    def _survive(self, e: AtollError) -> bool:
+        """Whether the engine goes on after this failure of some of its ranks (a subclass whose
+        job holds engines that can fail alone); False: every request ends with the error."""
+        return False
+
     def _take_stats(self, stats: dict, engine: str | None) -> None:
         self.stats = stats
 
@@ -176,6 +181,8 @@ class OnlineEngine:
                 try:
                     self.job.check()
                 except AtollError as e:
+                    if self._survive(e):
+                        continue
                     self._fail(self._describe(e))
                     return
 

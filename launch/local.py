@@ -162,6 +162,7 @@ class LocalJob:
         self._spawned = time.monotonic()
         self.values: dict[int, object] = {}
         self._exited_at: dict[int, float] = {}
+        self.lost: set[int] = set()  # ranks given up on (give_up): no longer checked or waited for
 
     @property
     def pids(self) -> list[int]:
@@ -176,43 +177,52 @@ class LocalJob:
         except queue.Empty:
             msg = None
         if msg is not None:
+            if msg[1] in self.lost:
+                return
             if msg[0] == "error":
-                _raise_dead(procs, exclude=msg[1])  # a killed peer is the cause, not the symptom
+                _raise_dead(procs, exclude=msg[1], lost=self.lost)  # a killed peer is the cause, not the symptom
                 raise RankFailure(msg[1], msg[2], node=_HOST) from _RemoteTraceback(msg[3])
             values[msg[1]] = pickle.loads(msg[2])
             return
         now = time.monotonic()
         for rank, p in enumerate(procs):
-            if rank in values or p.exitcode is None:
+            if rank in values or rank in self.lost or p.exitcode is None:
                 continue
             if p.exitcode != 0:
                 if p.exitcode > 0:  # it may have reported its own error; a signal sends none
-                    _raise_reported(self._results)
+                    _raise_reported(self._results, self.lost)
                 raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
             # exited cleanly: its result may still be in the pipe; allow a moment
             if now - self._exited_at.setdefault(rank, now) > 5.0:
                 raise RankFailure(rank, "exited without a result", node=_HOST)
-        _check_heartbeats(procs, self._beats, values, now, self._spawned)
+        _check_heartbeats(procs, self._beats, values, now, self._spawned, self.lost)
 
     def wait(self, timeout_s: float | None = None) -> list:
-        """Every rank's value, in rank order."""
+        """Every rank's value, in rank order (None for a rank given up on)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while len(self.values) < self.world_size:
+        while any(r not in self.values and r not in self.lost for r in range(self.world_size)):
             self.check(wait_s=_POLL_S)
             if deadline is not None and time.monotonic() > deadline:
-                missing = [r for r in range(self.world_size) if r not in self.values]
+                missing = [r for r in range(self.world_size) if r not in self.values and r not in self.lost]
                 raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
-        return [self.values[r] for r in range(self.world_size)]
+        return [self.values.get(r) for r in range(self.world_size)]
+
+    def give_up(self, ranks) -> None:
+        """End these ranks (the rest of the job goes on without them: a disaggregated job's dead
+        engine) and stop checking or waiting for them."""
+        ranks = [r for r in ranks if r not in self.lost]
+        self.lost.update(ranks)
+        _stop([self.procs[r] for r in ranks])
 
     def stop(self) -> None:
         _stop(self.procs)
 
 
-def _check_heartbeats(procs, beats, values, now: float, spawned: float) -> None:
+def _check_heartbeats(procs, beats, values, now: float, spawned: float, lost=()) -> None:
     """A live rank whose heartbeat stopped (SIGSTOP, a frozen process) is the cause: the others
     only wait for it in a collective."""
     for rank, p in enumerate(procs):
-        if rank in values or p.exitcode is not None:
+        if rank in values or rank in lost or p.exitcode is not None:
             continue
         last = beats[rank]
         if last == 0.0 and now - spawned > START_S:
@@ -222,24 +232,24 @@ def _check_heartbeats(procs, beats, values, now: float, spawned: float) -> None:
                                     f"is stopped, e.g. by SIGSTOP, or frozen)", node=_HOST)
 
 
-def _raise_dead(procs, exclude: int, grace_s: float = 2.0) -> None:
+def _raise_dead(procs, exclude: int, grace_s: float = 2.0, lost=()) -> None:
     """When a rank reports an error, wait briefly for a peer that died without a word (its
     neighbours' errors, such as a reset connection, follow from that death)."""
     end = time.monotonic() + grace_s
     while True:
         for rank, p in enumerate(procs):
-            if rank != exclude and p.exitcode is not None and p.exitcode < 0:
+            if rank != exclude and rank not in lost and p.exitcode is not None and p.exitcode < 0:
                 raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
         if time.monotonic() > end:
             return
         time.sleep(_POLL_S)
 
 
-def _raise_reported(results) -> None:
+def _raise_reported(results, lost=()) -> None:
     try:
         while True:
             msg = results.get(timeout=0.5)
-            if msg[0] == "error":
+            if msg[0] == "error" and msg[1] not in lost:
                 raise RankFailure(msg[1], msg[2], node=_HOST) from _RemoteTraceback(msg[3])
     except queue.Empty:
         return

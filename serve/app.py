@@ -86,10 +86,13 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
     @app.get("/health")
     async def health():
         if backend.healthy:
-            dead = getattr(backend.engine, "degraded", None)  # replicas: some died, the rest serve
+            # replicas, or a disaggregated job's engines: some died, the rest serve
+            dead = getattr(backend.engine, "degraded", None)
             if dead:
-                return {"status": "degraded", "replicas": len(backend.engine.engines),
-                        "dead": {str(r): line for r, line in dead.items()}}
+                out = {"status": "degraded", "dead": {str(r): line for r, line in dead.items()}}
+                if hasattr(backend.engine, "engines"):
+                    out["replicas"] = len(backend.engine.engines)
+                return out
             return {"status": "ok"}
         reason = backend.engine.error or backend.draining
         return JSONResponse({"status": "unavailable", "error": reason}, status_code=503)

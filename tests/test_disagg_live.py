@@ -61,3 +61,20 @@ def test_the_length_the_cache_and_the_prefill_queue_decide_the_path(llama):
     assert [o.metrics["prefilled_on"] for o in again] == ["decode"] * len(PROMPTS)
     assert routed["decode"] - routed_first["decode"] == len(PROMPTS)
     assert all(o.metrics["cached_tokens"] > 0 for o in again[2:])
+
+
+def test_the_decode_engines_tokens_wait_for_the_prefill_engines_first_token():
+    """The first token of a handed-off request comes in its prefill engine's step, the rest in
+    the decode engine's: when the decode engine's message arrives first, its tokens and end are
+    held until the first token is out, then follow it."""
+    from atoll.engine.disagg_online import DisaggEngine
+
+    engine = DisaggEngine.__new__(DisaggEngine)  # only the ordering state
+    engine._first, engine._early = {7: 151}, {}
+    tokens, done = engine._in_order([(7, 293, None), (8, 5, None)], [(7, {"r": 1})], decoded=True)
+    assert tokens == [(8, 5, None)] and done == []  # 8 was not handed off: it goes at once
+    tokens, done = engine._in_order([(7, 151, None)], [], decoded=False)
+    assert tokens == [(7, 151, None), (7, 293, None)] and done == [(7, {"r": 1}, True)]
+    assert engine._first == {} and engine._early == {}
+    tokens, _ = engine._in_order([(7, 19, None)], [], decoded=True)  # afterwards nothing waits
+    assert tokens == [(7, 19, None)]

@@ -1,8 +1,8 @@
 """`atoll serve --prefill TP1 --decode TP2` through the real openai client: each request's path
 is decided as it arrives (short prompts, and long ones whose prefix the decode engine holds,
 stay on the decode engine), greedy tokens equal transformers' on both paths, streaming and
-not, /metrics counts both paths, closed streams give every block back, and a killed prefill
-rank fails the requests naming its engine."""
+not, /metrics counts both paths, closed streams give every block back, and a dead engine fails
+only its own requests, naming it, while the others serve on."""
 
 import asyncio
 import os
@@ -129,9 +129,25 @@ def test_closed_streams_free_every_block_on_both_engines(served):
     assert again[0] == expected[-1]
 
 
+async def _health(server, want: str, timeout_s: float = 30.0) -> httpx.Response:
+    """/health once its status is `want` (or the last answer after timeout_s)."""
+    async with httpx.AsyncClient() as http:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            health = await http.get(f"{server.url}/health", timeout=10)
+            if health.json().get("status") == want or asyncio.get_running_loop().time() > deadline:
+                return health
+            await asyncio.sleep(0.2)
+
+
 @pytest.mark.timeout(300)
-def test_a_killed_prefill_rank_fails_requests_naming_its_engine(tiny_model, tmp_path):
+def test_a_dead_prefill_engine_leaves_the_decode_engine_serving(tiny_model, tmp_path):
+    """1P1D: the prefill engine's rank is stopped with a long prompt queued there (no token yet),
+    then killed. The queued request is sent again and prefilled by the decode engine (transformers'
+    tokens); later long prompts go there too; /health says degraded, naming the prefill engine,
+    and the server keeps running."""
     d = with_tokenizer(tiny_model("llama"), tmp_path / "m")
+    expected = reference_tokens(d, LONG, NEW)
     server = Server(d, "--prefill", "TP1", "--decode", "TP1", "--disagg-min-prompt-tokens", 1,
                     "--served-model-name", NAME, log=tmp_path / "server.log")
     try:
@@ -141,22 +157,72 @@ def test_a_killed_prefill_rank_fails_requests_naming_its_engine(tiny_model, tmp_
         async def go():
             c = client(server)
             first = await _complete(c, LONG[0], False)  # both engines up
+            os.kill(ranks[0], signal.SIGSTOP)
+            queued = asyncio.ensure_future(_complete(c, LONG[1], True))  # waits in the stopped prefill engine
+            await asyncio.sleep(1.0)
             os.kill(ranks[0], signal.SIGKILL)
-            try:
-                await _complete(c, LONG[1], True, max_tokens=50)
-                error = None
-            except openai.APIError as e:
-                error = e
-            async with httpx.AsyncClient() as http:
-                health = await http.get(f"{server.url}/health", timeout=10)
-            return first, error, health
+            os.kill(ranks[0], signal.SIGCONT)
+            retried = await queued
+            health = await _health(server, "degraded")
+            after = await _complete(c, LONG[0], False)
+            return first, retried, health, after
 
-        first, error, health = asyncio.run(go())
-        assert len(first[0]) == NEW
-        assert health.status_code == 503 and "prefill engine rank 0" in health.json()["error"], health.text
-        assert error is not None and ("prefill engine rank 0" in str(error) or "engine is down" in str(error))
-        assert server.wait(60) == 2
-        lines = [line for line in server.text().splitlines() if line.startswith("atoll: error:")]
-        assert len(lines) == 1 and "prefill engine rank 0" in lines[0], server.text()
+        first, retried, health, after = asyncio.run(go())
+        assert first[0] == expected[0] and after[0] == expected[0] and retried[0] == expected[1]
+        body = health.json()
+        assert health.status_code == 200 and body["status"] == "degraded", health.text
+        assert list(body["dead"]) == ["prefill engine"] and "prefill engine rank 0" in body["dead"]["prefill engine"]
+        assert "killed by SIGKILL" in body["dead"]["prefill engine"]
+        assert server.proc.poll() is None and "atoll: error:" not in server.text()
+    finally:
+        server.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_decode_engine_fails_only_its_own_requests(tiny_model, tmp_path):
+    """1P2D: two long streams, one on each decode engine; decode engine 1's rank is killed. Its
+    stream ends with an error naming it; the other stream finishes with transformers' tokens, and
+    so do new requests (on decode engine 0); /health says degraded."""
+    d = with_tokenizer(tiny_model("llama"), tmp_path / "m")
+    long_new = 240  # the tiny model's context is 256
+    expected = reference_tokens(d, SHORT[:2], long_new)
+    server = Server(d, "--prefill", "TP1", "--decode", "TP1", "--decode-replicas", 2,
+                    "--disagg-min-prompt-tokens", MIN, "--max-num-seqs", 1,
+                    "--served-model-name", NAME, log=tmp_path / "server.log")
+    try:
+        ranks = server.rank_pids()
+        assert len(ranks) == 3  # job ranks: the prefill engine, decode engine 0, decode engine 1
+
+        async def stream(c, prompt, seen: list):
+            try:
+                async for chunk in await c.completions.create(model=NAME, prompt=prompt, max_tokens=long_new,
+                                                              stream=True, **GREEDY):
+                    if chunk.choices:
+                        seen += chunk.choices[0].token_ids
+                return None
+            except openai.APIError as e:
+                return e
+
+        async def go():
+            c = client(server)
+            seen = [[], []]
+            runs = [asyncio.ensure_future(stream(c, SHORT[i], seen[i])) for i in range(2)]
+            while min(map(len, seen)) < 5 and not any(r.done() for r in runs):  # both streaming
+                await asyncio.sleep(0.01)
+            os.kill(ranks[2], signal.SIGKILL)
+            errors = await asyncio.gather(*runs)
+            health = await _health(server, "degraded")
+            after = await _complete(c, SHORT[2], False)
+            return seen, errors, health, after
+
+        seen, errors, health, after = asyncio.run(go())
+        failed = [i for i, e in enumerate(errors) if e is not None]
+        assert len(failed) == 1, (errors, [len(s) for s in seen])
+        ok = 1 - failed[0]
+        assert seen[ok] == expected[ok] and "decode engine 1" in str(errors[failed[0]]), errors
+        assert after[0] == reference_tokens(d, SHORT[2:], NEW)[0]
+        body = health.json()
+        assert body["status"] == "degraded" and list(body["dead"]) == ["decode engine 1"], health.text
+        assert server.proc.poll() is None
     finally:
         server.kill()
