@@ -59,6 +59,9 @@ class BlockPool:
         self._name_of: dict[int, bytes] = {}  # block -> hash
         self.evictions = 0
         self.hole = hole
+        # cache events, when someone listens (a disaggregated job's driver): (True, name) as a
+        # block is named, (False, name) as it is evicted; drained by whoever set the list
+        self.events: list[tuple[bool, bytes]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -111,8 +114,11 @@ class BlockPool:
 
     def _evict(self, stripe: int) -> int:
         block, _ = self._evictable[stripe].popitem(last=False)
-        del self._named[self._name_of.pop(block)]
+        name = self._name_of.pop(block)
+        del self._named[name]
         self.evictions += 1
+        if self.events is not None:
+            self.events.append((False, name))
         return block
 
     def release(self, table: list[int]) -> None:
@@ -184,6 +190,8 @@ class BlockPool:
         if name not in self._named and block not in self._name_of and block != self.hole:
             self._named[name] = block
             self._name_of[block] = name
+            if self.events is not None:
+                self.events.append((True, name))
 
 
 def copy_fits(nbytes: int, ranks_here: int) -> bool:

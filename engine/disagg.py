@@ -73,16 +73,19 @@ def route(requests: list[Request], *, min_tokens: int, block_size: int, prefix_c
     return remote, local, replica
 
 
-def uncached_tokens(ids: list[int], seen: set[bytes], *, block_size: int, prefix_caching: bool) -> int:
+def uncached_tokens(ids: list[int], seen: set[bytes], *, block_size: int, prefix_caching: bool,
+                    remember: bool = True) -> int:
     """The prompt tokens an engine that has seen the blocks named in `seen` still computes,
-    and `ids`' full blocks added to `seen` (with prefix caching). Never the last token's
-    block (scheduler._admit): it is computed for the first token."""
+    and `ids`' full blocks added to `seen` (with prefix caching, when `remember`: a fixed
+    list's prediction). Never the last token's block (scheduler._admit): it is computed for
+    the first token."""
     if not prefix_caching:
         return len(ids)
     names, hits = prefix_names(ids, block_size, (len(ids) - 1) // block_size), 0
     while hits < len(names) and names[hits] in seen:
         hits += 1
-    seen.update(names)
+    if remember:
+        seen.update(names)
     return len(ids) - hits * block_size
 
 

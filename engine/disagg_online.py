@@ -12,8 +12,10 @@ paths, decided as they arrive:
 
 A request goes to the decode replica (of every decode engine's DP replicas) with the fewest
 unfinished requests, and on the prefill path to the prefill engine with the fewest waiting.
-A decode replica's cache is modelled here by the blocks of the prompts sent to it (as
-engine.disagg.route does for a fixed list): blocks it has since evicted count as cached.
+A decode replica's cached prefix is what its engine reports: every step, the decode engine's
+ranks send the names of the prefix blocks their pools named or evicted since the last one
+(BlockPool.events, the engines' own block hashes), and the driver keeps each replica's set;
+so a prompt whose blocks are still being computed there, or were evicted, counts as uncached.
 Each result's metrics say which path it took (prefilled_on; prefill_engine, which of them,
 or None) and the KV bytes the prefill ranks sent for it (kv_bytes_sent, counted on those
 ranks); `routed` counts the decisions:
@@ -22,7 +24,7 @@ prefill, decode (short or cached) and queue (the prefill engines were full).
 The local launcher runs it: every engine's ranks are one job on this machine.
 
 Faults. An engine whose rank dies fails only its own requests, naming it; the rest of the job
-goes on (where the launcher can end some ranks of a job: the local launcher's `give_up`). The
+goes on (where the launcher can end some ranks of a job: `give_up` of the local and Ray jobs). The
 driver ends the dead engine's other ranks and stops routing to it. A request that has streamed
 no token yet is sent again: one waiting in a dead prefill engine goes to another prefill engine
 (or, with none left, is prefilled by its decode replica), one waiting in a dead decode engine to
@@ -84,7 +86,7 @@ class DisaggEngine(OnlineEngine):
         dp = self.layouts[-1].dp
         self._slots = [(j, d) for j in range(self.live.decode_replicas) for d in range(dp)]  # decode replicas
         self._load = [0] * len(self._slots)
-        self._seen = [set() for _ in self._slots]  # block names sent to each decode replica
+        self._seen = [set() for _ in self._slots]  # each decode replica's cached prefix blocks (its events)
         self._waiting = [0] * self.x  # requests each prefill engine has not handed off yet
         self._where: dict[int, tuple[int, int | None]] = {}  # index -> (its decode slot, its prefill engine or None)
         self._handed: dict[int, Request] = {}  # remote request index -> its request, until its header comes
@@ -118,7 +120,7 @@ class DisaggEngine(OnlineEngine):
         module docstring), recorded; the messages that send it there."""
         o = self.spec.engine
         new = uncached_tokens(request.prompt_token_ids, self._seen[slot], block_size=o.block_size,
-                              prefix_caching=o.enable_prefix_caching)
+                              prefix_caching=o.enable_prefix_caching, remember=False)
         prefill = self._waiting.index(min(self._waiting))
         live = [w for w in self._waiting if w != math.inf]
         full = not live or (self.max_prefill_queue is not None and sum(live) >= self.max_prefill_queue)
@@ -264,6 +266,15 @@ class DisaggEngine(OnlineEngine):
         super()._deliver(tokens, now, stats, engine)
 
     def _take_stats(self, stats: dict, engine: str | None) -> None:
+        events = stats.pop("kv_events", None)
+        if events and engine in self._labels:  # a decode engine's pools named or evicted these prefix blocks
+            j = self._labels[engine] - self.x
+            for replica, named, name in events:
+                seen = self._seen[self._slots.index((j, replica))]
+                if named:
+                    seen.add(name)
+                else:
+                    seen.discard(name)
         self._engine_stats[engine] = stats
         parts = list(self._engine_stats.values())
         self.stats = {k: sum(p.get(k, 0) for p in parts) for k in parts[0]} | {"routed": dict(self.routed)}

@@ -213,6 +213,6 @@ class Handoffs:
 
 def _decode_loop(runner, world, inbox, outbox, me: int, prefills: list[Layout], prefill_bases: list[int]) -> ServeLoop:
     handoffs = Handoffs(runner, world, prefills, prefill_bases, outbox)
-    loop = ServeLoop(runner, inbox, outbox, inbox_hook=handoffs, command=handoffs.command)
+    loop = ServeLoop(runner, inbox, outbox, inbox_hook=handoffs, command=handoffs.command, cache_events=True)
     handoffs.core = loop.core
     return loop

@@ -51,7 +51,7 @@ class ServeLoop:
     reported to the driver (default: all)."""
 
     def __init__(self, runner, inbox, outbox, *, on_token=None, inbox_hook=None, command=None, forward=None,
-                 name: str | None = None):
+                 name: str | None = None, cache_events: bool = False):
         self.runner, self.ctx, self.name = runner, runner.ctx, name
         self.inbox, self.outbox = inbox, outbox
         self.finished: list = []
@@ -61,6 +61,12 @@ class ServeLoop:
         self.leader = self.ctx.coords.tp == 0 and self.ctx.is_first_stage  # holds its replica's tokens
         self.group = self.ctx.world  # this engine's ranks
         self.first = self.group.rank == 0  # talks to the driver
+        # cache_events: each step's stats carry "kv_events", [(replica, named?, block name)], the
+        # prefix blocks this engine's pools named or evicted (the driver's routing reads them)
+        self.cache_events = cache_events
+        if cache_events:
+            for lane in self.core.lanes.schedulers:
+                lane.pool.events = []
 
     def ready(self) -> None:
         """Compile (or capture) the decode step now, then tell the driver the ranks are ready."""
@@ -83,7 +89,7 @@ class ServeLoop:
             core.step()
             finished = [(i, r) for i, r in self.finished if self.forward is None or self.forward(i, r)]
             self.finished.clear()
-            mine = (core.drain(), finished, _stats(core)) if self.leader else ([], [], None)
+            mine = (core.drain(), finished, self._stats()) if self.leader else ([], [], None)
             parts = self._gather(mine)
             if self.first:
                 tokens = [t for p in parts for t in p[0]]
@@ -93,6 +99,17 @@ class ServeLoop:
                     self.outbox.put(("step", tokens, done, stats, self.name))
                     last = stats
         self.runner.end_run()
+
+    def _stats(self) -> dict:
+        """This replica's counters, and its cache events since the last step when asked for."""
+        stats = _stats(self.core)
+        if self.cache_events:
+            replica, events = self.ctx.coords.dp, []
+            for lane in self.core.lanes.schedulers:
+                events += [(replica, named, name) for named, name in lane.pool.events]
+                lane.pool.events.clear()
+            stats["kv_events"] = events
+        return stats
 
     def _apply(self, commands: list) -> bool:
         """Add and abort as the driver asked; True when it asked to stop."""
@@ -150,5 +167,7 @@ def _stats(core: EngineCore) -> dict:
 
 
 def _sum(parts: list[dict]) -> dict | None:
-    """The replicas' counters added up."""
-    return {k: sum(p[k] for p in parts) for k in parts[0]} if parts else None
+    """The replicas' counters added up (lists, such as cache events, joined)."""
+    if not parts:
+        return None
+    return {k: sum((p[k] for p in parts), [] if isinstance(parts[0][k], list) else 0) for k in parts[0]}

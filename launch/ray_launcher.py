@@ -196,7 +196,7 @@ class RayJob:
         if targets is not None:
             slot = _follow_plan(ray, placement, groups, targets, made, bool(gpus), strict_placement,
                                 node_of, deadline)
-        ranked = [made[slot[r]] for r in range(world_size)]
+        self._ranked = ranked = [made[slot[r]] for r in range(world_size)]
         addr, port = _first(ray, ranked[0].rendezvous.remote(), node_of, deadline)
         self._refs = {a.run.remote(fn, r, world_size, addr, port, requested, slot[r][1], args, kwargs): r
                       for r, a in enumerate(ranked)}
@@ -204,6 +204,7 @@ class RayJob:
         self.values: dict[int, object] = {}
         self._failure = None  # (rank, cause, traceback) of the first rank that raised
         self._failed_at = 0.0
+        self.lost: set[int] = set()  # ranks given up on (give_up): no longer checked or waited for
 
     def check(self, wait_s: float = 0.0) -> None:
         """Take the values of the ranks that ended (waiting up to wait_s for one) and raise
@@ -217,6 +218,8 @@ class RayJob:
                 ready += more
             for ref in ready:
                 rank = self._refs[ref]
+                if rank in self.lost:
+                    continue
                 try:
                     msg = ray.get(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
@@ -230,15 +233,29 @@ class RayJob:
             raise RankFailure(failure[0], failure[1], node=self.node_of.get(failure[0])) \
                 from _RemoteTraceback(failure[2])
 
+    def give_up(self, ranks) -> None:
+        """Kill these ranks' actors (the rest of the job goes on without them: a disaggregated
+        job's dead engine) and stop checking or waiting for them."""
+        ranks = [r for r in ranks if r not in self.lost]
+        self.lost.update(ranks)
+        self._pending = [ref for ref in self._pending if self._refs[ref] not in self.lost]
+        if self._failure is not None and self._failure[0] in self.lost:
+            self._failure = None
+        for r in ranks:
+            try:
+                self._ray.kill(self._ranked[r], no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
     def wait(self, timeout_s: float | None = None, *, _total_s: float | None = None) -> list:
-        """Every rank's value, in rank order."""
+        """Every rank's value, in rank order (None for a rank given up on)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._pending or self._failure is not None:
             self.check(wait_s=_POLL_S)
             if deadline is not None and time.monotonic() > deadline:
-                missing = [r for r in sorted(self._refs.values()) if r not in self.values]
+                missing = [r for r in sorted(self._refs.values()) if r not in self.values and r not in self.lost]
                 raise LaunchError(f"timed out after {_total_s or timeout_s:.0f}s waiting for ranks {missing}")
-        return [self.values[r] for r in range(len(self._refs))]
+        return [self.values.get(r) for r in range(len(self._refs))]
 
     def stop(self) -> None:
         """Kill every actor, release the placement groups and channels; shut Ray down if this

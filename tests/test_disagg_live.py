@@ -78,3 +78,43 @@ def test_the_decode_engines_tokens_wait_for_the_prefill_engines_first_token():
     assert engine._first == {} and engine._early == {}
     tokens, _ = engine._in_order([(7, 19, None)], [], decoded=True)  # afterwards nothing waits
     assert tokens == [(7, 19, None)]
+
+
+def test_block_pool_reports_named_and_evicted_blocks():
+    from atoll.engine.blocks import BlockPool
+
+    pool = BlockPool(2, 4)
+    pool.events = []
+    table = []
+    assert pool.grow(table, 8)
+    pool.name(table[0], b"a")
+    pool.name(table[1], b"b")
+    pool.release(table)
+    other = []
+    assert pool.grow(other, 4)  # evicts the least recently used named block
+    assert pool.events == [(True, b"a"), (True, b"b"), (False, b"b")]
+
+
+@pytest.mark.timeout(300)
+def test_the_driver_reads_the_decode_engines_cache_events(llama):
+    """The driver's view of the decode replica's cache is what the engine reports: a long
+    prompt's blocks appear once the engine holds them, and leave when it evicts them (a cache of
+    12 blocks of 4, other long prompts after it); sent again, the evicted prompt goes to the
+    prefill engine, while one the engine still holds stays on the decode engine."""
+    from atoll.engine.blocks import prefix_names
+
+    model_dir, want = llama
+    long_prompts = PROMPTS[3:]  # 23, 29 and 35 tokens
+    with LLM(model_dir, prefill="TP1", decode="TP1", block_size=4, num_blocks=12, max_num_seqs=1,
+             max_model_len=48, disagg_min_prompt_tokens=12) as llm:
+        engine = llm.start()
+        names = [prefix_names(p, 4, (len(p) - 1) // 4) for p in long_prompts]
+        first = llm.generate(long_prompts[:1], GREEDY, timeout_s=240)
+        held_after_first = set(names[0]) <= engine._seen[0]
+        later = llm.generate(long_prompts[1:], GREEDY, timeout_s=240)
+        evicted = not set(names[0]) <= engine._seen[0]
+        again = llm.generate([long_prompts[0], long_prompts[2]], GREEDY, timeout_s=240)
+    assert [o.token_ids for o in first + later] == want[3:]
+    assert [o.token_ids for o in again] == [want[3], want[5]]
+    assert held_after_first and evicted
+    assert [o.metrics["prefilled_on"] for o in again] == ["prefill", "decode"]

@@ -36,3 +36,35 @@ def test_tp2_prefill_to_tp2_decode_across_two_ray_nodes(cluster, tiny_model):
     finally:
         llm.close()
     assert free_gpus_back() == 4
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_decode_engine_under_ray_leaves_the_others_serving(cluster, tiny_model):
+    """1P2D under Ray: decode engine 1's actor is killed; the driver ends that engine alone
+    (RayJob.give_up), /health's `degraded` names it, and the next requests run on decode
+    engine 0 with transformers' tokens."""
+    import time
+
+    import ray
+
+    from atoll.engine.sampling import SamplingParams
+    from atoll.launch.api import LLM, RayLauncher
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    llm = LLM(model, prefill="TP1", decode="TP1", decode_replicas=2, disagg_min_prompt_tokens=16,
+              launcher=RayLauncher())
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    want = reference_tokens(model, SHORT + LONG, NEW)
+    try:
+        assert [o.token_ids for o in llm.generate(SHORT + LONG, params)] == want
+        engine = llm._engine
+        ray.kill(engine.job._ranked[2], no_restart=True)  # job ranks: prefill, decode 0, decode 1
+        deadline = time.monotonic() + 60
+        while not engine.degraded and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(engine.degraded) == ["decode engine 1"] and engine.error is None, engine.degraded
+        assert [o.token_ids for o in llm.generate(SHORT + LONG, params)] == want
+        assert llm._engine is engine  # the same job serves on
+    finally:
+        llm.close()
+    assert free_gpus_back() == 4
