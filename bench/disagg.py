@@ -2,7 +2,7 @@
 
 --requests prompts of --prompt-len random token ids (from --seed) generate --output-len
 tokens each (greedy, ignore_eos), once on the --colocated layout and once as --prefill ->
---decode (engine.disagg), each a fresh job. Reported: wall time, median TTFT and TPOT, the
+--decode (engine.disagg.oneshot), each a fresh job. Reported: wall time, median TTFT and TPOT, the
 KV bytes sent with their analytic figure, and whether the tokens are identical. The decode
 step runs eagerly on both sides. --kv-cache-dtype (both runs) sends the quantized cache as
 stored. The 1-minute load average is read before and after.
@@ -38,7 +38,7 @@ def run(args) -> int:
     import random
 
     from atoll import LLM, SamplingParams
-    from atoll.engine.kv_transfer import analytic_bytes
+    from atoll.engine.disagg.transfer import analytic_bytes
     from atoll.layers.kv_quant import kv_format
     from atoll.parallel.layout import Layout
 
@@ -63,7 +63,7 @@ def run(args) -> int:
     first, second = runs.values()
     import torch
 
-    from atoll.engine.runner import resolve_dtype
+    from atoll.engine.rank.run_spec import resolve_dtype
 
     itemsize = resolve_dtype(llm.options.dtype, llm.config, torch.device("cpu")).itemsize  # the CPU ranks' dtype
     fmt = kv_format(args.kv_cache_dtype)

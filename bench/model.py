@@ -7,7 +7,7 @@ with min_new_tokens = max_new_tokens. Both run on the rank's device (--device, b
 launcher: launch/device.py) in the same dtype (--dtype; default as the runtime: the
 checkpoint's torch_dtype on CUDA, float32 on CPU). The ranks are spawned once; inside them
 the runner and the transformers model are built, then every round times atoll's
-`run_requests` with the compiled decode step (engine.compiled) and with the eager one, then
+`run_requests` with the compiled decode step (engine.step.compiled) and with the eager one, then
 transformers' `generate` (on rank 0, the other ranks wait at a barrier) and a large tensor
 copy, alternating which side goes first. The closing lines report the default path: compiled,
 unless --enforce-eager (or ATOLL_ENFORCE_EAGER=1, or a model the step does not compile) leaves
@@ -120,9 +120,9 @@ def prepare(model, layout, *, batch: int, input_len: int, output_len: int, seed:
 
     import torch
 
-    from atoll.engine.kv_sizing import cpu_blocks
+    from atoll.engine.kv.sizing import cpu_blocks
     from atoll.launch.api import LLM
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
 
     B, L, N = batch, input_len, output_len
     llm = LLM(model, layout=layout, device=device, dtype=dtype, max_num_seqs=B, max_model_len=L + N,

@@ -31,7 +31,7 @@ def decode_weight_bytes(model, batch: int) -> int:
 def time_atoll(runner, requests, pipelined: bool = True) -> dict:
     import torch
 
-    from atoll.engine.generate import run_requests
+    from atoll.engine.rank.generate import run_requests
 
     sync(runner.device)
     t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def _time_memory(src, dst, times: int = 3) -> tuple[float, float]:
 def _rank(rank: int, world: int, cfg: dict, spec, requests, device: str = "cpu") -> dict | None:
     import torch
 
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 

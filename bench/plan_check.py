@@ -134,7 +134,7 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int, devic
     import torch
 
     from atoll.calibrate.compute import probe_tflops
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.bench.model_rank import time_atoll
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext

@@ -66,7 +66,7 @@ def prepare(args):
     import torch
 
     from atoll.launch.api import LLM
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
 
     length = args.system_len + args.unique_len + args.output_len
     llm = LLM(args.model, layout=args.layout, max_num_seqs=args.max_num_seqs, max_model_len=length,
@@ -82,8 +82,8 @@ def prepare(args):
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
-    from atoll.engine.generate import run_requests
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
@@ -106,7 +106,7 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
 
 
 def measure(runner, requests) -> dict:
-    from atoll.engine.generate import run_requests
+    from atoll.engine.rank.generate import run_requests
 
     t0 = time.perf_counter()
     results = run_requests(runner, requests)

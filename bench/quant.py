@@ -2,7 +2,7 @@
 quantized one, side by side in one run on the same ranks.
 
 Each rank builds both runners once (the checkpoint's weights in --dtype, and the same with
---quantization), each with its compiled decode step (engine.compiled; --enforce-eager: eager
+--quantization), each with its compiled decode step (engine.step.compiled; --enforce-eager: eager
 both), then every round runs the requests through both, the order alternating, and reads the
 1-minute load average after it. Warm-up rounds are untimed (the first compiles both steps).
 tokens/s = batch x output-len / end-to-end time (prefill + decode); decode step = the median
@@ -41,7 +41,7 @@ def run(args, bench, cfg: dict, llm, spec, requests) -> int:
 def _rank(rank: int, world: int, cfg: dict, spec, requests, device: str = "cpu") -> dict | None:
     import torch
 
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 

@@ -237,7 +237,7 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
 def compare_plan(args, model_dir: str, config, requests, measured: dict) -> dict:
     from atoll.bench.serve_compare import plan_prediction, plan_workload, versus_plan
     from atoll.config import from_args
-    from atoll.engine.llm import resolve_layout
+    from atoll.engine.driver.llm import resolve_layout
     from atoll.launch.device import decide
 
     layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,

@@ -8,9 +8,9 @@ together (max_num_seqs = --batch); each generates --output-len tokens (greedy, i
 so both sides must give identical tokens. The ranks are spawned once and build the runner
 once; each round runs off and on (the order alternating between rounds) after an untimed
 warm-up of each (every prompt, 4 tokens). Reported, medians over --rounds: output tokens per second, the ratio on /
-off, the acceptance rate and mean accepted length (engine.spec_stats), whether the tokens
+off, the acceptance rate and mean accepted length (engine.spec.stats), whether the tokens
 are identical, and the 1-minute load average read before each timed run. By default both
-sides decode eagerly (--compile never), with the products engine.runner._tune_eager chose for
+sides decode eagerly (--compile never), with the products engine.rank.tuning.tune_eager chose for
 the verify step's rows; with --compile always both run the compiled CPU decode step, whose
 buckets hold a verify step's rows too (both sides run the same weights and graphs, every graph
 made by the step's warm-up before the first timed run).
@@ -119,8 +119,8 @@ def prompts(kind: str, n: int) -> list[str]:
 
 def prepare(args, speculative):
     """(LLM, RunSpec with speculation on, requests) for the chosen prompts."""
-    from atoll.engine.sampling import SamplingParams
-    from atoll.engine.tokenizer import Tokenizer
+    from atoll.engine.sample.sampler import SamplingParams
+    from atoll.engine.batch.tokenizer import Tokenizer
     from atoll.launch.api import LLM
 
     n = args.requests or max(args.batch, 4)
@@ -133,8 +133,8 @@ def prepare(args, speculative):
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
-    from atoll.engine.generate import run_requests
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
 
@@ -165,8 +165,8 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
 
 
 def measure(runner, requests) -> dict:
-    from atoll.engine import spec_stats
-    from atoll.engine.generate import run_requests
+    from atoll.engine.spec import stats as spec_stats
+    from atoll.engine.rank.generate import run_requests
 
     load = os.getloadavg()[0]
     t0 = time.perf_counter()

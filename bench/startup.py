@@ -1,5 +1,5 @@
 """atoll bench startup: what a new user waits for, start-up and compile included: `atoll
-generate` as a fresh process by default (the compile policy, engine.step_policy), with
+generate` as a fresh process by default (the compile policy, engine.step.policy), with
 --enforce-eager, and transformers' `generate`, side by side in one run, for each --jobs entry
 (PROMPTS x TOKENS, default 5x3 and 16x256).
 

@@ -28,9 +28,10 @@ import statistics
 import torch
 
 from atoll.calibrate.timing import is_cuda, sync, timed
-from atoll.engine.generate import Request, run_requests
-from atoll.engine.runner import ModelRunner, RunSpec
-from atoll.engine.sampling import SamplingParams
+from atoll.engine.rank.generate import Request, run_requests
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.sample.sampler import SamplingParams
 from atoll.layers.packed import linear
 from atoll.models.config import ModelConfig
 from atoll.parallel.mesh import ParallelContext
@@ -101,7 +102,7 @@ def copy_gb_s(budget_s: float, *, device="cpu", nbytes: int | None = None) -> fl
 
 def decode_step_s(model_dir, *, seqs: int, out_tokens: int, device="cpu") -> float:
     """Median TPOT of `seqs` sequences of 8 prompt tokens through the runtime, eager, one rank
-    on `device`. Each tick hands its sampled tokens to the host (engine.generate), which waits
+    on `device`. Each tick hands its sampled tokens to the host (engine.rank.generate), which waits
     for the device, so the TPOT holds the GPU's work as well as its launches."""
     # a GPU's cache is sized to what the requests need, not to 90% of its memory
     blocks = seqs * -(-(8 + out_tokens) // 16) + 2 if is_cuda(device) else None

@@ -23,7 +23,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from atoll.launch.api import LLM
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
     from atoll.models.gguf import demo_model_dir
 
     console = Console(stderr=True)

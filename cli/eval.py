@@ -1,7 +1,7 @@
 """atoll eval: model quality through atoll's own ranks.
 
     atoll eval perplexity --model DIR [--text FILE] [--window N] [--max-tokens N] [engine options]
-        exp(mean NLL) of the text, in windows (engine/perplexity.py); --text defaults to torch's
+        exp(mean NLL) of the text, in windows (engine/driver/perplexity.py); --text defaults to torch's
         README (the long description in the installed torch's METADATA)
     atoll eval greedy --model DIR --kv-cache-dtype int8 [--prompts 16] [--new-tokens 64]
         greedy tokens of prompts cut from the same text, under these engine options and under
@@ -44,7 +44,7 @@ def _setup(args):
     """(llm, token ids of the text, the text's name)."""
     from pathlib import Path
 
-    from atoll.engine import perplexity
+    from atoll.engine.driver import perplexity
 
     model = args.model
     if model == "demo":
@@ -69,7 +69,7 @@ def _setup(args):
 
 
 def run_perplexity(args) -> int:
-    from atoll.engine import perplexity
+    from atoll.engine.driver import perplexity
 
     llm, ids, name = _setup(args)
     wins = perplexity.windows(ids, args.window, args.max_tokens)
@@ -87,7 +87,7 @@ def run_perplexity(args) -> int:
 
 
 def run_greedy(args) -> int:
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
 
     llm, ids, name = _setup(args)
     n, k = args.prompts, args.prompt_tokens

@@ -9,7 +9,7 @@ import time
 from atoll import config
 from atoll.cli.progress import ProgressBar
 from atoll.config.sampling import SamplingParams
-from atoll.engine import spec_stats
+from atoll.engine.spec import stats as spec_stats
 from atoll.errors import InputError
 
 
@@ -208,7 +208,7 @@ def _row(ln, **fields) -> dict:
 
 
 def _generate(args, llm, lines, valid, launcher: str) -> int:
-    from atoll.engine.worker import generate_worker
+    from atoll.engine.rank.worker import generate_worker
     from atoll.errors import AtollError
     from atoll.launch.launchers import launch
     from atoll.cli.requests import ResultWriter
@@ -239,12 +239,12 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
         print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} ranks, {launcher})",
               file=sys.stderr)
     # the living engine (the one `atoll serve` runs) under every launcher; --stats counts link
-    # bytes in one job per call (engine.worker), which the living engine does not
+    # bytes in one job per call (engine.rank.worker), which the living engine does not
     living = not args.stats and llm.prefill_layout is None
     if living and launcher != "local":
         llm.launcher = _living_launcher(args, llm, launcher)
         if not writer.enabled:  # torchrun/mpirun, a rank but 0: serve until rank 0 says stop
-            from atoll.engine.serve_worker import serve_worker
+            from atoll.engine.rank.loop import serve_worker
 
             llm.launcher.join(serve_worker, llm.layout.world_size, None, None, None, device=llm.options.device,
                               parallel=args.context)
@@ -309,7 +309,7 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
 
 
 def _disaggregated(args, llm, requests, launcher: str, done) -> list[dict]:
-    """Both engines as one living job (engine.disagg_online); each result written as it ends."""
+    """Both engines as one living job (engine.driver.disagg); each result written as it ends."""
     from atoll.errors import LaunchError
 
     if launcher not in ("local", "ray"):

@@ -1,7 +1,7 @@
 """What rank 0 reports while it runs, and the progress bar it feeds.
 
 Rank 0 puts ("step", requests done, tokens made) after each step and ("done", index, result)
-as each request finishes (engine.worker). `Reports` takes them in the parent: from a
+as each request finishes (engine.rank.worker). `Reports` takes them in the parent: from a
 multiprocessing queue drained by a thread (local ranks), or through put() directly (rank 0
 under torchrun or mpirun, which is the parent). Steps go to the bar, finished requests to a
 callback that writes them out at once, so a crash keeps what was done."""

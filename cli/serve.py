@@ -151,7 +151,7 @@ def _join(args, llm) -> int:
     the others mid-collective."""
     import signal
 
-    from atoll.engine.serve_worker import serve_worker
+    from atoll.engine.rank.loop import serve_worker
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -15,7 +15,7 @@ ROUTER_HELP = ("which replica takes a request: cache_aware (the one holding the 
 
 
 def add_replica_options(p) -> None:
-    from atoll.serve.router import ROUTERS
+    from atoll.engine.batch.router import ROUTERS
 
     p.add_argument("--router", default="cache_aware", choices=ROUTERS, help=ROUTER_HELP)
 

@@ -10,23 +10,8 @@ import math
 
 import torch
 
+from atoll.comm.experts import expert_split, expert_starts  # noqa: F401  (the routing arithmetic's API)
 from atoll.errors import ConfigError
-
-
-def expert_split(num_experts: int, ep: int) -> list[int]:
-    """Experts per ep rank. Ranks hold contiguous blocks of expert ids and the first
-    num_experts % ep ranks hold one more: 10 experts over 4 ranks -> [3, 3, 2, 2], so rank 1
-    holds experts 3, 4, 5. With fewer experts than ranks the last ranks hold none."""
-    base, extra = divmod(num_experts, ep)
-    return [base + (r < extra) for r in range(ep)]
-
-
-def expert_starts(split: list[int]) -> list[int]:
-    starts, at = [], 0
-    for n in split:
-        starts.append(at)
-        at += n
-    return starts
 
 
 def expert_owner(ids: torch.Tensor, split: list[int]) -> torch.Tensor:

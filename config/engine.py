@@ -13,9 +13,12 @@ DEVICES = ("auto", "cuda", "cpu")
 DISPATCH = ("auto", "flat", "hierarchical")  # MoE token dispatch
 KERNEL_MODES = ("auto", "torch", "triton")
 MOE_EXCHANGES = ("auto", "alltoall", "gather")
-COMPILE_POLICIES = ("auto", "always", "never")  # the compiled decode step (engine/step_policy.py)
+COMPILE_POLICIES = ("auto", "always", "never")  # the compiled decode step (engine/step/policy.py)
 # KV cache storage (vLLM's spelling; layers/kv_quant.py): auto keeps the compute dtype; fp8 is fp8_e4m3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# each quantized storage's (bytes per value, scale bytes per token and kv head): the sizing of the
+# cache (engine/kv/sizing.py, the planner) reads it without torch; layers/kv_quant.py checks its formats agree
+KV_STORAGE = {"fp8": (1, 0), "fp8_e4m3": (1, 0), "fp8_e5m2": (1, 0), "int8": (1, 4)}
 # weight quantization (vLLM's --quantization): int8 = weight-only int8 per output row on the CPU
 # (layers/quant_linear.py); fp8 = float8 e4m3 weights in 128 x 128 blocks (layers/fp8_linear.py)
 QUANTIZATIONS = ("int8", "fp8")
@@ -95,14 +98,14 @@ class EngineConfig:
                                         "whose packed product measures faster here (not with --enforce-eager) "
                                         "(env ATOLL_COMPILE_FREEZING)")
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already computed "
-                                             "(engine.blocks)")
+                                             "(engine.kv.blocks)")
     disable_hybrid_kv_cache_manager: bool = _opt(False, "a model whose sliding-window layers sit beside "
                                                         "full-attention ones keeps one block table for all "
                                                         "layers, every block kept (default: the sliding layers "
                                                         "keep their own cache and let go of the blocks their "
-                                                        "window has passed; engine.window_pool)")
+                                                        "window has passed; engine.kv.windowed)")
     prefill: str | None = _opt(None, "disaggregated prefill: the prefill engine's layout (e.g. TP2), beside "
-                                     "--decode; the job runs both engines (engine.disagg)")
+                                     "--decode; the job runs both engines (engine.disagg.oneshot)")
     decode: str | None = _opt(None, "disaggregated prefill: the decode engine's layout (e.g. TP4), beside --prefill")
     disagg_min_prompt_tokens: int = _opt(0, "with --prefill/--decode, prompts whose uncached part is shorter "
                                             "than this are prefilled by the decode engine itself")

@@ -13,7 +13,7 @@ no second model, and no cache of its own, since those layers' keys and values ar
 target's). "model" names a separate draft model (method draft_model) that shares the
 target's vocabulary: it runs on the same ranks with the same TP, in a paged cache of its own
 indexed by the target's block tables. "deepseek_mtp" drafts with DeepSeek-V3's own
-multi-token-prediction layer, read from the target's checkpoint (engine/mtp.py), applied
+multi-token-prediction layer, read from the target's checkpoint (engine/spec/mtp.py), applied
 recurrently for K > 1.
 
 disable_by_batch_size (vLLM's spelling): a step drafts nothing when its lane runs at least

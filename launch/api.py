@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from atoll.config import from_args
-from atoll.engine.llm import LLM as EngineLLM
+from atoll.engine.driver.llm import LLM as EngineLLM
 from atoll.launch.local import LocalJob, channel, run_local
 from atoll.launch.rank_job import RankLauncher
 from atoll.launch.ray_launcher import RayJob, run_ray
@@ -60,7 +60,7 @@ class RayLauncher:
 
 
 class LLM(EngineLLM):
-    """engine.llm.LLM whose ranks are local processes (LocalLauncher), unless `launcher` is
+    """engine.driver.llm.LLM whose ranks are local processes (LocalLauncher), unless `launcher` is
     given: an object like LocalLauncher (RayLauncher, RankLauncher), or any callable
     launcher(fn, world_size, *args, device=..., timeout_s=..., **kwargs) returning every
     rank's value (one job per call)."""

@@ -23,7 +23,7 @@ Ray's node id (launch.net.NODE_VAR), so the ranks' islands and nodes are Ray's n
 As with run_local, the first rank that raises or whose actor dies ends the job within
 seconds: every actor is killed and RankFailure names the rank, its node and the cause.
 
-RayJob is a started job that lasts (the living engine's ranks: engine/serve_worker.py),
+RayJob is a started job that lasts (the living engine's ranks: engine/rank/loop.py),
 watched by its check() while the driver talks to rank 0 through RayChannels (Ray queues);
 run_ray is one RayJob run to its end.
 """

@@ -35,7 +35,7 @@ class AttentionMetadata:
     slots: tuple[torch.Tensor, torch.Tensor] | None = None  # (block, offset) of every new token
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per step, shared by all layers
     # the same step over the sliding layers' own block tables, when they keep their own cache
-    # (engine.window_pool: tables with a `window` list); None when every layer reads these tables
+    # (engine.kv.windowed: tables with a `window` list); None when every layer reads these tables
     windowed: "AttentionMetadata | None" = None
 
     @classmethod
@@ -126,7 +126,7 @@ def key_mask(lengths: torch.Tensor, keys: int, sliding_window: int | None) -> to
 @dataclass
 class StaticDecode:
     """A decode step padded to a bucket, as tensors only: what the compiled decode step
-    (engine.compiled) reads. Rows past the real sequences are padding: they write into a
+    (engine.step.compiled) reads. Rows past the real sequences are padding: they write into a
     scratch block and attend to it alone, so every row stays finite and no real row sees them."""
 
     positions: torch.Tensor  # [seqs] position of each sequence's new token
@@ -163,7 +163,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int | list[int], kv_heads: int, block_size: int, head_dim: int,
                  dtype, *, device="cpu", values: bool = True, kv_format: KVFormat | None = None):
         """num_blocks: every layer's, or a list of each layer's (a sliding layer keeping fewer:
-        engine.window_pool); self.num_blocks is the largest."""
+        engine.kv.windowed); self.num_blocks is the largest."""
         counts = num_blocks if isinstance(num_blocks, list) else [num_blocks] * num_layers
 
         def one(blocks):

@@ -1,7 +1,7 @@
 """Context parallelism (cp): every sequence's KV cache striped over the cp ranks, attention
 computed as partials over each rank's keys and merged exactly by their log-sum-exp.
 
-Block j of a sequence's block table lives on cp rank j % cp (engine.blocks: the pool hands out
+Block j of a sequence's block table lives on cp rank j % cp (engine.kv.blocks: the pool hands out
 global ids local * cp + rank, read here as local block id // cp), so each rank keeps about
 1/cp of every sequence's cache and a sequence may outgrow one rank's blocks.
 

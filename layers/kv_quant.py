@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atoll.config.engine import KV_CACHE_DTYPES
+from atoll.config.engine import KV_CACHE_DTYPES, KV_STORAGE
 
 SCALE_DTYPE = torch.float32
 
@@ -57,6 +57,7 @@ FORMATS = {
     "int8": KVFormat("int8", torch.int8, True),
 }
 assert set(FORMATS) | {"auto"} == set(KV_CACHE_DTYPES)
+assert all(KV_STORAGE[n] == (f.itemsize, f.scale_bytes) for n, f in FORMATS.items())  # the sizing's table
 INT8_MAX = 127.0
 
 

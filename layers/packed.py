@@ -48,7 +48,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def row_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [1, in] @ weight.T as one reduction over each weight row: inductor makes it one
     vectorised pass over the weight, which streams it faster than oneDNN's or MKL's GEMM does
-    at one row (see engine/compiled.py: the one-sequence graph)."""
+    at one row (see engine/step/compiled.py: the one-sequence graph)."""
     out = (weight * x).sum(-1).unsqueeze(0)
     return out if bias is None else out + bias
 
@@ -82,7 +82,7 @@ class Packer:
         self.rows = rows
 
 
-# --- oneDNN-packed weights for the compiled CPU decode step (engine.compiled) ---
+# --- oneDNN-packed weights for the compiled CPU decode step (engine.step.compiled) ---
 # The packed copy is an opaque oneDNN tensor, which dynamo cannot take as an input and
 # inductor's cache cannot store as a constant: the graph calls atoll::onednn_linear with the
 # plain weight as its input, and the operator finds the packed copy by the weight's address.

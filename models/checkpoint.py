@@ -17,11 +17,11 @@ from safetensors import safe_open
 from atoll.errors import CheckpointError
 from atoll.models import fp8
 from atoll.models.fp8_scheme import scheme as fp8_scheme
-from atoll.models.safetensors_header import HeaderSource, read_header, slice_stops
+from atoll.models.header_source import HeaderSource
+from atoll.models.safetensors_header import INDEX, read_header, slice_stops
 from atoll.models.strict import check_all_read, check_filled, is_fp8_scale, source
 from atoll.models.unused import known_unused
 
-INDEX = "model.safetensors.index.json"
 
 
 class Source:
@@ -49,19 +49,6 @@ class Source:
         self._ckpt.bytes_read += t.numel() * t.element_size()
         self._ckpt.tensors_read[self.name] = self._ckpt.tensors_read.get(self.name, 0) + t.numel()
         return t
-
-
-def tensor_names(directory: str | Path) -> set[str]:
-    """The tensor names a checkpoint directory holds, from its index or its files' headers
-    (the 8-byte length and the JSON header of each safetensors file: no tensor is read)."""
-    d = Path(directory)
-    index = d / INDEX
-    try:
-        if index.exists():
-            return set(json.loads(index.read_text())["weight_map"])
-        return {name for f in sorted(d.glob("*.safetensors")) for name in read_header(f)}
-    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
-        return set()  # unreadable here: Checkpoint says why when the weights are loaded
 
 
 class Checkpoint:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from atoll.errors import ConfigError
 from atoll.models.jsonfile import read_json_object
+from atoll.models.safetensors_header import tensor_names
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
@@ -124,7 +125,7 @@ class ModelConfig:
     @property
     def pool_window(self) -> int | None:
         """The window every layer keeps within (the widest when they differ), when every layer
-        slides: blocks before it go back to the pool (engine.scheduler). None if any layer
+        slides: blocks before it go back to the pool (engine.batch.scheduler). None if any layer
         attends to every position."""
         if self.layer_windows is None:
             return self.sliding_window
@@ -134,7 +135,7 @@ class ModelConfig:
     def hybrid_window(self) -> int | None:
         """The widest sliding window when some layers slide and others attend to every position
         (Qwen2/3's max_window_layers, config.json's layer_types): the sliding layers can keep
-        their own, shorter block tables (engine.window_pool). None otherwise."""
+        their own, shorter block tables (engine.kv.windowed). None otherwise."""
         if self.layer_windows is None or None not in self.layer_windows:
             return None
         return max((w for w in self.layer_windows if w is not None), default=None)
@@ -268,8 +269,6 @@ class ModelConfig:
         try:
             config = cls.from_dict(d)
             if config.tie_word_embeddings and p.is_dir():
-                from atoll.models.checkpoint import tensor_names  # lazy: imports torch; ModelConfig does not
-
                 # a tied model that still stores its own lm_head.weight: transformers then keeps
                 # that tensor as the head (it ties only when the two are equal), and so does atoll
                 if "lm_head.weight" in tensor_names(p):

@@ -8,7 +8,7 @@ The official V3 checkpoint carries a multi-token-prediction module after the las
 layer (model.layers.61.*, `num_nextn_predict_layers`) for speculative decoding. The target
 model reads none of it: every tensor of a layer at index >= num_hidden_layers maps to nothing
 here (and models/unused.py lists them as known unused, so strict loading skips them unread);
-the deepseek_mtp drafter (engine/mtp.py) loads it into a module of its own (models/mtp.py).
+the deepseek_mtp drafter (engine/spec/mtp.py) loads it into a module of its own (models/mtp.py).
 """
 
 from __future__ import annotations

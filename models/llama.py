@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, meta.positions)
         if self.sliding_window and getattr(meta, "windowed", None) is not None:
-            meta = meta.windowed  # this layer's cache is the sliding layers' own (engine.window_pool)
+            meta = meta.windowed  # this layer's cache is the sliding layers' own (engine.kv.windowed)
         write_cache(k_cache, v_cache, k, v, meta)
         if isinstance(meta, CpShards):  # context parallel: partials over each cp rank's blocks, merged
             return self.o_proj(meta.attend(q, k_cache, v_cache, sliding_window=self.sliding_window).flatten(1))

@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from atoll.errors import CheckpointError
 
 MAX_HEADER = 100_000_000  # safetensors' own bound on a header's length
+INDEX = "model.safetensors.index.json"
 
 
 def read_header(path: Path) -> dict[str, dict]:
@@ -55,23 +54,6 @@ def _end(info) -> int | None:
     return offsets[1] if ok else None
 
 
-class HeaderSource:
-    """A checkpoint tensor known only by its safetensors header: indexing gives a meta tensor
-    of the slice's shape, so a model built on `meta` can run every weight_loader (shapes
-    checked, nothing read) before any rank starts."""
-
-    def __init__(self, name: str, shape: tuple[int, ...]):
-        self.name = name
-        self._full = torch.empty(shape, device="meta")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self._full.shape)
-
-    def __getitem__(self, index):
-        return self._full[index]
-
-
 def slice_stops(index, ndim: int) -> list[int | None]:
     """How far `src[index]` reads each dimension: a slice's stop, None where the index does
     not bound it (`:`, a dimension left out, or an index too unusual to read)."""
@@ -83,3 +65,16 @@ def slice_stops(index, ndim: int) -> list[int | None]:
         if isinstance(i, slice) and i.stop is not None and i.stop >= 0 and (i.step or 1) > 0:
             stops[d] = i.stop
     return stops
+
+
+def tensor_names(directory: str | Path) -> set[str]:
+    """The tensor names a checkpoint directory holds, from its index or its files' headers
+    (the 8-byte length and the JSON header of each safetensors file: no tensor is read)."""
+    d = Path(directory)
+    index = d / INDEX
+    try:
+        if index.exists():
+            return set(json.loads(index.read_text())["weight_map"])
+        return {name for f in sorted(d.glob("*.safetensors")) for name in read_header(f)}
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        return set()  # unreadable here: Checkpoint says why when the weights are loaded

@@ -16,7 +16,8 @@ import torch
 from atoll.errors import CheckpointError
 from atoll.models import build_model
 from atoll.models.checkpoint import Checkpoint, load_weights
-from atoll.models.safetensors_header import HeaderSource, slice_stops
+from atoll.models.header_source import HeaderSource
+from atoll.models.safetensors_header import slice_stops
 from atoll.models.strict import check_all_read
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext

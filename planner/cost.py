@@ -254,7 +254,7 @@ class CostModel:
         busiest = lane / l.dp * prompt_len
         parts = self._passes(dict(seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False,
                                   prompt_tokens=busiest, prompt_rows=lane * prompt_len))
-        if self.runtime:  # the sampled tokens reach every rank each tick (engine.runner.tick)
+        if self.runtime:  # the sampled tokens reach every rank each tick (engine.rank.runner.tick)
             for p in parts:
                 for k, v in self.measured.tick_exchange(self, per_dp).items():
                     p[k] += v

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from atoll.planner import efficiency as eff
 from atoll.planner.context import partial_bytes_per_token, query_bytes_per_token
-from atoll.planner.quantized import stage_weight_bytes
 from atoll.planner.shapes import stage_split
 
 
@@ -77,6 +76,9 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
         dec, bf16 = stage_weight_params(s, l, start, end, i == 0, i == l.pp - 1)
         weights = dec * w.weight_bytes + bf16 * w.embed_bytes
         if w.quantization is not None:  # what the ranks allocate, by the runtime's rule
+            # lazy: torch, to build the stage on the meta device; a plan without --quantization never imports it
+            from atoll.planner.quantized import stage_weight_bytes
+
             weights = stage_weight_bytes(config, layout, i, w)
         kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes, w.kv_scale_bytes)
         if cp > 1:

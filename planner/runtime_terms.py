@@ -7,7 +7,7 @@ like with like.
   measured counts, or without them, ranks beyond the cores share them).
 - Launch/dispatch overhead: per decoder layer (dense or MoE) and per tick (scheduling,
   metadata, sampling: a fixed part and a part per sequence), measured on tiny checkpoints.
-- Each tick's token exchange (engine.runner.tick): a broadcast of the sampled tokens over the
+- Each tick's token exchange (engine.rank.runner.tick): a broadcast of the sampled tokens over the
   world, or with DP the `agree` all_reduce and the token table's all_reduce.
 - The MoE exchange as layers/moe.py picks it: gather_combine at <= GATHER_MAX_ROWS rows per ep
   rank, whose torch path (no Triton on a CPU) runs every gathered row through every local

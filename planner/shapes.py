@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atoll.comm.routing import expert_split
-from atoll.models.cache_bytes import kv_bytes_per_token_layer
+from atoll.comm.experts import expert_split
+from atoll.engine.kv.sizing import kv_bytes_per_token_layer
 from atoll.parallel.pipeline import stage_layers
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from atoll.config import resolve
 from atoll.errors import ConfigError
-from atoll.models.cache_bytes import storage_bytes
+from atoll.engine.kv.sizing import storage_bytes
 
 DTYPES = ("bf16", "fp8", "fp32")
 _BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
@@ -81,7 +81,7 @@ class Workload:
     def _kv_storage(self) -> tuple[float, float]:
         if self.kv_dtype in _BYTES or self.kv_dtype == "auto":
             return self._bytes(self.kv_dtype), 0
-        return storage_bytes(0, self.kv_dtype)  # models.cache_bytes: the runtime's own figure
+        return storage_bytes(0, self.kv_dtype)  # engine.kv.sizing: the runtime's own figure
 
     @property
     def embed_bytes(self) -> int:

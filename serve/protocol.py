@@ -166,7 +166,7 @@ class ChatRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-# SamplingParams knows logprobs once the engine computes them (engine/online.py's payload)
+# SamplingParams knows logprobs once the engine computes them (engine/driver/online.py's payload)
 ENGINE_LOGPROBS = "logprobs" in {f.name for f in fields(SamplingParams)}
 
 

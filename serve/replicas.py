@@ -1,7 +1,7 @@
 """Replicas: N living engines of one layout behind a router, seen by the server as one engine
-(the same submit / abort / new_id / error / stats as engine.online.OnlineEngine).
+(the same submit / abort / new_id / error / stats as engine.driver.online.OnlineEngine).
 
-Each request goes to the replica the router picks (serve.router). A replica whose ranks die
+Each request goes to the replica the router picks (engine.batch.router). A replica whose ranks die
 fails only the requests it holds, each error naming the replica and the rank; a request that
 has streamed no token yet is sent again to another live replica instead (the client sees a
 longer first-token time, no error). The others keep serving: `degraded` names the dead ones
@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import Counter, Gauge
 
-from atoll.engine.living import engine_spec
-from atoll.engine.online import EngineDead, OnlineEngine
+from atoll.engine.driver.living import engine_spec
+from atoll.engine.driver.online import EngineDead, OnlineEngine
 from atoll.launch.api import LocalLauncher
-from atoll.serve.router import make_router
+from atoll.engine.batch.router import make_router
 
 PREFIX = "atoll_router"
 

@@ -13,7 +13,7 @@ import sys
 
 import uvicorn
 
-from atoll.engine.online import EngineDead
+from atoll.engine.driver.online import EngineDead
 from atoll.serve.app import create_app
 from atoll.serve.backend import Backend
 

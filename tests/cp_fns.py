@@ -1,9 +1,10 @@
 """Rank functions for the context parallel tests (module level, so spawned ranks import them)."""
 
 from atoll import SamplingParams
-from atoll.engine.core import EngineCore
-from atoll.engine.request import Request
-from atoll.engine.runner import ModelRunner, RunSpec
+from atoll.engine.rank.core import EngineCore
+from atoll.engine.batch.request import Request
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.runner import ModelRunner
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext
 

@@ -8,7 +8,7 @@ def generate_on_meta_default(rank: int, world_size: int, spec, requests, sampled
     names the device. Returns rank 0's results (and every rank's bound device)."""
     import torch
 
-    from atoll.engine.worker import generate_worker
+    from atoll.engine.rank.worker import generate_worker
     from atoll.launch.device import rank_device
 
     torch.set_default_device("meta")

@@ -6,7 +6,7 @@ PROMPTS = [[5, 7, 9], [100, 3], [42]]
 def generate_requests(model_dir):
     """(spec, requests) for greedy TP2PP2 generation; the same on every rank and process."""
     from atoll.launch.api import LLM
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
 
     llm = LLM(model_dir, layout="TP2PP2")
     requests = llm.prepare(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -22,7 +22,7 @@ def local_tokens(model_dir) -> list[list[int]]:
     import json
     from pathlib import Path
 
-    from atoll.engine.worker import generate_worker
+    from atoll.engine.rank.worker import generate_worker
     from atoll.launch.local import run_local
 
     cache = Path(model_dir) / "launcher-test-local-tokens.json"

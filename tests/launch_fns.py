@@ -121,7 +121,7 @@ def listening_after_rendezvous(rank: int, world_size: int, driver_pid: int) -> l
 
 def generate_where(rank: int, world_size: int, spec, requests):
     """generate_worker, plus the node this rank ran on."""
-    from atoll.engine.worker import generate_worker
+    from atoll.engine.rank.worker import generate_worker
 
     return where(), generate_worker(rank, world_size, spec, requests)
 

@@ -8,7 +8,7 @@ def weight_report(rank: int, world_size: int, spec, parallel=None, device: str =
 
     import torch
 
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.layers.quant_linear import weight_bytes
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext

@@ -6,7 +6,8 @@ import re
 import pytest
 from safetensors import safe_open
 
-from atoll.engine.runner import ModelRunner, RunSpec
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.runner import ModelRunner
 from atoll.errors import CheckpointError
 from atoll.launch.local import run_local
 from atoll.models.checkpoint import Checkpoint

@@ -1,7 +1,7 @@
-"""The compiled decode step (engine.compiled): the same greedy tokens as the eager step and as
+"""The compiled decode step (engine.step.compiled): the same greedy tokens as the eager step and as
 transformers, one graph per sequence bucket that a second run does not recompile, and
 --enforce-eager / ATOLL_ENFORCE_EAGER=1 compiling nothing; the default policy (auto,
-engine.step_policy) end to end: eager for a short job without a record, compiled once the
+engine.step.policy) end to end: eager for a short job without a record, compiled once the
 record says the job repays it. The suite runs eager by default (conftest sets
 ATOLL_ENFORCE_EAGER=1); these tests lift it."""
 
@@ -13,11 +13,11 @@ import torch
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine import step_policy
-from atoll.engine.decode_step import block_bucket, seq_buckets
+from atoll.engine.step import policy as step_policy
+from atoll.engine.step.decode_step import block_bucket, seq_buckets
 from atoll.config import EngineConfig, add_cli_options, from_args
-from atoll.engine.generate import run_requests
-from atoll.engine.runner import ModelRunner
+from atoll.engine.rank.generate import run_requests
+from atoll.engine.rank.runner import ModelRunner
 from atoll.errors import InputError
 from atoll.launch.local import run_local
 from atoll.parallel.layout import Layout

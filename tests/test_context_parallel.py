@@ -13,8 +13,8 @@ from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
 from atoll.cli.main import main
-from atoll.engine.blocks import BlockPool
-from atoll.engine.llm import resolve_layout
+from atoll.engine.kv.blocks import BlockPool
+from atoll.engine.driver.llm import resolve_layout
 from atoll.errors import InputError, LayoutError
 from atoll.launch.local import run_local
 from atoll.layers import context_parallel
@@ -167,7 +167,7 @@ def test_a_tiny_qwen3_moe_matches_transformers(moe, layout):
 @pytest.mark.timeout(300)
 def test_a_sliding_window_model_matches_transformers_at_cp2(tiny_model):
     """Masks by each key's position on its rank; the blocks the window has passed go back to
-    both ranks' pools (engine.scheduler._slide over a striped pool)."""
+    both ranks' pools (engine.batch.scheduler._slide over a striped pool)."""
     model_dir = tiny_model("mistral", sliding_window=256, max_position_embeddings=4096, num_hidden_layers=2)
     prompts = [_prompt(700, 6), _prompt(90, 7)]
     want = reference_tokens(model_dir, prompts, 40)

@@ -11,7 +11,8 @@ from reference import reference_tokens
 from atoll import LLM, SamplingParams
 from atoll.layers.attention import AttentionMetadata
 from atoll.models import build_model
-from atoll.models.cache_bytes import kv_bytes_per_block, make_cache
+from atoll.engine.kv.sizing import kv_bytes_per_block
+from atoll.engine.rank.kv_cache import make_cache
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.models.config import ModelConfig
 from atoll.models.presets import PRESETS, resolve_model

@@ -8,7 +8,7 @@ from device_fns import generate_on_meta_default
 from reference import reference_tokens
 
 from atoll.launch.api import LLM
-from atoll.engine.sampling import SamplingParams
+from atoll.engine.sample.sampler import SamplingParams
 from atoll.launch.local import run_local
 
 PROMPTS = [[5, 7, 9, 11], [100, 3], [42, 8, 1, 2, 3, 4, 5], [77]]

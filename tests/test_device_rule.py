@@ -99,7 +99,7 @@ def test_torchrun_binds_from_its_environment(monkeypatch):
 def test_default_dtype_follows_the_device(tiny_model):
     import torch
 
-    from atoll.engine.runner import resolve_dtype
+    from atoll.engine.rank.run_spec import resolve_dtype
     from atoll.models.config import ModelConfig
 
     cfg = ModelConfig.load(tiny_model("llama"))

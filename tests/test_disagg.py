@@ -1,4 +1,4 @@
-"""Disaggregated prefill and decode (engine.disagg, engine.kv_transfer): the transfer plan
+"""Disaggregated prefill and decode (engine.disagg.oneshot, engine.disagg.transfer): the transfer plan
 (every held head of every layer sent once, bytes = the analytic KV size), the conditional
 routing, and greedy tokens identical to transformers across prefill -> decode layouts, with
 the KV bytes each request sent counted on the ranks."""
@@ -16,9 +16,9 @@ from procs import spawned_children
 from reference import reference_cache
 
 from atoll import LLM, SamplingParams
-from atoll.engine import kv_transfer
-from atoll.engine.disagg import route
-from atoll.engine.generate import Request
+from atoll.engine.disagg import transfer as kv_transfer
+from atoll.engine.disagg.decision import route
+from atoll.engine.rank.generate import Request
 from atoll.models.config import ModelConfig
 from atoll.parallel.layout import Layout
 from atoll.parallel.pipeline import stage_layers
@@ -118,10 +118,10 @@ def test_short_prompts_are_prefilled_on_the_decode_engine(models):
 def test_adopted_sequences_survive_preemption(models):
     """A decode cache of 10 blocks of 4 holds one of the longer sequences at a time: adopted
     sequences are preempted and recomputed on the decode engine, tokens unchanged. One job
-    for the fixed list (engine.disagg), where every prompt's KV comes as soon as the prefill
+    for the fixed list (engine.disagg.oneshot), where every prompt's KV comes as soon as the prefill
     engine has it; the living engine's hand-offs, each through the driver, come too late
     for two to meet in so small a cache here."""
-    from atoll.engine.llm import LLM as OneJobLLM
+    from atoll.engine.driver.llm import LLM as OneJobLLM
     from atoll.launch.local import run_local
 
     model_dir, want = models("llama")
@@ -204,7 +204,7 @@ def test_seeded_sampling_continues_the_prefill_engines_stream(models):
 
 
 def test_a_failed_job_rank_is_named_by_engine_and_its_rank_there():
-    from atoll.engine.disagg import EngineFailure
+    from atoll.engine.disagg.oneshot import EngineFailure
     from atoll.errors import RankFailure
     from atoll.parallel.parts import engine_of
 

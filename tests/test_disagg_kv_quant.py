@@ -1,4 +1,4 @@
-"""A quantized KV cache over disaggregated prefill (engine.kv_transfer): the prefill engine
+"""A quantized KV cache over disaggregated prefill (engine.disagg.transfer): the prefill engine
 sends its cache's 8-bit values and, for int8, their float32 scales as stored, and the decode
 engine writes them into its own cache unchanged. Greedy tokens equal the colocated run's
 with the same --kv-cache-dtype (whose prefill layout is the prefill engine's, so both decode
@@ -14,7 +14,7 @@ quantized cache a run's tokens depend on how its prompts happened to be batched.
 import pytest
 
 from atoll import LLM, SamplingParams
-from atoll.engine.kv_transfer import analytic_bytes
+from atoll.engine.disagg.transfer import analytic_bytes
 from atoll.layers.kv_quant import kv_format
 from atoll.models import ModelConfig
 from atoll.parallel.layout import Layout

@@ -1,4 +1,4 @@
-"""The living disaggregated engine (engine.disagg_online) past one engine of each kind: two
+"""The living disaggregated engine (engine.driver.disagg) past one engine of each kind: two
 prefill engines and one TP2 decode engine (2P1D) and one prefill engine with two decode
 engines (1P2D), greedy tokens equal to transformers'; each request's path decided at arrival
 from its length, the decode replica's cache and the prefill engines' queue, counted."""
@@ -67,7 +67,7 @@ def test_the_decode_engines_tokens_wait_for_the_prefill_engines_first_token():
     """The first token of a handed-off request comes in its prefill engine's step, the rest in
     the decode engine's: when the decode engine's message arrives first, its tokens and end are
     held until the first token is out, then follow it."""
-    from atoll.engine.disagg_online import DisaggEngine
+    from atoll.engine.driver.disagg import DisaggEngine
 
     engine = DisaggEngine.__new__(DisaggEngine)  # only the ordering state
     engine._first, engine._early = {7: 151}, {}
@@ -81,7 +81,7 @@ def test_the_decode_engines_tokens_wait_for_the_prefill_engines_first_token():
 
 
 def test_block_pool_reports_named_and_evicted_blocks():
-    from atoll.engine.blocks import BlockPool
+    from atoll.engine.kv.blocks import BlockPool
 
     pool = BlockPool(2, 4)
     pool.events = []
@@ -101,7 +101,7 @@ def test_the_driver_reads_the_decode_engines_cache_events(llama):
     prompt's blocks appear once the engine holds them, and leave when it evicts them (a cache of
     12 blocks of 4, other long prompts after it); sent again, the evicted prompt goes to the
     prefill engine, while one the engine still holds stays on the decode engine."""
-    from atoll.engine.blocks import prefix_names
+    from atoll.engine.kv.blocks import prefix_names
 
     model_dir, want = llama
     long_prompts = PROMPTS[3:]  # 23, 29 and 35 tokens

@@ -7,9 +7,10 @@ import torch
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.generate import run_requests
-from atoll.engine.runner import ModelRunner, RunSpec
-from atoll.engine.worker import generate_worker
+from atoll.engine.rank.generate import run_requests
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.rank.worker import generate_worker
 from atoll.launch.local import run_local
 from atoll.layers.attention import AttentionMetadata
 from atoll.parallel.layout import Layout

@@ -187,7 +187,7 @@ def _bf16_param_bytes(model_dir, layout: str, rank: int) -> dict:
 def test_fp8_checkpoint_kept_in_fp8_matches_the_dequantized_model(pairs, variant, layout):
     from transformers import AutoModelForCausalLM
 
-    from atoll.engine.perplexity import run_scores, windows
+    from atoll.engine.driver.perplexity import run_scores, windows
 
     fp8_dir, ref_dir, inputs = pairs(variant)
     ids = torch.randint(0, 301, (64,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -9,7 +9,8 @@ from fp8_quant import BLOCK, dequantize, quantize, write_fp8_pair
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from atoll.engine.runner import ModelRunner, RunSpec
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.runner import ModelRunner
 from atoll.launch.local import run_local
 from atoll.layers.attention import AttentionMetadata
 from atoll.models import ModelConfig, build_model

@@ -75,7 +75,7 @@ def dsv3_fp8(tiny_model, tmp_path_factory):
 def test_dsv3_fp8_checkpoint_kept_in_fp8(dsv3_fp8, layout):
     from transformers import AutoModelForCausalLM
 
-    from atoll.engine.perplexity import run_scores, windows
+    from atoll.engine.driver.perplexity import run_scores, windows
 
     fp8_dir, ref_dir = dsv3_fp8
     ids = torch.randint(0, 301, (100,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -111,7 +111,7 @@ def test_tokenizer_matches_the_gguf_tokenizer(smollm2_dir, from_gguf):
 
 
 def test_tokenizer_files_carry_the_chat_template(smollm2_dir, from_gguf):
-    from atoll.engine.tokenizer import Tokenizer
+    from atoll.engine.batch.tokenizer import Tokenizer
 
     ref, _ = from_gguf
     cfg = json.loads((smollm2_dir / "tokenizer_config.json").read_text())

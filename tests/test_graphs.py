@@ -1,4 +1,4 @@
-"""The CUDA-graph decode step's static buffers (engine.graphs), run on the CPU without capture:
+"""The CUDA-graph decode step's static buffers (engine.step.graphs), run on the CPU without capture:
 the bucket choice, the padding rows and the fixed-width block tables give the eager step's
 tokens and KV cache, under TP1, TP2 and PP2. The capture itself needs a GPU
 (examples/gpu_check.sh); this proves everything around it."""
@@ -7,9 +7,9 @@ import pytest
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.generate import run_requests
-from atoll.engine.graphs import GraphedDecode
-from atoll.engine.runner import ModelRunner
+from atoll.engine.rank.generate import run_requests
+from atoll.engine.step.graphs import GraphedDecode
+from atoll.engine.rank.runner import ModelRunner
 from atoll.launch.local import run_local
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext

@@ -94,7 +94,7 @@ def test_engine_follows_the_dequantized_model(int8_pair, layout):
     least 44 of 64 (measured 64 at TP1, 54 at TP2); every linear and the LM head in int8."""
     from transformers import AutoModelForCausalLM
 
-    from atoll.engine.perplexity import run_scores, windows
+    from atoll.engine.driver.perplexity import run_scores, windows
 
     src, ref = int8_pair
     ids = torch.randint(0, 301, (130,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -58,9 +58,10 @@ def test_fp8_round_trip_relative_error(name, rel):
 
 @pytest.mark.parametrize("kind,tp", [("llama", 1), ("llama", 2), ("deepseek_v3", 1)], ids=["gqa-tp1", "gqa-tp2", "mla"])
 def test_planner_counts_the_runtime_cache_bytes(tiny_model, kind, tp):
-    from atoll.engine.kv_sizing import explicit_blocks
+    from atoll.engine.kv.sizing import explicit_blocks
     from atoll.models import ModelConfig
-    from atoll.models.cache_bytes import kv_bytes_per_block, make_cache
+    from atoll.engine.kv.sizing import kv_bytes_per_block
+    from atoll.engine.rank.kv_cache import make_cache
     from atoll.parallel.layout import Layout
     from atoll.planner.shapes import shapes
     from atoll.planner.workload import Workload
@@ -163,7 +164,7 @@ def test_greedy_tokens_with_a_quantized_cache(tiny_model, kind, layout, kinds):
 def test_perplexity_is_transformers_exp_mean_nll(tiny_model, layout):
     from transformers import AutoModelForCausalLM
 
-    from atoll.engine.perplexity import run_scores, windows
+    from atoll.engine.driver.perplexity import run_scores, windows
 
     model_dir = tiny_model("llama")
     ids = torch.randint(0, 301, (130,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from atoll.engine import kv_sizing as kv
+from atoll.engine.kv import sizing as kv
 from atoll.errors import InputError
 
 GIB = 1 << 30
@@ -41,7 +41,7 @@ def test_summary_line():
 def test_a_short_prompt_gets_a_small_cache(tiny_model):
     """The default CPU cache holds what the requests need, not max_num_seqs x the model's context."""
     from atoll.launch.api import LLM
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
 
     llm = LLM(tiny_model("llama"), layout="PP2", device="cpu")  # context 256, 32 seqs per lane
     requests = llm.prepare([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=11))

@@ -10,7 +10,7 @@ import pytest
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.request import Request
+from atoll.engine.batch.request import Request
 
 PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3]]
 

@@ -173,8 +173,8 @@ def references(tiny_model):
 
 def _worker(rank, world_size, spec, requests):
     """generate_worker's path, recording which exchange each MoE layer used."""
-    from atoll.engine.generate import run_requests
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.layers.moe import SparseMoE
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext

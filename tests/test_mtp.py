@@ -1,4 +1,4 @@
-"""DeepSeek-V3's multi-token-prediction drafter (models/mtp.py, engine/mtp.py) on a tiny
+"""DeepSeek-V3's multi-token-prediction drafter (models/mtp.py, engine/spec/mtp.py) on a tiny
 DeepSeek-V3 whose checkpoint carries random MTP tensors for layer N = num_hidden_layers (and
 num_nextn_predict_layers=1): the MTP forward against a reference written from the report's
 description (plain torch around transformers' own DeepSeek-V3 decoder block), the engine's
@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine import mtp as mtp_drafter
-from atoll.engine.generate import run_requests
-from atoll.engine.runner import ModelRunner
+from atoll.engine.spec import mtp as mtp_drafter
+from atoll.engine.rank.generate import run_requests
+from atoll.engine.rank.runner import ModelRunner
 from atoll.errors import InputError
 from atoll.layers.attention import AttentionMetadata
-from atoll.models.cache_bytes import make_cache
+from atoll.engine.rank.kv_cache import make_cache
 from atoll.models.checkpoint import Checkpoint, load_weights
 from atoll.models.config import ModelConfig
 from atoll.models.mtp import DeepseekMTP

@@ -1,6 +1,6 @@
 """Packed decode weights. MKL's (opt-in: the config's mkl_pack, env ATOLL_MKL_PACK=1): F.linear to float32 tolerance (bit
 for bit on some CPUs, not on every one), packed only for a batch size that persists. oneDNN's for the eager step
-(engine.runner._tune_eager): only the shapes measured faster, only for short products, never under --enforce-eager
+(engine.rank.tuning.tune_eager): only the shapes measured faster, only for short products, never under --enforce-eager
 (--compile never: no compile, tuned products)."""
 
 from types import SimpleNamespace
@@ -84,22 +84,22 @@ def _runner(**engine):
 @pytest.mark.parametrize("options, tuned", [({}, True), ({"enforce_eager": True}, False),
                                             ({"compile": "never"}, True), ({"compile_freezing": False}, False)])
 def test_eager_step_tunes_unless_told_not_to(monkeypatch, capsys, options, tuned):
-    from atoll.engine.runner import _tune_eager
+    from atoll.engine.rank.tuning import tune_eager
 
     monkeypatch.setattr(packed, "TUNE_MARGIN", float("inf"))
     runner, weight = _runner(**options)
-    _tune_eager(runner)
+    tune_eager(runner)
     assert getattr(weight, "onednn_eager", False) is tuned
     assert ("1 of 1 weights packed for oneDNN" in capsys.readouterr().err) is tuned
 
 
 @onednn
 def test_a_job_too_short_to_repay_the_tuning_is_not_tuned(monkeypatch):
-    from atoll.engine.runner import _tune_eager
+    from atoll.engine.rank.tuning import tune_eager
 
     monkeypatch.setattr(packed, "TUNE_MARGIN", float("inf"))
     for steps, tuned in ((packed.TUNE_MIN_STEPS - 1, False), (packed.TUNE_MIN_STEPS, True), (None, True)):
         runner, weight = _runner()
         runner.spec.decode_steps = steps
-        _tune_eager(runner)
+        tune_eager(runner)
         assert getattr(weight, "onednn_eager", False) is tuned

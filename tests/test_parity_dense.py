@@ -46,7 +46,7 @@ CHAT = ["What is the capital of France?", "Name three colours.", "Write a haiku 
 
 @pytest.fixture(scope="module")
 def smol_reference(smollm2_dir):
-    from atoll.engine.tokenizer import Tokenizer
+    from atoll.engine.batch.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_dir)
     prompts = [tok.encode_chat(t) for t in CHAT]

@@ -4,9 +4,9 @@ import pytest
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.generate import run_requests
-from atoll.engine.lanes import Lanes
-from atoll.engine.runner import ModelRunner
+from atoll.engine.rank.generate import run_requests
+from atoll.engine.batch.lanes import Lanes
+from atoll.engine.rank.runner import ModelRunner
 from atoll.launch.local import run_local
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext

@@ -174,8 +174,8 @@ def _counting_worker(rank, world_size, spec, requests, parallel):
     import torch
 
     from atoll.comm.routing import min_rows
-    from atoll.engine.generate import run_requests
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.layers.moe import SparseMoE
     from atoll.parallel.mesh import ParallelContext
 

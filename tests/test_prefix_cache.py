@@ -6,11 +6,11 @@ import pytest
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.blocks import BlockPool, block_hash
-from atoll.engine.generate import Request
-from atoll.engine.sampling import SamplerState
-from atoll.engine.scheduler import Scheduler, Sequence
-from atoll.engine.worker import generate_worker
+from atoll.engine.kv.blocks import BlockPool, block_hash
+from atoll.engine.rank.generate import Request
+from atoll.engine.sample.sampler import SamplerState
+from atoll.engine.batch.scheduler import Scheduler, Sequence
+from atoll.engine.rank.worker import generate_worker
 from atoll.launch.local import run_local
 
 
@@ -148,8 +148,8 @@ def test_same_tokens_moe(tiny_model):
 
 
 def test_blocks_back_in_the_pool_when_requests_end(dense):
-    from atoll.engine.generate import run_requests
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.mesh import ParallelContext
 
     model_dir, expected = dense
@@ -177,8 +177,8 @@ def test_cli_flag_turns_it_off():
 def test_compiled_decode_step_takes_a_cache_hit(dense, monkeypatch, tmp_path):
     """SYSTEM + [7] finds 12 cached tokens and arrives while request 0 decodes: its one-token
     chunk joins a decode micro-batch, which the compiled step runs."""
-    from atoll.engine.generate import run_requests
-    from atoll.engine.runner import ModelRunner
+    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.mesh import ParallelContext
 
     monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)

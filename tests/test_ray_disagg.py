@@ -15,7 +15,7 @@ NEW = 6
 
 @pytest.mark.timeout(300)
 def test_tp2_prefill_to_tp2_decode_across_two_ray_nodes(cluster, tiny_model):
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
     from atoll.launch.api import LLM, RayLauncher
 
     model = tiny_model("llama", num_hidden_layers=4)
@@ -47,7 +47,7 @@ def test_a_dead_decode_engine_under_ray_leaves_the_others_serving(cluster, tiny_
 
     import ray
 
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
     from atoll.launch.api import LLM, RayLauncher
 
     model = tiny_model("llama", num_hidden_layers=4)

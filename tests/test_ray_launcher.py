@@ -268,12 +268,12 @@ def test_generate_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
 
 
 def test_living_engine_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
-    """atoll.LLM on RayLauncher keeps its ranks (a RayJob running engine/serve_worker.py)
+    """atoll.LLM on RayLauncher keeps its ranks (a RayJob running engine/rank/loop.py)
     between calls: the local launcher's tokens, twice from one engine; closing it frees every
     GPU it held."""
     from gen_common import PROMPTS, local_tokens
 
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
     from atoll.launch.api import LLM, RayLauncher
 
     model = tiny_model("llama", num_hidden_layers=4)

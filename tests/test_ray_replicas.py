@@ -16,7 +16,7 @@ NEW = 6
 
 @pytest.mark.timeout(300)
 def test_two_tp2_replicas_one_per_ray_node(cluster, tiny_model):
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
     from atoll.launch.api import LLM, RayLauncher
     from atoll.serve.replicas import start_replicas
 

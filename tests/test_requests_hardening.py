@@ -244,7 +244,7 @@ def test_a_rank_failure_keeps_what_finished(capsys, tiny_model, tmp_path, monkey
         on_result(1, result)  # the second valid request finished
         raise RankFailure(1, "killed by SIGKILL", node="here")
 
-    monkeypatch.setattr("atoll.engine.llm.LLM.generate_requests", generate_requests)
+    monkeypatch.setattr("atoll.engine.driver.llm.LLM.generate_requests", generate_requests)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(_jsonl(['{"id": %d, "prompt_token_ids": [5]}', '{"id": %d, "prompt_token_ids": []}',
                                '{"id": %d, "prompt_token_ids": [6]}', '{"id": %d, "prompt_token_ids": [7]}']))

@@ -5,10 +5,10 @@ after; /health's degraded state and the error once every replica is dead."""
 
 import pytest
 
-from atoll.engine.blocks import BlockPool, block_hash, prefix_names
-from atoll.engine.online import EngineDead
+from atoll.engine.kv.blocks import BlockPool, block_hash, prefix_names
+from atoll.engine.driver.online import EngineDead
 from atoll.serve.replicas import Replicas
-from atoll.serve.router import CacheAwareRouter, RoundRobinRouter, make_router
+from atoll.engine.batch.router import CacheAwareRouter, RoundRobinRouter, make_router
 
 BS = 4
 

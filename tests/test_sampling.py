@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from atoll import LLM, SamplingParams
-from atoll.engine.sampling import SamplerState, sample_one
+from atoll.engine.sample.sampler import SamplerState, sample_one
 from atoll.errors import InputError
 
 

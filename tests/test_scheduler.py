@@ -2,10 +2,10 @@
 
 import random
 
-from atoll.engine.blocks import BlockPool
-from atoll.engine.generate import Request
-from atoll.engine.sampling import SamplerState, SamplingParams
-from atoll.engine.scheduler import Scheduler, Sequence
+from atoll.engine.kv.blocks import BlockPool
+from atoll.engine.rank.generate import Request
+from atoll.engine.sample.sampler import SamplerState, SamplingParams
+from atoll.engine.batch.scheduler import Scheduler, Sequence
 
 
 def _seq(i, prompt_len, arrived=0):

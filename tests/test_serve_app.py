@@ -13,7 +13,7 @@ import openai
 import pytest
 from serving import text_of, with_tokenizer
 
-from atoll.engine.llm import LLM
+from atoll.engine.driver.llm import LLM
 from atoll.serve.app import create_app
 from atoll.serve.backend import Backend
 from atoll.serve.metrics import DESCRIPTIONS
@@ -46,7 +46,7 @@ class FakeEngine:
 
     def submit(self, request, sink):
         if self.error:
-            from atoll.engine.online import EngineDead
+            from atoll.engine.driver.online import EngineDead
 
             raise EngineDead(self.error)
         self.submitted.append(request)
@@ -167,7 +167,7 @@ def test_stop_string_is_held_back_and_cut(llm):
 def test_text_stream_holds_back_incomplete_utf8(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from atoll.engine.tokenizer import Tokenizer as AtollTokenizer
+    from atoll.engine.batch.tokenizer import Tokenizer as AtollTokenizer
 
     tok = Tokenizer(models.BPE())  # the 256 bytes and no merges
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -30,7 +30,7 @@ def no_ranks(monkeypatch):
     def start(*args, **kwargs):
         raise AssertionError("a rank was started")
 
-    monkeypatch.setattr("atoll.engine.llm.LLM.start", start)
+    monkeypatch.setattr("atoll.engine.driver.llm.LLM.start", start)
 
 
 @pytest.fixture

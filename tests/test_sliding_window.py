@@ -7,7 +7,7 @@ import pytest
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.blocks import BlockPool
+from atoll.engine.kv.blocks import BlockPool
 
 WINDOW, BLOCK, NEW = 256, 16, 2000
 PROMPTS = [[(11 * i + 1) % 290 + 7 for i in range(300)]]  # longer than the window already
@@ -24,8 +24,8 @@ def test_free_before_lets_go_of_leading_blocks_and_keeps_the_table_length():
 
 
 def test_windowed_pool_frees_only_the_sliding_table_and_reuses_a_prefix_whose_early_blocks_are_gone():
-    from atoll.engine.blocks import prefix_names
-    from atoll.engine.window_pool import WindowedPool
+    from atoll.engine.kv.blocks import prefix_names
+    from atoll.engine.kv.windowed import WindowedPool
 
     pool = WindowedPool(BlockPool(20, 4, hole=50), BlockPool(6, 4, hole=99), width=8)
     tokens = list(range(100, 124))

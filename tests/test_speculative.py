@@ -1,4 +1,4 @@
-"""Speculative decoding (engine.drafters, engine.verify): greedy tokens identical to
+"""Speculative decoding (engine.spec.drafters, engine.sample.verify): greedy tokens identical to
 transformers with n-gram drafts at TP1, TP2, PP2, EP2 and DP2EP2, and with layer-skip and
 draft-model drafts at TP1 and TP2; every block back in the
 pool after many rejections and the prefix cache's hits unchanged; the speculative-sampling
@@ -12,11 +12,11 @@ from scipy.stats import chi2_contingency, chisquare
 
 from atoll import LLM, SamplingParams
 from atoll.config import EngineConfig
-from atoll.engine import verify
-from atoll.engine.drafters import ngram_lookup
-from atoll.engine.generate import Request, run_requests
-from atoll.engine.runner import ModelRunner
-from atoll.engine.sampling import SamplerState, probabilities
+from atoll.engine.sample import verify
+from atoll.engine.spec.drafters import ngram_lookup
+from atoll.engine.rank.generate import Request, run_requests
+from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.sample.sampler import SamplerState, probabilities
 from atoll.errors import InputError
 from atoll.parallel.mesh import ParallelContext
 

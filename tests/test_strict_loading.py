@@ -13,7 +13,8 @@ from fp8_quant import write_fp8_pair
 from safetensors.torch import load_file, save_file
 
 from atoll.launch.api import LLM
-from atoll.engine.runner import ModelRunner, RunSpec
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.runner import ModelRunner
 from atoll.errors import CheckpointError, RankFailure
 from atoll.launch.local import run_local
 from atoll.models.config import ModelConfig

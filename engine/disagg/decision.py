@@ -1,0 +1,65 @@
+"""Which engine computes a prompt, in plain Python over token ids and block names (no torch, no
+ranks: the planner's simulator makes the same decision).
+
+A prompt goes to a prefill engine only when the part of it that its decode replica has not
+cached is at least `min_prompt_tokens` long and the prefill queue has room; otherwise its
+decode engine prefills it itself ("decode": short or mostly cached; "queue": the prefill
+engines' queue was full). A prompt's cached part is the run of its full blocks whose names
+the replica holds, never the block of its last token, which is computed for the first token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from atoll.engine.kv.blocks import prefix_names
+
+
+def uncached_tokens(ids: list[int], seen: set[bytes], *, block_size: int, prefix_caching: bool,
+                    remember: bool = True) -> int:
+    """The prompt tokens an engine that has seen the blocks named in `seen` still computes,
+    and `ids`' full blocks added to `seen` (with prefix caching, when `remember`: a fixed
+    list's prediction). Never the last token's block (Scheduler._admit): it is computed for
+    the first token."""
+    if not prefix_caching:
+        return len(ids)
+    names, hits = prefix_names(ids, block_size, (len(ids) - 1) // block_size), 0
+    while hits < len(names) and names[hits] in seen:
+        hits += 1
+    if remember:
+        seen.update(names)
+    return len(ids) - hits * block_size
+
+
+@dataclass(frozen=True)
+class Path:
+    remote: bool  # a prefill engine computes the prompt
+    prefill: int  # which one (the least waiting); meaningful when remote
+    reason: str  # "prefill", "decode" (short or cached) or "queue" (the prefill queue was full)
+
+
+def choose_path(new_tokens: int, waiting: list[float], *, min_prompt_tokens: int,
+                max_prefill_queue: int | None) -> Path:
+    """The path of a prompt with `new_tokens` uncached tokens, given each prefill engine's
+    requests not yet handed off (math.inf for a dead engine)."""
+    prefill = waiting.index(min(waiting))
+    live = [w for w in waiting if w != math.inf]
+    full = not live or (max_prefill_queue is not None and sum(live) >= max_prefill_queue)
+    long_enough = new_tokens >= min_prompt_tokens
+    remote = long_enough and not full
+    return Path(remote, prefill, "prefill" if remote else "queue" if long_enough else "decode")
+
+
+def route(requests: list, *, min_tokens: int, block_size: int, prefix_caching: bool,
+          dp: int = 1) -> tuple[list, list, dict[int, int]]:
+    """A fixed list's paths, decided once in order: (remote, local, replica), the requests the
+    prefill engine computes, those the decode engine prefills itself, and each request's decode
+    replica (its position mod dp)."""
+    remote, local, replica = [], [], {}
+    seen: list[set[bytes]] = [set() for _ in range(dp)]
+    for position, r in enumerate(requests):
+        d = replica[r.index] = position % dp
+        new = uncached_tokens(r.prompt_token_ids, seen[d], block_size=block_size, prefix_caching=prefix_caching)
+        (local if new < min_tokens else remote).append(r)
+    return remote, local, replica

@@ -1,0 +1,219 @@
+"""The ranks of a living disaggregated engine: one job of X prefill engines of one layout, then
+Y decode engines of another (xPyD; parallel.parts lays the engines' ranks one after another),
+each running its own ServeLoop over its own ranks. The driver is engine/driver/disagg.py.
+
+Hand-off, per request routed to the prefill engine:
+1. The driver adds it to a prefill engine with max_tokens 1, naming the decode engine and its
+   replica.
+2. As its first token is sampled, the prefill rank that sampled it puts a header on the
+   driver's outbox (index, first token, prompt length, when it started and took its first
+   token, and with random sampling the generator's state after that token), and every
+   rank of that prefill engine sends its share of the prompt's KV to that decode replica
+   (engine.disagg.transfer); the send waits until the decode ranks receive it. Each prefill rank
+   then reports the bytes it sent.
+3. The driver passes the header to that decode engine's rank 0, which broadcasts it with the
+   other commands: every decode rank takes the headers in the order they came. The replica
+   the header names gives the sequence blocks (when its lane has room; with several replicas
+   all decode ranks agree through one all_reduce whether it did) and receives the KV.
+   Headers wait, in order, until there is room: the prefill ranks wait on the send meanwhile.
+4. The decode engine decodes on from the first token as if it had computed the prompt.
+
+The prefill engine's own results are not reported, except aborts: the decode engine reports
+the request's end. The first token is reported by the prefill engine as it is sampled.
+
+Headers travel through the driver, not the job's rendezvous store: nothing is left there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from atoll.comm.group import Group
+from atoll.engine.disagg import transfer as kv_transfer
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.sample.sampler import SamplerState
+from atoll.engine.batch.scheduler import Sequence
+from atoll.engine.rank.loop import ServeLoop
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ContextOptions
+from atoll.parallel.parts import bases, create_part
+
+
+@dataclass(frozen=True)
+class LiveJob:
+    """What every rank of a living disaggregated job gets; picklable."""
+    prefill: RunSpec
+    decode: RunSpec
+    options: ContextOptions | None = None
+    prefill_replicas: int = 1  # X prefill engines of prefill.layout, job ranks first
+    decode_replicas: int = 1  # Y decode engines of decode.layout, after them
+
+    @property
+    def layouts(self) -> list[Layout]:
+        """Every engine's layout, in job rank order: X prefill engines, then Y decode engines."""
+        return ([Layout.parse(self.prefill.layout)] * self.prefill_replicas
+                + [Layout.parse(self.decode.layout)] * self.decode_replicas)
+
+    def name(self, engine: int) -> str:
+        """Job engine `engine`'s label: "prefill engine", "decode engine" (one of its kind) or
+        "prefill engine 1", "decode engine 0"."""
+        x = self.prefill_replicas
+        kind, k, n = ("prefill", engine, x) if engine < x else ("decode", engine - x, self.decode_replicas)
+        return f"{kind} engine" if n == 1 else f"{kind} engine {k}"
+
+
+@dataclass(frozen=True)
+class Header:
+    index: int
+    prefill: int  # the prefill engine (0 .. X-1) that computed the prompt
+    decode: int  # the decode engine (0 .. Y-1) that goes on
+    first: int  # the first token, sampled by the prefill engine
+    tokens: int  # prompt length: the positions whose KV comes over
+    replica: int  # the decode replica
+    started: float  # time.perf_counter() in the prefill engine when it took the request
+    first_at: float  # ... when it sampled the first token (one machine: one clock)
+    rng: bytes | None = None  # the generator's state after the first token
+
+
+def disagg_serve_worker(rank: int, world_size: int, job: LiveJob, inboxes: list, outbox, device: str = "cpu",
+                        node: str | None = None, ranks_here: int | None = None) -> None:
+    """inboxes: one per engine, in the job's order (the driver's commands to its rank 0)."""
+    layouts = job.layouts
+    engine, ctx = create_part(layouts, rank, device, job.options)
+    world = Group(dist.group.WORLD, range(world_size), rank, "job", device)
+    x = job.prefill_replicas
+    runner = ModelRunner(job.decode if engine >= x else job.prefill, ctx, ranks_here=ranks_here)
+    if engine < x:
+        loop = _prefill_loop(runner, world, inboxes[engine], outbox, engine, layouts[x:], bases(layouts)[x:])
+    else:
+        loop = _decode_loop(runner, world, inboxes[engine], outbox, engine - x, layouts[:x], bases(layouts)[:x])
+    loop.name = job.name(engine)
+    loop.ready()
+    loop.run()
+    if loop.first:
+        outbox.put(("stopped", engine))
+
+
+def _prefill_loop(runner, world, inbox, outbox, me: int, decodes: list[Layout], decode_bases: list[int]) -> ServeLoop:
+    ctx = runner.ctx
+    messages = {(j, d): kv_transfer.plan(runner.config, ctx.layout, lay, d)
+                for j, lay in enumerate(decodes) for d in range(lay.dp)}
+    route: dict[int, tuple[int, int]] = {}  # request index -> (decode engine, its replica)
+
+    def command(cmd) -> None:
+        if cmd[0] == "route":  # ("route", index, decode engine, replica), just before its add
+            route[cmd[1]] = (cmd[2], cmd[3])
+
+    def on_token(seq, started) -> None:
+        index, tokens = seq.request.index, len(seq.request.prompt_token_ids)
+        j, d = route.pop(index)
+        if ctx.rank == runner.sampler_rank:  # its generator drew the first token
+            generator = seq.state.generator
+            rng = generator.get_state().numpy().tobytes() if generator is not None else None
+            outbox.put(("handoff", Header(index, me, j, seq.output[0], tokens, d, started, seq.first_token_at, rng)))
+        try:
+            sent = kv_transfer.send(runner, messages[j, d], ctx.rank, seq.blocks, tokens, world, decode_bases[j])
+        except RuntimeError:  # its decode engine died (gloo: the connection closed); the driver ends it
+            sent = 0
+        outbox.put(("sent", index, sent))
+
+    def forward(index, result) -> bool:  # its decode engine reports the end, unless it never got there
+        route.pop(index, None)
+        return result["finish_reason"] == "abort"
+
+    return ServeLoop(runner, inbox, outbox, on_token=on_token, command=command, forward=forward)
+
+
+class Handoffs:
+    """The decode side: headers in the order they came, adopted in that order (EngineCore's
+    inbox). Requests aborted before their KV came are still received, then ended."""
+
+    def __init__(self, runner, world, prefills: list[Layout], prefill_bases: list[int], outbox=None):
+        self.runner, self.world, self.bases, self.outbox = runner, world, prefill_bases, outbox
+        ctx = runner.ctx
+        self.replica, self.replicas = ctx.coords.dp, ctx.layout.dp
+        self.messages = {(i, d): kv_transfer.plan(runner.config, lay, ctx.layout, d)
+                         for i, lay in enumerate(prefills) for d in range(ctx.layout.dp)}
+        self.queue: deque = deque()  # (Header, Request)
+        self.aborted: set[int] = set()
+        self.core = None  # the EngineCore, set once built
+
+    def command(self, cmd) -> None:
+        if cmd[0] == "adopt":  # ("adopt", Header, Request)
+            self.queue.append((cmd[1], cmd[2]))
+        elif cmd[0] == "abort" and any(h.index == cmd[1] for h, _ in self.queue):
+            self.aborted.add(cmd[1])
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue)
+
+    def poll(self, tick: int, lanes) -> list[tuple[Sequence, float]]:
+        self._end_aborted()
+        out = []
+        while self.queue:
+            header, req = self.queue[0]
+            mine = header.replica == self.replica
+            seq = self._sequence(header, req, tick) if mine else None
+            ok = lanes.adopt(seq, tick) if mine else True
+            if self.replicas > 1:  # only the named replica decides; every decode rank follows it
+                flag = torch.tensor([int(ok)], device=self.runner.device)
+                ok = bool(self.runner.ctx.world.all_reduce(flag, op="min").item())
+            if not ok:
+                break  # no room yet: this header and those behind it wait
+            self.queue.popleft()
+            if not self._received(header, seq if mine else None):
+                continue
+            if not mine:
+                continue
+            seq.first_token_at = header.first_at
+            out.append((seq, header.started))
+        return out
+
+    def _received(self, header: Header, seq: Sequence | None) -> bool:
+        """Receive the prompt's KV into seq's blocks (seq None: another replica's request). If
+        its prefill engine died on the way (gloo's receive fails at once), every rank of this
+        engine drops the request together, and rank 0 tells the driver ("lost")."""
+        ok = True
+        if seq is not None:
+            try:
+                kv_transfer.receive(self.runner, self.messages[header.prefill, header.replica], self.runner.ctx.rank,
+                                    seq.blocks, header.tokens, self.world, self.bases[header.prefill])
+            except RuntimeError:
+                ok = False
+        ctx = self.runner.ctx
+        if ctx.world.size > 1:
+            flag = torch.tensor([int(ok)], device=self.runner.device)
+            ok = bool(ctx.world.all_reduce(flag, op="min").item())
+        if not ok:
+            if seq is not None:
+                self.core.lanes.end(seq)  # its blocks go back; the driver ends the request
+            if ctx.rank == 0 and self.outbox is not None:
+                self.outbox.put(("lost", header.index, header.prefill))
+        return ok
+
+    def _sequence(self, header: Header, req, tick: int) -> Sequence:
+        """The request as the prefill engine left it: its first token, and with random sampling
+        its generator where the first token left it."""
+        state = SamplerState(req.params, self.runner.device)
+        if state.generator is not None and header.rng is not None:
+            state.generator.set_state(torch.frombuffer(bytearray(header.rng), dtype=torch.uint8))
+        return Sequence(req, state, output=[header.first], arrived_step=tick)
+
+    def _end_aborted(self) -> None:
+        """Requests aborted while their KV was on the way: ended at the tick after it came."""
+        for index in [i for i in self.aborted if i in self.core.sequences]:
+            self.aborted.discard(index)
+            self.core.abort(index)
+
+
+def _decode_loop(runner, world, inbox, outbox, me: int, prefills: list[Layout], prefill_bases: list[int]) -> ServeLoop:
+    handoffs = Handoffs(runner, world, prefills, prefill_bases, outbox)
+    loop = ServeLoop(runner, inbox, outbox, inbox_hook=handoffs, command=handoffs.command, cache_events=True)
+    handoffs.core = loop.core
+    return loop

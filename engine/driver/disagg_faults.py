@@ -1,0 +1,137 @@
+"""The disaggregated driver's faults (engine/driver/disagg.py's DisaggEngine mixes this in).
+
+An engine whose rank dies fails only its own requests, naming it; the rest of the job
+goes on (where the launcher can end some ranks of a job: `give_up` of the local and Ray jobs). The
+driver ends the dead engine's other ranks and stops routing to it. A request that has streamed
+no token yet is sent again: one waiting in a dead prefill engine goes to another prefill engine
+(or, with none left, is prefilled by its decode replica), one waiting in a dead decode engine to
+another decode replica. A request whose first token has streamed ends with an error naming the
+engine: one decoding in the dead engine, one whose KV a dead prefill engine was sending (the
+decode ranks' receive fails: they drop it together and say so, "lost"), and one handed off to a
+dead decode engine. Gloo's point-to-point transfers to a dead peer fail at once rather than
+hang, and the surviving engines' own groups do not involve it. With no decode engine left the
+whole engine fails. `degraded` names the dead engines (the server's /health).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+from atoll.errors import AtollError, RankFailure
+from atoll.parallel.parts import bases, engine_of
+
+
+class EngineFaults:
+    """What DisaggEngine does when ranks of one of its engines fail. It reads the driver's
+    state (_where, _handed, _first, _held, _slots, _load, _waiting, ...) under its lock."""
+
+    @property
+    def degraded(self) -> dict[str, str]:
+        """The dead engines by name, and why (empty while every engine serves)."""
+        return {self.live.name(e): line for e, line in sorted(self._dead.items())}
+
+    def _survive(self, e) -> bool:
+        """A rank of one engine failed: end that engine, send its requests on or fail them (the
+        module docstring), and go on, unless no decode engine would be left."""
+        if not isinstance(e, RankFailure) or not hasattr(self.job, "give_up"):
+            return False
+        engine, _ = engine_of(self.layouts, e.rank)
+        with self._lock:
+            if engine in self._dead:
+                return True  # a peer of an engine already ended
+            decoders = [j for j in range(self.x, len(self.layouts)) if j not in self._dead and j != engine]
+            if not decoders:
+                return False
+            self._dead[engine] = line = str(self._named(e))
+            self._stopped_engines.add(engine)
+            self._engine_stats.pop(self.live.name(engine), None)
+        print(f"atoll: {line}; the other engines go on without it", file=sys.stderr, flush=True)
+        base = bases(self.layouts)[engine]
+        self.job.give_up(range(base, base + self.layouts[engine].world_size))
+        again, fail, held = self._orphans(engine)
+        for index in fail:
+            self._end_with(index, line)
+        for index in self._handed_from(engine):  # their first token will not come in its step
+            with self._lock:
+                tokens, done = self._release_first(index)
+            self._deliver_ordered(tokens, done, None, None)
+        for index, result in held:  # their byte counts will not all come
+            super()._deliver([], [(index, result)], None)
+        for index in again:
+            self._again(index)
+        if self._closing:
+            self._stop_decodes()
+        return True
+
+    def _learn_death(self, engine: int, wait_s: float = 3.0) -> None:
+        """Wait briefly for the launcher to report the death the ranks saw first (a closed
+        connection), so that the request's error names the rank and its cause."""
+        deadline = time.monotonic() + wait_s
+        while engine not in self._dead and self.error is None and time.monotonic() < deadline:
+            try:
+                self.job.check(wait_s=0.1)
+            except AtollError as e:
+                if not self._survive(e):
+                    self._fail(self._describe(e))
+
+    def _orphans(self, engine: int) -> tuple[list[int], list[int], list]:
+        """The dead engine's requests: (to send again, to fail, results held for its byte counts);
+        it gets no more."""
+        again, fail, held = [], [], []
+        with self._lock:
+            if engine < self.x:
+                self._waiting[engine] = math.inf
+                for index in [i for i, (_, p) in self._where.items() if p == engine and i in self._handed]:
+                    del self._handed[index]
+                    (fail if index in self._streamed else again).append(index)
+                for index in [i for i, r in self._held.items() if self._where.get(i, (0, engine))[1] == engine]:
+                    held.append((index, self._held.pop(index)))
+            else:
+                for slot, (j, _) in enumerate(self._slots):
+                    if self.x + j == engine:
+                        self._load[slot] = math.inf
+                for index, (slot, prefill) in list(self._where.items()):
+                    if self.x + self._slots[slot][0] != engine or index in self._handed:
+                        continue  # (one still in a prefill engine fails at its handoff)
+                    (fail if index in self._streamed or prefill is not None else again).append(index)
+        return again, fail, held
+
+    def _handed_from(self, engine: int) -> list[int]:
+        """Requests a prefill engine handed off whose first token has not come out yet."""
+        with self._lock:
+            return [i for i in self._first if self._where.get(i, (None, None))[1] == engine]
+
+    def _again(self, index: int) -> None:
+        """Send a request that streamed nothing yet on another path, on live engines."""
+        with self._lock:
+            request = self._requests.get(index)
+            if request is None or index not in self._sinks:
+                return
+            slot, _ = self._where[index]
+            if self.x + self._slots[slot][0] in self._dead:  # a new decode replica
+                self._load[slot] = self._load[slot] if self._load[slot] == math.inf else self._load[slot] - 1
+                slot = self._load.index(min(self._load))
+                self._load[slot] += 1
+                self._replica[index] = slot
+            sends = self._route(request, slot)
+        self._post(sends)
+
+    def _end_with(self, index: int, line: str) -> None:
+        """End one request with an error line (its engine died)."""
+        with self._lock:
+            sink = self._sinks.pop(index, None)
+            slot = self._replica.pop(index, None)
+            if slot is not None and self._load[slot] != math.inf:
+                self._load[slot] -= 1
+            _, prefill = self._where.pop(index, (None, None))
+            if self._handed.pop(index, None) is not None and prefill is not None \
+                    and self._waiting[prefill] != math.inf:
+                self._waiting[prefill] -= 1
+            self._requests.pop(index, None)
+            self._streamed.discard(index)
+            self._first.pop(index, None)
+            self._early.pop(index, None)
+        if sink is not None:
+            sink("error", line)

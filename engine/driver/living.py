@@ -1,0 +1,98 @@
+"""What the LLM API needs of a living engine: the spec its ranks are built with (a context of
+the model's length and a cache for max_num_seqs of them, not one run's requests), and a list
+of requests run through it to the end."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import torch
+
+from atoll.engine.kv.sizing import available_memory
+from atoll.engine.kv.sizing import cpu_blocks
+from atoll.engine.driver.online import EngineDead
+from atoll.engine.batch.request import Request
+from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
+from atoll.errors import LaunchError
+from atoll.engine.kv.sizing import kv_bytes_per_block
+
+CPU_CACHE_SHARE = 0.25  # of the machine's available memory, shared by its ranks, at most for the KV cache
+
+
+def lane_load(requests: list[Request], layout, max_num_seqs: int) -> tuple[int, int]:
+    """(sequences a lane runs at once, decode steps each rank expects) for these requests:
+    each DP replica and pipeline lane takes its share; the compile policy weighs the steps."""
+    seqs = min(max_num_seqs, -(-len(requests) // (layout.pp * layout.dp)))
+    return seqs, -(-sum(r.params.max_tokens - 1 for r in requests) // (layout.dp * seqs))
+
+
+def engine_spec(llm, requests: list[Request] | None = None) -> RunSpec:
+    """The spec of a living engine. On the CPU, without --num-blocks or --kv-cache-gb, its
+    cache holds max_num_seqs sequences of max_model_len per pipeline lane, or what a quarter
+    of the available memory holds when that is less (the ranks share it). `requests`, when
+    the first call knows them, tell the compile policy how much decoding is coming."""
+    o, layout = llm.options, llm.layout
+    steps = lane_load(requests, layout, llm.max_num_seqs)[1] if requests else None
+    spec = RunSpec(str(llm.model_dir), str(layout), o, max_model_len=llm.max_model_len,
+                   max_num_batched_tokens=llm.max_num_batched_tokens, decode_steps=steps)
+    on_cpu = o.device == "cpu" or not torch.cuda.is_available()
+    if on_cpu and o.num_blocks is None and o.kv_cache_gb is None:
+        per_block = kv_bytes_per_block(llm.config, layout, resolve_dtype(o.dtype, llm.config, torch.device("cpu")).itemsize,
+                                       o.block_size, kv_cache_dtype=o.kv_cache_dtype)
+        need = cpu_blocks(block_size=o.block_size, max_num_seqs=o.max_num_seqs, max_model_len=llm.max_model_len,
+                          lanes=layout.pp, cp=layout.cp)
+        cap = int(available_memory() * CPU_CACHE_SHARE / layout.world_size) // per_block
+        if need > cap:
+            spec = spec.with_engine(num_blocks=max(cap, 1))
+    return spec
+
+
+def run_through(engine, requests: list[Request], *, timeout_s: float | None = None, on_result=None,
+                on_step=None) -> list[dict]:
+    """Every request through a living engine; one result per request, in order.
+    on_result(k, result) as request k ends; on_step(done, tokens) as tokens arrive."""
+    results: dict[int, dict] = {}
+    logprobs: dict[int, list] = {}
+    position: dict[int, int] = {}
+    failure: list[str] = []
+    all_done = threading.Event()
+    counts = {"tokens": 0}
+    lock = threading.Lock()
+
+    def sink_for(k: int):
+        def sink(kind: str, payload) -> None:
+            with lock:
+                if kind == "token":
+                    counts["tokens"] += 1
+                    if payload[1] is not None:
+                        logprobs.setdefault(k, []).append(payload[1])
+                elif kind == "finish":
+                    results[k] = payload | ({"logprobs": logprobs.pop(k)} if k in logprobs else {})
+                    payload = results[k]
+                elif kind == "error":
+                    failure.append(payload)
+                done = len(results) + len(failure) >= len(requests)
+            if kind == "finish" and on_result is not None:
+                on_result(k, payload)
+            if on_step is not None and kind != "error":
+                on_step(len(results), counts["tokens"])
+            if done:
+                all_done.set()
+        return sink
+
+    for k, req in enumerate(requests):
+        index = engine.new_id()
+        position[index] = k
+        engine.submit(replace(req, index=index), sink_for(k))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not all_done.wait(0.2):
+        if deadline is not None and time.monotonic() > deadline:
+            for index in position:
+                engine.abort(index)
+            raise LaunchError(f"timed out after {timeout_s:.0f}s with {len(requests) - len(results)} requests "
+                              "unfinished")
+    if failure:
+        raise EngineDead(failure[0])
+    return [results[k] for k in range(len(requests))]

@@ -1,0 +1,216 @@
+"""OnlineEngine: the driver's side of a living engine. Its ranks are started once through a
+launcher's `start` and run engine/rank/loop.py until `close()`; requests are submitted at
+any time and stream their tokens back as the ranks take them.
+
+    engine = OnlineEngine(spec, world_size=2, launcher=LocalLauncher())
+    engine.submit(Request(engine.new_id(), ids, params), sink)   # sink(kind, payload), kind:
+    engine.abort(index)                                          #   "token": (token id, logprobs),
+    engine.close()                                               #   "finish": the result dict,
+                                                                 #   "error": a line naming the cause
+logprobs is None unless the request asked for them (SamplingParams.logprobs): then
+{"logprob": float, "top": [(token id, logprob), ...]}.
+
+A pump thread reads what rank 0 sends and calls each request's sink from that thread, and
+watches the job: a rank that raises or dies ends every request still running with an error
+naming it, and `error` says so from then on (the engine is dead; `healthy` is False).
+Requests go to the DP replica with the fewest unfinished requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+
+from atoll.engine.batch.request import Request
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.loop import serve_worker
+from atoll.errors import AtollError, LaunchError
+
+
+class EngineDead(AtollError):
+    """The engine's ranks failed; the line names the rank and the cause."""
+
+
+class OnlineEngine:
+    def __init__(self, spec: RunSpec, *, world_size: int, launcher, parallel=None, ready_timeout_s: float = 900):
+        self.spec = spec
+        self._inbox, self._outbox = launcher.channel(), launcher.channel()
+        self.job = self._start(launcher, world_size, parallel)
+        self._lock = threading.Lock()
+        self._sinks: dict[int, object] = {}
+        self._replica: dict[int, int] = {}
+        self._ids = itertools.count()
+        self.error: str | None = None
+        self.stats: dict = {}
+        self._closing = False
+        try:
+            self.info = self._wait_ready(ready_timeout_s)
+        except BaseException:
+            self.job.stop()
+            raise
+        self._load = [0] * self.info["replicas"]
+        self._ready()
+        self._thread = threading.Thread(target=self._pump, daemon=True, name="atoll-engine")
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and not self._closing
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def _start(self, launcher, world_size: int, parallel):
+        """The ranks' job (a subclass runs other workers)."""
+        return launcher.start(serve_worker, world_size, self.spec, self._inbox, self._outbox, parallel=parallel,
+                              device=self.spec.engine.device)
+
+    def _ready(self) -> None:
+        """Once the ranks are ready, before the pump starts (a subclass sets up its state)."""
+
+    def _handle(self, msg) -> None:
+        """One message from the ranks other than "step" (a subclass has more)."""
+
+    def _describe(self, e: AtollError) -> str:
+        """The line a failure of the job ends every request with."""
+        return str(e)
+
+    def _survive(self, e: AtollError) -> bool:
+        """Whether the engine goes on after this failure of some of its ranks (a subclass whose
+        job holds engines that can fail alone); False: every request ends with the error."""
+        return False
+
+    def _take_stats(self, stats: dict, engine: str | None) -> None:
+        self.stats = stats
+
+    def _stop_ranks(self) -> None:
+        self._inbox.put(("stop",))
+
+    @property
+    def _stopped(self) -> bool:
+        """While closing: whether every rank has been told to stop and nothing more comes."""
+        return True
+
+    def submit(self, request: Request, sink) -> None:
+        """Queue `request` (its index from new_id) for the ranks; `sink` gets its events."""
+        with self._lock:
+            replica = self._take(request, sink)
+        self._inbox.put(("add", request, replica))
+
+    def _take(self, request: Request, sink) -> int:
+        """Under the lock: refuse when dead or closing, else hold the request's sink and give
+        it the replica with the fewest unfinished requests (its index)."""
+        if self.error is not None:
+            raise EngineDead(self.error)
+        if self._closing:
+            raise EngineDead("the engine is shutting down")
+        replica = self._load.index(min(self._load))
+        self._load[replica] += 1
+        self._sinks[request.index], self._replica[request.index] = sink, replica
+        return replica
+
+    def abort(self, index: int) -> None:
+        """End a running request; its sink gets "finish" with finish_reason "abort"."""
+        with self._lock:
+            if index not in self._sinks:
+                return
+        self._inbox.put(("abort", index))
+
+    def unfinished(self) -> int:
+        with self._lock:
+            return len(self._sinks)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the ranks (requests still running end with an error) and wait for them."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        try:
+            self._stop_ranks()
+        except (OSError, ValueError):  # the queue is already gone
+            pass
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+        try:
+            if self.error is None:
+                self.job.wait(timeout_s)
+        except AtollError:
+            pass
+        finally:
+            self.job.stop()
+            self._fail("the engine was shut down")
+
+    _engines = 1  # "ready" messages to wait for: one per engine in the job
+
+    def _wait_ready(self, timeout_s: float) -> dict:
+        """The last engine's "ready" info (a disaggregated job's decode engine)."""
+        deadline = time.monotonic() + timeout_s
+        infos = []
+        while True:
+            self.job.check(wait_s=0.05)  # a rank that failed while loading raises here
+            try:
+                msg = self._outbox.get_nowait()
+            except queue.Empty:
+                msg = None
+            if msg is not None and msg[0] == "ready":
+                infos.append(msg[1])
+                if len(infos) == self._engines:
+                    return next((i for i in infos if not (i.get("engine") or "").startswith("prefill")), infos[-1])
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the engine's ranks were not ready within {timeout_s:.0f} s")
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                msg = self._outbox.get(timeout=0.1)
+            except queue.Empty:
+                msg = None
+            except (OSError, EOFError, ValueError):
+                msg = None
+            if msg is not None:
+                if msg[0] == "step":
+                    self._deliver(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)
+                else:
+                    self._handle(msg)
+            if self._closing and msg is None and self._stopped:
+                return
+            if not self._closing:
+                try:
+                    self.job.check()
+                except AtollError as e:
+                    if self._survive(e):
+                        continue
+                    self._fail(self._describe(e))
+                    return
+
+    def _deliver(self, tokens, finished, stats, engine: str | None = None) -> None:
+        with self._lock:
+            sinks = dict(self._sinks)
+            for index, _ in finished:
+                self._sinks.pop(index, None)
+                replica = self._replica.pop(index, None)
+                if replica is not None:
+                    self._load[replica] -= 1
+            if stats is not None:
+                self._take_stats(stats, engine)
+        for index, token, *logprobs in tokens:
+            sink = sinks.get(index)
+            if sink is not None:
+                sink("token", (token, logprobs[0] if logprobs else None))
+        for index, result in finished:
+            sink = sinks.get(index)
+            if sink is not None:
+                sink("finish", result)
+
+    def _fail(self, line: str) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = line
+            sinks, self._sinks = self._sinks, {}
+            self._replica.clear()
+            self._load = [0] * len(self._load) if hasattr(self, "_load") else []
+        for sink in sinks.values():
+            sink("error", line)

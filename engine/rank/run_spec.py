@@ -1,0 +1,51 @@
+"""RunSpec: what every rank of an engine needs to build its part of the model, and the dtype it
+computes in."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from atoll import config
+from atoll.config import EngineConfig
+from atoll.models import ModelConfig
+
+DTYPES = {name: getattr(torch, name) for name in config.DTYPES}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What every rank needs to build its part of the model; picklable. The engine options
+    are the run's EngineConfig (config/engine.py holds every default); the rest is what the
+    driver resolved for this run."""
+
+    model_dir: str
+    layout: str
+    engine: EngineConfig
+    max_model_len: int  # this run's context: the config's or the model's, bounded by the requests
+    max_num_batched_tokens: int  # the config's, else its default for the device (config.default_batched_tokens)
+    cache_seqs: int | None = None  # sequences per lane the default CPU cache holds (None: max_num_seqs)
+    decode_steps: int | None = None  # decode steps a rank expects to run (engine.step.policy; None: unknown)
+
+    def with_engine(self, **changes) -> "RunSpec":
+        """This spec with some engine options changed."""
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **changes))
+
+    @classmethod
+    def of(cls, model_dir, layout, *, max_model_len: int, cache_seqs: int | None = None, **options) -> "RunSpec":
+        """A spec from engine options given as keywords (tests, calibration)."""
+        engine = EngineConfig(**options)
+        return cls(str(model_dir), str(layout), engine, max_model_len, engine.batched_tokens(),
+                   cache_seqs)
+
+
+def resolve_dtype(requested: str | None, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """--dtype if given; else the checkpoint's dtype on CUDA (bf16 for most), float32 on CPU."""
+    if requested is not None:
+        return DTYPES[requested]
+    if device.type != "cuda":
+        return torch.float32
+    raw = config.raw.get("torch_dtype") or config.raw.get("dtype") or "float32"
+    return DTYPES.get(str(raw).removeprefix("torch."), torch.float32)

@@ -1,0 +1,202 @@
+"""ModelRunner: one rank's stage of the model, its KV cache, and the tick that moves the
+micro-batches in flight one stage on and hands sampled tokens to every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from atoll.engine.kv.sizing import kv_bytes_per_block
+from atoll.engine.rank.kv_cache import make_cache, size_cache
+from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
+from atoll.engine.rank.tuning import packer_for, tune_eager
+from atoll.engine.sample.micro_batch import MicroBatch
+from atoll.engine.step import policy as step_policy
+from atoll.kernels import backend
+from atoll.models import ModelConfig, build_model
+from atoll.models import quantize
+from atoll.models.checkpoint import Checkpoint, load_weights
+from atoll.parallel.mesh import ParallelContext
+from atoll.parallel.pipeline import stage_layers
+
+class ModelRunner:
+    def __init__(self, spec: RunSpec, ctx: ParallelContext, *, ranks_here: int | None = None):
+        """ranks_here: ranks sharing this machine's memory (the launcher says; default the layout's)."""
+        self.spec, self.ctx = spec, ctx
+        # the layers read the run's switches from ctx.options.engine: the spec's config is the one
+        ctx.options = dataclasses.replace(ctx.options, engine=spec.engine)
+        self.device = ctx.device
+        backend.configure(spec.engine.kernels)  # this rank's kernel path (kernels.backend)
+        self.config = ModelConfig.load(spec.model_dir)
+        self.dtype = resolve_dtype(spec.engine.dtype, self.config, self.device)
+        self.model = build_model(self.config, ctx, dtype=self.dtype, device=self.device).eval()
+        self.checkpoint = Checkpoint(spec.model_dir)
+        quantize.prepare(self.model, spec.engine.quantization, self.checkpoint)  # fp8 weights made before they are read
+        # each slice goes to the device as it is read; every rank checks that some rank read each tensor
+        load_weights(self.model, self.checkpoint, world=ctx.world)
+        quantize.apply(self.model, spec.engine.quantization)  # --quantization: int8/fp8 weights (models/quantize.py)
+        self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.engine.block_size,
+                                                  kv_cache_dtype=spec.engine.kv_cache_dtype)
+        # (widest window, blocks) when the sliding layers keep their own cache (engine.kv.windowed)
+        self.window_pool: tuple[int, int] | None = None
+        self.num_blocks = size_cache(self)
+        # one block more than the schedulers hand out: the compiled step's padding rows write there
+        self.cache = self.new_cache(self.num_blocks + 1,
+                                    window_blocks=self.window_pool[1] + 1 if self.window_pool else None)
+        lay = ctx.layout
+        # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
+        self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
+        self._sending = None  # the isend of the last activations, until it completes
+        self.logprobs: torch.Tensor | None = None  # the last tick's logprob rows, on a replica's leader
+        self.ranks_here = ranks_here or ctx.layout.world_size
+        # None: every step eager (always under context parallelism, whose steps are eager only)
+        # and with a sliding layers' cache of their own, whose tables the compiled steps do not take
+        self.decode_step = step_policy.build(self) if ctx.layout.cp == 1 and self.window_pool is None else None
+        self.packer = packer_for(self.model, self.ranks_here, spec.engine.mkl_pack) if self.decode_step is None else None
+        # whether the eager step runs the weights tune_eager chose (False: plain F.linear products)
+        self.eager_tuned = self.decode_step is None and self.packer is None and tune_eager(self)
+        self.stats: dict = {}
+
+    @property
+    def spec_k(self) -> int | None:
+        """Speculative tokens per step (the width of the tokens a tick hands round is 1 + K), or None."""
+        speculative = self.spec.engine.speculative_config
+        return speculative.num_speculative_tokens if speculative is not None else None
+
+    def new_cache(self, blocks: int, *, config: ModelConfig | None = None, layers: int | None = None,
+                  window_blocks: int | None = None):
+        """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind
+        (or another model's: a draft model's, engine.spec.drafters); window_blocks: the sliding layers'
+        own count (engine.kv.windowed)."""
+        if window_blocks is not None:
+            blocks = [window_blocks if w else blocks for w in self.local_windows()]
+        return make_cache(config or self.config, self.ctx.tp.size, layers=layers or self.model.num_local_layers,
+                          blocks=blocks,
+                          block_size=self.spec.engine.block_size, dtype=self.dtype, device=self.device,
+                          kv_cache_dtype=self.spec.engine.kv_cache_dtype)
+
+    def local_windows(self) -> list[int | None]:
+        """Each of this rank's layers' sliding window (None: full attention)."""
+        start, end = stage_layers(self.config, self.ctx.layout.pp)[self.ctx.coords.pp]
+        return [self.config.window_of(i) for i in range(start, end)]
+
+    def agree(self, busy: bool, mb):
+        """With DP every replica ticks while any is busy and runs a micro-batch slot when any
+        has one (the MoE layers need every replica): an empty one stands in. Returns (go, mb)."""
+        if self.ctx.layout.dp == 1:
+            return busy, mb
+        flags = self.ctx.world.all_reduce(torch.tensor([int(busy), int(mb is not None)], device=self.device))
+        busy, some = flags.tolist()
+        if some and mb is None:
+            mb = MicroBatch.of([], self.spec.engine.block_size, device=self.device)
+        return bool(busy), mb
+
+    def start_run(self) -> None:
+        self.stats = {"busy_s": 0.0, "ticks": 0, "worked": 0, "started": time.perf_counter()}
+        self._eager_decode_s: list[float] = []  # eager decode steps' seconds, for engine.step.policy
+
+    def end_run(self) -> None:
+        """Waits for the last activations sent. Stats: ticks, worked (ticks this stage computed
+        in), busy_s (time computing, not waiting for activations or tokens), wall_s, busy."""
+        self._wait_send()
+        st = self.stats
+        st["wall_s"] = time.perf_counter() - st.pop("started")
+        st["busy"] = st["busy_s"] / st["wall_s"] if st["wall_s"] else 0.0
+        if self.ctx.rank == 0:
+                step_policy.save_run(self, self._eager_decode_s)
+
+    @torch.inference_mode()
+    def tick(self, inflight) -> torch.Tensor | None:
+        """inflight[s]: the micro-batch at stage s (None: none). This rank's stage computes its
+        one, taking the activations from the previous stage and sending its output on without
+        waiting; when inflight[pp - 1] leaves the last stage, every rank gets its sampled tokens."""
+        ctx, pp = self.ctx, self.ctx.layout.pp
+        stage = ctx.pp.rank
+        mb = inflight[stage] if stage < len(inflight) else None
+        out = None
+        self.stats["ticks"] += 1
+        if mb is not None:
+            stepped = self.decode_step is not None and self.decode_step.takes(mb)  # padded to a bucket, compiled
+            meta, ids, tokens = (None, None, mb.tokens) if stepped else self._view(mb)
+            if ctx.is_first_stage:
+                x = None if stepped else ids  # the decode step reads the ids from the chunks
+            else:
+                x = ctx.pp.recv((tokens, self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
+            t0 = time.perf_counter()
+            self.stats["worked"] += 1
+            if self.packer is not None and mb.is_decode:
+                self.packer.observe(mb.tokens)
+            if stepped:
+                out = self.decode_step(x, mb)
+            else:
+                out = self.model(x, meta, self.cache)
+                if mb.is_decode:
+                    self._eager_decode_s.append(time.perf_counter() - t0)
+            if not ctx.is_last_stage:
+                self._wait_send()
+                self._sending = ctx.pp.isend(out, dst=stage + 1)
+            elif ctx.rank == self.sampler_rank and mb.chunks:
+                out = mb.sample(out)  # each sampler reads its rows in float32
+            self.stats["busy_s"] += time.perf_counter() - t0
+        done = inflight[pp - 1] if len(inflight) == pp else None
+        if done is None:
+            return None
+        seqs = len(done.chunks)
+        self.logprobs = self._logprobs(done, seqs)
+        # [seqs] tokens; with speculation [seqs, 1 + K] (engine.sample.verify), every replica the same width
+        shape = (seqs,) if self.spec_k is None else (seqs, 1 + self.spec_k)
+        if ctx.rank == self.sampler_rank and seqs and tuple(out.shape) != shape:
+            out = _widen(out, shape)
+        if ctx.layout.dp == 1:
+            tokens = out if ctx.rank == self.sampler_rank else torch.empty(shape, dtype=torch.long, device=self.device)
+            return ctx.world.broadcast(tokens, src=self.sampler_rank)
+        # each DP replica samples its own sequences; one all_reduce hands every rank its row
+        table = torch.zeros(ctx.layout.dp, self.spec.engine.max_num_seqs, *shape[1:], dtype=torch.long,
+                            device=self.device)
+        if ctx.rank == self.sampler_rank and seqs:
+            table[ctx.coords.dp, :seqs] = out
+        return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]
+
+    def _view(self, mb):
+        """(metadata, token ids, token count) of the micro-batch as this rank computes it: all of
+        it, or under context parallelism its cp rank's share (layers.context_parallel)."""
+        if self.ctx.layout.cp == 1:
+            return mb.meta, (mb.ids if self.ctx.is_first_stage else None), mb.tokens
+        from atoll.layers.context_parallel import CpShards
+
+        shards = CpShards.build(mb.meta, [c.seq.blocks for c in mb.chunks], group=self.ctx.cp,
+                                scratch=self.num_blocks, device=self.device)
+        ids = mb.ids[shards.own] if self.ctx.is_first_stage else None
+        return shards, ids, len(shards.own)
+
+    def _logprobs(self, done, seqs: int) -> torch.Tensor | None:
+        """The logprob rows of a micro-batch leaving the pipeline (MicroBatch.sample), on its
+        replica's leader (tp rank 0 of the first stage, which reports its tokens): sent down
+        the tp-rank-0 pipeline group from the sampler, when a chunk asked for them."""
+        ctx = self.ctx
+        k = done.logprobs_k
+        if k is None or ctx.coords.tp != 0 or ctx.coords.cp != 0:
+            return None
+        if ctx.layout.pp == 1:
+            return done.logprobs  # this rank sampled them
+        rows = done.logprobs if ctx.is_last_stage else torch.empty(seqs, 1 + 2 * k, dtype=torch.float64,
+                                                                    device=self.device)
+        return ctx.pp.broadcast(rows, src=ctx.layout.pp - 1)
+
+    def _wait_send(self) -> None:
+        if self._sending is not None:
+            self._sending.wait()
+            self._sending = None
+
+
+def _widen(tokens: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """[seqs] or [seqs, w] sampled tokens as `shape`, -1 padded (a step that verified no draft,
+    or shorter drafts than K)."""
+    out = torch.full(shape, -1, dtype=torch.long, device=tokens.device)
+    if tokens.dim() == 1:
+        out[:, 0] = tokens
+    else:
+        out[:, :tokens.shape[1]] = tokens
+    return out

@@ -1,0 +1,75 @@
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, seeded per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from atoll.config.sampling import SamplingParams
+
+
+@dataclass
+class SamplerState:
+    """Per-request generator on the sampling rank's device, so a seed gives the same tokens
+    whatever else is batched (on a given device: CPU and CUDA streams differ)."""
+
+    params: SamplingParams
+    device: str | torch.device = "cpu"
+    generator: torch.Generator | None = field(default=None)
+
+    def __post_init__(self):
+        if not self.params.greedy:
+            self.generator = torch.Generator(device=self.device)
+            seed = self.params.seed
+            self.generator.manual_seed(seed if seed is not None else torch.seed())
+
+
+def sample_one(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """logits: [vocab] -> token id, a 0-d tensor on logits' device (no host sync)."""
+    p = state.params
+    if p.greedy:
+        return logits.argmax()
+    return torch.multinomial(probabilities(logits, p), 1, generator=state.generator)[0]
+
+
+def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits: [vocab] -> the distribution a non-greedy request draws from: temperature, then
+    top-k, then top-p (speculative verification, engine.sample.verify, accepts against the same)."""
+    logits = logits.float() / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]  # a 0-d tensor: no host sync
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cum = sorted_probs.cumsum(0)
+        drop = cum - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """logits: [seqs, vocab] -> [seqs] token ids."""
+    if all(s.params.greedy for s in states):
+        return logits.argmax(-1)
+    return torch.stack([sample_one(row, s) for row, s in zip(logits, states)])
+
+
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """logits: [seqs, vocab], tokens: [seqs] -> [seqs, 1 + 2k] float64: each row's sampled
+    token's log-probability, then its k likeliest tokens' log-probabilities and ids (ids are
+    exact in float64), from the model's own distribution (log_softmax of the raw logits)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.clamp(min=0).view(-1, 1)).double()
+    top = torch.topk(lp, k, dim=-1) if k else None
+    parts = [chosen] + ([top.values.double(), top.indices.double()] if k else [])
+    return torch.cat(parts, dim=1)
+
+
+def logprob_entry(row: list[float], k: int) -> dict:
+    """One token's logprobs from its logprob_rows row (of the micro-batch's widest k): its
+    own and its k likeliest alternatives', {"logprob": lp, "top": [(id, lp), ...]}."""
+    width = (len(row) - 1) // 2
+    return {"logprob": row[0], "top": [(int(row[1 + width + j]), row[1 + j]) for j in range(k)]}

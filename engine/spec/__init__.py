@@ -1,0 +1,1 @@
+"""Speculative decoding: the Drafter base, the drafters by method name, and their counters."""
