@@ -14,7 +14,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from atoll.engine.sampling import SamplingParams
+        from atoll.engine.sample.sampler import SamplingParams
 
         return SamplingParams
     if name == "Layout":

@@ -91,7 +91,7 @@ def main() -> int:
     from transformers.utils import logging
 
     from atoll.launch.api import LLM
-    from atoll.engine.sampling import SamplingParams
+    from atoll.engine.sample.sampler import SamplingParams
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()

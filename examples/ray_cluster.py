@@ -20,7 +20,7 @@ import argparse
 import json
 
 from atoll.config import DEVICES
-from atoll.engine.sampling import SamplingParams
+from atoll.engine.sample.sampler import SamplingParams
 from atoll.launch.api import LLM, RayLauncher
 from atoll.parallel.layout import Layout
 
