@@ -19,8 +19,11 @@ import queue
 import signal
 import socket
 import threading
+import sys
 import time
 import traceback
+import types
+from contextlib import contextmanager
 
 from atoll import config
 from atoll.errors import AtollError, LaunchError, RankFailure
@@ -34,6 +37,26 @@ STALL_S = 10.0  # no heartbeat for this long: the rank is stopped
 START_S = 120.0  # a rank that never beat within this long after spawning did not start
 _HOST = socket.gethostname()  # every local rank runs on this node
 _SPAWN = multiprocessing.get_context("spawn")
+_STARTING = threading.Lock()
+
+
+@contextmanager
+def _own_entry():
+    """While ranks are spawned, multiprocessing sees a bare __main__, so a rank starts from
+    atoll's own entry (`_entry`) and never imports the user's script again: a script without
+    an `if __name__ == "__main__":` guard, a script read from stdin and a notebook all work,
+    as under torchrun. (spawn re-runs the parent's __main__ in each child when that module has
+    a file or a module name; the stub has neither.)"""
+    with _STARTING:
+        main = sys.modules.get("__main__")
+        stub = types.ModuleType("__main__")
+        stub.__spec__ = None
+        sys.modules["__main__"] = stub
+        try:
+            yield
+        finally:
+            if main is not None:
+                sys.modules["__main__"] = main
 
 
 def free_port() -> int:
@@ -157,8 +180,9 @@ class LocalJob:
                                      args=(fn, r, world_size, port, self._results, threads, devices[r], self._beats,
                                            os.getpid(), args, kwargs))
                       for r in range(world_size)]
-        for p in self.procs:
-            p.start()
+        with _own_entry():
+            for p in self.procs:
+                p.start()
         self._spawned = time.monotonic()
         self.values: dict[int, object] = {}
         self._exited_at: dict[int, float] = {}
