@@ -1,7 +1,7 @@
 """`atoll bench serve --scenario routing`: cache-aware routing against round-robin over the same
 replicas (--data-parallel-size N, a dense model), side by side in one run.
 
---system-prompts prompts (default 8) of --input-len random token ids (512 in the README's
+--system-prompts prompts (default 8) of --input-len random token ids (512 in the manual's
 figure) are shared: each of --num-prompts requests is one of them, drawn at random, followed
 by --user-len random ids of its own, generating --output-len tokens. Each router gets a server
 of its own (the same engine flags plus --router), warmed by two requests of other ids, then

@@ -15,7 +15,7 @@ value and nothing else, vLLM's default (a per-tensor scale of 1). int8 is a fixe
 format: without a scale per small group its error follows the largest value of the tensor,
 so each token's head vector carries its own scale, 4 bytes per head_dim values (68 bytes
 instead of 64 for head_dim 64: 1.88x fewer bytes than bf16, 3.76x fewer than float32). The
-measured effect (perplexity, greedy agreement) is in the README's Quantization section.
+measured effect (perplexity, greedy agreement) is in the manual's Quantization page (docs/quantization.md).
 
 One layer's k (or v) is a QuantizedKV: `data` [blocks, block_size, kv_heads, head_dim] in the
 storage dtype and `scale` [blocks, block_size, kv_heads] float32 (None for fp8). Writes

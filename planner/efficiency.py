@@ -38,7 +38,7 @@ PCIE_EFFICIENCY = 0.80
 # A fixed cost per kernel in a CUDA-graph-replayed decode step: launch and tail of one kernel
 # is a few microseconds on Hopper (REFERENCE.md: "NVLink hop a few us"; small-kernel floors in
 # nsys traces are 2-5 us). Assumed 3 us, times the kernels a decode step launches. An upper
-# bound from this project's own H200 run (README, Running on GPUs): a CUDA-graph replay of the
+# bound from this project's own H200 run (docs/gpus.md): a CUDA-graph replay of the
 # Llama-3-8B-shaped batch-1 decode step took 5.11 ms against a 3.61 ms copy-bandwidth floor,
 # 1.5 ms over ~426 kernels (32 layers x 13 + 10): at most 3.5 us a kernel, GEMV shortfall included.
 KERNEL_OVERHEAD_S = 3e-6

@@ -15,7 +15,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
-# name -> what it measures (the README lists these)
+# name -> what it measures (docs/serving.md lists these)
 DESCRIPTIONS = {
     "time_to_first_token_seconds": "from a request's arrival to its first token",
     "inter_token_latency_seconds": "between two consecutive tokens of a request",
