@@ -1,4 +1,4 @@
-"""Speculative decoding (engine.spec.drafters, engine.sample.verify): greedy tokens identical to
+"""Speculative decoding (engine.spec.registry, engine.sample.verify): greedy tokens identical to
 transformers with n-gram drafts at TP1, TP2, PP2, EP2 and DP2EP2, and with layer-skip and
 draft-model drafts at TP1 and TP2; every block back in the
 pool after many rejections and the prefix cache's hits unchanged; the speculative-sampling
@@ -13,7 +13,7 @@ from scipy.stats import chi2_contingency, chisquare
 from atoll import LLM, SamplingParams
 from atoll.config import EngineConfig
 from atoll.engine.sample import verify
-from atoll.engine.spec.drafters import ngram_lookup
+from atoll.engine.spec.ngram import ngram_lookup
 from atoll.engine.rank.generate import Request, run_requests
 from atoll.engine.rank.runner import ModelRunner
 from atoll.engine.sample.sampler import SamplerState, probabilities
@@ -338,3 +338,12 @@ def test_draft_model_of_another_vocabulary_refused(dense, tiny_model):
     other = tiny_model("llama", vocab_size=300)
     with pytest.raises(InputError, match=r"draft model's vocabulary \(300 tokens\) is not the target's \(301\)"):
         LLM(model_dir, speculative_config={"model": str(other)})
+
+
+def test_every_method_has_its_drafter():
+    """The registry names a drafter for each method the config accepts, under that name."""
+    from atoll.config.speculative import METHODS
+    from atoll.engine.spec.registry import DRAFTERS
+
+    assert sorted(DRAFTERS) == sorted(METHODS)
+    assert all(d.method == name for name, d in DRAFTERS.items())

@@ -38,7 +38,7 @@ class Lanes:
                  window_pool: tuple[int, int] | None = None):
         """depth: pipeline stages; as many lanes as `lane_count` gives. prefix_caching: each
         lane's pool keeps its own cache of named blocks (engine.kv.blocks). drafter: speculative
-        tokens for every lane (engine.spec.drafters), or None. sliding_window: blocks a running
+        tokens for every lane (engine.spec.registry), or None. sliding_window: blocks a running
         sequence's window has passed go back to its lane's pool (block num_blocks, the cache's
         scratch block, stands in for them). cp: context parallel ranks; num_blocks is per rank
         and each pool stripes a sequence's blocks over the cp ranks (engine.kv.blocks).

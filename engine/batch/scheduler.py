@@ -43,7 +43,7 @@ class Sequence:
     spec_steps: int = 0  # speculative verify steps it took part in (engine.sample.verify)
     spec_drafted: int = 0  # tokens drafted for it
     spec_accepted: int = 0  # drafted tokens the target kept
-    draft_cached: int = 0  # positions a draft model's own cache computed for it (engine.spec.drafters)
+    draft_cached: int = 0  # positions a draft model's own cache computed for it (engine.spec.registry)
 
     @property
     def tokens(self) -> list[int]:
@@ -75,7 +75,7 @@ class Scheduled:
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool = False, drafter=None, sliding_window: int | None = None):
-        """drafter: proposes speculative tokens for decoding sequences (engine.spec.drafters), or None.
+        """drafter: proposes speculative tokens for decoding sequences (engine.spec.registry), or None.
         sliding_window: every layer attends to this many positions at most (Mistral): blocks
         wholly before a running sequence's window go back to the pool (the pool needs a hole).
         With a WindowedPool (engine.kv.windowed) it is the sliding layers' widest window, and

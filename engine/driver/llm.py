@@ -12,13 +12,12 @@ from pathlib import Path
 import torch
 
 from atoll import config
-from atoll.engine.spec import drafters
+from atoll.engine.spec import registry as drafters
 from atoll.engine.disagg.oneshot import generate_disagg
 from atoll.engine.driver.disagg import DisaggEngine, disagg_job
 from atoll.engine.kv.sizing import check_fits, explicit_blocks
 from atoll.engine.batch.lanes import lane_count
 from atoll.engine.driver.living import engine_spec, lane_load, run_through
-from atoll.engine.spec.mtp import check_mtp
 from atoll.engine.driver.online import OnlineEngine
 from atoll.engine.batch.request import Request
 from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
@@ -144,10 +143,8 @@ class LLM:
         Checkpoint(self.model_dir).check()
         check_layout_fits(self.model_dir, self.config, self.layout)  # shapes, before any rank starts
         quantize.check(self.options.quantization, self.config, self.options.device)
-        drafters.check(self.options.speculative_config, self.layout, self.config.num_hidden_layers,
-                       self.config.vocab_size)
-        if getattr(self.options.speculative_config, "method", None) == "deepseek_mtp":
-            check_mtp(self.model_dir, self.config)  # its tensors in the checkpoint, before any rank starts
+        # the drafter's own checks (its layout, its draft model, its checkpoint tensors), before any rank starts
+        drafters.check(self.options.speculative_config, self.layout, self.config, self.model_dir)
         o = self.options
         self.device, self.dtype = o.device, o.dtype
         self.max_num_seqs, self.block_size = o.max_num_seqs, o.block_size

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from atoll.engine.spec.drafters import make_drafter
+from atoll.engine.spec.registry import make_drafter
 from atoll.engine.batch.lanes import Lanes
 from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.engine.batch.request import Request, finish_reason, result_of
@@ -38,7 +38,7 @@ class EngineCore:
         spec = self.spec = runner.spec
         self.runner = runner
         self.depth = runner.ctx.layout.pp
-        # speculative decoding (engine.spec.drafters, engine.sample.verify): None when off
+        # speculative decoding (engine.spec.registry, engine.sample.verify): None when off
         self.drafter = make_drafter(spec.engine.speculative_config, runner, max_model_len=spec.max_model_len)
         self.spec_totals = {"steps": 0, "drafted": 0, "accepted": 0}  # verify steps of a sequence, tokens
         self.lanes = Lanes(num_blocks=runner.num_blocks, block_size=spec.engine.block_size,

@@ -68,7 +68,7 @@ class ModelRunner:
     def new_cache(self, blocks: int, *, config: ModelConfig | None = None, layers: int | None = None,
                   window_blocks: int | None = None):
         """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind
-        (or another model's: a draft model's, engine.spec.drafters); window_blocks: the sliding layers'
+        (or another model's: a draft model's, engine.spec.registry); window_blocks: the sliding layers'
         own count (engine.kv.windowed)."""
         if window_blocks is not None:
             blocks = [window_blocks if w else blocks for w in self.local_windows()]

@@ -1,5 +1,4 @@
-"""Drafter: what every speculative drafter shares (engine.spec.drafters holds the drafters, and
-engine.spec.mtp DeepSeek's multi-token-prediction one): which decoding chunks get a draft, how
+"""Drafter: what every speculative drafter shares (engine.spec.registry names them by method): which decoding chunks get a draft, how
 long it may be, and the blocks it takes."""
 
 from __future__ import annotations
@@ -7,13 +6,25 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from atoll.config.speculative import SpeculativeConfig
+from atoll.errors import InputError
 
 
 class Drafter(ABC):
-    """What every drafter shares: which chunks get a draft, and how long it may be."""
+    """What every drafter shares: which chunks get a draft, and how long it may be. A subclass
+    names its `method` (engine.spec.registry) and may check its config before any rank starts."""
 
-    def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int):
+    method: str
+
+    def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int, runner=None):
         self.cfg, self.max_model_len = cfg, max_model_len
+
+    @classmethod
+    def check(cls, cfg: SpeculativeConfig, layout, config, model_dir) -> None:
+        """A one-line InputError when the config cannot run here; by default a drafter with a
+        model runs on one pipeline stage and one DP replica."""
+        if layout.pp > 1 or layout.dp > 1:
+            raise InputError(f"speculative method {cfg.method} runs on one pipeline stage and one DP replica; "
+                             f"the layout is {layout}")
 
     def extend(self, chunks, pool, budget: int, *, running: int) -> int:
         """Adds a draft to each decoding chunk that takes one; returns the tokens added (the

@@ -56,6 +56,13 @@ def check_mtp(model_dir, config) -> None:
 
 
 class MtpDrafter(Drafter):
+    method = "deepseek_mtp"
+
+    @classmethod
+    def check(cls, cfg, layout, config, model_dir) -> None:
+        super().check(cfg, layout, config, model_dir)
+        check_mtp(model_dir, config)  # its tensors in the checkpoint
+
     def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int, runner):
         from atoll.models.checkpoint import load_weights
         from atoll.models.mtp import DeepseekMTP
