@@ -2,7 +2,7 @@
 
 --requests prompts of --prompt-len random token ids (from --seed) generate --output-len
 tokens each (greedy, ignore_eos), once on the --colocated layout and once as --prefill ->
---decode (engine.disagg.oneshot), each a fresh job. Reported: wall time, median TTFT and TPOT, the
+--decode (engine.disagg.roles), each a fresh engine. Reported: wall time, median TTFT and TPOT, the
 KV bytes sent with their analytic figure, and whether the tokens are identical. The decode
 step runs eagerly on both sides. --kv-cache-dtype (both runs) sends the quantized cache as
 stored. The 1-minute load average is read before and after.

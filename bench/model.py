@@ -7,7 +7,7 @@ with min_new_tokens = max_new_tokens. Both run on the rank's device (--device, b
 launcher: launch/device.py) in the same dtype (--dtype; default as the runtime: the
 checkpoint's torch_dtype on CUDA, float32 on CPU). The ranks are spawned once; inside them
 the runner and the transformers model are built, then every round times atoll's
-`run_requests` with the compiled decode step (engine.step.compiled) and with the eager one, then
+`run_batch` with the compiled decode step (engine.step.compiled) and with the eager one, then
 transformers' `generate` (on rank 0, the other ranks wait at a barrier) and a large tensor
 copy, alternating which side goes first. The closing lines report the default path: compiled,
 unless --enforce-eager (or ATOLL_ENFORCE_EAGER=1, or a model the step does not compile) leaves

@@ -31,11 +31,11 @@ def decode_weight_bytes(model, batch: int) -> int:
 def time_atoll(runner, requests, pipelined: bool = True) -> dict:
     import torch
 
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
 
     sync(runner.device)
     t0 = time.perf_counter()
-    results = run_requests(runner, requests, pipelined=pipelined)  # syncs each step (.tolist())
+    results = run_batch(runner, requests, pipelined=pipelined)  # syncs each step (.tolist())
     total = time.perf_counter() - t0
     # each rank's share of the run spent computing; the rest waits for activations or tokens
     busy = runner.ctx.world.all_gather(

@@ -2,7 +2,7 @@
 
 For each layout the planner predicts TTFT and TPOT for one replica on the given topology
 (best `atoll calibrate`'s YAML of this machine), then the bench path (launch/bench_model:
-`prepare` makes the requests and cache, `time_atoll` times run_requests) runs the same
+`prepare` makes the requests and cache, `time_atoll` times run_batch) runs the same
 workload on as many local ranks, one thread each (a CPU rank is one core, as the topology
 counts it), eager: `batch` random prompts of `isl` tokens arriving together, each generating
 `osl` tokens. Measured TTFT and TPOT are medians over requests, then over timed rounds; error

@@ -82,7 +82,7 @@ def prepare(args):
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
     from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
-    run_requests(runner, requests[:2])  # untimed: the first forward pays for allocation
+    run_batch(runner, requests[:2])  # untimed: the first forward pays for allocation
     runs = {False: [], True: []}
     for i in range(rounds):
         for caching in ((False, True) if i % 2 == 0 else (True, False)):
@@ -106,10 +106,10 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
 
 
 def measure(runner, requests) -> dict:
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
 
     t0 = time.perf_counter()
-    results = run_requests(runner, requests)
+    results = run_batch(runner, requests)
     total = time.perf_counter() - t0
     m = [r["metrics"] for r in results]
     prompt, cached = sum(x["prompt_tokens"] for x in m), sum(x["cached_tokens"] for x in m)

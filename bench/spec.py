@@ -133,7 +133,7 @@ def prepare(args, speculative):
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
     from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.layout import Layout
     from atoll.parallel.mesh import ParallelContext
@@ -149,7 +149,7 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
     warm = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=4)) for r in requests]
     for side in sides.values():
         runner.spec = side
-        run_requests(runner, warm)
+        run_batch(runner, warm)
     runs = {"off": [], "on": []}
     for i in range(rounds):
         for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
@@ -166,11 +166,11 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
 
 def measure(runner, requests) -> dict:
     from atoll.engine.spec import stats as spec_stats
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
 
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    results = run_requests(runner, requests)
+    results = run_batch(runner, requests)
     total = time.perf_counter() - t0
     tokens = sum(len(r["token_ids"]) for r in results)
     return {"total_s": total, "tok_s": tokens / total, "load_avg_1m": load,

@@ -9,7 +9,7 @@ is one core on one thread, as the topology counts it; a GPU rank is one GPU):
 - Memory: `tensor.sum()` of a tensor larger than the caches, bytes read per second; on a GPU
   also `copy_` (bytes read + written per second).
 - Overhead: decode steps of tiny random checkpoints (calibrate.tiny) through ModelRunner and
-  run_requests, at 1 and `layers` layers and 1 and `seqs` sequences, eager. The step's time
+  run_batch, at 1 and `layers` layers and 1 and `seqs` sequences, eager. The step's time
   beyond its FLOP/byte floor (its weight bytes / the measured bandwidth, its FLOPs / the GEMM
   rate at its rows) is split, by least squares over those runs, into a fixed part per tick, a
   part per sequence and a part per layer (dense; MoE from a qwen3_moe checkpoint).
@@ -28,7 +28,8 @@ import statistics
 import torch
 
 from atoll.calibrate.timing import is_cuda, sync, timed
-from atoll.engine.rank.generate import Request, run_requests
+from atoll.engine.batch.request import Request
+from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.run_spec import RunSpec
 from atoll.engine.rank.runner import ModelRunner
 from atoll.engine.sample.sampler import SamplingParams
@@ -102,7 +103,7 @@ def copy_gb_s(budget_s: float, *, device="cpu", nbytes: int | None = None) -> fl
 
 def decode_step_s(model_dir, *, seqs: int, out_tokens: int, device="cpu") -> float:
     """Median TPOT of `seqs` sequences of 8 prompt tokens through the runtime, eager, one rank
-    on `device`. Each tick hands its sampled tokens to the host (engine.rank.generate), which waits
+    on `device`. Each tick hands its sampled tokens to the host (engine.rank.loop), which waits
     for the device, so the TPOT holds the GPU's work as well as its launches."""
     # a GPU's cache is sized to what the requests need, not to 90% of its memory
     blocks = seqs * -(-(8 + out_tokens) // 16) + 2 if is_cuda(device) else None
@@ -113,9 +114,9 @@ def decode_step_s(model_dir, *, seqs: int, out_tokens: int, device="cpu") -> flo
         runner = ModelRunner(spec, ParallelContext.single(device))
     params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
     reqs = [Request(i, [(7 * i + j) % 200 + 1 for j in range(8)], params) for i in range(seqs)]
-    run_requests(runner, reqs)  # warm-up
+    run_batch(runner, reqs)  # warm-up
     sync(device)
-    runs = [run_requests(runner, reqs) for _ in range(2)]
+    runs = [run_batch(runner, reqs) for _ in range(2)]
     return statistics.median(r["metrics"]["tpot_s"] for res in runs for r in res)
 
 

@@ -208,9 +208,7 @@ def _row(ln, **fields) -> dict:
 
 
 def _generate(args, llm, lines, valid, launcher: str) -> int:
-    from atoll.engine.rank.worker import generate_worker
     from atoll.errors import AtollError
-    from atoll.launch.launchers import launch
     from atoll.cli.requests import ResultWriter
 
     writer = ResultWriter(args.output, enabled=_writes_output(launcher))
@@ -238,50 +236,35 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     elif launcher in ("local", "ray"):
         print(f"atoll: {len(requests)} prompts on {llm.layout} ({llm.layout.world_size} ranks, {launcher})",
               file=sys.stderr)
-    # the living engine (the one `atoll serve` runs) under every launcher; --stats counts link
-    # bytes in one job per call (engine.rank.worker), which the living engine does not
-    living = not args.stats and llm.prefill_layout is None
-    if living and launcher != "local":
+    # the living engine (the one `atoll serve` runs) under every launcher, fed every request at once
+    if llm.prefill_layout is None and launcher != "local":
         llm.launcher = _living_launcher(args, llm, launcher)
         if not writer.enabled:  # torchrun/mpirun, a rank but 0: serve until rank 0 says stop
-            from atoll.engine.rank.loop import serve_worker
+            from atoll.engine.worker import worker
 
-            llm.launcher.join(serve_worker, llm.layout.world_size, None, None, None, device=llm.options.device,
-                              parallel=args.context)
+            llm.launcher.join(worker, llm.layout.world_size, None, None, None, device=llm.options.device)
             return 0
-    reports, progress = (None, None) if living else _progress(launcher, len(requests), done,
-                                                               bar=not args.no_progress)
     try:
         sent = None
         if llm.prefill_layout is not None:  # disaggregated: both engines in one living job (local or Ray)
             results = _disaggregated(args, llm, requests, launcher, done)
-        elif living:  # results written as each ends, the progress bar fed by the engine's stream
+        else:  # results written as each ends, the progress bar fed by the engine's stream
             bar = ProgressBar(len(requests)) if not args.no_progress else None
             try:
                 results = llm.generate_requests(requests, on_result=done, parallel=args.context,
+                                                link_stats=args.stats,
                                                 on_step=(lambda d, n: bar.put((d, n))) if bar else None)
             finally:
                 if bar is not None:
                     bar.close()
                 llm.close()
-        else:
-            spec = llm.spec(requests)
-            _, results = launch(generate_worker, llm.layout.world_size, spec, requests, launcher=launcher,
-                                ray_address=args.ray_address, device=spec.engine.device, progress=progress,
-                                parallel=args.context, tp_size=llm.layout.tp, stats=args.stats,
-                                **_placement(args))
-        if args.stats and results is not None and llm.prefill_layout is None:
-            results, sent = results
-        if reports is not None:
-            reports.close()  # what rank 0 already reported is written before the rest
+            sent = llm.links
         if writer.enabled:
             for k, result in enumerate(results):
                 if not writer.written(valid[k][0]):
                     done(k, result)
     except BaseException as e:
         # nothing is lost silently: every request not written yet is listed, failed, with the cause
-        if reports is not None:
-            reports.close()
         cause = (str(e) if isinstance(e, AtollError) else (str(e) or "interrupted") if isinstance(e, KeyboardInterrupt)
                  else f"{type(e).__name__}: {e}")
         for i, ln in enumerate(lines):
@@ -350,22 +333,3 @@ def _writes_output(launcher: str) -> bool:
     from atoll.launch.launchers import is_first_rank
 
     return is_first_rank(launcher)
-
-
-def _progress(launcher: str, total: int, done, *, bar: bool):
-    """(Reports here, what the workers get) for one job per call (--stats): a queue for local
-    ranks; the Reports itself for rank 0 of torchrun/mpirun (it is this process); nothing for
-    Ray (its actors cannot reach the driver's queue: results are written when the run ends)
-    or other ranks."""
-    from atoll.cli.progress import ProgressBar, Reports
-
-    if launcher == "ray" or not _writes_output(launcher):
-        return None, None
-    progress_bar = ProgressBar(total) if bar else None
-    if launcher == "local":
-        import multiprocessing as mp
-
-        channel = mp.get_context("spawn").Queue()
-        return Reports(bar=progress_bar, on_done=done, channel=channel), channel
-    reports = Reports(bar=progress_bar, on_done=done)
-    return reports, reports

@@ -151,12 +151,11 @@ def _join(args, llm) -> int:
     the others mid-collective."""
     import signal
 
-    from atoll.engine.rank.loop import serve_worker
+    from atoll.engine.worker import worker
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    llm.launcher.join(serve_worker, llm.layout.world_size, None, None, None, device=llm.options.device,
-                      parallel=args.context)
+    llm.launcher.join(worker, llm.layout.world_size, None, None, None, device=llm.options.device)
     return 0
 
 

@@ -105,7 +105,7 @@ class EngineConfig:
                                                         "keep their own cache and let go of the blocks their "
                                                         "window has passed; engine.kv.windowed)")
     prefill: str | None = _opt(None, "disaggregated prefill: the prefill engine's layout (e.g. TP2), beside "
-                                     "--decode; the job runs both engines (engine.disagg.oneshot)")
+                                     "--decode; the job runs both engines (engine.disagg.roles)")
     decode: str | None = _opt(None, "disaggregated prefill: the decode engine's layout (e.g. TP4), beside --prefill")
     disagg_min_prompt_tokens: int = _opt(0, "with --prefill/--decode, prompts whose uncached part is shorter "
                                             "than this are prefilled by the decode engine itself")

@@ -1,5 +1,5 @@
 """One job, several engines: each engine owns a consecutive run of the job's ranks and builds
-its ParallelContext over them alone (disaggregated prefill and decode: engine.disagg.oneshot).
+its ParallelContext over them alone (disaggregated prefill and decode: engine.disagg.roles).
 
 Engine e holds job ranks base_e .. base_e + layout_e.world_size - 1. Its groups are the
 rank grid of its own layout shifted by base_e, so its "world" is its own ranks, not the

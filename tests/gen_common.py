@@ -22,11 +22,12 @@ def local_tokens(model_dir) -> list[list[int]]:
     import json
     from pathlib import Path
 
-    from atoll.engine.rank.worker import generate_worker
+    from atoll.engine.rank.job import EngineJob
+    from atoll.engine.worker import worker
     from atoll.launch.local import run_local
 
     cache = Path(model_dir) / "launcher-test-local-tokens.json"
     if not cache.exists():
         spec, requests = generate_requests(model_dir)
-        cache.write_text(json.dumps(tokens(run_local(generate_worker, 4, spec, requests, timeout_s=300)[0])))
+        cache.write_text(json.dumps(tokens(run_local(worker, 4, EngineJob.colocated(spec), requests=requests, timeout_s=300)[0])))
     return json.loads(cache.read_text())

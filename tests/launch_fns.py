@@ -120,10 +120,11 @@ def listening_after_rendezvous(rank: int, world_size: int, driver_pid: int) -> l
 
 
 def generate_where(rank: int, world_size: int, spec, requests):
-    """generate_worker, plus the node this rank ran on."""
-    from atoll.engine.rank.worker import generate_worker
+    """engine.worker's one-shot job, plus the node this rank ran on."""
+    from atoll.engine.rank.job import EngineJob
+    from atoll.engine.worker import worker
 
-    return where(), generate_worker(rank, world_size, spec, requests)
+    return where(), worker(rank, world_size, EngineJob.colocated(spec), requests=requests)
 
 
 def device_report(rank: int, world_size: int) -> dict:

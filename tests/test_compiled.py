@@ -16,7 +16,7 @@ from atoll import LLM, SamplingParams
 from atoll.engine.step import policy as step_policy
 from atoll.engine.step.decode_step import block_bucket, seq_buckets
 from atoll.config import EngineConfig, add_cli_options, from_args
-from atoll.engine.rank.generate import run_requests
+from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.runner import ModelRunner
 from atoll.errors import InputError
 from atoll.launch.local import run_local
@@ -48,14 +48,14 @@ def _eager_then_compiled_twice(rank, world, spec, requests):
     ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
     runner = ModelRunner(spec, ctx)
     step, runner.decode_step = runner.decode_step, None
-    eager = _tokens(run_requests(runner, requests))
+    eager = _tokens(run_batch(runner, requests))
     kv = runner.cache.k + runner.cache.v
     eager_kv = [t[:runner.num_blocks].clone() for t in kv]  # the scratch block past them differs
     runner.decode_step = step
-    first = _tokens(run_requests(runner, requests))
+    first = _tokens(run_batch(runner, requests))
     kv_diff = max(float((t[:runner.num_blocks] - e).abs().max()) for t, e in zip(kv, eager_kv))
     graphs_first = counters["stats"]["unique_graphs"]
-    second = _tokens(run_requests(runner, requests))
+    second = _tokens(run_batch(runner, requests))
     return {"eager": eager, "first": first, "second": second, "kv_diff": kv_diff, "graphs_first": graphs_first,
             "graphs_second": counters["stats"]["unique_graphs"], "buckets": step.buckets_run,
             "compiles": len(step.compiles), "freezing": step.freezing, "last_stage": ctx.is_last_stage}
@@ -106,7 +106,7 @@ def test_compiled_tokens_match_eager_and_transformers(model_and_reference, compi
 
 def _runs_with_default_policy(rank, world, spec, requests):
     runner = ModelRunner(spec, ParallelContext.single())
-    tokens = _tokens(run_requests(runner, requests))
+    tokens = _tokens(run_batch(runner, requests))
     step = runner.decode_step
     return {"tokens": tokens, "step": None if step is None else type(step).__name__,
             "buckets": None if step is None else step.buckets_run}
@@ -170,7 +170,7 @@ def _runs_eagerly(rank, world, spec, requests):
     from torch._dynamo.utils import counters
 
     runner = ModelRunner(spec, ParallelContext.single())
-    tokens = _tokens(run_requests(runner, requests))
+    tokens = _tokens(run_batch(runner, requests))
     return runner.decode_step, tokens, dict(counters["stats"])
 
 

@@ -1,9 +1,10 @@
-"""Disaggregated prefill and decode (engine.disagg.oneshot, engine.disagg.transfer): the transfer plan
+"""Disaggregated prefill and decode (engine.disagg.roles, engine.disagg.transfer): the transfer plan
 (every held head of every layer sent once, bytes = the analytic KV size), the conditional
 routing, and greedy tokens identical to transformers across prefill -> decode layouts, with
 the KV bytes each request sent counted on the ranks."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,8 +18,7 @@ from reference import reference_cache, reference_tokens
 
 from atoll import LLM, SamplingParams
 from atoll.engine.disagg import transfer as kv_transfer
-from atoll.engine.disagg.decision import route
-from atoll.engine.rank.generate import Request
+from atoll.engine.disagg import decision
 from atoll.models.config import ModelConfig
 from atoll.parallel.layout import Layout
 from atoll.parallel.pipeline import stage_layers
@@ -66,17 +66,27 @@ def test_plan_sends_each_held_head_of_each_layer_once(src, dst, kv):
         assert sent == kv_transfer.analytic_bytes(cfg, dst, tokens, 4)
 
 
-def test_route_sends_short_and_mostly_cached_prompts_to_the_decode_engine():
+def test_short_and_mostly_cached_prompts_stay_on_the_decode_engine():
     long_a = list(range(1, 24))  # 23 tokens
     long_b = long_a[:20] + [200, 201, 202]  # shares 5 full blocks of 4 with long_a
-    reqs = [Request(i, p, SamplingParams()) for i, p in enumerate([[5, 6, 7], long_a, long_b, list(range(50, 73))])]
-    remote, local, replica = route(reqs, min_tokens=10, block_size=4, prefix_caching=True)
-    assert [r.index for r in remote] == [1, 3] and [r.index for r in local] == [0, 2]
-    remote, local, _ = route(reqs, min_tokens=10, block_size=4, prefix_caching=False)
-    assert [r.index for r in remote] == [1, 2, 3]
+    prompts = [[5, 6, 7], long_a, long_b, list(range(50, 73))]
+
+    def paths(prefix_caching, dp=1):
+        seen = [set() for _ in range(dp)]
+        out = []
+        for k, ids in enumerate(prompts):
+            new = decision.uncached_tokens(ids, seen[k % dp], block_size=4, prefix_caching=prefix_caching)
+            out.append(decision.choose_path(new, [0], min_prompt_tokens=10, max_prefill_queue=None).reason)
+        return out
+
+    assert paths(True) == ["decode", "prefill", "decode", "prefill"]
+    assert paths(False) == ["decode", "prefill", "prefill", "prefill"]
     # each decode replica has its own cache: long_b on the other replica than long_a is not cached
-    remote, local, replica = route(reqs, min_tokens=10, block_size=4, prefix_caching=True, dp=2)
-    assert replica == {0: 0, 1: 1, 2: 0, 3: 1} and [r.index for r in remote] == [1, 2, 3]
+    assert paths(True, dp=2) == ["decode", "prefill", "prefill", "prefill"]
+    # a full prefill queue, or every prefill engine dead, keeps long prompts local too
+    assert decision.choose_path(30, [2, 1], min_prompt_tokens=10, max_prefill_queue=3) == decision.Path(False, 1, "queue")
+    assert decision.choose_path(30, [math.inf, 1], min_prompt_tokens=10, max_prefill_queue=None) == decision.Path(True, 1, "prefill")
+    assert decision.choose_path(30, [math.inf], min_prompt_tokens=10, max_prefill_queue=None).reason == "queue"
 
 
 CASES = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", {}), "deepseek_v3": ("deepseek_v3", {})}
@@ -116,19 +126,16 @@ def test_short_prompts_are_prefilled_on_the_decode_engine(models):
 
 @pytest.mark.timeout(300)
 def test_adopted_sequences_survive_preemption(models):
-    """A decode cache of 10 blocks of 4 holds one of the longer sequences at a time: adopted
-    sequences are preempted and recomputed on the decode engine, tokens unchanged. One job
-    for the fixed list (engine.disagg.oneshot), where every prompt's KV comes as soon as the prefill
-    engine has it; the living engine's hand-offs, each through the driver, come too late
-    for two to meet in so small a cache here."""
-    from atoll.engine.driver.llm import LLM as OneJobLLM
-    from atoll.launch.local import run_local
-
-    model_dir, want = models("llama")
-    llm = OneJobLLM(model_dir, launcher=run_local, prefill="TP1", decode="TP1", block_size=4, num_blocks=10,
-                    max_model_len=32)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True), timeout_s=240)
-    assert [o.token_ids for o in outs] == want
+    """A decode cache of 14 blocks of 4 holds one of the longer sequences to its end but not
+    two: adopted sequences that grow side by side are preempted and recomputed on the decode
+    engine, tokens unchanged (against the colocated engine, whose cache holds them all)."""
+    model_dir, _ = models("llama")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = LLM(model_dir, layout="TP1", block_size=4).generate(PROMPTS, params, timeout_s=240)
+    outs = LLM(model_dir, prefill="TP1", decode="TP1", block_size=4, num_blocks=14,
+               max_model_len=48).generate(PROMPTS, params, timeout_s=240)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
     assert sum(o.metrics["preemptions"] for o in outs) > 0
 
 
@@ -212,7 +219,7 @@ def test_seeded_sampling_continues_the_prefill_engines_stream(models):
 
 
 def test_a_failed_job_rank_is_named_by_engine_and_its_rank_there():
-    from atoll.engine.disagg.oneshot import EngineFailure
+    from atoll.engine.driver.disagg_faults import EngineFailure
     from atoll.errors import RankFailure
     from atoll.parallel.parts import engine_of
 

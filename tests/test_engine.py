@@ -7,10 +7,11 @@ import torch
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.rank.generate import run_requests
+from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.run_spec import RunSpec
 from atoll.engine.rank.runner import ModelRunner
-from atoll.engine.rank.worker import generate_worker
+from atoll.engine.rank.job import EngineJob
+from atoll.engine.worker import worker
 from atoll.launch.local import run_local
 from atoll.layers.attention import AttentionMetadata
 from atoll.parallel.layout import Layout
@@ -66,7 +67,7 @@ def test_late_arrivals_match_transformers(model_and_reference, layout, num_block
     requests = llm.prepare(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
     for r, step in zip(requests, [0, 0, 3, 7, 12]):
         r.arrival_step = step
-    results = run_local(generate_worker, llm.layout.world_size, llm.spec(), requests, timeout_s=250)[0]
+    results = run_local(worker, llm.layout.world_size, EngineJob.colocated(llm.spec()), requests=requests, timeout_s=250)[0]
     assert [r["token_ids"] for r in results] == expected
     if num_blocks:
         assert sum(r["metrics"]["preemptions"] for r in results) > 0
@@ -76,9 +77,9 @@ def _thousand(rank, world, spec, requests):
     ctx = ParallelContext.create(Layout.parse(spec.layout), rank)
     runner = ModelRunner(spec, ctx)
     cache = [t.data_ptr() for t in runner.cache.k + runner.cache.v]
-    first = run_requests(runner, requests[:100])
+    first = run_batch(runner, requests[:100])
     rss_100 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rest = run_requests(runner, requests)
+    rest = run_batch(runner, requests)
     rss_all = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     same_cache = cache == [t.data_ptr() for t in runner.cache.k + runner.cache.v]
     return first, rest, rss_100, rss_all, same_cache, runner.cache.bytes

@@ -7,7 +7,7 @@ import pytest
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.rank.generate import run_requests
+from atoll.engine.rank.loop import run_batch
 from atoll.engine.step.graphs import GraphedDecode
 from atoll.engine.rank.runner import ModelRunner
 from atoll.launch.local import run_local
@@ -24,13 +24,13 @@ def _eager_then_graphed(rank, world, spec, requests):
     ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
     runner = ModelRunner(spec, ctx)
     assert runner.decode_step is None  # conftest: eager by default
-    eager = [r["token_ids"] for r in run_requests(runner, requests)]
+    eager = [r["token_ids"] for r in run_batch(runner, requests)]
     kv = runner.cache.k + runner.cache.v
     eager_kv = [t[:runner.num_blocks].clone() for t in kv]
     runner.decode_step = GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs,
                                        max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
                                        scratch_block=runner.num_blocks, rank=rank, capture=False)
-    graphed = [r["token_ids"] for r in run_requests(runner, requests)]
+    graphed = [r["token_ids"] for r in run_batch(runner, requests)]
     kv_diff = max(float((t[:runner.num_blocks] - e).abs().max()) for t, e in zip(kv, eager_kv))
     return {"eager": eager, "graphed": graphed, "kv_diff": kv_diff, "buckets": runner.decode_step.buckets,
             "run": runner.decode_step.buckets_run}
@@ -75,7 +75,7 @@ def _graphed_verify(rank, world, spec, requests):
     runner.decode_step = GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs * (1 + k),
                                        max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
                                        scratch_block=runner.num_blocks, rank=rank, capture=False)
-    results = run_requests(runner, requests)
+    results = run_batch(runner, requests)
     return {"tokens": [r["token_ids"] for r in results], "run": runner.decode_step.buckets_run,
             "accepted": sum(r["metrics"]["spec_accepted"] for r in results),
             "drafted": sum(r["metrics"]["spec_drafted"] for r in results), "held": runner.stats["blocks_held"]}

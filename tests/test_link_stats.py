@@ -63,12 +63,12 @@ def _numbers(line: str) -> list[int]:
 
 
 def _counting_worker(rank, world_size, spec, requests, parallel):
-    """generate_worker's run with each MoE layer's fewest possible cross-island rows counted
+    """A one-shot run with each MoE layer's fewest possible cross-island rows counted
     (routing.min_rows), and parallel.links' counts of the same run."""
     import torch
 
     from atoll.comm.routing import min_rows
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
     from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel import links
     from atoll.parallel.layout import Layout
@@ -89,7 +89,7 @@ def _counting_worker(rank, world_size, spec, requests, parallel):
 
         d.dispatch = counted
     links.reset(ctx, runner.model)
-    run_requests(runner, requests, None)
+    run_batch(runner, requests)
     torch.distributed.barrier()
     return dict(minimum=minimum["cross"], counted=links.rank_bytes(ctx, runner.model))
 

@@ -172,8 +172,8 @@ def references(tiny_model):
 
 
 def _worker(rank, world_size, spec, requests):
-    """generate_worker's path, recording which exchange each MoE layer used."""
-    from atoll.engine.rank.generate import run_requests
+    """A one-shot run, recording which exchange each MoE layer used."""
+    from atoll.engine.rank.loop import run_batch
     from atoll.engine.rank.runner import ModelRunner
     from atoll.layers.moe import SparseMoE
     from atoll.parallel.layout import Layout
@@ -182,7 +182,7 @@ def _worker(rank, world_size, spec, requests):
     ctx = ParallelContext.create(Layout.parse(spec.layout), rank)
     runner = ModelRunner(spec, ctx)
     ctx.ep.reset_counters()
-    results = run_requests(runner, requests, None)
+    results = run_batch(runner, requests)
     layers = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
     return dict(results=results if rank == 0 else None, ep_calls=dict(ctx.ep.calls),
                 gathered=sum(sum(m.exchange_bytes.values()) for m in layers))

@@ -16,7 +16,7 @@ from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
 from atoll.engine.spec import mtp as mtp_drafter
-from atoll.engine.rank.generate import run_requests
+from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.runner import ModelRunner
 from atoll.errors import InputError
 from atoll.layers.attention import AttentionMetadata
@@ -211,7 +211,7 @@ def test_engine_drafts_match_the_reference(with_mtp, ref, monkeypatch):
     llm = LLM(model_dir, block_size=4, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 3})
     requests = llm.prepare(PROMPTS[:2], GREEDY)
     runner = ModelRunner(llm.spec(requests), ParallelContext.single())
-    results = run_requests(runner, requests)
+    results = run_batch(runner, requests)
     assert [r["token_ids"] for r in results] == expected[:2]
     assert runner.stats["blocks_held"] == 0
     drafted = [(tokens, k, d) for tokens, k, d in seen if d]

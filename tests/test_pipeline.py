@@ -4,7 +4,7 @@ import pytest
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
-from atoll.engine.rank.generate import run_requests
+from atoll.engine.rank.loop import run_batch
 from atoll.engine.batch.lanes import Lanes
 from atoll.engine.rank.runner import ModelRunner
 from atoll.launch.local import run_local
@@ -21,7 +21,7 @@ def _both_ways(rank, world, spec, requests):
     runner = ModelRunner(spec, ctx)
     out = {}
     for pipelined in (True, False):
-        results = run_requests(runner, requests, pipelined=pipelined)
+        results = run_batch(runner, requests, pipelined=pipelined)
         out[pipelined] = ([r["token_ids"] for r in results], dict(runner.stats))
     return ctx.pp.rank, out
 

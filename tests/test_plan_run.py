@@ -168,13 +168,13 @@ def _prompts(tmp_path):
 
 
 def _counting_worker(rank, world_size, spec, requests, parallel):
-    """generate_worker's EP4 path (dp 1), recording each MoE layer's dispatch: whether it ran
+    """A one-shot EP4 run (dp 1), recording each MoE layer's dispatch: whether it ran
     two-level, its cross-island row bytes, the fewest any dispatcher could send (routing.min_rows),
     and the collectives each ep group saw."""
     import torch
 
     from atoll.comm.routing import min_rows
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
     from atoll.engine.rank.runner import ModelRunner
     from atoll.layers.moe import SparseMoE
     from atoll.parallel.mesh import ParallelContext
@@ -193,7 +193,7 @@ def _counting_worker(rank, world_size, spec, requests, parallel):
         d.dispatch = counted
     for g in ctx.groups.values():
         g.reset_counters()
-    results = run_requests(runner, requests, None)
+    results = run_batch(runner, requests)
     torch.distributed.barrier()
     return dict(results=results if rank == 0 else None, two_level=[m.dispatcher.two_level for m in layers],
                 cross=sum(m.dispatcher.row_bytes["cross"] for m in layers), minimum=minimum["cross"],

@@ -7,10 +7,11 @@ from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
 from atoll.engine.kv.blocks import BlockPool, block_hash
-from atoll.engine.rank.generate import Request
+from atoll.engine.batch.request import Request
 from atoll.engine.sample.sampler import SamplerState
 from atoll.engine.batch.scheduler import Scheduler, Sequence
-from atoll.engine.rank.worker import generate_worker
+from atoll.engine.rank.job import EngineJob
+from atoll.engine.worker import worker
 from atoll.launch.local import run_local
 
 
@@ -117,7 +118,7 @@ def _run(model_dir, layout, caching, num_blocks=None):
     requests = llm.prepare(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
     for r, step in zip(requests, [0, 2, 2, 5, 9]):  # later arrivals find the first one's blocks
         r.arrival_step = step
-    return run_local(generate_worker, llm.layout.world_size, llm.spec(), requests, timeout_s=250)[0]
+    return run_local(worker, llm.layout.world_size, EngineJob.colocated(llm.spec()), requests=requests, timeout_s=250)[0]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +149,7 @@ def test_same_tokens_moe(tiny_model):
 
 
 def test_blocks_back_in_the_pool_when_requests_end(dense):
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
     from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.mesh import ParallelContext
 
@@ -156,7 +157,7 @@ def test_blocks_back_in_the_pool_when_requests_end(dense):
     llm = LLM(model_dir, block_size=4, max_model_len=32)
     requests = llm.prepare(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
     runner = ModelRunner(llm.spec(requests), ParallelContext.single())
-    results = run_requests(runner, requests)
+    results = run_batch(runner, requests)
     assert [r["token_ids"] for r in results] == expected
     assert runner.stats["blocks_held"] == 0 and runner.stats["blocks_cached"] > 0
 
@@ -177,7 +178,7 @@ def test_cli_flag_turns_it_off():
 def test_compiled_decode_step_takes_a_cache_hit(dense, monkeypatch, tmp_path):
     """SYSTEM + [7] finds 12 cached tokens and arrives while request 0 decodes: its one-token
     chunk joins a decode micro-batch, which the compiled step runs."""
-    from atoll.engine.rank.generate import run_requests
+    from atoll.engine.rank.loop import run_batch
     from atoll.engine.rank.runner import ModelRunner
     from atoll.parallel.mesh import ParallelContext
 
@@ -197,7 +198,7 @@ def test_compiled_decode_step_takes_a_cache_hit(dense, monkeypatch, tmp_path):
     call = type(step).__call__
     monkeypatch.setattr(type(step), "__call__", lambda self, x, mb: (
         ran.append([(c.seq.request.index, c.start, c.count) for c in mb.chunks]), call(self, x, mb))[1])
-    results = run_requests(runner, requests)
+    results = run_batch(runner, requests)
     assert [r["token_ids"] for r in results] == expected[:2]
     assert results[1]["metrics"]["cached_tokens"] == 12
     # request 1's first chunk starts after its 12 cached tokens, beside request 0's decode, compiled

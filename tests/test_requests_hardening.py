@@ -260,14 +260,12 @@ def test_a_rank_failure_keeps_what_finished(capsys, tiny_model, tmp_path, monkey
 
 
 def test_writer_streams_each_line_once_then_orders_the_file(tmp_path, capsys):
-    from atoll.cli.progress import Reports
     from atoll.cli.requests import ResultWriter
 
     out = tmp_path / "out.jsonl"
     w = ResultWriter(out)
-    reports = Reports(on_done=lambda i, row: w.write(i, row))
     for i in (2, 0, 2, 1):
-        reports.put(("done", i, {"id": i, "text": "\ud800" if i == 1 else "é"}))
+        w.write(i, {"id": i, "text": "\ud800" if i == 1 else "é"})
         assert out.read_text().count("\n") == len(w.rows)  # flushed as written
     assert [r["id"] for r in _rows(out.read_text())] == [2, 0, 1]  # finishing order, each once
     w.close()

@@ -3,7 +3,7 @@
 import random
 
 from atoll.engine.kv.blocks import BlockPool
-from atoll.engine.rank.generate import Request
+from atoll.engine.batch.request import Request
 from atoll.engine.sample.sampler import SamplerState, SamplingParams
 from atoll.engine.batch.scheduler import Scheduler, Sequence
 

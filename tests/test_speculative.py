@@ -14,7 +14,8 @@ from atoll import LLM, SamplingParams
 from atoll.config import EngineConfig
 from atoll.engine.sample import verify
 from atoll.engine.spec.ngram import ngram_lookup
-from atoll.engine.rank.generate import Request, run_requests
+from atoll.engine.batch.request import Request
+from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.runner import ModelRunner
 from atoll.engine.sample.sampler import SamplerState, probabilities
 from atoll.errors import InputError
@@ -40,7 +41,7 @@ def _in_process(model_dir, prompts, params, **options):
     llm = LLM(model_dir, **options)
     requests = llm.prepare(prompts, params)
     runner = ModelRunner(llm.spec(requests), ParallelContext.single())
-    return run_requests(runner, requests), runner
+    return run_batch(runner, requests), runner
 
 
 def _spec_counts(outs):
@@ -118,7 +119,7 @@ def test_prefix_cache_hits_unchanged(dense):
         llm = LLM(model_dir, block_size=4, speculative_config=spec)
         reqs = [Request(0, first, GREEDY), Request(1, later, params, arrival_step=60)]
         runner = ModelRunner(llm.spec(reqs), ParallelContext.single())
-        results = run_requests(runner, reqs)
+        results = run_batch(runner, reqs)
         assert runner.stats["blocks_held"] == 0
         return [r["metrics"]["cached_tokens"] for r in results], results
 
@@ -207,7 +208,7 @@ def test_engine_sampling_matches_plain_sampling(tiny_model, monkeypatch):
         llm = LLM(d, max_num_seqs=n, speculative_config=spec)
         requests = [Request(i, prompt, p) for i, p in enumerate(reqs)]
         runner = ModelRunner(llm.spec(requests), ParallelContext.single())
-        results = run_requests(runner, requests)
+        results = run_batch(runner, requests)
         return [tuple(r["token_ids"][:2]) for r in results], results
 
     def pvalue(a, b):

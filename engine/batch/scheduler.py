@@ -189,7 +189,7 @@ class Scheduler:
         return out
 
     def adopt(self, seq: Sequence, step: int) -> bool:
-        """Run a sequence whose prompt another engine computed (engine.disagg.oneshot): blocks for its
+        """Run a sequence whose prompt another engine computed (engine.disagg.roles): blocks for its
         prompt, which is then cached, its first token already in `output`. False (and no
         change) when the blocks or max_num_seqs leave no room for it yet."""
         prompt = len(seq.request.prompt_token_ids)

@@ -50,16 +50,3 @@ def choose_path(new_tokens: int, waiting: list[float], *, min_prompt_tokens: int
     remote = long_enough and not full
     return Path(remote, prefill, "prefill" if remote else "queue" if long_enough else "decode")
 
-
-def route(requests: list, *, min_tokens: int, block_size: int, prefix_caching: bool,
-          dp: int = 1) -> tuple[list, list, dict[int, int]]:
-    """A fixed list's paths, decided once in order: (remote, local, replica), the requests the
-    prefill engine computes, those the decode engine prefills itself, and each request's decode
-    replica (its position mod dp)."""
-    remote, local, replica = [], [], {}
-    seen: list[set[bytes]] = [set() for _ in range(dp)]
-    for position, r in enumerate(requests):
-        d = replica[r.index] = position % dp
-        new = uncached_tokens(r.prompt_token_ids, seen[d], block_size=block_size, prefix_caching=prefix_caching)
-        (local if new < min_tokens else remote).append(r)
-    return remote, local, replica

@@ -1,5 +1,5 @@
 """DisaggEngine: the driver's side of a living disaggregated engine (ranks:
-engine/disagg/live.py), X prefill engines and Y decode engines in one job (xPyD). It is an
+engine/worker.py in the roles of engine/disagg/roles.py), X prefill engines and Y decode engines in one job (xPyD). It is an
 OnlineEngine (submit, abort, close, the same sinks), whose requests each take one of two
 paths, decided as they arrive:
 
@@ -31,9 +31,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from atoll.engine.disagg.decision import choose_path, uncached_tokens
-from atoll.engine.disagg.oneshot import EngineFailure
-from atoll.engine.driver.disagg_faults import EngineFaults
-from atoll.engine.disagg.live import LiveJob, disagg_serve_worker
+from atoll.engine.driver.disagg_faults import EngineFailure, EngineFaults
+from atoll.engine.rank.job import EngineJob
+from atoll.engine.worker import worker
 from atoll.engine.driver.living import engine_spec
 from atoll.engine.driver.online import OnlineEngine
 from atoll.engine.batch.request import Request
@@ -41,19 +41,19 @@ from atoll.errors import RankFailure
 from atoll.parallel.parts import engine_of
 
 
-def disagg_job(llm, requests=None) -> LiveJob:
+def disagg_job(llm, requests=None) -> EngineJob:
     """The specs of a living disaggregated LLM's engines: the decode engines' as any living
     engine's; the prefill engines' the same on their own layout, never compiling a decode
     step (they sample one token a request)."""
     o = llm.options
     decode = engine_spec(llm, requests)
     prefill = replace(decode, layout=str(llm.prefill_layout), decode_steps=None).with_engine(enforce_eager=True)
-    return LiveJob(prefill=prefill, decode=decode, options=llm.context_options(),
-                   prefill_replicas=o.prefill_replicas, decode_replicas=o.decode_replicas)
+    return EngineJob.disaggregated(prefill, decode, llm.context_options(), prefill_replicas=o.prefill_replicas,
+                                   decode_replicas=o.decode_replicas)
 
 
 class DisaggEngine(EngineFaults, OnlineEngine):
-    def __init__(self, job: LiveJob, *, launcher, min_prompt_tokens: int, max_prefill_queue: int | None = None,
+    def __init__(self, job: EngineJob, *, launcher, min_prompt_tokens: int, max_prefill_queue: int | None = None,
                  ready_timeout_s: float = 900):
         self.live, self.layouts = job, job.layouts
         self._engines = len(self.layouts)
@@ -68,7 +68,7 @@ class DisaggEngine(EngineFaults, OnlineEngine):
 
     def _start(self, launcher, world_size: int, parallel):
         self._inboxes = [launcher.channel() for _ in self.layouts]
-        return launcher.start(disagg_serve_worker, world_size, self.live, self._inboxes, self._outbox,
+        return launcher.start(worker, world_size, self.live, self._inboxes, self._outbox,
                               device=self.spec.engine.device)
 
     def _ready(self) -> None:
@@ -91,6 +91,11 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         self._told = False  # whether the decode engines were told to stop
         self._first: dict[int, int] = {}  # handed off, first token not out yet -> that token
         self._early: dict[int, tuple[list, list]] = {}  # ... -> the decode engine's tokens and end meanwhile
+
+    def submit_all(self, pairs: list) -> None:
+        """Each path is decided as its request comes, in order (the decode replicas' caches)."""
+        for request, sink in pairs:
+            self.submit(request, sink)
 
     def submit(self, request: Request, sink) -> None:
         with self._lock:

@@ -23,6 +23,17 @@ from atoll.errors import AtollError, RankFailure
 from atoll.parallel.parts import bases, engine_of
 
 
+class EngineFailure(RankFailure):
+    """A rank of one engine of a disaggregated job failed: names the engine and its rank there."""
+
+    def __init__(self, engine: str, local_rank: int, failure: RankFailure):
+        """engine: its label, "prefill engine" or "decode engine 1"."""
+        where = f"{engine} rank {local_rank} (job rank {failure.rank}" + \
+            (f" on {failure.node})" if failure.node else ")")
+        AtollError.__init__(self, f"{where} failed: {failure.cause}")
+        self.engine, self.rank, self.cause, self.node = engine, failure.rank, failure.cause, failure.node
+
+
 class EngineFaults:
     """What DisaggEngine does when ranks of one of its engines fail. It reads the driver's
     state (_where, _handed, _first, _held, _slots, _load, _waiting, ...) under its lock."""

@@ -82,10 +82,12 @@ def run_through(engine, requests: list[Request], *, timeout_s: float | None = No
                 all_done.set()
         return sink
 
+    pairs = []
     for k, req in enumerate(requests):
         index = engine.new_id()
         position[index] = k
-        engine.submit(replace(req, index=index), sink_for(k))
+        pairs.append((replace(req, index=index), sink_for(k)))
+    engine.submit_all(pairs)  # all at once: they join at one tick
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not all_done.wait(0.2):
         if deadline is not None and time.monotonic() > deadline:

@@ -13,7 +13,6 @@ import torch
 
 from atoll import config
 from atoll.engine.spec import registry as drafters
-from atoll.engine.disagg.oneshot import generate_disagg
 from atoll.engine.driver.disagg import DisaggEngine, disagg_job
 from atoll.engine.kv.sizing import check_fits, explicit_blocks
 from atoll.engine.batch.lanes import lane_count
@@ -23,7 +22,8 @@ from atoll.engine.batch.request import Request
 from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.sample.sampler import SamplingParams
 from atoll.engine.batch.tokenizer import Tokenizer
-from atoll.engine.rank.worker import generate_worker
+from atoll.engine.rank.job import EngineJob
+from atoll.engine.worker import worker
 from atoll.errors import CheckpointError, ConfigError, InputError, LaunchError, LayoutError
 from atoll.models import quantize
 from atoll.engine.kv.sizing import kv_bytes_per_block
@@ -105,7 +105,8 @@ class LLM:
     (config/engine.py: device, dtype, max_num_seqs, max_model_len, block_size, kv_cache_gb,
     enforce_eager, enable_prefix_caching, kernels, ...), over the ATOLL_* environment, with the
     same defaults as the CLI. `prefill="TP2", decode="TP4"` instead of a layout runs
-    disaggregated prefill and decode (engine.disagg.oneshot); `self.layout` is then the decode engine's.
+    disaggregated prefill and decode (engine.driver.disagg), under a launcher that can start a
+    living job (atoll.LLM's); `self.layout` is then the decode engine's.
 
     `launcher` runs a function on every rank: launcher(fn, world_size, *args, device=...,
     timeout_s=..., **kwargs) -> every rank's return value, as launch.local.run_local does. The
@@ -116,6 +117,7 @@ class LLM:
                  context_parallel_size: int | None = None, launcher=None, **options):
         self.launcher = launcher
         self._engine: OnlineEngine | None = None
+        self.links: dict | None = None  # the last engine's bytes by link class, with link_stats
         try:
             self.options = config.resolve(options)
         except TypeError as e:  # a keyword of the wrong kind
@@ -131,6 +133,9 @@ class LLM:
                 raise InputError("give --prefill/--decode or a layout, not both")
             layout = self.options.decode
             self.prefill_layout = self._prefill_layout(self.options.prefill)
+            if launcher is not None and not getattr(launcher, "disaggregates", False):
+                raise LaunchError("disaggregated prefill and decode run as one living job: use atoll.LLM's local "
+                                  "or Ray launcher (this launcher runs one job per call)")
         self.layout = resolve_layout(layout, tensor_parallel_size, pipeline_parallel_size,
                                      data_parallel_size, expert_parallel_size,
                                      context_parallel_size).validate(self.config)
@@ -300,9 +305,10 @@ class LLM:
             return getattr(self.launcher, "disaggregates", False)
         return hasattr(self.launcher, "start")
 
-    def start(self, requests=None, *, parallel: ContextOptions | None = None) -> OnlineEngine:
+    def start(self, requests=None, *, parallel: ContextOptions | None = None, link_stats: bool = False) -> OnlineEngine:
         """The living engine, started (ranks spawned, weights loaded) on first use and kept
-        until close(); one whose ranks failed is replaced by a new one."""
+        until close(); one whose ranks failed is replaced by a new one. `link_stats`: the
+        engine counts its bytes by link class, in `engine.links` once closed."""
         if self._engine is not None and self._engine.error is None:
             return self._engine
         if not self.living:
@@ -313,7 +319,8 @@ class LLM:
                                   max_prefill_queue=self.options.disagg_max_prefill_queue)
         else:
             engine = OnlineEngine(engine_spec(self, requests), world_size=self.layout.world_size,
-                                  launcher=self.launcher, parallel=parallel or self.context_options())
+                                  launcher=self.launcher, parallel=parallel or self.context_options(),
+                                  link_stats=link_stats)
         self._engine = engine
         self._finalizer = weakref.finalize(self, engine.close)  # at garbage collection and at exit
         return engine
@@ -324,6 +331,7 @@ class LLM:
         if engine is not None:
             self._finalizer.detach()
             engine.close()
+            self.links = getattr(engine, "links", None)  # bytes by link class, when it counted them
 
     def __enter__(self) -> "LLM":
         return self
@@ -341,15 +349,19 @@ class LLM:
                                                                      on_result=on_result, on_step=on_step))
 
     def generate_requests(self, requests, *, timeout_s: float | None = None, on_result=None, on_step=None,
-                          parallel: ContextOptions | None = None) -> list:
-        """prepare()'s requests run to the end: one result dict per request, in order."""
+                          parallel: ContextOptions | None = None, link_stats: bool = False) -> list:
+        """prepare()'s requests run to the end: one result dict per request, in order. With
+        `link_stats`, the bytes by link class are in `self.links` once the engine closed
+        (a one-shot launcher's job: at once)."""
         if self.living:
-            return run_through(self.start(requests, parallel=parallel), requests, timeout_s=timeout_s, on_result=on_result,
-                               on_step=on_step)
-        if self.prefill_layout is not None:
-            return generate_disagg(self, requests, timeout_s=timeout_s)
-        return self.run(generate_worker, self.layout.world_size, self.spec(requests), requests, timeout_s=timeout_s,
-                        parallel=parallel or self.context_options())[0]
+            engine = self.start(requests, parallel=parallel, link_stats=link_stats)
+            return run_through(engine, requests, timeout_s=timeout_s, on_result=on_result, on_step=on_step)
+        # a launcher that runs one job per call: the same rank loop, fed every request at once
+        job = EngineJob.colocated(self.spec(requests), parallel or self.context_options(), link_stats=link_stats)
+        out = self.run(worker, self.layout.world_size, job, requests=requests, timeout_s=timeout_s)[0]
+        if link_stats:
+            out, self.links = out
+        return out
 
 
 def _device_memory_gib(device: str) -> float | None:

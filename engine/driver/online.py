@@ -1,5 +1,5 @@
 """OnlineEngine: the driver's side of a living engine. Its ranks are started once through a
-launcher's `start` and run engine/rank/loop.py until `close()`; requests are submitted at
+launcher's `start` and run the rank loop (engine/worker.py, engine/rank/loop.py) until `close()`; requests are submitted at
 any time and stream their tokens back as the ranks take them.
 
     engine = OnlineEngine(spec, world_size=2, launcher=LocalLauncher())
@@ -24,8 +24,9 @@ import threading
 import time
 
 from atoll.engine.batch.request import Request
+from atoll.engine.rank.job import EngineJob
 from atoll.engine.rank.run_spec import RunSpec
-from atoll.engine.rank.loop import serve_worker
+from atoll.engine.worker import worker
 from atoll.errors import AtollError, LaunchError
 
 
@@ -34,8 +35,10 @@ class EngineDead(AtollError):
 
 
 class OnlineEngine:
-    def __init__(self, spec: RunSpec, *, world_size: int, launcher, parallel=None, ready_timeout_s: float = 900):
-        self.spec = spec
+    def __init__(self, spec: RunSpec, *, world_size: int, launcher, parallel=None, ready_timeout_s: float = 900,
+                 link_stats: bool = False):
+        self.spec, self.link_stats = spec, link_stats
+        self.links = None  # with link_stats: the run's bytes by link class, once closed (parallel.links)
         self._inbox, self._outbox = launcher.channel(), launcher.channel()
         self.job = self._start(launcher, world_size, parallel)
         self._lock = threading.Lock()
@@ -64,8 +67,8 @@ class OnlineEngine:
 
     def _start(self, launcher, world_size: int, parallel):
         """The ranks' job (a subclass runs other workers)."""
-        return launcher.start(serve_worker, world_size, self.spec, self._inbox, self._outbox, parallel=parallel,
-                              device=self.spec.engine.device)
+        job = EngineJob.colocated(self.spec, parallel, link_stats=self.link_stats)
+        return launcher.start(worker, world_size, job, [self._inbox], self._outbox, device=self.spec.engine.device)
 
     def _ready(self) -> None:
         """Once the ranks are ready, before the pump starts (a subclass sets up its state)."""
@@ -98,6 +101,13 @@ class OnlineEngine:
         with self._lock:
             replica = self._take(request, sink)
         self._inbox.put(("add", request, replica))
+
+    def submit_all(self, pairs: list) -> None:
+        """Queue every (request, sink) of `pairs` as one message: they join the batch at one
+        tick, as a fixed list does, so a run's batches do not hang on how fast it was sent."""
+        with self._lock:
+            adds = [("add", request, self._take(request, sink)) for request, sink in pairs]
+        self._inbox.put(("adds", adds))
 
     def _take(self, request: Request, sink) -> int:
         """Under the lock: refuse when dead or closing, else hold the request's sink and give
@@ -137,11 +147,27 @@ class OnlineEngine:
         try:
             if self.error is None:
                 self.job.wait(timeout_s)
+                self._last_words()
         except AtollError:
             pass
         finally:
             self.job.stop()
             self._fail("the engine was shut down")
+
+    def _last_words(self, timeout_s: float = 10.0) -> None:
+        """What rank 0 sent as it stopped, after the pump ended: the link totals, when counted.
+        Its value can reach the launcher before its last message reaches this channel (each
+        has its own feeder), so a clean stop waits for them."""
+        deadline = time.monotonic() + timeout_s
+        while self.link_stats and self.links is None and time.monotonic() < deadline:
+            try:
+                msg = self._outbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            except (OSError, EOFError, ValueError):
+                return
+            if msg[0] == "links":
+                self.links = msg[1]
 
     _engines = 1  # "ready" messages to wait for: one per engine in the job
 
@@ -173,6 +199,8 @@ class OnlineEngine:
             if msg is not None:
                 if msg[0] == "step":
                     self._deliver(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)
+                elif msg[0] == "links":
+                    self.links = msg[1]
                 else:
                     self._handle(msg)
             if self._closing and msg is None and self._stopped:

@@ -3,7 +3,7 @@
 The text's tokens are cut into windows of `window` tokens (the last, shorter one dropped); each
 window is scored on its own, from an empty cache. The engine returns no prompt logprobs, so a
 rank function (score_worker, run on every rank through LLM.run) builds the ranks' ModelRunner
-as engine/rank/worker.py does and feeds every window one token per step, all windows side by side as
+as engine/worker.py does and feeds every window one token per step, all windows side by side as
 one decode batch (max_num_seqs windows at a time): position t's logits come from a decode step whose attention reads positions
 0..t from the paged cache, so every prediction sees the cache as stored (quantized under
 --kv-cache-dtype: a prefill's own step would attend to its new keys before they are stored).

@@ -8,8 +8,7 @@ Requests join at any tick (`add`) and leave at any tick (`abort`): a waiting or 
 sequence frees its blocks at once; one inside a micro-batch in flight (PP) is ended when that
 micro-batch leaves the pipeline, since its stages still write its cache. Every rank adds and
 aborts the same requests at the same tick (the serving worker broadcasts them), so all agree
-on every micro-batch without communication. `run_requests` (engine/rank/generate.py) drives a
-fixed list to the end; the serving worker (engine/rank/loop.py) feeds it as requests come.
+on every micro-batch without communication. The rank loop (engine/rank/loop.py) feeds it, as requests come or a fixed list at once.
 """
 
 from __future__ import annotations

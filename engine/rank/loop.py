@@ -1,47 +1,106 @@
-"""The living engine's rank loop: every rank builds its stage once, then loops until told to
-stop. Each pass, the engine's rank 0 takes what the driver sent since the last one (requests
+"""The rank loop, the only one: every rank of an engine builds its stage once (engine/worker.py),
+then loops until told to stop. Each pass, the engine's rank 0 takes what its feed holds (requests
 to add, ids to abort, stop) and broadcasts it over the engine's ranks, so every rank adds and
 aborts the same requests at the same tick; every rank runs one tick of its EngineCore; rank 0
-sends the driver the tokens each request took, the requests that ended and the engine's
+sends its outbox the tokens each request took, the requests that ended and the engine's
 counters. With DP each replica's leader knows only its own replica's tokens: they are
 gathered on rank 0 every pass.
 
-When nothing runs anywhere, rank 0 waits for the driver up to IDLE_S before broadcasting, so
-an idle engine costs one small collective per IDLE_S (well inside the collective timeout).
+Two feeds. A living engine's is the driver's channel (`Channel`): when nothing runs anywhere,
+rank 0 waits for the driver up to IDLE_S before broadcasting, so an idle engine costs one
+small collective per IDLE_S (well inside the collective timeout). A one-shot job's is `Batch`:
+a fixed list of requests, each joining at its arrival_step, then stop once every one has ended
+(start, submit everything, drain, close: the living loop, fed all at once).
 
-Messages. Driver -> rank 0 (inbox): ("add", Request, replica), ("abort", index), ("stop",).
-Rank 0 -> driver (outbox): ("ready", info) once the ranks are built, then ("step", tokens,
-finished, stats, engine) whenever a pass produced something or the counters changed: tokens
-[(index, token)], finished [(index, result)], stats {running, waiting, blocks_in_use,
-num_blocks, ...}, engine the loop's name (None for a plain engine).
+Messages. Feed -> rank 0: ("add", Request, replica), ("adds", [add, ...]) (several that join
+at one tick), ("abort", index), ("tick",) (run a tick though nothing is running: a later
+arrival is due), ("stop",). Rank 0 -> outbox: ("ready",
+info) once the ranks are built, then ("step", tokens, finished, stats, engine) whenever a pass
+produced something or the counters changed: tokens [(index, token)], finished [(index,
+result)], stats {running, waiting, blocks_in_use, num_blocks, ...}, engine the loop's name
+(None for a plain engine); with `link_stats`, ("links", bytes by link class summed over the
+engine's ranks) as it stops.
 
-`ServeLoop` is that loop for one engine; a disaggregated job (engine/disagg/live.py) runs
+`ServeLoop` is that loop for one engine; a disaggregated job (engine/disagg/roles.py) runs
 one per engine, each over its own ranks, with hooks for the hand-off between them.
 """
 
 from __future__ import annotations
 
 import queue
+from collections import deque
 
 import torch.distributed as dist
 
+from atoll.engine.batch.request import Request
 from atoll.engine.rank.core import EngineCore
-from atoll.engine.rank.run_spec import RunSpec
-from atoll.engine.rank.runner import ModelRunner
-from atoll.parallel.layout import Layout
-from atoll.parallel.mesh import ContextOptions, ParallelContext
+from atoll.parallel import links
 
 IDLE_S = 0.5
 
 
-def serve_worker(rank: int, world_size: int, spec: RunSpec, inbox, outbox, parallel: ContextOptions | None = None,
-                 device: str = "cpu", node: str | None = None, ranks_here: int | None = None) -> None:
-    layout = Layout.parse(spec.layout)
-    ctx = ParallelContext.create(layout, rank, device, parallel, node=node) if world_size > 1 \
-        else ParallelContext.single(device, parallel)
-    loop = ServeLoop(ModelRunner(spec, ctx, ranks_here=ranks_here), inbox, outbox)
-    loop.ready()
+class Channel:
+    """A living engine's feed: the driver's channel (a queue), read on rank 0."""
+
+    def __init__(self, inbox):
+        self.inbox = inbox
+
+    def take(self, tick: int, busy: bool) -> list:
+        """Every message waiting; when idle, wait up to IDLE_S for the first."""
+        out = []
+        try:
+            out.append(self.inbox.get(timeout=IDLE_S) if not busy else self.inbox.get_nowait())
+            while True:
+                out.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return [c for msg in out for c in (msg[1] if msg[0] == "adds" else [msg])]
+
+
+class Batch:
+    """A one-shot job's feed and outbox on rank 0: `requests`, each added at its arrival_step to
+    replica `replica(k)` (k its position), then ("stop",) once every one has ended. `results`
+    holds them by request index; on_finish(index, result) is called as each ends."""
+
+    def __init__(self, requests: list[Request], replica=lambda k: 0, on_finish=None):
+        order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_step, requests[k].index))
+        self.waiting = deque((requests[k], replica(k)) for k in order)
+        self.open = len(requests)
+        self.results: dict[int, dict] = {}
+        self.on_finish = on_finish
+
+    def take(self, tick: int, busy: bool) -> list:
+        if not self.open:
+            return [("stop",)]
+        out = []
+        while self.waiting and self.waiting[0][0].arrival_step <= tick:
+            req, replica = self.waiting.popleft()
+            out.append(("add", req, replica))
+        if self.waiting:
+            out.append(("tick",))  # a later arrival: the clock runs on while nothing else does
+        return out
+
+    def put(self, msg) -> None:
+        if msg[0] != "step":
+            return
+        for index, result in msg[2]:
+            self.results[index] = result
+            self.open -= 1
+            if self.on_finish is not None:
+                self.on_finish(index, result)
+
+
+def run_batch(runner, requests: list[Request], *, pipelined: bool = True) -> list[dict]:
+    """`requests` through an already built runner's rank loop, every one on this rank's own
+    replica, until all have ended; one result per request, in order, on every rank of the
+    replica (every rank runs it in lock step with the same list). For tools that time or
+    inspect a stage in place (bench, calibrate, tests); jobs start engine/worker.py."""
+    if runner.ctx.layout.dp > 1:
+        raise ValueError("run_batch runs one replica's requests; a DP job's requests go through engine.worker")
+    feed = Batch(requests, lambda k: runner.ctx.coords.dp)
+    loop = ServeLoop(runner, feed, feed, pipelined=pipelined)
     loop.run()
+    return [loop.core.results[r.index] for r in requests]
 
 
 class ServeLoop:
@@ -52,12 +111,16 @@ class ServeLoop:
     reported to the driver (default: all)."""
 
     def __init__(self, runner, inbox, outbox, *, on_token=None, inbox_hook=None, command=None, forward=None,
-                 name: str | None = None, cache_events: bool = False):
+                 name: str | None = None, cache_events: bool = False, pipelined: bool = True,
+                 link_stats: bool = False):
         self.runner, self.ctx, self.name = runner, runner.ctx, name
-        self.inbox, self.outbox = inbox, outbox
+        # the feed: a Batch, or the driver's channel (None on ranks but 0, which never read it)
+        self.feed = inbox if inbox is None or hasattr(inbox, "take") else Channel(inbox)
+        self.outbox = outbox
         self.finished: list = []
         self.core = EngineCore(runner, on_finish=lambda index, result: self.finished.append((index, result)),
-                               on_token=on_token, inbox=inbox_hook)
+                               on_token=on_token, inbox=inbox_hook, pipelined=pipelined)
+        self.link_stats = link_stats  # count the run's bytes by link class (parallel.links), sent as it stops
         self.command, self.forward = command, forward
         self.leader = self.ctx.coords.tp == 0 and self.ctx.is_first_stage  # holds its replica's tokens
         self.group = self.ctx.world  # this engine's ranks
@@ -81,13 +144,15 @@ class ServeLoop:
 
     def run(self) -> None:
         core, last = self.core, None
+        if self.link_stats:
+            links.reset(self.ctx, self.runner.model)  # the run's own traffic, not the warm-up's
         self.runner.start_run()
         while True:
-            commands = _take(self.inbox, wait=not core.busy) if self.first else None
+            commands = self.feed.take(core.tick, core.busy) if self.first else None
             commands = self._broadcast(commands)
             if self._apply(commands):
                 break
-            core.step()
+            core.step(more=any(c[0] == "tick" for c in commands))
             finished = [(i, r) for i, r in self.finished if self.forward is None or self.forward(i, r)]
             self.finished.clear()
             mine = (core.drain(), finished, self._stats()) if self.leader else ([], [], None)
@@ -100,6 +165,21 @@ class ServeLoop:
                     self.outbox.put(("step", tokens, done, stats, self.name))
                     last = stats
         self.runner.end_run()
+        # every block is back once every request ended; named ones stay cached (evictable)
+        self.runner.stats |= {"blocks_held": core.blocks_in_use(), "blocks_cached": core.cached_blocks()}
+        if self.link_stats:
+            self._send_links()
+
+    def _send_links(self) -> None:
+        """Every rank's bytes by link class, summed on rank 0 and sent to the outbox."""
+        counted = links.rank_bytes(self.ctx, self.runner.model, compiled=self.runner.decode_step is not None)
+        g = self.group
+        parts = [counted]
+        if g.size > 1:
+            parts = [None] * g.size if self.first else None
+            dist.gather_object(counted, parts, dst=g.ranks[0], group=g.pg)
+        if self.first:
+            self.outbox.put(("links", links.total(parts)))
 
     def _stats(self) -> dict:
         """This replica's counters, and its cache events since the last step when asked for."""
@@ -125,6 +205,8 @@ class ServeLoop:
                     self.command(cmd)
             elif cmd[0] == "stop":
                 return True
+            elif cmd[0] == "tick":
+                pass
             elif self.command is not None:
                 self.command(cmd)
         return False
@@ -146,18 +228,6 @@ class ServeLoop:
         parts = [None] * g.size if self.first else None
         dist.gather_object(mine, parts, dst=g.ranks[0], group=g.pg)
         return parts if self.first else []
-
-
-def _take(inbox, *, wait: bool) -> list:
-    """Every message waiting in the inbox; when `wait`, block up to IDLE_S for the first."""
-    out = []
-    try:
-        out.append(inbox.get(timeout=IDLE_S) if wait else inbox.get_nowait())
-        while True:
-            out.append(inbox.get_nowait())
-    except queue.Empty:
-        pass
-    return out
 
 
 def _stats(core: EngineCore) -> dict:

@@ -1,6 +1,7 @@
-"""The ranks of a living disaggregated engine: one job of X prefill engines of one layout, then
+"""The prefill and decode roles of a disaggregated job: X prefill engines of one layout, then
 Y decode engines of another (xPyD; parallel.parts lays the engines' ranks one after another),
-each running its own ServeLoop over its own ranks. The driver is engine/driver/disagg.py.
+each running its own rank loop (engine.rank.loop) over its own ranks, with these hooks for
+the hand-off between them. engine/worker.py starts them; the driver is engine/driver/disagg.py.
 
 Hand-off, per request routed to the prefill engine:
 1. The driver adds it to a prefill engine with max_tokens 1, naming the decode engine and its
@@ -30,41 +31,12 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from atoll.comm.group import Group
 from atoll.engine.disagg import transfer as kv_transfer
-from atoll.engine.rank.run_spec import RunSpec
-from atoll.engine.rank.runner import ModelRunner
 from atoll.engine.sample.sampler import SamplerState
 from atoll.engine.batch.scheduler import Sequence
 from atoll.engine.rank.loop import ServeLoop
 from atoll.parallel.layout import Layout
-from atoll.parallel.mesh import ContextOptions
-from atoll.parallel.parts import bases, create_part
-
-
-@dataclass(frozen=True)
-class LiveJob:
-    """What every rank of a living disaggregated job gets; picklable."""
-    prefill: RunSpec
-    decode: RunSpec
-    options: ContextOptions | None = None
-    prefill_replicas: int = 1  # X prefill engines of prefill.layout, job ranks first
-    decode_replicas: int = 1  # Y decode engines of decode.layout, after them
-
-    @property
-    def layouts(self) -> list[Layout]:
-        """Every engine's layout, in job rank order: X prefill engines, then Y decode engines."""
-        return ([Layout.parse(self.prefill.layout)] * self.prefill_replicas
-                + [Layout.parse(self.decode.layout)] * self.decode_replicas)
-
-    def name(self, engine: int) -> str:
-        """Job engine `engine`'s label: "prefill engine", "decode engine" (one of its kind) or
-        "prefill engine 1", "decode engine 0"."""
-        x = self.prefill_replicas
-        kind, k, n = ("prefill", engine, x) if engine < x else ("decode", engine - x, self.decode_replicas)
-        return f"{kind} engine" if n == 1 else f"{kind} engine {k}"
 
 
 @dataclass(frozen=True)
@@ -80,26 +52,7 @@ class Header:
     rng: bytes | None = None  # the generator's state after the first token
 
 
-def disagg_serve_worker(rank: int, world_size: int, job: LiveJob, inboxes: list, outbox, device: str = "cpu",
-                        node: str | None = None, ranks_here: int | None = None) -> None:
-    """inboxes: one per engine, in the job's order (the driver's commands to its rank 0)."""
-    layouts = job.layouts
-    engine, ctx = create_part(layouts, rank, device, job.options)
-    world = Group(dist.group.WORLD, range(world_size), rank, "job", device)
-    x = job.prefill_replicas
-    runner = ModelRunner(job.decode if engine >= x else job.prefill, ctx, ranks_here=ranks_here)
-    if engine < x:
-        loop = _prefill_loop(runner, world, inboxes[engine], outbox, engine, layouts[x:], bases(layouts)[x:])
-    else:
-        loop = _decode_loop(runner, world, inboxes[engine], outbox, engine - x, layouts[:x], bases(layouts)[:x])
-    loop.name = job.name(engine)
-    loop.ready()
-    loop.run()
-    if loop.first:
-        outbox.put(("stopped", engine))
-
-
-def _prefill_loop(runner, world, inbox, outbox, me: int, decodes: list[Layout], decode_bases: list[int]) -> ServeLoop:
+def prefill_loop(runner, world, inbox, outbox, me: int, decodes: list[Layout], decode_bases: list[int]) -> ServeLoop:
     ctx = runner.ctx
     messages = {(j, d): kv_transfer.plan(runner.config, ctx.layout, lay, d)
                 for j, lay in enumerate(decodes) for d in range(lay.dp)}
@@ -212,7 +165,7 @@ class Handoffs:
             self.core.abort(index)
 
 
-def _decode_loop(runner, world, inbox, outbox, me: int, prefills: list[Layout], prefill_bases: list[int]) -> ServeLoop:
+def decode_loop(runner, world, inbox, outbox, me: int, prefills: list[Layout], prefill_bases: list[int]) -> ServeLoop:
     handoffs = Handoffs(runner, world, prefills, prefill_bases, outbox)
     loop = ServeLoop(runner, inbox, outbox, inbox_hook=handoffs, command=handoffs.command, cache_events=True)
     handoffs.core = loop.core
