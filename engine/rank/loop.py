@@ -90,17 +90,20 @@ class Batch:
                 self.on_finish(index, result)
 
 
-def run_batch(runner, requests: list[Request], *, pipelined: bool = True) -> list[dict]:
-    """`requests` through an already built runner's rank loop, every one on this rank's own
-    replica, until all have ended; one result per request, in order, on every rank of the
-    replica (every rank runs it in lock step with the same list). For tools that time or
-    inspect a stage in place (bench, calibrate, tests); jobs start engine/worker.py."""
-    if runner.ctx.layout.dp > 1:
-        raise ValueError("run_batch runs one replica's requests; a DP job's requests go through engine.worker")
-    feed = Batch(requests, lambda k: runner.ctx.coords.dp)
+def run_batch(runner, requests: list[Request], *, pipelined: bool = True) -> list:
+    """`requests` through an already built runner's rank loop until all have ended, every rank
+    given the same list (in lock step). One replica: one result per request, in order, on
+    every rank. With DP the requests go to the replicas in turn: the engine's rank 0 returns
+    every result in order, the other ranks their own replica's (None for the others). For
+    tools that time or inspect a stage in place (bench, calibrate, tests); jobs start
+    engine/worker.py."""
+    dp = runner.ctx.layout.dp
+    feed = Batch(requests, (lambda k: k % dp) if dp > 1 else (lambda k: runner.ctx.coords.dp))
     loop = ServeLoop(runner, feed, feed, pipelined=pipelined)
     loop.run()
-    return [loop.core.results[r.index] for r in requests]
+    if dp > 1 and loop.first:
+        return [feed.results[r.index] for r in requests]
+    return [loop.core.results.get(r.index) for r in requests]
 
 
 class ServeLoop:
