@@ -14,6 +14,7 @@ from atoll.engine.disagg.roles import decode_loop, prefill_loop
 from atoll.engine.rank.job import EngineJob
 from atoll.engine.rank.loop import Batch, ServeLoop
 from atoll.engine.rank.runner import ModelRunner
+from atoll.kernels import backend
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext
 from atoll.parallel.parts import bases, create_part
@@ -28,14 +29,16 @@ def worker(rank: int, world_size: int, job: EngineJob, inboxes=None, outbox=None
     under torchrun). One-shot (colocated only): `requests` instead, every rank the same list;
     they go to the DP replicas in turn, and rank 0 returns their results in order (with
     job.link_stats, (results, bytes by link class over every rank)); the other ranks None.
-    `device`, `node` and `ranks_here` come from the launcher (launch.device.call_rank)."""
-    if requests is not None:
-        return _one_shot(rank, world_size, job, requests, device, node, ranks_here)
-    engine, loop = _build(rank, world_size, job, inboxes, outbox, device, node, ranks_here)
-    loop.ready()
-    loop.run()
-    if loop.first and job.roles[engine] != "colocated":
-        outbox.put(("stopped", engine))
+    `device`, `node` and `ranks_here` come from the launcher (launch.device.call_rank). The
+    job's kernel path (its config's `kernels`) holds for this call only (kernels.backend.using)."""
+    with backend.using(job.kernels):
+        if requests is not None:
+            return _one_shot(rank, world_size, job, requests, device, node, ranks_here)
+        engine, loop = _build(rank, world_size, job, inboxes, outbox, device, node, ranks_here)
+        loop.ready()
+        loop.run()
+        if loop.first and job.roles[engine] != "colocated":
+            outbox.put(("stopped", engine))
 
 
 def _build(rank, world_size, job: EngineJob, inboxes, outbox, device, node, ranks_here) -> tuple[int, ServeLoop]:

@@ -3,12 +3,12 @@
     auto    (default) Triton when every tensor is on CUDA and triton imports
     torch   always the torch reference (kernels off)
     triton  always Triton; on CPU tensors that needs Triton's interpreter,
-            TRITON_INTERPRET=1 set before triton is first imported (interpreter()
-            below does that for tests)
+            TRITON_INTERPRET=1 in the environment before triton is first imported
+            (interpreter() below checks it, for tests)
 
-The mode is the config's `kernels` field (--kernels, LLM(kernels=...), env ATOLL_KERNELS): a
-rank's runner sets it once with `configure` before its model runs; `using(mode)` sets it for
-a block (tests, benchmarks).
+The mode is the config's `kernels` field (--kernels, LLM(kernels=...), env ATOLL_KERNELS),
+set only for a block with `using(mode)`: a rank runs its job inside using(its spec's kernels)
+(engine/worker.py), tests and benchmarks their own blocks; outside any block it is "auto".
 triton is imported only when the Triton path is taken, so `import atoll.kernels` works
 without it.
 """
@@ -41,8 +41,7 @@ def mode() -> str:
     return _mode
 
 
-def configure(value: str) -> None:
-    """Set this process's kernel mode (the config's `kernels`)."""
+def _set(value: str) -> None:
     global _mode
     if value not in MODES:
         raise KernelError(f"kernels={value!r} is not one of {', '.join(MODES)}")
@@ -51,13 +50,14 @@ def configure(value: str) -> None:
 
 @contextlib.contextmanager
 def using(value: str):
-    """The kernel mode `value` inside this block, the previous one after it."""
+    """The kernel mode `value` (the config's `kernels`) inside this block, the previous one
+    after it."""
     saved = _mode
-    configure(value)
+    _set(value)
     try:
         yield
     finally:
-        configure(saved)
+        _set(saved)
 
 
 @functools.cache
@@ -122,15 +122,18 @@ def _sync_modules() -> None:
 def interpreter():
     """Inside this block kernel calls take the Triton path on CPU tensors, run by Triton's
     interpreter: how tests check the kernels (and a model's parity with the kernels forced on)
-    on a machine without a GPU. It sets TRITON_INTERPRET=1 for the rest of the process (triton
-    cannot switch back once imported) and the kernel mode triton until the block ends.
+    on a machine without a GPU. The process must have started with TRITON_INTERPRET=1 in its
+    environment (triton fixes the mode at its first import and cannot switch); the kernel mode
+    is triton until the block ends.
 
-    Raises KernelError if triton was already imported in this process without the interpreter;
-    then run in a fresh process with TRITON_INTERPRET=1 set from the start."""
+    Raises KernelError, naming what to do, when TRITON_INTERPRET=1 is not set or triton was
+    imported without it."""
+    if not interpreting():
+        raise KernelError("Triton's interpreter needs TRITON_INTERPRET=1 in the environment the process "
+                          "started with (e.g. TRITON_INTERPRET=1 atoll bench kernels --smoke)")
     if triton_interpreted() is False:
         raise KernelError("triton was imported in this process before TRITON_INTERPRET=1 was set; "
                           "start a fresh process with TRITON_INTERPRET=1 in its environment")
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import, which fixes the mode
     if not triton_available():
         raise KernelError("Triton's interpreter needs triton: pip install triton")
     _sync_modules()

@@ -9,8 +9,8 @@ back over ep.
 
 Dispatch: island-first (the Dispatcher's hierarchical path, on the context's rail and
 ep_island subgroups) when the ep group spans more than one island, flat inside one;
-the run's config (ctx.options.engine) may force "flat" or "hierarchical" (dispatch), and its
-moe_capacity_factor caps each expert's rows (None: dropless). Keywords given to SparseMoE win over the context's.
+the run's config (the `engine` a model passes its MoE layers) may force "flat" or "hierarchical" (dispatch), and its
+moe_capacity_factor caps each expert's rows (None: dropless). Keywords given to SparseMoE win over engine's.
 
 Exchange. Decode-sized steps skip the all_to_all for comm.exchange.gather_combine, whose
 shapes are fixed (the all_to_all reads split sizes on the host): each ep rank runs its
@@ -129,10 +129,12 @@ class Experts(nn.Module):
         return torch.einsum("nl,lnh->nh", coef, y.float()).to(rows.dtype)
 
 
-def make_dispatcher(ctx, num_experts: int, *, islands=None, hierarchical: bool | None = None,
-                    capacity_factor: float | None = None, grouped: bool = True) -> Dispatcher:
-    """The Dispatcher over ctx.ep, island-first when its ep group spans islands (see above)."""
-    engine = _engine(ctx)
+def make_dispatcher(ctx, num_experts: int, *, engine: EngineConfig | None = None, islands=None,
+                    hierarchical: bool | None = None, capacity_factor: float | None = None,
+                    grouped: bool = True) -> Dispatcher:
+    """The Dispatcher over ctx.ep, island-first when its ep group spans islands (see above);
+    `engine` the run's switches (dispatch, moe_capacity_factor; None: the defaults)."""
+    engine = engine or EngineConfig()
     mode = engine.dispatch
     if capacity_factor is None:
         capacity_factor = engine.moe_capacity_factor
@@ -153,20 +155,14 @@ def make_dispatcher(ctx, num_experts: int, *, islands=None, hierarchical: bool |
 EXCHANGES = MOE_EXCHANGES
 
 
-def _engine(ctx) -> EngineConfig:
-    """The run's EngineConfig, from ctx.options (a detached or hand-made ctx: the defaults)."""
-    options = getattr(ctx, "options", None)
-    return getattr(options, "engine", None) or EngineConfig()
-
-
 class SparseMoE(nn.Module):
     """Routed experts, plus optional shared experts: Qwen2-MoE's `shared_expert` scaled by
     sigmoid(shared_expert_gate(x)), or DeepSeek-V3's always-on `shared_experts`."""
 
     def __init__(self, *, hidden: int, inter: int, router: Router, ctx, dtype=None,
                  shared: nn.Module | None = None, shared_gate: nn.Module | None = None,
-                 islands=None, hierarchical: bool | None = None, capacity_factor: float | None = None,
-                 exchange: str | None = None):
+                 engine: EngineConfig | None = None, islands=None, hierarchical: bool | None = None,
+                 capacity_factor: float | None = None, exchange: str | None = None):
         super().__init__()
         self.ctx = ctx
         self.shared_name = "shared_expert" if shared_gate is not None else "shared_experts"
@@ -175,11 +171,12 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = shared_gate
         self.gate = router
         # arrival order: the experts take each row's expert id, so rows need no sort by expert
-        self.dispatcher = make_dispatcher(ctx, router.num_experts, islands=islands, hierarchical=hierarchical,
+        engine = engine or EngineConfig()
+        self.dispatcher = make_dispatcher(ctx, router.num_experts, engine=engine, islands=islands,
+                                          hierarchical=hierarchical,
                                           capacity_factor=capacity_factor, grouped=False)
         self.experts = Experts(self.dispatcher.local_experts, hidden, inter, ctx.moe_tp, dtype=dtype)
         self.direct = ctx.layout.tp == ctx.layout.moe_tp
-        engine = _engine(ctx)
         self.exchange = engine.moe_exchange if exchange is None else exchange
         if self.exchange not in EXCHANGES:
             raise ConfigError(f"exchange={self.exchange!r} is not one of {', '.join(EXCHANGES)}")

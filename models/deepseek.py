@@ -56,14 +56,13 @@ class DeepseekForCausalLM(MoeForCausalLM):
     """DeepseekV3ForCausalLM / DeepseekV2ForCausalLM; forward and checkpoint naming are the MoE
     families' (each layer gets its latent cache, and None for the values a keys-only cache lacks)."""
 
-    def __init__(self, cfg: ModelConfig, ctx, *, dtype=torch.float32, dispatch_options=None):
+    def __init__(self, cfg: ModelConfig, ctx, *, dtype=torch.float32, engine=None):
         nn.Module.__init__(self)
         self.config, self.ctx = cfg, ctx
-        options = dispatch_options or {}
 
         def make_mlp(i):
             if cfg.is_moe_layer(i):
-                return make_moe(cfg, ctx, dtype, **options)
+                return make_moe(cfg, ctx, dtype, engine)
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.tp, dtype=dtype)
 
         start, end = stage_layers(cfg, ctx.layout.pp)[ctx.coords.pp]

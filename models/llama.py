@@ -4,13 +4,15 @@ only; module names mirror transformers' so checkpoint names map one to one."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from atoll.layers.attention import AttentionMetadata, attend, write_cache
 from atoll.layers.context_parallel import CpShards
 from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from atoll.layers.linear import QKVParallelLinear, RowParallelLinear
+from atoll.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from atoll.layers.mlp import GatedMLP
 from atoll.layers.norm import RMSNorm
 from atoll.layers.prefill import fresh_prefill
@@ -18,6 +20,9 @@ from atoll.layers.rotary import RotaryEmbedding
 from atoll.models.config import ModelConfig
 from atoll.parallel.mesh import ParallelContext
 from atoll.parallel.pipeline import stage_layers
+
+# the layers whose weight goes through layers.packed.linear
+LINEAR_KINDS = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)
 
 _STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -132,6 +137,24 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_local_layers(self) -> int:
         return self.model.end - self.model.start
+
+    def step_layers(self) -> list[nn.Module]:
+        """The stage's decoder layers, which a compiled decode step may capture one graph a
+        layer kind: each takes forward(x, residual, meta, k_cache, v_cache) and returns the
+        next (x, residual), as LlamaDecoderLayer does. A model whose layers do not keep that
+        contract returns [] (the whole stage is then one graph)."""
+        return list(self.model.layers.values())
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights this stage's linear layers multiply by (through layers.packed.linear):
+        what the decode step may pack for oneDNN or MKL."""
+        return [m.weight for m in self.modules() if isinstance(m, LINEAR_KINDS)]
+
+    @contextmanager
+    def static_exchange(self):
+        """Steps run inside take each MoE layer's fixed-shape exchange (a CUDA graph's step:
+        no host read of a device value); a dense model has none."""
+        yield self
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:
         """x: token ids [tokens] on the first stage, else hidden [tokens, hidden].

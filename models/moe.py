@@ -5,9 +5,11 @@ SparseMoE, dense layers (Qwen2-MoE's mlp_only_layers) keep a GatedMLP."""
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack, contextmanager
 
 import torch
 
+from atoll.config.engine import EngineConfig
 from atoll.layers.linear import ReplicatedLinear
 from atoll.layers.mlp import GatedMLP
 from atoll.layers.moe import SparseMoE
@@ -48,26 +50,35 @@ def make_router(cfg: ModelConfig, dtype) -> Router:
                   topk_group=cfg.topk_group, scaling=cfg.routed_scaling_factor, dtype=dtype)
 
 
-def make_moe(cfg: ModelConfig, ctx, dtype, **dispatch_options) -> SparseMoE:
+def make_moe(cfg: ModelConfig, ctx, dtype, engine: EngineConfig | None = None) -> SparseMoE:
     shared = shared_gate = None
     if cfg.shared_expert_intermediate_size:
         shared = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, ctx.tp, dtype=dtype)
         if cfg.model_type == "qwen2_moe":
             shared_gate = ReplicatedLinear(cfg.hidden_size, 1, dtype=dtype)
     return SparseMoE(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, router=make_router(cfg, dtype),
-                     ctx=ctx, dtype=dtype, shared=shared, shared_gate=shared_gate, **dispatch_options)
+                     ctx=ctx, dtype=dtype, shared=shared, shared_gate=shared_gate, engine=engine)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, ctx, *, dtype=torch.float32, dispatch_options=None):
-        options = dispatch_options or {}
+    def __init__(self, cfg: ModelConfig, ctx, *, dtype=torch.float32, engine: EngineConfig | None = None):
+        """engine: the run's switches its MoE layers take (dispatch, exchange; None: the defaults)."""
 
         def make_mlp(i):
             if cfg.is_moe_layer(i):
-                return make_moe(cfg, ctx, dtype, **options)
+                return make_moe(cfg, ctx, dtype, engine)
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.tp, dtype=dtype)
 
         super().__init__(cfg, ctx, dtype=dtype, make_mlp=make_mlp)
+
+    @contextmanager
+    def static_exchange(self):
+        """Steps run inside take each MoE layer's fixed-shape exchange (SparseMoE.static_exchange)."""
+        with ExitStack() as stack:
+            for m in self.modules():
+                if isinstance(m, SparseMoE):
+                    stack.enter_context(m.static_exchange())
+            yield self
 
     def checkpoint_targets(self, name: str):
         return moe_targets(name, tied=self.config.tie_word_embeddings)

@@ -55,10 +55,10 @@ class DeepseekMTP(DeepseekDecoderLayer):
     """The first MTP layer (model.layers.{num_hidden_layers}), the decoder block's modules at
     the top level so parameter names are the checkpoint's after the layer prefix."""
 
-    def __init__(self, cfg: ModelConfig, ctx, *, dtype=torch.float32):
+    def __init__(self, cfg: ModelConfig, ctx, *, dtype=torch.float32, engine=None):
         index = cfg.num_hidden_layers
         if cfg.is_moe_layer(index):
-            mlp = make_moe(cfg, ctx, dtype)
+            mlp = make_moe(cfg, ctx, dtype, engine)
         else:
             mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.tp, dtype=dtype)
         super().__init__(cfg, ctx, mla_rotary(cfg), dtype, mlp)

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from atoll.comm.group import Group
-from atoll.config import EngineConfig
 from atoll.parallel.layout import Layout
 
 KINDS = ("tp", "dp", "cp", "pp", "ep", "moe_tp", "stage", "world", "ep_island", "ep_rail")
@@ -36,11 +35,9 @@ KINDS = ("tp", "dp", "cp", "pp", "ep", "moe_tp", "stage", "world", "ep_island", 
 class ContextOptions:
     """What a worker needs besides the layout to make its ParallelContext; picklable.
     islands: rank -> island id (None: the ranks of one node form one island); nodes: rank ->
-    node id (None: one per node); engine: the run's EngineConfig, whose MoE switches (dispatch,
-    moe_capacity_factor, moe_exchange, moe_gather_rows) the layers read from ctx.options."""
+    node id (None: one per node)."""
     islands: tuple[int, ...] | None = None
     nodes: tuple[int, ...] | None = None
-    engine: EngineConfig = EngineConfig()
 
     def __post_init__(self):
         for name in ("islands", "nodes"):

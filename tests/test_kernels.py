@@ -97,7 +97,8 @@ def test_mode_torch_forces_reference():
 
 def test_bad_env_value_and_cpu_without_interpreter_are_clear_errors(monkeypatch):
     with pytest.raises(KernelError, match="kernels='cuda' is not one of auto, torch, triton"):
-        backend.configure("cuda")
+        with backend.using("cuda"):
+            pass
     with pytest.raises(InputError, match="kernels 'cuda' is not one of auto, torch, triton"):
         resolve(environ={"ATOLL_KERNELS": "cuda"})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -69,12 +69,19 @@ def test_tuning_packs_the_shapes_measured_faster(monkeypatch, margin, expect):
     assert torch.equal(packed.linear(long, a, bias), F.linear(long, a, bias))
 
 
+class _Stage(torch.nn.Sequential):
+    """A one-layer stage that names its linear weights, as a model does (linear_weights)."""
+
+    def linear_weights(self):
+        return [self[0].weight]
+
+
 def _runner(**engine):
     from atoll.config import EngineConfig
     from atoll.layers.linear import ReplicatedLinear
 
     layer = ReplicatedLinear(40, 96)
-    model = torch.nn.Sequential(layer)
+    model = _Stage(layer)
     spec = SimpleNamespace(engine=EngineConfig(**engine), cache_seqs=4, decode_steps=None)
     return SimpleNamespace(spec=spec, model=model, device=torch.device("cpu"), ranks_here=1, spec_k=None,
                            ctx=SimpleNamespace(rank=0)), layer.weight

@@ -274,7 +274,7 @@ class LLM:
     def context_options(self, islands=None, nodes=None):
         """What each rank's ParallelContext needs besides the layout: islands and nodes (rank ->
         island id, node id; None: one per host) and the MoE dispatch options."""
-        return ContextOptions(islands=islands, nodes=nodes, engine=self.options)
+        return ContextOptions(islands=islands, nodes=nodes)
 
     def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
         """One RequestOutput per request: prompts[k], requests[k] and results[k] belong together."""

@@ -22,6 +22,7 @@ import math
 import torch
 
 from atoll.errors import InputError
+from atoll.kernels import backend
 
 DEFAULT_TEXT = "torch's README (the long description in torch's installed METADATA)"
 
@@ -71,8 +72,9 @@ def score_worker(rank: int, world_size: int, spec, wins: list[list[int]], parall
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device, parallel, node=node) if world_size > 1 \
         else ParallelContext.single(device, parallel)
-    runner = ModelRunner(spec, ctx, ranks_here=ranks_here)
-    return score(runner, wins)
+    with backend.using(spec.engine.kernels):  # the run's kernel path, for this call only
+        runner = ModelRunner(spec, ctx, ranks_here=ranks_here)
+        return score(runner, wins)
 
 
 def score(runner, wins: list[list[int]]) -> Scores | None:

@@ -17,7 +17,7 @@ ROLES = ("colocated", "prefill", "decode")
 class EngineJob:
     specs: tuple[RunSpec, ...]  # one per engine, in job rank order
     roles: tuple[str, ...]  # each engine's role: "colocated" (alone), or "prefill" engines then "decode" ones
-    options: ContextOptions | None = None  # islands, nodes and the MoE dispatch options
+    options: ContextOptions | None = None  # islands and nodes
     link_stats: bool = False  # count each engine's bytes by link class (parallel.links), sent as it stops
 
     def __post_init__(self):
@@ -28,6 +28,8 @@ class EngineJob:
             raise ValueError(f"unknown engine role {bad[0]!r}: one of {', '.join(ROLES)}")
         if "colocated" in self.roles and len(self.roles) > 1:
             raise ValueError("a colocated engine runs alone in its job")
+        if len({s.engine.kernels for s in self.specs}) > 1:
+            raise ValueError("the engines of one job take one kernel path (their configs' kernels differ)")
 
     @classmethod
     def colocated(cls, spec: RunSpec, options: ContextOptions | None = None, *, link_stats: bool = False):
@@ -38,6 +40,11 @@ class EngineJob:
                       prefill_replicas: int = 1, decode_replicas: int = 1):
         return cls((prefill,) * prefill_replicas + (decode,) * decode_replicas,
                    ("prefill",) * prefill_replicas + ("decode",) * decode_replicas, options)
+
+    @property
+    def kernels(self) -> str:
+        """The job's kernel path (kernels.backend), its engines' configs' `kernels`."""
+        return self.specs[0].engine.kernels
 
     @property
     def layouts(self) -> list[Layout]:

@@ -3,7 +3,6 @@ micro-batches in flight one stage on and hands sampled tokens to every rank."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -14,7 +13,6 @@ from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.rank.tuning import packer_for, tune_eager
 from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.engine.step import policy as step_policy
-from atoll.kernels import backend
 from atoll.models import ModelConfig, build_model
 from atoll.models import quantize
 from atoll.models.checkpoint import Checkpoint, load_weights
@@ -25,13 +23,10 @@ class ModelRunner:
     def __init__(self, spec: RunSpec, ctx: ParallelContext, *, ranks_here: int | None = None):
         """ranks_here: ranks sharing this machine's memory (the launcher says; default the layout's)."""
         self.spec, self.ctx = spec, ctx
-        # the layers read the run's switches from ctx.options.engine: the spec's config is the one
-        ctx.options = dataclasses.replace(ctx.options, engine=spec.engine)
         self.device = ctx.device
-        backend.configure(spec.engine.kernels)  # this rank's kernel path (kernels.backend)
         self.config = ModelConfig.load(spec.model_dir)
         self.dtype = resolve_dtype(spec.engine.dtype, self.config, self.device)
-        self.model = build_model(self.config, ctx, dtype=self.dtype, device=self.device).eval()
+        self.model = build_model(self.config, ctx, dtype=self.dtype, device=self.device, engine=spec.engine).eval()
         self.checkpoint = Checkpoint(spec.model_dir)
         quantize.prepare(self.model, spec.engine.quantization, self.checkpoint)  # fp8 weights made before they are read
         # each slice goes to the device as it is read; every rank checks that some rank read each tensor

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 import time
 
-from atoll.engine.step.compiled import linear_weights
 from atoll.engine.step.memory import copy_fits
 from atoll.layers import packed
 
@@ -19,7 +18,7 @@ def tune_eager(runner) -> bool:
     of the weights fits as for the compiled step. Rank 0 says what it chose. Returns whether
     it tuned (a job too short to repay the tuning is not tuned)."""
     eng = runner.spec.engine
-    weights = linear_weights(runner.model)
+    weights = runner.model.linear_weights()
     if eng.enforce_eager or not eng.compile_freezing or runner.device.type != "cpu":
         return False
     steps = runner.spec.decode_steps
@@ -44,7 +43,7 @@ def packer_for(model, ranks_here: int, enabled: bool):
     mkl_pack asks for them, or None: also when
     the second copy of the weights would take more than a quarter of this machine's free
     memory, shared by its ranks."""
-    weights = linear_weights(model)
+    weights = model.linear_weights()
     if not enabled or not packed.mkl_can_pack() or not weights or weights[0].device.type != "cpu":
         return None
     if not copy_fits(sum(w.numel() * w.element_size() for w in weights), ranks_here):

@@ -36,7 +36,8 @@ class DraftModelDrafter(Drafter):
         super().__init__(cfg, max_model_len=max_model_len)
         self.runner = runner
         config = ModelConfig.load(cfg.model)
-        self.model = build_model(config, runner.ctx, dtype=runner.dtype, device=runner.device).eval()
+        self.model = build_model(config, runner.ctx, dtype=runner.dtype, device=runner.device,
+                                 engine=runner.spec.engine).eval()
         load_weights(self.model, Checkpoint(cfg.model), world=runner.ctx.world)
         self.cache = runner.new_cache(runner.num_blocks + 1, config=config, layers=self.model.num_local_layers)
 

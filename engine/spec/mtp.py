@@ -71,7 +71,7 @@ class MtpDrafter(Drafter):
         check_mtp(runner.spec.model_dir, runner.config)
         self.runner = runner
         with torch.device(runner.device):
-            self.mtp = DeepseekMTP(runner.config, runner.ctx, dtype=runner.dtype).eval()
+            self.mtp = DeepseekMTP(runner.config, runner.ctx, dtype=runner.dtype, engine=runner.spec.engine).eval()
         load_weights(self.mtp, runner.checkpoint)  # every MTP parameter filled, else one line naming the tensor
         self.cache = runner.new_cache(runner.num_blocks + 1, layers=1)
         self.embed = runner.model.model.embed_tokens  # shared with the target

@@ -55,13 +55,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from functools import partial
 
 import torch
 
 from atoll.engine.step.decode_step import DecodeStep, block_bucket
-from atoll.models.llama import LlamaDecoderLayer
 
 # one sequence runs padded to two: dynamo would specialise a dimension of size 1 (a second
 # graph); at two rows it shares the symbolic one
@@ -86,21 +85,15 @@ def inductor_cache_dir(cache_path) -> str | None:
     return str(cache_path / "inductor")
 
 
-@contextmanager
-def _scoped_env(name: str, value: str | None):
-    """os.environ[name] = value inside the block (nothing when value is None), restored after."""
-    if value is None:
-        yield
-        return
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+def _cache_dir_for(cache_dir: str | None, first: bool):
+    """Inductor's cache at `cache_dir` for a bucket's first call, the one that compiles its
+    graphs (torch's own scoped setting, cache_dir_utils.temporary_cache_dir); nothing when
+    cache_dir is None (the user's TORCHINDUCTOR_CACHE_DIR holds) or the graphs exist."""
+    if cache_dir is None or not first:
+        return nullcontext()
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    return temporary_cache_dir(cache_dir)
 
 
 class Bucket:
@@ -149,10 +142,11 @@ class CompiledDecode(DecodeStep):
         self.cache_dir = cache_dir  # None: torch's own choice (the user's TORCHINDUCTOR_CACHE_DIR)
         self.freezing = freezing and self.buckets[-1] > 1 and _pack(model)  # the one-row graph packs nothing
         self._inputs: dict[int, Bucket] = {}
+        self._ran: set[int] = set()  # buckets that have run (compiled their graphs)
         self._announced = False
         # static but for the dimensions marked dynamic; no graph break allowed. One graph per
         # decoder layer kind, which every layer of the stage runs (see the module's docstring)
-        self._layers = decoder_layers(model)
+        self._layers = model.step_layers() or None
         if self._layers:
             self._rows = None if self.buckets[-1] == 1 else max(4, self.buckets[-1])  # the shared graph's rows
             kinds = {type(layer) for layer in self._layers}
@@ -246,9 +240,10 @@ class CompiledDecode(DecodeStep):
             print("atoll: compiling the decode step (--enforce-eager or --compile never skips it)",
                   file=sys.stderr, flush=True)
         graphs, hits, t0 = _graph_count(), _cache_hits(), time.perf_counter()
-        with _scoped_env("TORCHINDUCTOR_CACHE_DIR", self.cache_dir):  # read by inductor when it compiles
+        with _cache_dir_for(self.cache_dir, size not in self._ran):
             out = self._step(inp.x, inp.positions, inp.block, inp.offset, tables, inp.lengths)
         seconds = time.perf_counter() - t0
+        self._ran.add(size)
         if _graph_count() != graphs:  # this call compiled
             self.compiles.append((size, seconds))
             self.warm = _cache_hits() > hits  # inductor's disk cache held the graph
@@ -273,30 +268,11 @@ class CompiledDecode(DecodeStep):
               f"blocks (first run at {size})", file=sys.stderr, flush=True)
 
 
-def decoder_layers(model) -> list | None:
-    """The stage's decoder layers when each is a LlamaDecoderLayer (forward(x, residual, meta,
-    k_cache, v_cache)), else None: the whole stage is then one graph."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    layers = list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else None
-    if not layers or not all(isinstance(layer, LlamaDecoderLayer) for layer in layers):
-        return None
-    return layers
-
-
-def linear_weights(model) -> list[torch.Tensor]:
-    """The weights the model's linear layers multiply by (through layers.packed.linear)."""
-    from atoll.layers.embedding import ParallelLMHead
-    from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-
-    kinds = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)
-    return [m.weight for m in model.modules() if isinstance(m, kinds)]
-
-
 def _pack(model) -> bool:
     """Packs the model's linear weights for oneDNN (layers.packed); whether any was packed."""
     from atoll.layers import packed
 
-    return packed.pack_onednn(linear_weights(model)) > 0
+    return packed.pack_onednn(model.linear_weights()) > 0
 
 
 def _cache_hits() -> int:

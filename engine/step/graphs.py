@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import sys
 import time
-from contextlib import ExitStack
 
 import torch
 
@@ -107,17 +106,12 @@ class GraphedDecode(DecodeStep):
         super().__init__(model, cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                          block_size=block_size, scratch_block=scratch_block, rank=rank, smallest=1)
         self.capture = self.device.type == "cuda" if capture is None else capture
-        from atoll.layers.moe import SparseMoE
-
-        self._moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
         self._inputs: dict[int, Packed] = {}
         self._graphs: dict[int, tuple] = {}  # bucket -> (graph or None, output buffer)
         self.error: str | None = None  # why capture failed, if it did (every bucket then runs eagerly)
 
     def _forward(self, inp: Packed) -> torch.Tensor:
-        with ExitStack() as moes:  # the fixed-shape exchange (comm.exchange), no host read of a device value
-            for m in self._moes:
-                moes.enter_context(m.static_exchange())
+        with self.model.static_exchange():  # MoE layers' fixed-shape exchange: no host read of a device value
             return self.run_model(inp.ids if inp.x is None else inp.x, inp.positions, inp.block, inp.offset,
                                   inp.tables, inp.lengths)
 

@@ -65,10 +65,10 @@ def build(runner):
         return GraphedDecode(runner.model, runner.cache, **kw)
     if runner.device.type != "cpu" or runner.config.is_moe or eng.quantization == "fp8":
         return None  # fp8 weights on the CPU dequantize per product: eager (not compiled yet)
-    from atoll.engine.step.compiled import CompiledDecode, inductor_cache_dir, linear_weights
+    from atoll.engine.step.compiled import CompiledDecode, inductor_cache_dir
     from atoll.engine.step.memory import copy_fits
 
-    weight_bytes = sum(w.numel() * w.element_size() for w in linear_weights(runner.model))
+    weight_bytes = sum(w.numel() * w.element_size() for w in runner.model.linear_weights())
     pack = eng.compile_freezing and copy_fits(weight_bytes, runner.ranks_here)
     runner.step_key = record_key(runner, pack)
     if policy == "auto" and not _agree(runner, lambda: decide(runner, pack, weight_bytes)):
