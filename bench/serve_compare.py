@@ -77,7 +77,7 @@ class Offline:
         self.args, self.warm = args, warm
         self.llm = llm_from_args(args, model_dir)
         self.start_s = 0.0
-        self.ranks: list[int] = []  # the engine's rank processes, children of this one
+        self.ranks: list[int] = []  # the processes the engine started (its ranks, forked by the fork server)
 
     def __enter__(self) -> "Offline":
         from atoll.config.sampling import SamplingParams
@@ -85,10 +85,10 @@ class Offline:
         import psutil
 
         t0 = time.perf_counter()
-        before = {c.pid for c in psutil.Process().children()}
+        before = {c.pid for c in psutil.Process().children(recursive=True)}
         try:
             self.llm.start()
-            self.ranks = [c.pid for c in psutil.Process().children() if c.pid not in before]
+            self.ranks = [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before]
             self.llm.generate([r.prompt for r in self.warm],
                               [SamplingParams(max_tokens=r.output_len, ignore_eos=self.args.ignore_eos)
                                for r in self.warm])

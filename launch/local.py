@@ -13,6 +13,7 @@ under gloo's 10 minutes).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.reduction as reduction
 import os
 import pickle
 import queue
@@ -36,7 +37,13 @@ _BEAT_S = 0.5
 STALL_S = 10.0  # no heartbeat for this long: the rank is stopped
 START_S = 120.0  # a rank that never beat within this long after spawning did not start
 _HOST = socket.gethostname()  # every local rank runs on this node
-_SPAWN = multiprocessing.get_context("spawn")
+# Ranks fork from multiprocessing's fork server, a clean process (no threads, no CUDA) that
+# imports these once: a rank then starts in a fraction of a second instead of importing torch
+# again (~1.4 s of every rank's start on 2 cores). Each rank takes the driver's environment,
+# stdout and stderr as they are when it starts (_entry), as a spawned process would.
+RANK_PRELOAD = ["torch", "torch.distributed", "atoll.engine.worker"]
+_SPAWN = multiprocessing.get_context("forkserver")
+_SPAWN.set_forkserver_preload(RANK_PRELOAD)
 _STARTING = threading.Lock()
 
 
@@ -93,18 +100,45 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _heartbeat(beats, rank: int, parent: int) -> None:
-    """Stamp beats[rank] every _BEAT_S; leave at once when the parent process is gone."""
+def _heartbeat(beats, rank: int) -> None:
+    """Stamp beats[rank] every _BEAT_S; leave at once when the driver is gone."""
+    driver = multiprocessing.parent_process()  # the driver (the fork server only forks)
     while True:
-        if os.getppid() != parent:  # reparented: the driver died (SIGKILL included)
+        if driver is not None and not driver.is_alive():  # the driver died (SIGKILL included)
             os._exit(1)
         beats[rank] = time.monotonic()
         time.sleep(_BEAT_S)
 
 
-def _entry(fn, rank, world_size, port, results, threads, device, beats, parent, args, kwargs):
-    threading.Thread(target=_heartbeat, args=(beats, rank, parent), daemon=True, name="atoll-heartbeat").start()
-    import torch  # lazy: after the heartbeat starts (importing torch takes seconds); launch/ is torch-free
+class _Fd:
+    """A file descriptor of the driver, handed to a rank as it starts (multiprocessing sends it)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _take_fd, (reduction.DupFd(self.fd),)
+
+
+def _take_fd(dup) -> int:
+    return dup.detach()
+
+
+def _adopt(env: dict, out: int, err: int) -> None:
+    """This rank's environment, stdout and stderr: the driver's as it started the rank (the
+    fork server holds those of its own start)."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdout.flush(), sys.stderr.flush()
+    for fd, target in ((out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _entry(fn, rank, world_size, port, results, threads, device, beats, std, args, kwargs):
+    _adopt(*std)
+    threading.Thread(target=_heartbeat, args=(beats, rank), daemon=True, name="atoll-heartbeat").start()
+    import torch  # preloaded by the fork server; launch/ itself is torch-free
 
     torch.set_num_threads(threads)
     try:
@@ -178,7 +212,7 @@ class LocalJob:
         self._beats = _SPAWN.Array("d", world_size, lock=False)  # each rank's last heartbeat (time.monotonic)
         self.procs = [_SPAWN.Process(target=_entry, daemon=True,
                                      args=(fn, r, world_size, port, self._results, threads, devices[r], self._beats,
-                                           os.getpid(), args, kwargs))
+                                           (dict(os.environ), _Fd(1), _Fd(2)), args, kwargs))
                       for r in range(world_size)]
         with _own_entry():
             for p in self.procs:

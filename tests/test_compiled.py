@@ -3,7 +3,7 @@ transformers, one graph per sequence bucket that a second run does not recompile
 --enforce-eager / ATOLL_ENFORCE_EAGER=1 compiling nothing; the default policy (auto,
 engine.step.policy) end to end: eager for a short job without a record, compiled once the
 record says the job repays it. The suite runs eager by default (conftest sets
-ATOLL_ENFORCE_EAGER=1); these tests lift it."""
+ATOLL_COMPILE=never); these tests set their own policy."""
 
 import argparse
 import json
@@ -69,7 +69,7 @@ def model_and_reference(tiny_model):
 
 @pytest.fixture
 def compiling(monkeypatch, tmp_path):
-    """The ranks compile at once (conftest's ATOLL_ENFORCE_EAGER lifted, --compile always),
+    """The ranks compile at once (--compile always over the suite's never),
     caching in tmp_path."""
     monkeypatch.delenv("ATOLL_ENFORCE_EAGER", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -81,9 +81,7 @@ def compiling(monkeypatch, tmp_path):
 # TP1 with weights packed for oneDNN, the CPU default; TP2 traces the all_reduce and
 # all_gather into the graph over gloo; PP2 compiles each stage, send/recv outside
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,freezing,buckets", [("TP1", "1", [2, 4]),
-                                                    pytest.param("TP2", "0", [2, 4], marks=pytest.mark.slow),
-                                                    pytest.param("PP2", "0", [2], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout,freezing,buckets", [("TP1", "1", [2, 4]), ("TP2", "0", [2, 4]), ("PP2", "0", [2])])
 def test_compiled_tokens_match_eager_and_transformers(model_and_reference, compiling, layout, freezing, buckets):
     compiling.setenv("ATOLL_COMPILE_FREEZING", freezing)
     model_dir, expected = model_and_reference

@@ -29,9 +29,9 @@ def model_dir(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    # compiled, as a server runs by default (the suite's default is eager): the step compiles before "ready"
+    # compiled, as a server runs by default (the suite's default is never): the step compiles before "ready"
     s = Server(model_dir, "--served-model-name", NAME, log=model_dir.parent / "server.log",
-               env={"ATOLL_ENFORCE_EAGER": "0"})
+               env={"ATOLL_COMPILE": "auto"})
     try:
         yield s
     finally:
