@@ -24,7 +24,7 @@
 #      read and copy, the eager decode step's overhead, and NCCL collectives where the machine
 #      has 2 or more GPUs; the topology YAML it writes (CAL_OUT, default calibrated.yaml beside
 #      RESULTS) is also copied into the results file
-#   a. the kernel tests (tests/test_kernels*.py, tests/test_paged_attention.py): compiled on the
+#   a. the kernel tests (tests/kernels/test_kernels*.py, tests/kernels/test_paged_attention.py): compiled on the
 #      GPU, against the torch references, and a tiny MoE model's greedy tokens with kernels on/off
 #   d. atoll bench kernels (each kernel vs its reference vs the HBM/compute floor), if time is left
 # Without a GPU: a runs in the interpreter, b, c and e print one line each (they need a GPU) unless
@@ -128,7 +128,7 @@ if [ "$MODE" = gpu ]; then
 elif [ "${CPU_WIRING:-0}" = 1 ]; then
   step "b. parity on the CPU (CPU_WIRING=1)" 300 python examples/gpu_parity.py --device cpu --new-tokens 16
 else
-  skip "b. parity" "needs a GPU: atoll on CUDA vs transformers on CUDA; the CPU parity is tests/test_gguf.py"
+  skip "b. parity" "needs a GPU: atoll on CUDA vs transformers on CUDA; the CPU parity is tests/models/test_gguf.py"
 fi
 
 # c. the model bench on a Llama-3-8B-shaped random bf16 checkpoint, batch 1 and batch 64
@@ -175,11 +175,11 @@ if [ "$MODE" = gpu ] || [ "${CPU_WIRING:-0}" = 1 ]; then
     tee -a "$RESULTS" < "$CAL_OUT"
   fi
 else
-  skip "e. atoll calibrate on the GPU" "needs a GPU; the CPU calibration is tests/test_calibrate.py"
+  skip "e. atoll calibrate on the GPU" "needs a GPU; the CPU calibration is tests/calibrate/test_calibrate.py"
 fi
 
 # a. kernel tests: on the GPU the kernels compile; without one they run in the interpreter
-KERNEL_TESTS=${KERNEL_TESTS:-tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_model.py tests/test_paged_attention.py}
+KERNEL_TESTS=${KERNEL_TESTS:-tests/kernels/test_kernels.py tests/kernels/test_kernels_moe.py tests/kernels/test_kernels_model.py tests/kernels/test_paged_attention.py}
 # shellcheck disable=SC2086  # a list of test files
 step "a. kernel tests" "${KERNEL_LIMIT:-120}" python -m pytest -q -p no:cacheprovider $KERNEL_TESTS
 

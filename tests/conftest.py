@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite runs the default eager step (its products tuned for this CPU, as every job below the
 # compile threshold runs) without compiling: a compile costs ~10 s a job on 2 cores. The tests
-# of the compiled step (tests/test_compiled.py, test_parity_default.py, ...) set their own
+# of the compiled step (tests/engine/step/test_compiled.py, test_parity_default.py, ...) set their own
 # policy; ATOLL_COMPILE=auto in the environment runs the whole suite under the default policy.
 os.environ.setdefault("ATOLL_COMPILE", "never")
 # On a machine without CUDA any triton import must be the interpreter, so tests can force
@@ -126,9 +126,12 @@ def cluster():
         c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, num_gpus=0, include_dashboard=False))
         try:
             nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-            # the actors import the tests' helpers from here, as a cluster's workers import the user's code
-            ray.init(address=c.address, logging_level="warning",
-                     runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+            # the actors import the tests' helpers and modules from here, as a cluster's workers
+            # import the user's code: the tests' root and each folder of test files
+            here = Path(__file__).parent
+            folders = [here] + sorted(p.parent for p in here.rglob("test_*.py") if p.parent != here)
+            path = os.pathsep.join(dict.fromkeys(str(f) for f in folders))
+            ray.init(address=c.address, logging_level="warning", runtime_env={"env_vars": {"PYTHONPATH": path}})
             c.wait_for_nodes()
             c.gpu_nodes = [n.node_id for n in nodes]
             c.head_id = c.head_node.node_id

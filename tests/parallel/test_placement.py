@@ -2,11 +2,12 @@
 
 import pytest
 
+from paths import DATA
+
 from atoll.errors import LayoutError
 from atoll.parallel.layout import Layout
 from atoll.parallel.placement import Placement
 from atoll.topologies import load_topology, topology_from_smi
-from pathlib import Path
 
 
 def test_tp8pp2_on_two_nodes_puts_a_stage_on_each_node():
@@ -35,7 +36,7 @@ def test_tp_larger_than_island_refused_unless_allowed():
 
 
 def test_nvlink_pairs_keep_tp2_on_a_pair():
-    text = (Path(__file__).parent / "data/nvidia-smi-topo/nvlink-pairs-8gpu-a6000.txt").read_text()
+    text = (DATA / "nvidia-smi-topo/nvlink-pairs-8gpu-a6000.txt").read_text()
     t = topology_from_smi(text)
     p = Placement.build(Layout(tp=2, pp=4), t)
     for start in range(0, 8, 2):

@@ -14,7 +14,7 @@ import pytest
 from atoll.errors import LaunchError
 from atoll.launch.mpi_launcher import in_mpi, run_mpi
 
-HERE = Path(__file__).parent
+from paths import TESTS as HERE  # noqa: E402  (mpi_script.py)
 MPIRUN = shutil.which("mpirun")
 needs_mpirun = pytest.mark.skipif(
     MPIRUN is None or importlib.util.find_spec("mpi4py") is None,

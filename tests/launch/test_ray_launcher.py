@@ -20,7 +20,7 @@ from atoll.launch.device import DeviceError  # noqa: E402
 from atoll.launch.ray_cluster import node_groups  # noqa: E402
 from atoll.launch.ray_launcher import gpu_index, run_ray  # noqa: E402
 
-HERE = Path(__file__).parent
+from paths import TESTS as HERE  # noqa: E402  (ray_script.py)
 pytestmark = pytest.mark.timeout(300)
 
 

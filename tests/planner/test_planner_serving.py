@@ -1,7 +1,7 @@
 """Steady serving in the planner (planner/serving.py): prompt chunks mixed into decode steps
 (TPOT), queueing for the prefill (TTFT), the closed loop's fixed point, loads past saturation;
 `atoll plan --check` keeping the burst's figures; the published figures these are checked
-against are tests/data/published.yaml's dsr1-2xh100-c25-itl and -ttft (tests/test_published.py)."""
+against are tests/data/published.yaml's dsr1-2xh100-c25-itl and -ttft (tests/planner/test_published.py)."""
 
 import math
 

@@ -4,6 +4,8 @@ exit 1 with the closest miss, and each bug fix against the published figure it i
 import pytest
 from cli import run_cli as run
 
+from paths import DATA
+
 from atoll.comm.routing import expert_split
 from atoll.models.config import ModelConfig
 from atoll.models.presets import resolve_model
@@ -51,7 +53,7 @@ def test_negative_or_nan_slo(capsys, flag, value):
 def test_nan_or_negative_topology_figure(tmp_path, capsys):
     from pathlib import Path
 
-    text = (Path(__file__).parent / "data" / "dgx-h100-eth25.yaml").read_text()
+    text = (DATA / "dgx-h100-eth25.yaml").read_text()
     for bad, field in (("hbm_tb_s: .nan", "hbm_tb_s=nan"), ("hbm_tb_s: -3.35", "hbm_tb_s=-3.35")):
         f = tmp_path / "bad.yaml"
         f.write_text(text.replace("hbm_tb_s: 3.35", bad))
@@ -183,7 +185,7 @@ def test_band_from_a_recorded_check(tmp_path):
 
     from pathlib import Path
 
-    d = yaml.safe_load((Path(__file__).parent / "data" / "dgx-h100-eth25.yaml").read_text())
+    d = yaml.safe_load((DATA / "dgx-h100-eth25.yaml").read_text())
     d["calibration"] = {"device": "cuda", "errors": {"tpot": 0.08, "ttft": 0.3}}
     f = tmp_path / "t.yaml"
     f.write_text(yaml.safe_dump(d))

@@ -2,7 +2,7 @@
 compile policy left at auto, so a job of this length decodes eagerly with its products tuned
 for this CPU (engine.rank.tuning.tune_eager: oneDNN-packed weights where they measure faster).
 The compiled step, which auto takes above its threshold, has its parity at the same layouts in
-tests/test_compiled.py."""
+tests/engine/step/test_compiled.py."""
 
 import pytest
 

@@ -187,14 +187,14 @@ def test_config_names_and_refusals():
 
     with pytest.raises(InputError, match="kv_cache_dtype 'int4' is not one of"):
         EngineConfig(kv_cache_dtype="int4")
-    # disaggregated prefill sends the quantized cache as stored (tests/test_disagg_kv_quant.py)
+    # disaggregated prefill sends the quantized cache as stored (tests/engine/disagg/test_disagg_kv_quant.py)
     assert EngineConfig(kv_cache_dtype="int8", prefill="TP1", decode="TP1").kv_cache_dtype == "int8"
 
 
 @pytest.mark.timeout(300)
 def test_prefix_cache_shares_quantized_blocks(tiny_model):
     """The prefix cache names blocks by their tokens, whatever they hold: later requests find the
-    first one's int8 blocks (the cached counts of tests/test_prefix_cache.py's MoE case)."""
+    first one's int8 blocks (the cached counts of tests/engine/batch/test_prefix_cache.py's MoE case)."""
     import test_prefix_cache
     from test_prefix_cache import PROMPTS as SHARED, NEW as SHARED_NEW, _run  # noqa: N811
 

@@ -1,4 +1,4 @@
-"""The planner's speed held (issue 29): each fixture's search (tests/test_planner_fixtures.py:
+"""The planner's speed held (issue 29): each fixture's search (tests/planner/test_planner_fixtures.py:
 three workloads as one sweep) and the 128-GPU DeepSeek-V3 sweep of the issue, timed against a
 small reference search in the same test. The ratio may grow to 10x the one recorded in
 tests/data/planner_fixtures/speed.json: a ratio holds on any machine, and 10x is far above
@@ -9,7 +9,7 @@ Times are CPU seconds of this process (other jobs on a shared machine count less
 time), the least of a few runs, each after a first run that fills the planner's caches.
 
 Record again, after a change meant to make the planner slower or faster:
-    python tests/test_planner_speed.py --record
+    python tests/planner/test_planner_speed.py --record
 """
 
 from __future__ import annotations

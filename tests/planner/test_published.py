@@ -6,11 +6,12 @@ inside the tolerance fails here until its known_miss is removed from the data fi
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "planner_vs_published.py"
+from paths import REPO
+
+_SCRIPT = REPO / "examples" / "planner_vs_published.py"
 _spec = importlib.util.spec_from_file_location("planner_vs_published", _SCRIPT)
 published = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = published  # dataclasses look their module up there

@@ -8,7 +8,7 @@ carry every number at the precision the CLI prints it. Floats of the JSON and th
 arithmetic in another order may differ in the last bits, nothing more.
 
 Record again (only when a change of the predictions is meant, and say so in the commit):
-    python tests/test_planner_fixtures.py --record
+    python tests/planner/test_planner_fixtures.py --record
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "data" / "planner_fixtures"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' root, when run as a script
+from paths import DATA, REPO  # noqa: E402
+
+FIXTURES = DATA / "planner_fixtures"
 MODELS = ("Llama-3.1-70B", "Qwen3-30B-A3B", "DeepSeek-V3")
 TOPOLOGIES = (("dgx-h200", 2), ("dgx-h100", 2), ("l40s-pcie", None))
 # closed loop at 1 and 256 requests in flight; open loop at a rate that some layouts sustain
@@ -110,7 +113,7 @@ def record() -> None:
             path = fixture_path(model, topology)
             path.write_text(json.dumps({"model": model, "topology": topology, "nodes": nodes, "cases": cases},
                                        indent=None, separators=(",", ":")) + "\n")
-            print(f"wrote {path.relative_to(Path(__file__).parent.parent)}", file=sys.stderr)
+            print(f"wrote {path.relative_to(REPO)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

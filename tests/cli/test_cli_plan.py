@@ -3,13 +3,12 @@
 import csv
 import io
 import json
-from pathlib import Path
 
 import pytest
 
 from atoll.cli.main import main
 
-DATA = Path(__file__).parent / "data"
+from paths import DATA  # noqa: E402
 
 
 def run(capsys, *argv):

@@ -1,14 +1,15 @@
 """The `nvidia-smi topo -m` parser on real outputs of real machine shapes (tests/data)."""
 
-from pathlib import Path
 
 import pytest
+
+from paths import DATA as TESTS_DATA
 
 from atoll.errors import ConfigError
 from atoll.topologies import topology_from_smi
 from atoll.topologies.smi import parse_smi_topo
 
-DATA = Path(__file__).parent / "data" / "nvidia-smi-topo"
+DATA = TESTS_DATA / "nvidia-smi-topo"
 
 
 def read(name):

@@ -7,14 +7,13 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from atoll import LLM, SamplingParams
 from atoll.launch.local import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+from paths import REPO as ROOT  # noqa: E402
 PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3]]
 torchrun = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
 
