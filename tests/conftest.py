@@ -2,11 +2,19 @@
 
 import importlib.metadata
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Test files sit in folders that mirror the package's; a few import another folder's test
+# module by name (test_kernels' fixture, test_paged_attention's batches), so every folder is on
+# the path whatever was collected first (file names are unique across folders)
+_HERE = Path(__file__).resolve().parent
+for _folder in sorted({p.parent for p in _HERE.rglob("test_*.py")} - {_HERE}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 # The suite runs the default eager step (its products tuned for this CPU, as every job below the
 # compile threshold runs) without compiling: a compile costs ~10 s a job on 2 cores. The tests
 # of the compiled step (tests/engine/step/test_compiled.py, test_parity_default.py, ...) set their own
@@ -128,9 +136,8 @@ def cluster():
             nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
             # the actors import the tests' helpers and modules from here, as a cluster's workers
             # import the user's code: the tests' root and each folder of test files
-            here = Path(__file__).parent
-            folders = [here] + sorted(p.parent for p in here.rglob("test_*.py") if p.parent != here)
-            path = os.pathsep.join(dict.fromkeys(str(f) for f in folders))
+            folders = [_HERE] + sorted({p.parent for p in _HERE.rglob("test_*.py")} - {_HERE})
+            path = os.pathsep.join(str(f) for f in folders)
             ray.init(address=c.address, logging_level="warning", runtime_env={"env_vars": {"PYTHONPATH": path}})
             c.wait_for_nodes()
             c.gpu_nodes = [n.node_id for n in nodes]

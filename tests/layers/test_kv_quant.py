@@ -6,8 +6,13 @@ cache in Triton's interpreter, greedy tokens on tiny models against transformers
 The greedy rule: the tiny models (std 0.1 weights, vocab 301) are chaotic once a token
 differs, so the count is the tokens before each sequence's first difference from
 transformers' greedy tokens. int8 (per token-head scale, error <= amax/254) keeps at least
-60 of 64; fp8 e4m3 (3 mantissa bits, relative error <= 1/16) at least 24 of 64 (measured when
-this was written: llama TP1 int8 63, fp8 35; llama TP2 int8 63; deepseek_v3 TP1 int8 64, fp8 33)."""
+60 of 64 (measured when this was written: llama TP1 63, TP2 63; deepseek_v3 TP1 64). fp8 e4m3
+(3 mantissa bits, relative error <= 1/16) parts from them within a few dozen tokens, so it is
+checked teacher-forced instead, where one difference does not carry on: every position of
+text windows scored through the quantized cache (`atoll eval perplexity`'s path) against
+transformers' float model, perplexity within 3% and the top token the same at 80% of the
+positions (measured: llama fp8 -0.24% and 88%, deepseek_v3 fp8 -1.1% and 96%; int8 within
+0.14% and 97%, checked to 0.5% and 93%)."""
 
 import math
 
@@ -141,20 +146,41 @@ def _prefix(a, b):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,layout,kinds", [("llama", "TP1", ("int8", "fp8")), ("llama", "TP2", ("int8",)),
-                                               ("deepseek_v3", "TP1", ("int8", "fp8"))],
+@pytest.mark.parametrize("kind,layout", [("llama", "TP1"), ("llama", "TP2"), ("deepseek_v3", "TP1")],
                          ids=["llama-TP1", "llama-TP2", "mla-TP1"])
-def test_greedy_tokens_with_a_quantized_cache(tiny_model, kind, layout, kinds):
+def test_greedy_tokens_with_an_int8_cache(tiny_model, kind, layout):
     model_dir = tiny_model(kind)
     expected = reference_tokens(model_dir, PROMPTS, NEW)
-    agree = {}
-    for kv, least in (("int8", 60), ("fp8", 24)):
-        if kv not in kinds:
-            continue
-        with LLM(model_dir, layout=layout, kv_cache_dtype=kv) as llm:
-            outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
-        agree[kv] = sum(_prefix(o.token_ids, e) for o, e in zip(outs, expected))
-        assert agree[kv] >= least, (kv, agree)
+    with LLM(model_dir, layout=layout, kv_cache_dtype="int8") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    agree = sum(_prefix(o.token_ids, e) for o, e in zip(outs, expected))
+    assert agree >= 60, agree
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_teacher_forced_scores_through_a_quantized_cache(tiny_model, kind):
+    """Every position of four 64-token windows scored through the int8 and the fp8 cache against
+    transformers' float model (see the module's docstring for the bounds)."""
+    from transformers import AutoModelForCausalLM
+
+    from atoll.engine.driver.perplexity import run_scores, windows
+
+    model_dir = tiny_model(kind)
+    ids = torch.randint(0, 301, (260,), generator=torch.Generator().manual_seed(0)).tolist()
+    wins = windows(ids, 64)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor(wins)).logits.double()
+    nll = -torch.log_softmax(logits[:, :-1], -1).gather(2, torch.tensor(wins)[:, 1:, None])
+    want, top = math.exp(nll.mean().item()), logits[:, :-1].argmax(-1).tolist()
+    positions = sum(map(len, top))
+    for kv, rel, share in (("int8", 0.005, 0.93), ("fp8", 0.03, 0.80)):
+        with LLM(model_dir, kv_cache_dtype=kv, max_num_seqs=4) as llm:
+            scores = run_scores(llm, wins)
+        same = sum(a == b for got, ref in zip(scores.top1, top) for a, b in zip(got, ref))
+        assert abs(scores.perplexity / want - 1) <= rel, (kv, scores.perplexity, want)
+        assert same >= share * positions, (kv, same, positions)
 
 
 # --- perplexity ---
