@@ -50,9 +50,12 @@ def engine_spec(llm, requests: list[Request] | None = None) -> RunSpec:
 
 
 def run_through(engine, requests: list[Request], *, timeout_s: float | None = None, on_result=None,
-                on_step=None) -> list[dict]:
+                on_step=None, errors: dict | None = None) -> list[dict]:
     """Every request through a living engine; one result per request, in order.
-    on_result(k, result) as request k ends; on_step(done, tokens) as tokens arrive."""
+    on_result(k, result) as request k ends; on_step(done, tokens) as tokens arrive. A request
+    that fails raises EngineDead with its line once every request has ended; given `errors`,
+    a request that fails while the engine serves on (a disaggregated job's dead engine) puts
+    its line in errors[k] instead and its result is None (the whole engine dying still raises)."""
     results: dict[int, dict] = {}
     logprobs: dict[int, list] = {}
     position: dict[int, int] = {}
@@ -71,9 +74,11 @@ def run_through(engine, requests: list[Request], *, timeout_s: float | None = No
                 elif kind == "finish":
                     results[k] = payload | ({"logprobs": logprobs.pop(k)} if k in logprobs else {})
                     payload = results[k]
+                elif kind == "error" and errors is not None:
+                    errors[k] = payload
                 elif kind == "error":
                     failure.append(payload)
-                done = len(results) + len(failure) >= len(requests)
+                done = len(results) + len(failure) + len(errors or ()) >= len(requests)
             if kind == "finish" and on_result is not None:
                 on_result(k, payload)
             if on_step is not None and kind != "error":
@@ -97,4 +102,6 @@ def run_through(engine, requests: list[Request], *, timeout_s: float | None = No
                               "unfinished")
     if failure:
         raise EngineDead(failure[0])
-    return [results[k] for k in range(len(requests))]
+    if errors and engine.error is not None:
+        raise EngineDead(engine.error)
+    return [results.get(k) for k in range(len(requests))]

@@ -276,11 +276,15 @@ class LLM:
         island id, node id; None: one per host) and the MoE dispatch options."""
         return ContextOptions(islands=islands, nodes=nodes)
 
-    def finish(self, prompts: list, requests, results: list[dict]) -> list[RequestOutput]:
-        """One RequestOutput per request: prompts[k], requests[k] and results[k] belong together."""
+    def finish(self, prompts: list, requests, results: list[dict], errors: dict | None = None) -> list[RequestOutput]:
+        """One RequestOutput per request: prompts[k], requests[k] and results[k] belong together
+        (results[k] None: it failed, with the line errors[k])."""
         outs = []
-        for prompt, req, res in zip(prompts, requests, results):
+        for k, (prompt, req, res) in enumerate(zip(prompts, requests, results)):
             rid = prompt.get("id", req.index) if isinstance(prompt, dict) else req.index
+            if res is None:
+                outs.append(RequestOutput(rid, None, [], None, error=(errors or {}).get(k, "no result")))
+                continue
             tokens, reason = res["token_ids"], res["finish_reason"]
             text = self.tokenizer.decode(tokens) if self.tokenizer else None
             if text is not None and req.params.stop:
@@ -343,19 +347,24 @@ class LLM:
                  *, chat: bool = False, timeout_s: float | None = None, on_result=None,
                  on_step=None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. on_result(k, result) as request k ends and
-        on_step(done, tokens) as tokens come (living engines)."""
-        requests = self.prepare(prompts, params, chat=chat)
-        return self.finish(prompts, requests, self.generate_requests(requests, timeout_s=timeout_s,
-                                                                     on_result=on_result, on_step=on_step))
+        on_step(done, tokens) as tokens come (living engines). A request that fails while the
+        engine serves on (a disaggregated job's dead engine) has its line in `error`; when the
+        engine itself dies, EngineDead is raised."""
+        requests, errors = self.prepare(prompts, params, chat=chat), {}
+        results = self.generate_requests(requests, timeout_s=timeout_s, on_result=on_result, on_step=on_step,
+                                         errors=errors)
+        return self.finish(prompts, requests, results, errors)
 
     def generate_requests(self, requests, *, timeout_s: float | None = None, on_result=None, on_step=None,
-                          parallel: ContextOptions | None = None, link_stats: bool = False) -> list:
+                          parallel: ContextOptions | None = None, link_stats: bool = False,
+                          errors: dict | None = None) -> list:
         """prepare()'s requests run to the end: one result dict per request, in order. With
         `link_stats`, the bytes by link class are in `self.links` once the engine closed
-        (a one-shot launcher's job: at once)."""
+        (a one-shot launcher's job: at once). `errors`: see engine.driver.living.run_through."""
         if self.living:
             engine = self.start(requests, parallel=parallel, link_stats=link_stats)
-            return run_through(engine, requests, timeout_s=timeout_s, on_result=on_result, on_step=on_step)
+            return run_through(engine, requests, timeout_s=timeout_s, on_result=on_result, on_step=on_step,
+                               errors=errors)
         # a launcher that runs one job per call: the same rank loop, fed every request at once
         job = EngineJob.colocated(self.spec(requests), parallel or self.context_options(), link_stats=link_stats)
         out = self.run(worker, self.layout.world_size, job, requests=requests, timeout_s=timeout_s)[0]

@@ -11,6 +11,7 @@ from reference import reference_tokens
 SHORT = [[5, 7, 9], [42]]
 LONG = [list(range(20, 60)), list(range(100, 148))]
 NEW = 6
+LONG_NEW = 120  # tokens a request of the kill test decodes: long enough to be killed in flight
 
 
 @pytest.mark.timeout(300)
@@ -40,9 +41,12 @@ def test_tp2_prefill_to_tp2_decode_across_two_ray_nodes(cluster, tiny_model):
 
 @pytest.mark.timeout(300)
 def test_a_dead_decode_engine_under_ray_leaves_the_others_serving(cluster, tiny_model):
-    """1P2D under Ray: decode engine 1's actor is killed; the driver ends that engine alone
-    (RayJob.give_up), /health's `degraded` names it, and the next requests run on decode
-    engine 0 with transformers' tokens."""
+    """1P2D under Ray: decode engine 1's actor is killed while both decode engines hold requests.
+    The driver ends that engine alone (RayJob.give_up) and /health's `degraded` names it; of the
+    requests it held, those that streamed or were prefilled remotely fail naming it, the rest
+    are sent again; every other request ends with transformers' tokens, and the next requests
+    run on decode engine 0."""
+    import threading
     import time
 
     import ray
@@ -52,18 +56,32 @@ def test_a_dead_decode_engine_under_ray_leaves_the_others_serving(cluster, tiny_
 
     model = tiny_model("llama", num_hidden_layers=4)
     llm = LLM(model, prefill="TP1", decode="TP1", decode_replicas=2, disagg_min_prompt_tokens=16,
-              launcher=RayLauncher())
-    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    want = reference_tokens(model, SHORT + LONG, NEW)
+              max_num_seqs=1, launcher=RayLauncher())  # one sequence at a time: the rest queue
+    prompts = (SHORT + LONG) * 2
+    long_run = SamplingParams(max_tokens=LONG_NEW, ignore_eos=True)
+    want = reference_tokens(model, prompts, LONG_NEW)
     try:
-        assert [o.token_ids for o in llm.generate(SHORT + LONG, params)] == want
-        engine = llm._engine
+        engine = llm.start()
+        outs = []
+        run = threading.Thread(target=lambda: outs.extend(llm.generate(prompts, long_run, timeout_s=240)))
+        run.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(engine._engine_stats.get(f"decode engine {j}", {}).get(
+                "running") for j in (0, 1)):
+            time.sleep(0.05)  # both decode engines are decoding
+        assert run.is_alive(), "the run ended before the kill; make it longer"
         ray.kill(engine.job._ranked[2], no_restart=True)  # job ranks: prefill, decode 0, decode 1
-        deadline = time.monotonic() + 60
-        while not engine.degraded and time.monotonic() < deadline:
-            time.sleep(0.2)
+        run.join(timeout=240)
+        assert not run.is_alive() and len(outs) == len(prompts)
         assert list(engine.degraded) == ["decode engine 1"] and engine.error is None, engine.degraded
-        assert [o.token_ids for o in llm.generate(SHORT + LONG, params)] == want
+        failed = [o for o in outs if o.error is not None]
+        done = [(o, w) for o, w in zip(outs, want) if o.error is None]
+        assert failed and done, [o.error for o in outs]
+        assert all("decode engine 1" in o.error for o in failed), [o.error for o in failed]
+        for o, w in done:  # the survivors, and any sent again, end with transformers' tokens
+            assert o.token_ids == w and o.finish_reason == "length", (o.id, o.token_ids, w)
+        params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+        assert [o.token_ids for o in llm.generate(SHORT + LONG, params)] == reference_tokens(model, SHORT + LONG, NEW)
         assert llm._engine is engine  # the same job serves on
     finally:
         llm.close()
