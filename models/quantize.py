@@ -36,8 +36,9 @@ from atoll.layers.embedding import ParallelLMHead
 from atoll.layers.fp8_linear import keep_fp8
 from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from atoll.layers.moe import Experts
-from atoll.models import fp8
+from atoll.models import build_model, fp8
 from atoll.models.fp8_scheme import scheme as fp8_scheme
+from atoll.parallel.mesh import ParallelContext
 
 NOT_QUANTIZED = ("kv_b_proj",)  # module names whose weight other code reads as floats
 
@@ -120,9 +121,6 @@ def rank_weight_bytes(config, layout, rank: int, *, dtype: torch.dtype, quantiza
     """The weight bytes rank `rank` of `layout` holds after loading, as the runner makes them
     (build_model, prepare, apply), counted on a meta model: parameters and quantization
     scales (layers.quant_linear.weight_bytes)."""
-    from atoll.models import build_model
-    from atoll.parallel.mesh import ParallelContext
-
     model = build_model(config, ParallelContext.detached(layout, rank, device="meta"), dtype=dtype, device="meta")
     prepare(model, quantization, ckpt)
     apply(model, quantization)

@@ -21,8 +21,12 @@ import math
 
 import torch
 
+from atoll.engine.rank.runner import ModelRunner
 from atoll.errors import InputError
 from atoll.kernels import backend
+from atoll.layers.attention import AttentionMetadata
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
 
 DEFAULT_TEXT = "torch's README (the long description in torch's installed METADATA)"
 
@@ -65,10 +69,6 @@ class Scores:
 def score_worker(rank: int, world_size: int, spec, wins: list[list[int]], parallel=None, device: str = "cpu",
                  node: str | None = None, ranks_here: int | None = None) -> Scores | None:
     """On every rank: this rank's stage scores the windows; the last stage's tp rank 0 returns the Scores."""
-    from atoll.engine.rank.runner import ModelRunner
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ParallelContext
-
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device, parallel, node=node) if world_size > 1 \
         else ParallelContext.single(device, parallel)
@@ -89,8 +89,6 @@ def score(runner, wins: list[list[int]]) -> Scores | None:
 @torch.inference_mode()
 def _score(runner, wins: list[list[int]]) -> Scores | None:
     """Windows side by side as one decode batch, one step per position; blocks 0.. reused per call."""
-    from atoll.layers.attention import AttentionMetadata
-
     ctx, bs = runner.ctx, runner.spec.engine.block_size
     n, length = len(wins), len(wins[0])
     per = -(-length // bs)

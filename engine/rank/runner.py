@@ -13,6 +13,7 @@ from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.rank.tuning import packer_for, tune_eager
 from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.engine.step import policy as step_policy
+from atoll.layers.context_parallel import CpShards
 from atoll.models import ModelConfig, build_model
 from atoll.models import quantize
 from atoll.models.checkpoint import Checkpoint, load_weights
@@ -159,8 +160,6 @@ class ModelRunner:
         it, or under context parallelism its cp rank's share (layers.context_parallel)."""
         if self.ctx.layout.cp == 1:
             return mb.meta, (mb.ids if self.ctx.is_first_stage else None), mb.tokens
-        from atoll.layers.context_parallel import CpShards
-
         shards = CpShards.build(mb.meta, [c.seq.blocks for c in mb.chunks], group=self.ctx.cp,
                                 scratch=self.num_blocks, device=self.device)
         ids = mb.ids[shards.own] if self.ctx.is_first_stage else None

@@ -34,13 +34,14 @@ import torch
 from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.spec.drafter import Drafter
 from atoll.errors import InputError
+from atoll.layers.attention import AttentionMetadata
+from atoll.models.checkpoint import load_weights
+from atoll.models.mtp import OWN, DeepseekMTP, mtp_layers
+from atoll.models.safetensors_header import tensor_names
 
 
 def check_mtp(model_dir, config) -> None:
     """One line when the checkpoint holds no MTP layer for deepseek_mtp to draft with."""
-    from atoll.models.safetensors_header import tensor_names
-    from atoll.models.mtp import OWN, mtp_layers
-
     if config.model_type not in ("deepseek_v3", "deepseek_v2"):
         raise InputError(f"speculative method deepseek_mtp needs a DeepSeek-V3 checkpoint with its "
                          f"multi-token-prediction layer; {model_dir} is {config.model_type}")
@@ -64,9 +65,6 @@ class MtpDrafter(Drafter):
         check_mtp(model_dir, config)  # its tensors in the checkpoint
 
     def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int, runner):
-        from atoll.models.checkpoint import load_weights
-        from atoll.models.mtp import DeepseekMTP
-
         super().__init__(cfg, max_model_len=max_model_len)
         check_mtp(runner.spec.model_dir, runner.config)
         self.runner = runner
@@ -95,8 +93,6 @@ class MtpDrafter(Drafter):
 
     @torch.inference_mode()
     def _catch_up(self) -> None:
-        from atoll.layers.attention import AttentionMetadata
-
         chunks, hidden = self.scheduled, self.hidden
         self.scheduled, self.hidden, self.ready = [], None, {}
         if not chunks or hidden is None or len(hidden) != sum(c.count for c in chunks):
@@ -130,8 +126,6 @@ class MtpDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, wants):
-        from atoll.layers.attention import AttentionMetadata
-
         drafts: list[list[int]] = [[] for _ in wants]
         live = [i for i, (seq, _) in enumerate(wants) if self.ready.get(seq, (None,))[0] == seq.cached]
         if not live:

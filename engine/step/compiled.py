@@ -61,6 +61,7 @@ from functools import partial
 import torch
 
 from atoll.engine.step.decode_step import DecodeStep, block_bucket
+from atoll.layers import packed
 
 # one sequence runs padded to two: dynamo would specialise a dimension of size 1 (a second
 # graph); at two rows it shares the symbolic one
@@ -270,8 +271,6 @@ class CompiledDecode(DecodeStep):
 
 def _pack(model) -> bool:
     """Packs the model's linear weights for oneDNN (layers.packed); whether any was packed."""
-    from atoll.layers import packed
-
     return packed.pack_onednn(model.linear_weights()) > 0
 
 

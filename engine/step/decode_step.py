@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from atoll.config.sampling import SamplingParams
+from atoll.engine.batch.request import Request
+from atoll.engine.batch.scheduler import Scheduled, Sequence
+from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.layers.attention import StaticDecode
 from atoll.layers.rotary import RotaryEmbedding
 
@@ -89,11 +93,6 @@ class DecodeStep:
         """Run the step once on one padding row (positions in the scratch block), and on more
         where the backend has a graph per row count (warm_rows), so that a living engine
         compiles or captures its graphs before it says it is ready, not on its first request. Every rank of a TP group calls it together (its collectives)."""
-        from atoll.config.sampling import SamplingParams
-        from atoll.engine.sample.micro_batch import MicroBatch
-        from atoll.engine.batch.request import Request
-        from atoll.engine.batch.scheduler import Scheduled, Sequence
-
         for rows in self.warm_rows:
             seqs = [Sequence(Request(-1, [0], SamplingParams(max_tokens=2)), None, output=[0], blocks=[self.scratch],
                              cached=1) for _ in range(rows)]

@@ -31,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+from atoll.engine.step.compiled import CompiledDecode, inductor_cache_dir
+from atoll.engine.step.graphs import GraphedDecode
+from atoll.engine.step.memory import copy_fits
 RECORD = "decode_steps.json"
 # estimated cold compile, 2 cores: one graph a decoder layer kind (engine.step.compiled), so the
 # layer count adds little (measured 16.6 s for SmolLM2's 30 layers at load 2-3)
@@ -60,14 +63,9 @@ def build(runner):
     if runner.device.type == "cuda":
         if runner.config.is_moe and runner.ctx.layout.dp > 1:
             return None  # the fixed-shape MoE exchange needs every DP rank at one bucket: not yet
-        from atoll.engine.step.graphs import GraphedDecode
-
         return GraphedDecode(runner.model, runner.cache, **kw)
     if runner.device.type != "cpu" or runner.config.is_moe or eng.quantization == "fp8":
         return None  # fp8 weights on the CPU dequantize per product: eager (not compiled yet)
-    from atoll.engine.step.compiled import CompiledDecode, inductor_cache_dir
-    from atoll.engine.step.memory import copy_fits
-
     weight_bytes = sum(w.numel() * w.element_size() for w in runner.model.linear_weights())
     pack = eng.compile_freezing and copy_fits(weight_bytes, runner.ranks_here)
     runner.step_key = record_key(runner, pack)
@@ -119,8 +117,6 @@ def decide(runner, pack: bool, weight_bytes: int) -> bool:
     """Rank 0's answer for the auto policy, said on stderr."""
     spec = runner.spec
     entry = load(spec.engine.cache_path).get(runner.step_key, {})
-    from atoll.engine.step.compiled import inductor_cache_dir
-
     where = inductor_cache_dir(spec.engine.cache_path)
     e = expected(entry, layers=runner.model.num_local_layers, weight_bytes=weight_bytes,
                  cached=where is None or Path(where).is_dir())
