@@ -13,6 +13,7 @@ under gloo's 10 minutes).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.queues
 import multiprocessing.reduction as reduction
 import os
 import pickle
@@ -153,12 +154,32 @@ def _entry(fn, rank, world_size, port, results, threads, device, beats, std, arg
     except BaseException as e:  # report every failure to the driver, then leave
         line = str(e) if isinstance(e, AtollError) else f"{type(e).__name__}: {e}"
         results.put(("error", rank, line, traceback.format_exc()))
-        results.close()
-        results.join_thread()
+        _flush([results, *_channels(args, kwargs)])
         os._exit(1)
-    results.close()
-    results.join_thread()
+    _flush([results, *_channels(args, kwargs)])
     os._exit(0)  # skip process-group teardown, which can block if a peer already left
+
+
+def _channels(args, kwargs) -> list:
+    """The channels (launcher.channel() queues) among fn's arguments, also inside a list."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        for q in (a if isinstance(a, (list, tuple)) else [a]):
+            if isinstance(q, multiprocessing.queues.Queue):
+                found.append(q)
+    return found
+
+
+def _flush(queues) -> None:
+    """What this rank put on each queue reaches its pipe before the process leaves: a queue's
+    feeder thread sends in the background, and os._exit would drop what it still holds (a
+    rank 0's last "stopped" or link totals)."""
+    for q in queues:
+        try:
+            q.close()
+            q.join_thread()
+        except (OSError, ValueError, AssertionError):
+            pass
 
 
 def local_devices(requested: str, world_size: int, gpus: int | None = None, first_gpu: int = 0) -> list[str]:
