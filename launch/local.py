@@ -130,7 +130,8 @@ def _adopt(env: dict, out: int, err: int) -> None:
     fork server holds those of its own start)."""
     os.environ.clear()
     os.environ.update(env)
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     for fd, target in ((out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from contextlib import ExitStack, contextmanager
+from functools import cached_property
 
 import torch
 
@@ -71,13 +72,17 @@ class MoeForCausalLM(LlamaForCausalLM):
 
         super().__init__(cfg, ctx, dtype=dtype, make_mlp=make_mlp)
 
+    @cached_property
+    def moe_layers(self) -> list[SparseMoE]:
+        """The stage's MoE layers, listed once (a step enters each: static_exchange)."""
+        return [m for m in self.modules() if isinstance(m, SparseMoE)]
+
     @contextmanager
     def static_exchange(self):
         """Steps run inside take each MoE layer's fixed-shape exchange (SparseMoE.static_exchange)."""
         with ExitStack() as stack:
-            for m in self.modules():
-                if isinstance(m, SparseMoE):
-                    stack.enter_context(m.static_exchange())
+            for m in self.moe_layers:
+                stack.enter_context(m.static_exchange())
             yield self
 
     def checkpoint_targets(self, name: str):

@@ -12,7 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # module by name (test_kernels' fixture, test_paged_attention's batches), so every folder is on
 # the path whatever was collected first (file names are unique across folders)
 _HERE = Path(__file__).resolve().parent
-for _folder in sorted({p.parent for p in _HERE.rglob("test_*.py")} - {_HERE}):
+_FOLDERS = sorted({p.parent for p in _HERE.rglob("test_*.py")} - {_HERE})
+for _folder in _FOLDERS:
     if str(_folder) not in sys.path:
         sys.path.append(str(_folder))
 # The suite runs the default eager step (its products tuned for this CPU, as every job below the
@@ -136,8 +137,7 @@ def cluster():
             nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
             # the actors import the tests' helpers and modules from here, as a cluster's workers
             # import the user's code: the tests' root and each folder of test files
-            folders = [_HERE] + sorted({p.parent for p in _HERE.rglob("test_*.py")} - {_HERE})
-            path = os.pathsep.join(str(f) for f in folders)
+            path = os.pathsep.join(str(f) for f in [_HERE, *_FOLDERS])
             ray.init(address=c.address, logging_level="warning", runtime_env={"env_vars": {"PYTHONPATH": path}})
             c.wait_for_nodes()
             c.gpu_nodes = [n.node_id for n in nodes]

@@ -273,7 +273,7 @@ class LLM:
 
     def context_options(self, islands=None, nodes=None):
         """What each rank's ParallelContext needs besides the layout: islands and nodes (rank ->
-        island id, node id; None: one per host) and the MoE dispatch options."""
+        island id, node id; None: one per host)."""
         return ContextOptions(islands=islands, nodes=nodes)
 
     def finish(self, prompts: list, requests, results: list[dict], errors: dict | None = None) -> list[RequestOutput]:

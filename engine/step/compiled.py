@@ -143,7 +143,6 @@ class CompiledDecode(DecodeStep):
         self.cache_dir = cache_dir  # None: torch's own choice (the user's TORCHINDUCTOR_CACHE_DIR)
         self.freezing = freezing and self.buckets[-1] > 1 and _pack(model)  # the one-row graph packs nothing
         self._inputs: dict[int, Bucket] = {}
-        self._ran: set[int] = set()  # buckets that have run (compiled their graphs)
         self._announced = False
         # static but for the dimensions marked dynamic; no graph break allowed. One graph per
         # decoder layer kind, which every layer of the stage runs (see the module's docstring)
@@ -223,7 +222,8 @@ class CompiledDecode(DecodeStep):
         meta, n = mb.meta, mb.tokens
         size = self.bucket(n)
         inp = self._inputs.get(size)
-        if inp is None:
+        first = inp is None  # a bucket's first call compiles its graphs
+        if first:
             inp = self._inputs[size] = Bucket(size, self.scratch, self.hidden, self.dtype, self.device)
         blocks = -(-(max(meta.start_list) + 1) // self.block_size)  # host list: no sync
         width = block_bucket(blocks, self.max_blocks)
@@ -241,10 +241,9 @@ class CompiledDecode(DecodeStep):
             print("atoll: compiling the decode step (--enforce-eager or --compile never skips it)",
                   file=sys.stderr, flush=True)
         graphs, hits, t0 = _graph_count(), _cache_hits(), time.perf_counter()
-        with _cache_dir_for(self.cache_dir, size not in self._ran):
+        with _cache_dir_for(self.cache_dir, first):
             out = self._step(inp.x, inp.positions, inp.block, inp.offset, tables, inp.lengths)
         seconds = time.perf_counter() - t0
-        self._ran.add(size)
         if _graph_count() != graphs:  # this call compiled
             self.compiles.append((size, seconds))
             self.warm = _cache_hits() > hits  # inductor's disk cache held the graph

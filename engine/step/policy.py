@@ -34,6 +34,7 @@ import torch
 from atoll.engine.step.compiled import CompiledDecode, inductor_cache_dir
 from atoll.engine.step.graphs import GraphedDecode
 from atoll.engine.step.memory import copy_fits
+
 RECORD = "decode_steps.json"
 # estimated cold compile, 2 cores: one graph a decoder layer kind (engine.step.compiled), so the
 # layer count adds little (measured 16.6 s for SmolLM2's 30 layers at load 2-3)

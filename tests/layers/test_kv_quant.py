@@ -24,6 +24,7 @@ from test_kernels import DEVICE, triton_path  # noqa: F401  (triton_path: fixtur
 from test_paged_attention import paged_batch, padded
 
 from atoll import LLM, SamplingParams
+from atoll.cli.eval import _common_prefix  # tokens before the first difference
 from atoll.errors import InputError
 from atoll.kernels import ops, reference
 from atoll.layers.attention import AttentionMetadata, attend
@@ -136,15 +137,6 @@ def test_int8_without_scales_is_refused():
 
 # --- greedy tokens on tiny models ---
 
-def _prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind,layout", [("llama", "TP1"), ("llama", "TP2"), ("deepseek_v3", "TP1")],
                          ids=["llama-TP1", "llama-TP2", "mla-TP1"])
@@ -153,7 +145,7 @@ def test_greedy_tokens_with_an_int8_cache(tiny_model, kind, layout):
     expected = reference_tokens(model_dir, PROMPTS, NEW)
     with LLM(model_dir, layout=layout, kv_cache_dtype="int8") as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
-    agree = sum(_prefix(o.token_ids, e) for o, e in zip(outs, expected))
+    agree = sum(_common_prefix(o.token_ids, e) for o, e in zip(outs, expected))
     assert agree >= 60, agree
 
 
@@ -233,7 +225,7 @@ def test_prefix_cache_shares_quantized_blocks(tiny_model):
     finally:
         test_prefix_cache.LLM = original
     assert [r["metrics"]["cached_tokens"] for r in on][1:4] == [12, 12, 8]
-    agree = sum(_prefix(r["token_ids"], e) for r, e in zip(on, expected))
+    agree = sum(_common_prefix(r["token_ids"], e) for r, e in zip(on, expected))
     # measured: 35 of 40, with the cache on or off alike (the last prompt's tokens part from
     # transformers' at the 4th token either way: the quantization, not the sharing)
     assert agree >= len(SHARED) * SHARED_NEW - 8, agree
