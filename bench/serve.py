@@ -9,7 +9,7 @@ a closed loop). --num-prompts requests of --input-len random token ids generatin
 random prompts (a prompt sent again would find its prefix cached; a dataset's are sent again).
 Two other requests, sent at once, warm the server first. Reported: request and token throughput; mean
 and percentiles of TTFT, TPOT, ITL and E2EL; with --goodput ttft:MS tpot:MS e2el:MS, SLO
-attainment and goodput (bench/serve_report.py). --compare-plan puts the planner's prediction
+attainment and goodput (planner/sim/report.py). --compare-plan puts the planner's prediction
 for the same model, layout, topology and workload beside the measured means; --compare-offline
 runs the same requests through LLM.generate in this process, first, then on the server, for
 --rounds rounds (the order alternating), and prints both output throughputs and the ratio of
@@ -96,7 +96,7 @@ def add_parser(sub) -> None:
 
 
 def check_args(args) -> tuple[dict, tuple]:
-    from atoll.bench.serve_report import parse_goodput, parse_percentiles
+    from atoll.planner.sim.report import parse_goodput, parse_percentiles
 
     for name in ("num_prompts", "input_len", "streams", "long_len", "long_after", "rounds"):
         if getattr(args, name) < 1:
@@ -149,7 +149,7 @@ WARM_SEED = 1_000_003  # the warm-up's prompts: none of a round's
 
 def build_requests(args, config, *, seed: int, n: int | None = None):
     """--num-prompts requests (or n): random ids from `seed`, else the --dataset's prompts."""
-    from atoll.bench.serve_load import jsonl_requests, random_requests
+    from atoll.planner.sim.load import jsonl_requests, random_requests
 
     osl = args.output_len or 32
     n = n or args.num_prompts
@@ -165,7 +165,7 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
     import time
 
     from atoll.bench.serve_load import run_load as load, served_model, warm_up
-    from atoll.bench.serve_report import report
+    from atoll.planner.sim.report import report
     from atoll.bench.serve_server import Server, engine_argv
 
     # each round its own prompts (both sides the same ones): a prompt sent again would be a prefix-cache hit

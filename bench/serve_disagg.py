@@ -15,24 +15,12 @@ and the load average after the side. Give both sides the same ranks for a fair c
 
 from __future__ import annotations
 
-import random
 
 from atoll.bench.harness import sig
-from atoll.bench.serve_load import BenchRequest
+from atoll.planner.sim.load import mixed_requests
 from atoll.errors import ConfigError
 
 SIDES = ("colocated", "disaggregated")
-
-
-def mixed_requests(n: int, *, input_len: int, long_len: int, long_share: float, output_len: int, vocab_size: int,
-                   seed: int = 0) -> list[BenchRequest]:
-    """n requests of random ids: a long_share of them (at random) long_len tokens, the rest input_len."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        length = long_len if rng.random() < long_share else input_len
-        out.append(BenchRequest([rng.randrange(vocab_size) for _ in range(length)], output_len))
-    return out
 
 
 def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -56,8 +44,8 @@ LAYOUT_FLAGS = ("--layout", "--tensor-parallel-size", "--pipeline-parallel-size"
 
 
 def run_disagg(args, bench, model_dir: str, vocab_size: int, slos: dict, percentiles) -> dict:
-    from atoll.bench.serve_load import random_requests
-    from atoll.bench.serve_report import report
+    from atoll.planner.sim.load import random_requests
+    from atoll.planner.sim.report import report
     from atoll.bench.serve_routing import server_round
     from atoll.bench.serve_server import engine_argv
 

@@ -1,7 +1,6 @@
-"""`atoll bench serve`'s load: the requests (random token ids or a JSONL of prompts), their
-arrival times (vLLM's: gamma-distributed gaps of shape `burstiness` and mean 1/rate, so 1 is
-Poisson; rate inf sends them all at once), and the streaming client that times each one
-against an OpenAI-compatible /v1/completions (httpx, imported by the functions that send).
+"""`atoll bench serve`'s client: the streaming client that times each request (built by
+planner/sim/load.py, which the simulator replays too) against an OpenAI-compatible
+/v1/completions (httpx, imported by the functions that send), each sent at its arrival time.
 
 A request is sent as vLLM's benchmark sends it: `prompt` is the token ids (the OpenAI API takes
 an int array) or the text, `stream` with `stream_options.include_usage` so the last chunk
@@ -17,89 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
-from atoll.bench.serve_report import RequestResult
-from atoll.errors import ConfigError, InputError, LaunchError
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt: list[int] | str  # token ids, or text
-    output_len: int  # max_tokens (and min_tokens with ignore_eos)
-
-    @property
-    def prompt_len(self) -> int | None:
-        """Tokens sent, when the prompt is token ids."""
-        return len(self.prompt) if isinstance(self.prompt, list) else None
-
-
-def random_requests(n: int, *, input_len: int, output_len: int, vocab_size: int, seed: int = 0,
-                    range_ratio: float = 0.0) -> list[BenchRequest]:
-    """n prompts of uniformly random token ids; with range_ratio r, each length is drawn
-    uniformly from [len * (1 - r), len * (1 + r)] (vLLM's --random-range-ratio), at least 1."""
-    if not 0 <= range_ratio < 1:
-        raise ConfigError(f"--range-ratio {range_ratio}: must be in [0, 1)")
-    rng = random.Random(seed)
-
-    def length(mean: int) -> int:
-        lo, hi = max(1, math.floor(mean * (1 - range_ratio))), max(1, math.ceil(mean * (1 + range_ratio)))
-        return rng.randint(lo, hi)
-
-    out = []
-    for _ in range(n):
-        isl, osl = length(input_len), length(output_len)
-        out.append(BenchRequest([rng.randrange(vocab_size) for _ in range(isl)], osl))
-    return out
-
-
-def jsonl_requests(path: str, n: int, *, output_len: int) -> list[BenchRequest]:
-    """The first n lines of a JSONL file, each {"prompt": text or token ids} with an optional
-    "output_len" (or "max_tokens"); fewer lines than n are cycled."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"--dataset {path}: no such file")
-    rows = []
-    for ln, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{ln}: not JSON ({e.msg})") from None
-        prompt = row.get("prompt") if isinstance(row, dict) else None
-        ok_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not ok_ids:
-            raise InputError(f"{path}:{ln}: needs \"prompt\": a non-empty text or list of token ids")
-        osl = row.get("output_len", row.get("max_tokens", output_len))
-        if isinstance(osl, bool) or not isinstance(osl, int) or osl < 1:
-            raise InputError(f"{path}:{ln}: output_len={osl!r} must be a whole number of at least 1")
-        rows.append(BenchRequest(prompt, osl))
-    if not rows:
-        raise InputError(f"--dataset {path}: no prompts")
-    return [rows[i % len(rows)] for i in range(n)]
-
-
-def arrival_times(n: int, *, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Seconds from the start at which each of n requests is sent: 0 for the first, then gaps
-    drawn from a gamma distribution of shape `burstiness` and scale 1 / (rate * burstiness)
-    (mean 1 / rate; burstiness 1 is a Poisson process, lower is burstier); all 0 at rate inf."""
-    if not rate > 0:
-        raise ConfigError(f"--request-rate {rate}: must be positive (inf: all at once)")
-    if not 0 < burstiness < math.inf:
-        raise ConfigError(f"--burstiness {burstiness}: must be a positive number")
-    if math.isinf(rate):
-        return [0.0] * n
-    rng = random.Random(seed)
-    theta = 1.0 / (rate * burstiness)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.gammavariate(burstiness, theta)
-    return out
+from atoll.planner.sim.load import BenchRequest, arrival_times
+from atoll.planner.sim.report import RequestResult
+from atoll.errors import LaunchError
 
 
 def payload(model: str, req: BenchRequest, *, ignore_eos: bool = True) -> dict:

@@ -14,22 +14,12 @@ TTFT and E2EL (mean, percentiles), throughput, and the load average after the si
 from __future__ import annotations
 
 import asyncio
-import random
 
 from atoll.bench.harness import sig
-from atoll.bench.serve_load import BenchRequest
+from atoll.planner.sim.load import shared_prefix_requests
 from atoll.errors import ConfigError
 
 ROUTERS = ("cache_aware", "round_robin")
-
-
-def shared_prefix_requests(n: int, *, systems: int, system_len: int, user_len: int, output_len: int,
-                           vocab_size: int, seed: int = 0) -> list[BenchRequest]:
-    """n requests, each one of `systems` shared prompts (drawn at random) and its own ids."""
-    rng = random.Random(seed)
-    shared = [[rng.randrange(vocab_size) for _ in range(system_len)] for _ in range(systems)]
-    return [BenchRequest(shared[rng.randrange(systems)] + [rng.randrange(vocab_size) for _ in range(user_len)],
-                         output_len) for _ in range(n)]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -90,8 +80,8 @@ def side(before: dict, after: dict, rep: dict, *, models_cache: bool) -> dict:
 
 def run_routing(args, bench, model_dir: str, vocab_size: int, percentiles) -> dict:
     """Both routers (module docstring), each on a server of its own."""
-    from atoll.bench.serve_load import random_requests
-    from atoll.bench.serve_report import report
+    from atoll.planner.sim.load import random_requests
+    from atoll.planner.sim.report import report
     from atoll.bench.serve_server import engine_argv
 
     if args.url:

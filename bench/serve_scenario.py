@@ -18,8 +18,9 @@ import math
 import time
 
 from atoll.bench.harness import sig
-from atoll.bench.serve_load import BenchRequest, payload, random_requests, send
-from atoll.bench.serve_report import RequestResult, report
+from atoll.bench.serve_load import payload, send
+from atoll.planner.sim.load import BenchRequest, random_requests
+from atoll.planner.sim.report import RequestResult, report
 from atoll.errors import ConfigError
 
 

@@ -108,7 +108,7 @@ class CostModel:
 
     # -- one decoder layer and one pipeline stage ------------------------------------------
     def layer(self, dense: bool, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
-              prompt_tokens=0.0, prompt_rows=0.0):
+              prompt_tokens=0.0, prompt_rows=0.0, chunk_ctx=None):
         """Seconds per category of one decoder layer (dense or MoE) in one pass; the arguments
         are stage()'s."""
         s, l, w = self.s, self.l, self.w
@@ -137,8 +137,10 @@ class CostModel:
                 parts = seqs_per_dp * new_tokens * cp * partial_bytes_per_token(s, tp)
                 one.add(self._comm_name("CP exchange", self.g_cp), all_gather(parts, self.g_cp),
                         when=seqs_per_dp != 0)
-        # the chunks' causal attention: each token over half its prompt
-        core = 2 * 2 * prompt_tokens * w.isl / 2 * (s.heads / tp) * s.head_dim
+        # the chunks' causal attention: each token over half its prompt (chunk_ctx: the positions
+        # a chunk token attends to on average, where the step's real chunks are known)
+        attended = w.isl / 2 if chunk_ctx is None else chunk_ctx
+        core = 2 * 2 * prompt_tokens * attended * (s.heads / tp) * s.head_dim
         self._op(one, 0.0, core, KV, peak=self.attn_flops if self.cal is None else None, rows=prompt_tokens,
                  when=prompt_tokens != 0)
         if cp > 1:
@@ -168,17 +170,18 @@ class CostModel:
         out.add(self._comm_name("CP exchange", g), t, when=when)
 
     def stage(self, stage: int, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
-              prompt_tokens=0.0, prompt_rows=0.0, layers: dict | None = None):
+              prompt_tokens=0.0, prompt_rows=0.0, chunk_ctx=None, layers: dict | None = None):
         """Seconds per category for one pass of a micro-batch through `stage`.
         seqs_per_dp: sequences on each active DP rank; new_tokens: tokens per sequence this pass
         (1 in decode, the prompt in prefill); ctx: tokens each sequence attends to.
         prompt_tokens: prompt-chunk tokens mixed into a decode pass on the busiest DP rank, each
         attending to half the prompt on average; prompt_rows: such tokens over the whole stage.
+        chunk_ctx: positions a chunk token attends to on average (default half the workload's isl).
         layers: the pass's layers by kind, costed once and shared by every stage of the pass.
         Numbers give a dict (parts.Parts); arrays of sequences or prompt tokens a parts.Many."""
         s, l, w = self.s, self.l, self.w
         kw = dict(seqs_per_dp=seqs_per_dp, active_dp=active_dp, new_tokens=new_tokens, ctx=ctx,
-                  prefill=prefill, prompt_tokens=prompt_tokens, prompt_rows=prompt_rows)
+                  prefill=prefill, prompt_tokens=prompt_tokens, prompt_rows=prompt_rows, chunk_ctx=chunk_ctx)
         layers = {} if layers is None else layers
         out = parts_for(seqs_per_dp, prompt_tokens, prompt_rows)
         start, end = self.stages[stage]
@@ -294,6 +297,26 @@ class CostModel:
         with np.errstate(divide="ignore", invalid="ignore"):
             total = self._decode(b, k, prompt_len)[1]
         return total.singles()
+
+    def micro_batch(self, rows: int, chunk_tokens: int, *, ctx: float, chunk_ctx: float,
+                    dp_rows: int | None = None, dp_chunk_tokens: int | None = None) -> tuple[float, float, dict]:
+        """One micro-batch's pass through every stage, as the simulator's engines run it
+        (planner/sim): `rows` decoding sequences attending to `ctx` positions on average, and
+        `chunk_tokens` prompt-chunk tokens attending to `chunk_ctx` on average. With DP the
+        busiest DP rank's share is given (dp_rows, dp_chunk_tokens; default an even split).
+        Returns (the pass's seconds, its slowest stage's, the breakdown)."""
+        l = self.l
+        per_dp = dp_rows if dp_rows is not None else -(-rows // l.dp)
+        busiest = dp_chunk_tokens if dp_chunk_tokens is not None else chunk_tokens / l.dp
+        parts = self._passes(dict(seqs_per_dp=per_dp, active_dp=max(1, min(l.dp, rows)), new_tokens=1, ctx=ctx,
+                                  prefill=False, prompt_tokens=busiest, prompt_rows=chunk_tokens, chunk_ctx=chunk_ctx))
+        if self.runtime:
+            for p in parts:
+                for k, v in self.measured.tick_exchange(self, per_dp).items():
+                    p[k] += v
+        total = self._through_stages(parts, (rows * self.cp + chunk_tokens) * self.s.hidden * self.w.act_bytes)
+        slowest = max(p.total() for p in {id(p): p for p in parts}.values())
+        return total.total(), slowest, dict(total)
 
     def prefill(self, requests: int) -> tuple[float, float, dict[str, float]]:
         """(time for one request to pass all stages, bottleneck-stage time per `requests`

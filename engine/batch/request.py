@@ -24,7 +24,7 @@ def finish_reason(seq, max_len: int, decode=None) -> str | None:
         text = decode(seq.output[-64:])  # a stop string ends within the last few tokens
         if any(stop in text for stop in p.stop):
             return "stop"
-    if len(seq.output) >= p.max_tokens or len(seq.tokens) >= max_len:
+    if len(seq.output) >= p.max_tokens or seq.length >= max_len:
         return "length"
     return None
 

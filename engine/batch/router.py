@@ -72,7 +72,8 @@ class CacheAwareRouter:
 
     def choose(self, tokens: list[int], loads: list[int], alive: list[int]) -> Route:
         """loads[r]: replica r's unfinished requests; alive: the replicas that may take it."""
-        names = prefix_names(tokens, self.block_size, (len(tokens) - 1) // self.block_size)
+        full = prefix_names(tokens, self.block_size)  # every full block, for the model below
+        names = full[:(len(tokens) - 1) // self.block_size]  # the last token's block is always computed
         hits = {r: self.models[r].match(names) for r in alive}
         # the least loaded; among equals the one whose cache holds least, so new prefixes spread
         least = min(alive, key=lambda r: (loads[r], len(self.models[r].names), r))
@@ -85,7 +86,7 @@ class CacheAwareRouter:
                 route = Route(least, "balance", hits[least] * self.block_size)
             else:
                 route = Route(pick, "prefix", best * self.block_size)
-        self.models[route.replica].touch(prefix_names(tokens, self.block_size))
+        self.models[route.replica].touch(full)
         return route
 
     def forget(self, replica: int) -> None:

@@ -50,6 +50,11 @@ class Sequence:
         return self.request.prompt_token_ids + self.output
 
     @property
+    def length(self) -> int:
+        """len(tokens), without building them."""
+        return len(self.request.prompt_token_ids) + len(self.output)
+
+    @property
     def remaining(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.output) - self.cached
 
@@ -64,7 +69,7 @@ class Scheduled:
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.start + self.count - len(self.draft) == len(self.seq.tokens)
+        return self.start + self.count - len(self.draft) == self.seq.length
 
     @property
     def token_ids(self) -> list[int]:
@@ -121,9 +126,9 @@ class Scheduler:
         change) if the blocks it needs are not free."""
         pool, hits = self.pool, []
         if self.prefix_caching:  # never the block of the last token: it is computed to sample
-            hits = pool.lookup(self._names(seq, (len(seq.tokens) - 1) // pool.block_size))
+            hits = pool.lookup(self._names(seq, (seq.length - 1) // pool.block_size))
         start = len(hits) * pool.block_size
-        count = min(len(seq.tokens) - start, budget)
+        count = min(seq.length - start, budget)
         if not pool.fits(hits, start + count):
             return None
         pool.share(seq.blocks, hits)
@@ -154,8 +159,9 @@ class Scheduler:
         out: list[Scheduled] = []
         budget = self.budget
         # running sequences first, oldest first; each needs its next chunk (1 token when decoding)
+        gone: set[Sequence] = set()  # preempted this step (a set: a running list may be long)
         for seq in list(self.running):
-            if seq not in self.running:
+            if seq in gone:
                 continue  # preempted below by an older sequence
             count = min(seq.remaining, budget)
             if count == 0:
@@ -165,9 +171,10 @@ class Scheduler:
             while not self.pool.grow(seq.blocks, seq.cached + count):
                 victim = self.running[-1]
                 self._preempt(victim)
+                gone.add(victim)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq in gone:
                 continue
             out.append(self._commit(Scheduled(seq, seq.cached, count)))
             budget -= count

@@ -102,6 +102,8 @@ class BlockPool:
 
     def grow(self, table: list[int], tokens: int) -> bool:
         """Extend table to hold `tokens` positions; False (and no change) if blocks run out."""
+        if len(table) * self.block_size >= tokens:
+            return True  # it holds them already (most decode steps)
         if not self.can_grow(table, tokens):
             return False
         for j in range(len(table), self.blocks_for(tokens)):

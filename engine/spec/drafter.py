@@ -38,7 +38,7 @@ class Drafter(ABC):
             seq, params = c.seq, c.seq.request.params
             if c.count != 1 or not c.samples or not seq.output or params.logprobs is not None:
                 continue  # a prompt's chunk, or a request that asks for logprobs (given per plain step)
-            k = min(cfg.k, budget, self.max_model_len - len(seq.tokens) - 1, params.max_tokens - len(seq.output) - 1)
+            k = min(cfg.k, budget, self.max_model_len - seq.length - 1, params.max_tokens - len(seq.output) - 1)
             if k < 1 or not pool.grow(seq.blocks, c.start + 1 + k):
                 continue
             budget -= k

@@ -121,7 +121,7 @@ class MtpDrafter(Drafter):
         end = -1
         for seq, start, n in zip(seqs, starts, counts):
             end += n
-            if start + n == seq.cached and len(seq.tokens) == seq.cached + 1:  # decoding next
+            if start + n == seq.cached and seq.length == seq.cached + 1:  # decoding next
                 self.ready[seq] = (seq.cached, out[end])
 
     @torch.inference_mode()

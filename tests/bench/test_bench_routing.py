@@ -4,7 +4,8 @@ without replicas is one line."""
 
 from cli import run_cli
 
-from atoll.bench.serve_routing import render, shared_prefix_requests, side
+from atoll.bench.serve_routing import render, side
+from atoll.planner.sim.load import shared_prefix_requests
 
 
 def test_requests_share_the_system_prompts():

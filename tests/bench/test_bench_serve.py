@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from atoll.bench.serve_compare import plan_workload
-from atoll.bench.serve_load import (BenchRequest, arrival_times, jsonl_requests, payload, random_requests,
-                                    run_load)
-from atoll.bench.serve_report import (RequestResult, goodput, meets, parse_goodput, parse_percentiles, percentile,
+from atoll.bench.serve_load import payload, run_load
+from atoll.planner.sim.load import BenchRequest, arrival_times, jsonl_requests, random_requests
+from atoll.planner.sim.report import (RequestResult, goodput, meets, parse_goodput, parse_percentiles, percentile,
                                       report, summarize)
 from atoll.bench.serve_server import engine_argv
 from atoll.errors import ConfigError, InputError
@@ -312,7 +312,7 @@ def test_bench_serve_smoke(tiny_model, tmp_path):
 
 
 def test_mixed_requests_have_the_long_share():
-    from atoll.bench.serve_disagg import mixed_requests
+    from atoll.planner.sim.load import mixed_requests
 
     reqs = mixed_requests(400, input_len=8, long_len=64, long_share=0.1, output_len=4, vocab_size=50, seed=3)
     lens = [r.prompt_len for r in reqs]

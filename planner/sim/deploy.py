@@ -1,0 +1,151 @@
+"""A deployment to simulate: replicas of one layout behind the router, or xPyD disaggregation
+(X prefill engines of one layout, Y decode engines of another), with the engine options that
+shape its steps (max_num_seqs, the chunk budget, the block size, prefix caching, the KV dtype,
+speculation) and the KV capacity each engine gets.
+
+KV capacity: on a CPU machine what the runtime allocates there (engine.kv.sizing.cpu_blocks:
+max_num_seqs sequences of max_model_len per lane); on GPUs what the planner's memory model
+leaves of gpu_memory_utilization x the GPU's memory once the weights, activations, buffers
+and reserve are counted (planner/memory.py), in blocks of the runtime's size. --num-blocks
+overrides both.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from atoll.config.engine import default_batched_tokens
+from atoll.engine.kv.sizing import cpu_blocks
+from atoll.errors import ConfigError
+from atoll.parallel.layout import Layout
+from atoll.parallel.placement import Placement
+from atoll.planner.cost import CostModel
+from atoll.planner.memory import memory_fit
+from atoll.planner.shapes import shapes as model_shapes
+from atoll.planner.sim.clock import StepCost
+from atoll.planner.workload import Workload
+
+ROUTERS = ("cache_aware", "round_robin")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    layout: str = "TP1"  # each replica's layout (colocated)
+    replicas: int = 1
+    prefill: str | None = None  # xPyD: the prefill engines' layout ...
+    decode: str | None = None  # ... and the decode engines'
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    router: str = "cache_aware"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None  # None: the runtime's default for the device
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's
+    prefix_caching: bool = False
+    dtype: str = "auto"  # the weights' precision (planner Workload names)
+    kv_dtype: str = "auto"
+    num_blocks: int | None = None  # per engine replica; None: sized as the runtime would
+    gpu_memory_utilization: float = 0.9
+    spec_tokens: int = 0  # speculative tokens a decode step drafts (0: off)
+    acceptance: float = 0.0  # the chance each drafted token is kept
+    draft_rate: float = 1.0  # the share of decode steps that get a draft
+    min_prompt_tokens: int = 0  # disaggregation: shorter uncached prompts stay on the decode engine
+    max_prefill_queue: int | None = None
+
+    def __post_init__(self):
+        for name in ("replicas", "prefill_replicas", "decode_replicas", "max_num_seqs", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
+                raise ConfigError(f"{name}={v!r} must be a whole number from 1 to {1 << 20}")
+        for name in ("max_num_batched_tokens", "max_model_len", "num_blocks", "max_prefill_queue"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 40):
+                raise ConfigError(f"{name}={v!r} must be a whole number from 1 to {1 << 40}")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router {self.router!r}: choose one of {', '.join(ROUTERS)}")
+        if (self.prefill is None) != (self.decode is None):
+            raise ConfigError("disaggregation takes both a prefill and a decode layout")
+        if not 0 <= self.acceptance <= 1 or not 0 <= self.draft_rate <= 1:
+            raise ConfigError(f"acceptance {self.acceptance} and draft rate {self.draft_rate} must lie in [0, 1]")
+        if isinstance(self.spec_tokens, bool) or not isinstance(self.spec_tokens, int) or not 0 <= self.spec_tokens <= 64:
+            raise ConfigError(f"spec_tokens={self.spec_tokens!r} must be a whole number from 0 to 64")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+    def describe(self) -> str:
+        if self.disaggregated:
+            return f"{self.prefill_replicas}P{self.decode_replicas}D ({self.prefill} prefill, {self.decode} decode)"
+        return f"{self.replicas} x {self.layout}"
+
+    @property
+    def gpus_per_engine(self) -> list[int]:
+        if self.disaggregated:
+            p, d = Layout.parse(self.prefill).world_size, Layout.parse(self.decode).world_size
+            return [p] * self.prefill_replicas + [d] * self.decode_replicas
+        return [Layout.parse(self.layout).world_size] * self.replicas
+
+
+@dataclass
+class EngineKind:
+    """What every engine of one layout shares: its cost, KV capacity and options."""
+    layout: Layout
+    cost_model: CostModel
+    num_blocks: int  # per DP replica
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def step_cost(self) -> StepCost:
+        return StepCost(self.cost_model)
+
+
+def on_cpu(topology) -> bool:
+    cal = topology.calibration
+    return (cal is not None and cal.device == "cpu") or topology.gpu.name.startswith("cpu")
+
+
+def engine_kind(config, topology, deployment: Deployment, layout_text: str, *, isl: float, osl: float,
+                first_rank: int = 0) -> EngineKind:
+    """One engine layout's cost model and KV capacity for requests of mean isl in, osl out."""
+    d = deployment
+    layout = Layout.parse(layout_text).validate(config)
+    if layout.world_size > topology.num_gpus:
+        raise ConfigError(f"{layout} takes {layout.world_size} GPUs; {topology.name} has {topology.num_gpus}")
+    max_len = min(d.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+    work = Workload(isl=max(1, round(isl)), osl=max(1, round(osl)), concurrency=d.max_num_seqs, dtype=d.dtype,
+                    kv_dtype=d.kv_dtype)
+    if work.context > config.max_position_embeddings:
+        work = replace(work, isl=max(1, config.max_position_embeddings - work.osl))
+    work = work.resolved(config)
+    sh = model_shapes(config)
+    placement = Placement.build(layout, topology, allow_cross_island=True)
+    cm = CostModel(config, sh, topology, work, layout, placement,
+                   ranks=min(topology.gpus_per_node, layout.world_size))
+    cpu = on_cpu(topology)
+    budget = d.max_num_batched_tokens or default_batched_tokens(None if cpu else topology.gpu.memory_gib)
+    if d.num_blocks is not None:
+        blocks = d.num_blocks
+    elif cpu:
+        blocks = cpu_blocks(block_size=d.block_size, max_num_seqs=d.max_num_seqs, max_model_len=max_len,
+                            lanes=layout.pp, cp=layout.cp)
+    else:
+        blocks = gpu_blocks(config, sh, topology, work, layout, d)
+    if blocks < 1:
+        raise ConfigError(f"{layout} on {topology.name}: no memory left for a KV cache after the weights "
+                          f"({memory_fit(config, sh, topology, work, layout, 1).describe()})")
+    return EngineKind(layout, cm, blocks, budget, max_len)
+
+
+def gpu_blocks(config, shapes, topology, workload, layout, d: Deployment) -> int:
+    """KV blocks per DP replica the memory model leaves on the worst GPU."""
+    fit = memory_fit(config, shapes, topology, workload, layout, 1)
+    free = topology.gpu.memory_bytes * d.gpu_memory_utilization - (fit.weights + fit.activations + fit.buffers
+                                                                     + fit.reserve)
+    per_token = fit.kv_cache / workload.context  # one sequence's bytes per token on that GPU
+    if per_token <= 0:
+        return 1 << 30
+    return max(0, math.floor(free / (per_token * d.block_size)))

@@ -1,0 +1,212 @@
+"""One simulated engine: atoll's own lanes, scheduler and block pools (engine.batch, engine.kv)
+ticking as the rank loop ticks them (engine/rank/core.py: EngineCore.step), each tick timed by
+the cost model (clock.py) instead of run by ranks.
+
+A tick schedules the lane whose micro-batch enters the pipeline, with every DP replica of the
+engine doing the same in lock step; the micro-batch leaves the last stage `pp` ticks later and
+its sampling chunks take their token then. A tick lasts as long as its slowest micro-batch in
+flight takes in its stage (with one stage: the whole pass). A request that arrives during a
+tick joins at the next, as the rank loop reads its feed between ticks.
+
+Tokens: a simulated sequence samples stand-in token ids that are distinct per request and
+position (so no two requests share a generated block by accident); the prompt's are its own.
+Speculative decoding uses the engine's own Drafter (engine.spec.drafter: which chunks get a
+draft, its length, its blocks); each drafted token is kept with probability `acceptance`
+until the first rejected one, as a verify step keeps the longest agreeing run.
+"""
+
+from __future__ import annotations
+
+import random
+
+from atoll.config.sampling import SamplingParams
+from atoll.config.speculative import SpeculativeConfig
+from atoll.engine.batch.lanes import Lanes
+from atoll.engine.batch.request import Request, finish_reason
+from atoll.engine.batch.scheduler import Sequence
+from atoll.engine.spec.drafter import Drafter
+
+
+def token_at(index: int, position: int) -> int:
+    """The stand-in token a simulated request samples at `position`."""
+    return (index * 1_000_003 + position * 7_919) % 2_000_000_011
+
+
+class SimDrafter(Drafter):
+    """Drafts `k` stand-in tokens for a chunk with probability `draft_rate` (1: every decode
+    step; an n-gram drafter drafts only where its lookup finds a match)."""
+
+    method = "simulated"
+
+    def __init__(self, k: int, *, draft_rate: float, max_model_len: int, seed: int):
+        super().__init__(SpeculativeConfig(method="ngram", num_speculative_tokens=k), max_model_len=max_model_len)
+        self.rate, self.rng = draft_rate, random.Random(seed)
+
+    def propose(self, wants: list[tuple]) -> list[list[int]]:
+        return [[0] * k if self.rng.random() < self.rate else [] for _, k in wants]
+
+
+class SimEngine:
+    """An engine of `dp` replicas in lock step, each with its own Lanes (pp lanes when
+    pipelined), timed by `cost` (a clock.StepCost). Callbacks: on_chunk(seq, tokens, t) as a
+    sequence takes tokens at time t, on_end(seq, t) as it ends."""
+
+    def __init__(self, name: str, cost, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, pp: int = 1, dp: int = 1,
+                 prefix_caching: bool = False, spec_k: int = 0, acceptance: float = 0.0, draft_rate: float = 1.0,
+                 seed: int = 0, on_chunk=None, on_end=None):
+        self.name, self.cost, self.depth, self.max_model_len = name, cost, pp, max_model_len
+        self.drafter = (SimDrafter(spec_k, draft_rate=draft_rate, max_model_len=max_model_len, seed=seed)
+                        if spec_k else None)
+        self.acceptance, self.rng = acceptance, random.Random(seed + 1)
+        self.replicas = [Lanes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, depth=pp,
+                               prefix_caching=prefix_caching, drafter=self.drafter) for _ in range(dp)]
+        self.inflight: list = []  # [(per-replica chunk lists, pass seconds, stage seconds)], newest first
+        self.tick_no = 0
+        self.busy_s = 0.0
+        self.running_tick = False  # a tick is under way (its end is an event)
+        self.adopting: list = []  # sequences computed elsewhere, waiting for room (disaggregation)
+        self.adopted_extra_s = 0.0  # this tick's KV receive time
+        self.on_chunk, self.on_end = on_chunk, on_end
+        self.unfinished = 0
+        self.spec = {"steps": 0, "drafted": 0, "accepted": 0}
+
+    # -- requests -------------------------------------------------------------------------
+    def add(self, index: int, prompt: list[int], output_len: int) -> Sequence:
+        req = Request(index, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True))
+        seq = Sequence(req, None, arrived_step=self.tick_no)
+        loads = [sum(len(s.waiting) + len(s.running) for s in r.schedulers) for r in self.replicas]
+        seq.replica = loads.index(min(loads))
+        self.replicas[seq.replica].add(seq)
+        self.unfinished += 1
+        return seq
+
+    def hand_over(self, seq: Sequence, receive_s: float) -> None:
+        """A sequence whose prompt another engine computed (its first token in output): it
+        joins once a lane has room, the tick that adopts it taking receive_s longer."""
+        self.adopting.append((seq, receive_s))
+        self.unfinished += 1
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.adopting or any(r.has_work() for r in self.replicas)
+                    or any(mb is not None for mb in self.inflight))
+
+    def pools(self):
+        return [s.pool for r in self.replicas for s in r.schedulers]
+
+    # -- ticks ----------------------------------------------------------------------------
+    def start_tick(self, now: float) -> float:
+        """Schedule this tick's micro-batch; returns when the tick ends."""
+        extra = self._adopt(now)
+        chunks = []
+        for r in self.replicas:
+            lane = r.at(self.tick_no)
+            chunks.append(lane.schedule(self.tick_no) if lane is not None else [])
+        entry = None
+        if any(chunks):
+            entry = (chunks, *self._cost(chunks))
+        self.inflight.insert(0, entry)
+        live = [e for e in self.inflight if e is not None]
+        if self.depth == 1:
+            dt = live[0][1] if live else 0.0
+        else:
+            dt = max((e[2] for e in live), default=0.0)
+        dt += extra
+        self.busy_s += dt
+        self.running_tick = True
+        return now + dt
+
+    def end_tick(self, t: float) -> None:
+        """The tick ends at t: the micro-batch leaving the last stage takes its tokens."""
+        self.running_tick = False
+        if len(self.inflight) == self.depth:
+            done = self.inflight.pop()
+            if done is not None:
+                for chunks in done[0]:
+                    for c in chunks:
+                        self._apply(c, t)
+        self.tick_no += 1
+
+    def _cost(self, chunks: list[list]) -> tuple[float, float]:
+        rows = chunk = 0
+        ctx = attended = 0.0
+        per_rows, per_chunk = [], []
+        for part in chunks:
+            r = k = 0
+            for c in part:
+                if c.start >= len(c.seq.request.prompt_token_ids):  # a decode step (and its draft)
+                    r += 1
+                    ctx += c.start + c.count
+                    k += c.count - 1
+                    attended += (c.count - 1) * (c.start + c.count / 2)
+                else:  # a prompt chunk: each token over the positions before it
+                    k += c.count
+                    attended += c.count * (c.start + c.count / 2)
+            per_rows.append(r)
+            per_chunk.append(k)
+            rows += r
+            chunk += k
+        dp = len(self.replicas)
+        pass_s, stage_s, key = self.cost.tick(rows, chunk, ctx, attended,
+                                              dp_rows=max(per_rows) if dp > 1 else None,
+                                              dp_chunk_tokens=max(per_chunk) if dp > 1 else None)
+        self.cost.count(key)
+        return pass_s, stage_s
+
+    def _adopt(self, now: float) -> float:
+        """Sequences handed over, in order, while a lane has room; the KV receive time they add."""
+        extra = 0.0
+        while self.adopting:
+            seq, receive_s = self.adopting[0]
+            loads = [sum(len(s.waiting) + len(s.running) for s in r.schedulers) for r in self.replicas]
+            seq.replica = loads.index(min(loads))
+            seq.arrived_step = self.tick_no
+            if not self.replicas[seq.replica].adopt(seq, self.tick_no):
+                break
+            self.adopting.pop(0)
+            extra += receive_s
+            if self._finished(seq):  # one output token: done with the prefill engine's
+                self._end(seq, now)
+        return extra
+
+    def _apply(self, c, t: float) -> None:
+        seq = c.seq
+        seq.cached = c.start + c.count
+        taken = 1
+        if c.draft:
+            accepted = 0
+            while accepted < len(c.draft) and self.rng.random() < self.acceptance:
+                accepted += 1
+            seq.cached -= len(c.draft) - accepted
+            self.replicas[seq.replica].schedulers[seq.lane].pool.trim(seq.blocks, seq.cached)
+            taken += accepted
+            for k, n in (("steps", 1), ("drafted", len(c.draft)), ("accepted", accepted)):
+                self.spec[k] += n
+        if not c.samples:
+            return
+        tokens, finished = 0, False
+        while tokens < taken and not finished:
+            seq.output.append(token_at(seq.request.index, seq.length))
+            tokens += 1
+            finished = finish_reason(seq, self.max_model_len) is not None
+        if self.on_chunk is not None:
+            self.on_chunk(seq, tokens, t)
+        if finished:
+            self._end(seq, t)
+
+    def _finished(self, seq: Sequence) -> bool:
+        return bool(seq.output) and finish_reason(seq, self.max_model_len) is not None
+
+    def _end(self, seq: Sequence, t: float) -> None:
+        self.replicas[seq.replica].end(seq)
+        self.unfinished -= 1
+        if self.on_end is not None:
+            self.on_end(seq, t)
+
+    # -- figures --------------------------------------------------------------------------
+    def blocks(self) -> tuple[int, int]:
+        """(blocks in use, blocks in all) over the engine's pools."""
+        pools = self.pools()
+        return sum(p.num_blocks - p.num_free for p in pools), sum(p.num_blocks for p in pools)
