@@ -30,6 +30,7 @@ import math
 
 from atoll.bench.harness import Run, sig
 from atoll.errors import ConfigError
+from atoll.planner.sim.report import parse_goodput, parse_percentiles, report_lines
 
 SCENARIOS = ("load", "long-prompt", "routing", "disagg")
 
@@ -48,6 +49,28 @@ def add_parser(sub) -> None:
     p.add_argument("--scenario", choices=SCENARIOS, default="load",
                    help="load (default), long-prompt, routing (cache-aware against round-robin replicas), or "
                         "disagg (colocated against --prefill/--decode)")
+    add_load_options(p)
+    p.add_argument("--compare-plan", action="store_true",
+                   help="the planner's TTFT / TPOT for this model, layout, topology and load beside the measured")
+    p.add_argument("--topology", default="local", help="--compare-plan: preset or YAML (default local; a "
+                                                       "calibrated one from `atoll calibrate` is better)")
+    p.add_argument("--compare-offline", action="store_true",
+                   help="first the same requests through LLM.generate here: output tokens/s of both and the ratio")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timed rounds of the load (with --compare-offline: of both, the order alternating; "
+                        "medians compared) (default 1)")
+    p.add_argument("--streams", type=int, default=8, help="long-prompt: requests decoding (default 8)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a round may take (default 900)")
+    p.add_argument("--server-timeout", type=float, default=300.0,
+                   help="seconds a started server may take to answer /health (default 300)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    engine = p.add_argument_group("engine flags, for the server started here (and --compare-offline)")
+    add_model_options(engine, defaults=resolve())
+    p.set_defaults(run=run)
+
+
+def add_load_options(p) -> None:
+    """The load's flags, which `atoll simulate` takes alike: one command line can be run or simulated."""
     p.add_argument("--num-prompts", type=int, default=50, help="requests (default 50)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second (default inf: all at once)")
@@ -67,16 +90,6 @@ def add_parser(sub) -> None:
                    help="SLOs: ttft:MS tpot:MS e2el:MS; reports attainment and goodput")
     p.add_argument("--metric-percentiles", default="50,90,99", help="percentiles reported (default 50,90,99)")
     p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default 0)")
-    p.add_argument("--compare-plan", action="store_true",
-                   help="the planner's TTFT / TPOT for this model, layout, topology and load beside the measured")
-    p.add_argument("--topology", default="local", help="--compare-plan: preset or YAML (default local; a "
-                                                       "calibrated one from `atoll calibrate` is better)")
-    p.add_argument("--compare-offline", action="store_true",
-                   help="first the same requests through LLM.generate here: output tokens/s of both and the ratio")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="timed rounds of the load (with --compare-offline: of both, the order alternating; "
-                        "medians compared) (default 1)")
-    p.add_argument("--streams", type=int, default=8, help="long-prompt: requests decoding (default 8)")
     p.add_argument("--long-len", type=int, default=4096,
                    help="long-prompt: its tokens; disagg: the long prompts' tokens (default 4096)")
     p.add_argument("--long-share", type=float, default=0.1,
@@ -86,32 +99,39 @@ def add_parser(sub) -> None:
     p.add_argument("--system-prompts", type=int, default=8,
                    help="routing: shared prompts of --input-len tokens the requests start with (default 8)")
     p.add_argument("--user-len", type=int, default=32, help="routing: each request's own tokens after it (default 32)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds a round may take (default 900)")
-    p.add_argument("--server-timeout", type=float, default=300.0,
-                   help="seconds a started server may take to answer /health (default 300)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    engine = p.add_argument_group("engine flags, for the server started here (and --compare-offline)")
-    add_model_options(engine, defaults=resolve())
-    p.set_defaults(run=run)
 
 
-def check_args(args) -> tuple[dict, tuple]:
-    from atoll.planner.sim.report import parse_goodput, parse_percentiles
+MAX_PROMPTS = 10_000_000  # requests a load may hold (lengths bounded by the model's context)
 
-    for name in ("num_prompts", "input_len", "streams", "long_len", "long_after", "rounds"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+
+def check_load(args) -> tuple[dict, tuple]:
+    """The load flags' values (add_load_options), each out of range named in one line; the SLOs
+    and percentiles parsed."""
+    for name in ("num_prompts", "input_len", "long_len", "long_after", "system_prompts", "user_len"):
+        v = getattr(args, name)
+        if not 1 <= v <= MAX_PROMPTS:
+            raise ConfigError(f"--{name.replace('_', '-')} {v} must be a whole number from 1 to {MAX_PROMPTS}")
     for name in ("output_len", "max_concurrency"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
-    for name in ("timeout", "server_timeout"):
-        if not 0 < getattr(args, name) < math.inf:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a positive number of seconds")
+        v = getattr(args, name)
+        if v is not None and not 1 <= v <= MAX_PROMPTS:
+            raise ConfigError(f"--{name.replace('_', '-')} {v} must be a whole number from 1 to {MAX_PROMPTS}")
     if not args.request_rate > 0:
         raise ConfigError(f"--request-rate {args.request_rate} must be positive (inf: all at once)")
     if not 0 < args.burstiness < math.inf:
         raise ConfigError(f"--burstiness {args.burstiness} must be a positive number")
+    if not 0 <= args.long_share <= 1:
+        raise ConfigError(f"--long-share {args.long_share} must lie in [0, 1]")
     return parse_goodput(args.goodput), parse_percentiles(args.metric_percentiles)
+
+
+def check_args(args) -> tuple[dict, tuple]:
+    for name in ("streams", "rounds"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    for name in ("timeout", "server_timeout"):
+        if not 0 < getattr(args, name) < math.inf:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a positive number of seconds")
+    return check_load(args)
 
 
 def run(args) -> int:
@@ -237,7 +257,7 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
 def compare_plan(args, model_dir: str, config, requests, measured: dict) -> dict:
     from atoll.bench.serve_compare import plan_prediction, plan_workload, versus_plan
     from atoll.config import from_args
-    from atoll.engine.driver.llm import resolve_layout
+    from atoll.parallel.layout import resolve_layout
     from atoll.launch.device import decide
 
     layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
@@ -267,21 +287,7 @@ def render(r: dict) -> str:
     rate = r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}"
     lines = [f"{r['model']}: {r['num_prompts']} requests, {r['input_len'] or 'dataset'} in / {r['output_len']} out, "
              f"rate {rate} req/s, burstiness {r['burstiness']:g}, max concurrency {r['max_concurrency'] or '-'}",
-             f"  completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s, "
-             f"{s['total_input_tokens']} input / {s['total_output_tokens']} output tokens"
-             + ("" if s["token_counts_from_usage"] is not False else " (output counted as chunks: no usage)"),
-             f"  request throughput {_f(s['request_throughput'])} req/s, output {_f(s['output_throughput'])} tok/s, "
-             f"total {_f(s['total_token_throughput'])} tok/s"]
-    keys = [k for k in s["ttft_ms"]]
-    lines.append(f"  {'ms':<6}" + "".join(f"{k:>10}" for k in keys))
-    for m in ("ttft", "tpot", "itl", "e2el"):
-        lines.append(f"  {m.upper():<6}" + "".join(f"{_ms(s[m + '_ms'][k]):>10}" for k in keys))
-    if "goodput" in s:
-        g = s["goodput"]
-        slo = " ".join(f"{k}:{v:g}" for k, v in g["slos_ms"].items())
-        each = ", ".join(f"{k} {_f(v, 3)}" for k, v in g["attainment_by_slo"].items())
-        lines.append(f"  SLOs {slo} ms: attainment {_f(g['attainment'], 3)} ({each}); goodput "
-                     f"{_f(g['request_goodput'])} req/s, {_f(g['output_token_goodput'])} output tok/s")
+             *report_lines(s)]
     for i, x in enumerate(r.get("rounds", [])):
         off = f", offline {_f(x['offline']['output_throughput'])}" if "offline" in x else ""
         ratio = f", server / offline {x['serve_over_offline']}" if "offline" in x else ""

@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": "atoll.cli.demo",
     "convert": "atoll.cli.convert",
     "plan": "atoll.cli.plan",
+    "simulate": "atoll.cli.simulate",
     "calibrate": "atoll.cli.calibrate",
     "topo": "atoll.cli.topo",
     "bench": "atoll.cli.bench",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from atoll.errors import LayoutError
+from atoll.errors import InputError, LayoutError
 
 _TOKEN = re.compile(r"(MOETP|TP|PP|DP|EP|CP)(\d+)", re.IGNORECASE)
 _EXAMPLES = "e.g. TP8, TP8PP2, TP4EP4, DP4EP4, EP16, TP2CP2"
@@ -141,3 +141,18 @@ class Layout:
                 f"tp={self.tp} does not divide intermediate_size={config.intermediate_size}"
             )
         return self
+
+
+def resolve_layout(layout=None, tp: int | None = None, pp: int | None = None,
+                   dp: int | None = None, ep: int | None = None, cp: int | None = None) -> Layout:
+    """A Layout from its text ("TP2PP2") or from vLLM-style sizes (-tp, -pp, -dp, -ep, -cp)."""
+    if layout is not None:
+        if any(v is not None for v in (tp, pp, dp, ep, cp)):
+            raise InputError("give either --layout or the -tp/-pp/-dp/-ep sizes, not both (-cp is one of them)")
+        return layout if isinstance(layout, Layout) else Layout.parse(layout)
+    for flag, v in (("-tp", tp), ("-pp", pp), ("-dp", dp), ("-ep", ep), ("-cp", cp)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise InputError(f"{flag} {v!r} must be a whole number of at least 1")
+    if ep and not tp and not dp:
+        tp = ep  # as in Layout.parse: EP alone means TP attention over the same ranks
+    return Layout(tp=tp or 1, pp=pp or 1, dp=dp or 1, ep=ep or 1, cp=cp or 1)

@@ -31,7 +31,7 @@ from atoll.models.checkpoint import Checkpoint
 from atoll.models.config import ModelConfig
 from atoll.models.jsonfile import read_json_object
 from atoll.models.shape_check import check_layout_fits
-from atoll.parallel.layout import Layout
+from atoll.parallel.layout import Layout, resolve_layout
 from atoll.parallel.mesh import ContextOptions
 
 
@@ -47,21 +47,6 @@ class RequestOutput:
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None or k == "text"}
-
-
-def resolve_layout(layout=None, tp: int | None = None, pp: int | None = None,
-                   dp: int | None = None, ep: int | None = None, cp: int | None = None) -> Layout:
-    """A Layout from its text ("TP2PP2") or from vLLM-style sizes (-tp, -pp, -dp, -ep, -cp)."""
-    if layout is not None:
-        if any(v is not None for v in (tp, pp, dp, ep, cp)):
-            raise InputError("give either --layout or the -tp/-pp/-dp/-ep sizes, not both (-cp is one of them)")
-        return layout if isinstance(layout, Layout) else Layout.parse(layout)
-    for flag, v in (("-tp", tp), ("-pp", pp), ("-dp", dp), ("-ep", ep), ("-cp", cp)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise InputError(f"{flag} {v!r} must be a whole number of at least 1")
-    if ep and not tp and not dp:
-        tp = ep  # as in Layout.parse: EP alone means TP attention over the same ranks
-    return Layout(tp=tp or 1, pp=pp or 1, dp=dp or 1, ep=ep or 1, cp=cp or 1)
 
 
 def default_stop_ids(model_dir: Path, config: ModelConfig, tokenizer) -> tuple[int, ...]:

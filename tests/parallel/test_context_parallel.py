@@ -14,7 +14,7 @@ from reference import reference_tokens
 from atoll import LLM, SamplingParams
 from atoll.cli.main import main
 from atoll.engine.kv.blocks import BlockPool
-from atoll.engine.driver.llm import resolve_layout
+from atoll.parallel.layout import resolve_layout
 from atoll.errors import InputError, LayoutError
 from atoll.launch.local import run_local
 from atoll.layers import context_parallel
