@@ -10,27 +10,20 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
-from atoll.bench.serve import add_load_options, check_load
+from atoll.bench.serve import add_load_options, build_requests, check_load
 from atoll.config import add_model_options, resolve
-from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.batch.router import ROUTERS
-from atoll.engine.batch.tokenizer import Tokenizer
-from atoll.parallel.layout import resolve_layout
-from atoll.errors import ConfigError, InputError
 from atoll.models.gguf import demo_model_dir
 from atoll.models.presets import resolve_model
-from atoll.planner.sim import Deployment, simulate
-from atoll.planner.sim.deploy import on_cpu
-from atoll.planner.sim.load import jsonl_requests, mixed_requests, random_requests, shared_prefix_requests
+from atoll.planner.sim import simulate
+from atoll.planner.sim.deploy import from_engine_flags
+from atoll.planner.sim.load import tokenized
 from atoll.planner.sim.report import report_lines
 from atoll.topologies import load_topology
 
-PROMPTS = ("random", "shared-prefix", "long-mix")
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
 
 
 def add_parser(sub) -> None:
@@ -43,9 +36,6 @@ def add_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=None,
                    help="replicas of the layout behind the router (default 1; a dense model's -dp N means N too)")
     p.add_argument("--router", default="cache_aware", choices=ROUTERS, help="which replica takes a request")
-    p.add_argument("--prompts", choices=PROMPTS, default="random",
-                   help="random ids (default), shared-prefix (--system-prompts prefixes of --input-len, then "
-                        "--user-len own ids), or long-mix (a --long-share of --long-len prompts)")
     p.add_argument("--acceptance", type=float, default=None,
                    help="with --speculative-config: the chance each drafted token is kept (bench serve's "
                         "/metrics measure it)")
@@ -64,7 +54,8 @@ def run(args) -> int:
     topology = load_topology(args.topology)
     model = args.model or str(demo_model_dir())
     name, config = resolve_model(str(model))
-    deployment = deployment_of(args, config, topology)
+    deployment = from_engine_flags(args, config, topology, replicas=args.replicas, router=args.router,
+                                   acceptance=args.acceptance, draft_rate=args.draft_rate)
     requests = build(args, config, model)
     shown = not args.no_progress and sys.stderr.isatty()
     with tqdm(total=len(requests), desc="simulating", unit="req", file=sys.stderr, disable=not shown, delay=1.0,
@@ -78,63 +69,10 @@ def run(args) -> int:
     return 0
 
 
-def deployment_of(args, config, topology) -> Deployment:
-    """The deployment the engine flags describe (a dense model's dp as replicas, as atoll serve)."""
-    disagg = args.prefill is not None or args.decode is not None
-    layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
-                            args.data_parallel_size, args.expert_parallel_size, args.context_parallel_size)
-    replicas = args.replicas or 1
-    if not config.is_moe and layout.dp > 1:
-        if args.replicas is not None:
-            raise InputError(f"give replicas as --replicas or as the layout's dp ({layout}), not both")
-        replicas, layout = layout.dp, type(layout)(tp=layout.tp, pp=layout.pp, cp=layout.cp)
-    cpu = on_cpu(topology)
-    dtype = _DTYPES.get(args.dtype or "", "fp32" if cpu else "auto")
-    kv = {"auto": dtype, "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8": "int8"}
-    spec_k, acceptance = 0, 0.0
-    if args.speculative_config:
-        cfg = args.speculative_config if isinstance(args.speculative_config, SpeculativeConfig) \
-            else SpeculativeConfig.parse(args.speculative_config)
-        if args.acceptance is None:
-            raise ConfigError("--speculative-config needs --acceptance: the chance a drafted token is kept "
-                              "(atoll_spec_accepted_tokens over atoll_spec_draft_tokens in a server's /metrics)")
-        spec_k, acceptance = cfg.k, args.acceptance
-    return Deployment(layout=str(layout), replicas=replicas, prefill=args.prefill if disagg else None,
-                      decode=args.decode if disagg else None, prefill_replicas=args.prefill_replicas,
-                      decode_replicas=args.decode_replicas, router=args.router, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                      max_model_len=args.max_model_len, prefix_caching=bool(args.enable_prefix_caching),
-                      dtype=dtype, kv_dtype=kv.get(args.kv_cache_dtype or "auto", dtype), num_blocks=args.num_blocks,
-                      gpu_memory_utilization=args.gpu_memory_utilization, spec_tokens=spec_k, acceptance=acceptance,
-                      draft_rate=args.draft_rate, min_prompt_tokens=args.disagg_min_prompt_tokens,
-                      max_prefill_queue=args.disagg_max_prefill_queue)
-
-
 def build(args, config, model) -> list:
-    """The load's requests, as `atoll bench serve` builds them for the same flags."""
-    osl, n, vocab = args.output_len or 32, args.num_prompts, config.vocab_size
-    if args.dataset:
-        rows = jsonl_requests(args.dataset, n, output_len=osl)
-        if any(isinstance(r.prompt, str) for r in rows):
-            tok = _tokenizer(model)
-            rows = [type(r)(tok.encode(r.prompt) if isinstance(r.prompt, str) else r.prompt, r.output_len) for r in rows]
-        return rows
-    if args.prompts == "shared-prefix":
-        return shared_prefix_requests(n, systems=args.system_prompts, system_len=args.input_len,
-                                      user_len=args.user_len, output_len=osl, vocab_size=vocab, seed=args.seed)
-    if args.prompts == "long-mix":
-        return mixed_requests(n, input_len=args.input_len, long_len=args.long_len, long_share=args.long_share,
-                              output_len=osl, vocab_size=vocab, seed=args.seed)
-    return random_requests(n, input_len=args.input_len, output_len=osl, vocab_size=vocab, seed=args.seed,
-                           range_ratio=args.range_ratio)
-
-
-def _tokenizer(model) -> Tokenizer:
-    path = Path(str(model))
-    if not (path / "tokenizer.json").is_file():
-        raise InputError(f"--dataset holds text prompts: --model {model} has no tokenizer.json to count their tokens "
-                         "(give token ids, or a checkpoint dir)")
-    return Tokenizer(path)
+    """The load's requests, as `atoll bench serve` builds them for the same flags; text prompts
+    counted in the model's tokens."""
+    return tokenized(build_requests(args, config, seed=args.seed), model)
 
 
 def render(r: dict) -> str:

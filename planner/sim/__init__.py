@@ -57,13 +57,13 @@ def simulate(model, topology, deployment: Deployment, requests: list, *, rate: f
     d = deployment
     if d.disaggregated:
         gpus = d.prefill_replicas * _world(d.prefill) + d.decode_replicas * _world(d.decode)
-        kinds = [engine_kind(config, topology, d, d.prefill, isl=isl, osl=osl),
-                 engine_kind(config, topology, d, d.decode, isl=isl, osl=osl)]
+        layouts = [d.prefill, d.decode]
     else:
         gpus = d.replicas * _world(d.layout)
-        kinds = [engine_kind(config, topology, d, d.layout, isl=isl, osl=osl)]
+        layouts = [d.layout]
     if gpus > topology.num_gpus:
         raise ConfigError(f"{d.describe()} takes {gpus} GPUs; {topology.name} has {topology.num_gpus}")
+    kinds = [engine_kind(config, topology, d, lay, isl=isl, osl=osl, ranks=gpus) for lay in layouts]
     work = kinds[-1].cost_model.w
     kv_token = model_shapes(config).kv_bytes_per_token_layer(1, work.kv_bytes, work.kv_scale_bytes) \
         * config.num_hidden_layers

@@ -16,9 +16,10 @@ import math
 from dataclasses import dataclass, replace
 
 from atoll.config.engine import default_batched_tokens
+from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.kv.sizing import cpu_blocks
-from atoll.errors import ConfigError
-from atoll.parallel.layout import Layout
+from atoll.errors import ConfigError, InputError
+from atoll.parallel.layout import Layout, resolve_layout
 from atoll.parallel.placement import Placement
 from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
@@ -27,6 +28,7 @@ from atoll.planner.sim.clock import StepCost
 from atoll.planner.workload import Workload
 
 ROUTERS = ("cache_aware", "round_robin")
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}  # the runtime's names -> the planner's
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ def on_cpu(topology) -> bool:
 
 
 def engine_kind(config, topology, deployment: Deployment, layout_text: str, *, isl: float, osl: float,
-                first_rank: int = 0) -> EngineKind:
-    """One engine layout's cost model and KV capacity for requests of mean isl in, osl out."""
+                ranks: int | None = None) -> EngineKind:
+    """One engine layout's cost model and KV capacity for requests of mean isl in, osl out;
+    ranks: the deployment's ranks busy on one node (on a calibrated CPU they share its cores)."""
     d = deployment
     layout = Layout.parse(layout_text).validate(config)
     if layout.world_size > topology.num_gpus:
@@ -124,7 +127,7 @@ def engine_kind(config, topology, deployment: Deployment, layout_text: str, *, i
     sh = model_shapes(config)
     placement = Placement.build(layout, topology, allow_cross_island=True)
     cm = CostModel(config, sh, topology, work, layout, placement,
-                   ranks=min(topology.gpus_per_node, layout.world_size))
+                   ranks=min(topology.gpus_per_node, ranks or layout.world_size))
     cpu = on_cpu(topology)
     budget = d.max_num_batched_tokens or default_batched_tokens(None if cpu else topology.gpu.memory_gib)
     if d.num_blocks is not None:
@@ -149,3 +152,38 @@ def gpu_blocks(config, shapes, topology, workload, layout, d: Deployment) -> int
     if per_token <= 0:
         return 1 << 30
     return max(0, math.floor(free / (per_token * d.block_size)))
+
+
+def from_engine_flags(args, config, topology, *, replicas: int | None = None, router: str = "cache_aware",
+                      acceptance: float | None = None, draft_rate: float = 1.0) -> Deployment:
+    """The deployment `atoll serve`'s engine flags describe (config.add_model_options), a dense
+    model's dp as replicas as atoll serve takes it; acceptance: a drafted token's chance to be kept,
+    needed with --speculative-config."""
+    disagg = args.prefill is not None or args.decode is not None
+    layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
+                            args.data_parallel_size, args.expert_parallel_size, args.context_parallel_size)
+    count = replicas or 1
+    if not config.is_moe and layout.dp > 1:
+        if replicas is not None:
+            raise InputError(f"give replicas as --replicas or as the layout's dp ({layout}), not both")
+        count, layout = layout.dp, Layout(tp=layout.tp, pp=layout.pp, cp=layout.cp)
+    cpu = on_cpu(topology)
+    dtype = _DTYPES.get(args.dtype or "", "fp32" if cpu else "auto")
+    kv = {"auto": dtype, "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8": "int8"}
+    spec_k = 0
+    if args.speculative_config:
+        cfg = args.speculative_config if isinstance(args.speculative_config, SpeculativeConfig) \
+            else SpeculativeConfig.parse(args.speculative_config)
+        if acceptance is None:
+            raise ConfigError("--speculative-config needs --acceptance: the chance a drafted token is kept "
+                              "(a server's /metrics give it: atoll_spec_decode_acceptance_rate)")
+        spec_k = cfg.k
+    return Deployment(layout=str(layout), replicas=count, prefill=args.prefill if disagg else None,
+                      decode=args.decode if disagg else None, prefill_replicas=args.prefill_replicas,
+                      decode_replicas=args.decode_replicas, router=router, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                      max_model_len=args.max_model_len, prefix_caching=bool(args.enable_prefix_caching),
+                      dtype=dtype, kv_dtype=kv.get(args.kv_cache_dtype or "auto", dtype), num_blocks=args.num_blocks,
+                      gpu_memory_utilization=args.gpu_memory_utilization, spec_tokens=spec_k, acceptance=acceptance or 0.0,
+                      draft_rate=draft_rate, min_prompt_tokens=args.disagg_min_prompt_tokens,
+                      max_prefill_queue=args.disagg_max_prefill_queue)

@@ -14,7 +14,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from atoll.engine.batch.tokenizer import Tokenizer
 from atoll.errors import ConfigError, InputError
+
+PROMPTS = ("random", "shared-prefix", "long-mix")
 
 
 @dataclass(frozen=True)
@@ -111,3 +114,17 @@ def mixed_requests(n: int, *, input_len: int, long_len: int, long_share: float, 
         length = long_len if rng.random() < long_share else input_len
         out.append(BenchRequest([rng.randrange(vocab_size) for _ in range(length)], output_len))
     return out
+
+
+def tokenized(requests: list[BenchRequest], model_dir) -> list[BenchRequest]:
+    """The requests with text prompts turned into the model's token ids (its tokenizer.json)."""
+    if not any(isinstance(r.prompt, str) for r in requests):
+        return requests
+    path = Path(str(model_dir))
+    if not (path / "tokenizer.json").is_file():
+        raise InputError(f"text prompts: {model_dir} has no tokenizer.json to count their tokens (give token ids, "
+                         "or a checkpoint dir)")
+    tok = Tokenizer(path)
+    return [BenchRequest(tok.encode(r.prompt) if isinstance(r.prompt, str) else r.prompt, r.output_len)
+            for r in requests]
+

@@ -235,7 +235,6 @@ class Simulation:
 
     def _ended(self, seq: Sequence, t: float) -> None:
         i = seq.request.index
-        c = self.clients[i]
         prefill = next((p for p in getattr(self, "prefills", ()) if i in getattr(p, "bound_for", {})), None)
         if prefill is not None and self.where[i] is not prefill:
             self._hand_off(prefill, seq, t)

@@ -308,6 +308,11 @@ def test_bench_serve_smoke(tiny_model, tmp_path):
     p = r["plan"]
     assert p["predicted"]["layout"] == "TP1" and p["predicted"]["workload"]["request_rate"] == 40
     assert set(p["measured_over_predicted"]) == {"ttft", "tpot", "output_throughput"}
+    sim = p["simulated"]["serve"]  # the same six requests and arrivals through the simulator
+    assert (sim["completed"], sim["total_output_tokens"]) == (6, 30)
+    assert p["simulated"]["deployment"] == "1 x TP1"
+    assert {"ttft_p50", "tpot_p50", "tpot_p90", "goodput"} <= set(p["measured_over_simulated"])
+    assert all(v is None or v > 0 for v in p["measured_over_simulated"].values())
     assert r["load_avg_1m"] and r["cores"] >= 1
 
 

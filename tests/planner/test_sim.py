@@ -1,0 +1,157 @@
+"""atoll simulate (planner/sim): the engine's own scheduler, pools, router and disaggregation
+decision on the cost model's clock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from atoll.errors import ConfigError
+from atoll.planner.sim import Deployment, simulate
+from atoll.planner.sim.clock import bucket
+from atoll.planner.sim.deploy import engine_kind
+from atoll.planner.sim.load import mixed_requests, random_requests, shared_prefix_requests
+from atoll.models.presets import resolve_model
+from atoll.topologies import load_topology
+
+MODEL = "Llama-3.1-8B"
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return load_topology("dgx-h200")
+
+
+def _reqs(n=120, isl=512, osl=64, **kw):
+    return random_requests(n, input_len=isl, output_len=osl, vocab_size=32000, seed=3, **kw)
+
+
+def test_every_request_completes_with_its_length_and_runs_repeat(h200):
+    reqs = _reqs(range_ratio=0.5)
+    a = simulate(MODEL, h200, Deployment(layout="TP2", replicas=2, max_num_seqs=16), reqs, rate=30.0)
+    b = simulate(MODEL, h200, Deployment(layout="TP2", replicas=2, max_num_seqs=16), reqs, rate=30.0)
+    s = a["serve"]
+    assert (s["completed"], s["failed"]) == (len(reqs), 0)
+    assert s["total_output_tokens"] == sum(r.output_len for r in reqs)
+    assert s["total_input_tokens"] == sum(len(r.prompt) for r in reqs)
+    assert a["serve"] == b["serve"]  # a simulation is a function of its inputs
+    for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert 0 < s[m]["p50"] <= s[m]["p90"] <= s[m]["p99"]
+    assert all(0 < e["busy_share"] <= 1 for e in a["engines"])
+
+
+def test_a_lone_request_decodes_at_the_cost_models_step(h200):
+    """One request at a time: each decode tick is the cost model's one-row pass at its context."""
+    reqs = _reqs(n=3, isl=256, osl=33)
+    out = simulate(MODEL, h200, Deployment(layout="TP1"), reqs, rate=0.01)
+    _, config = resolve_model(MODEL)
+    kind = engine_kind(config, h200, Deployment(layout="TP1"), "TP1", isl=256, osl=33)
+    steps = [kind.cost_model.micro_batch(1, 0, ctx=c, chunk_ctx=0)[0] for c in range(257, 257 + 32)]
+    assert out["serve"]["tpot_ms"]["p50"] == pytest.approx(sum(steps) / len(steps) * 1e3, rel=0.01)
+    prefill = kind.cost_model.micro_batch(0, 256, ctx=0, chunk_ctx=128)[0]
+    assert out["serve"]["ttft_ms"]["p50"] == pytest.approx(prefill * 1e3, rel=0.02)
+
+
+def test_queueing_grows_with_the_rate(h200):
+    reqs = _reqs(n=200, isl=1024, osl=64)
+    low = simulate(MODEL, h200, Deployment(layout="TP1", max_num_seqs=64), reqs, rate=2.0)["serve"]
+    high = simulate(MODEL, h200, Deployment(layout="TP1", max_num_seqs=64), reqs, rate=200.0)["serve"]
+    assert high["ttft_ms"]["p90"] > 3 * low["ttft_ms"]["p90"]
+    assert high["tpot_ms"]["p50"] > low["tpot_ms"]["p50"]  # bigger batches, chunks beside them
+
+
+def test_the_engines_scheduler_preempts_when_blocks_run_out(h200):
+    reqs = _reqs(n=40, isl=256, osl=128)
+    out = simulate(MODEL, h200, Deployment(layout="TP1", max_num_seqs=32, num_blocks=120), reqs)
+    assert out["serve"]["completed"] == 40
+    assert out["engines"][0]["preemptions"] > 0
+
+
+def test_cache_aware_routing_finds_the_shared_prefixes(h200):
+    reqs = shared_prefix_requests(200, systems=4, system_len=1024, user_len=32, output_len=16, vocab_size=32000,
+                                  seed=1)
+    runs = {router: simulate(MODEL, h200, Deployment(layout="TP1", replicas=4, router=router, prefix_caching=True),
+                             reqs, rate=40.0) for router in ("cache_aware", "round_robin")}
+    assert runs["cache_aware"]["routed"].get("prefix", 0) > 150
+    assert runs["round_robin"]["routed"] == {"round_robin": 200}
+    assert runs["cache_aware"]["serve"]["ttft_ms"]["mean"] < runs["round_robin"]["serve"]["ttft_ms"]["mean"]
+
+
+def test_disaggregation_sends_long_prompts_to_the_prefill_engine(h200):
+    reqs = mixed_requests(100, input_len=128, long_len=4096, long_share=0.2, output_len=32, vocab_size=32000, seed=2)
+    d = Deployment(prefill="TP2", decode="TP2", min_prompt_tokens=1024)
+    out = simulate(MODEL, h200, d, reqs, rate=10.0)
+    long = sum(len(r.prompt) == 4096 for r in reqs)
+    assert out["routed"] == {"prefill": long, "decode": 100 - long, "queue": 0}
+    assert out["serve"]["completed"] == 100 and out["gpus"] == 4
+    assert [e["engine"] for e in out["engines"]] == ["prefill0", "decode0"]
+    assert out["serve"]["total_output_tokens"] == 100 * 32
+
+
+def test_speculation_keeps_what_it_accepts(h200):
+    reqs = _reqs(n=20, isl=128, osl=64)
+    plain = simulate(MODEL, h200, Deployment(layout="TP1"), reqs, rate=1.0)
+    spec = simulate(MODEL, h200, Deployment(layout="TP1", spec_tokens=3, acceptance=1.0), reqs, rate=1.0)
+    s = spec["engines"][0]["spec"]
+    assert s["accepted"] == s["drafted"] > 0
+    assert spec["serve"]["total_output_tokens"] == plain["serve"]["total_output_tokens"]
+    assert spec["serve"]["tpot_ms"]["p50"] < 0.5 * plain["serve"]["tpot_ms"]["p50"]
+    none = simulate(MODEL, h200, Deployment(layout="TP1", spec_tokens=3, acceptance=0.0), reqs, rate=1.0)
+    assert none["engines"][0]["spec"]["accepted"] == 0
+    assert none["serve"]["tpot_ms"]["p50"] >= plain["serve"]["tpot_ms"]["p50"]
+
+
+def test_max_concurrency_is_a_closed_loop(h200):
+    reqs = _reqs(n=60)
+    out = simulate(MODEL, h200, Deployment(layout="TP1", max_num_seqs=64), reqs, max_concurrency=4)
+    free = simulate(MODEL, h200, Deployment(layout="TP1", max_num_seqs=64), reqs)
+    assert out["serve"]["completed"] == 60
+    assert out["serve"]["ttft_ms"]["p90"] < free["serve"]["ttft_ms"]["p90"]
+    assert out["serve"]["duration_s"] > free["serve"]["duration_s"]
+
+
+def test_bad_input_is_one_line(h200):
+    with pytest.raises(ConfigError, match="replicas"):
+        Deployment(replicas=0)
+    with pytest.raises(ConfigError, match="GPUs"):
+        simulate(MODEL, h200, Deployment(layout="TP8", replicas=2), _reqs(n=2))
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        simulate(MODEL, h200, Deployment(), _reqs(n=2), max_concurrency=0)
+    with pytest.raises(ConfigError, match="no requests"):
+        simulate(MODEL, h200, Deployment(), [])
+    too_long = random_requests(1, input_len=200_000, output_len=8, vocab_size=100)
+    out = simulate(MODEL, h200, Deployment(), too_long)
+    assert out["serve"]["failed"] == 1 and "max_model_len" in out["serve"]["errors"][0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--request-rate", "0"], "--request-rate"),
+    (["--num-prompts", "99999999999999999999"], "--num-prompts"),
+    (["--layout", "TP3"], "tp=3"),
+    (["--speculative-config", '{"method": "ngram"}'], "--acceptance"),
+])
+def test_simulate_command_refuses_bad_flags_in_one_line(argv, words):
+    p = subprocess.run([sys.executable, "-m", "atoll", "simulate", "--model", MODEL, "--topology", "dgx-h200",
+                        "--no-progress", *argv], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atoll: error:") and words in lines[0], p.stderr
+
+
+def test_simulate_command_prints_the_bench_table():
+    p = subprocess.run([sys.executable, "-m", "atoll", "simulate", "--model", MODEL, "--topology", "dgx-h200",
+                        "--num-prompts", "40", "--request-rate", "8", "--input-len", "256", "--output-len", "32",
+                        "-dp", "2", "--goodput", "ttft:500", "tpot:50", "--no-progress"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "2 x TP1" in p.stdout and "completed 40, failed 0" in p.stdout
+    for row in ("TTFT", "TPOT", "ITL", "E2EL", "SLOs ttft:500 tpot:50", "replica1 (TP1): busy"):
+        assert row in p.stdout, p.stdout
+
+
+def test_bucket_is_exact_then_within_two_percent():
+    assert [bucket(x) for x in (0, 1, 17, 64)] == [0, 1, 17, 64]
+    for x in (65, 100, 1000, 12345, 10**6):
+        assert abs(bucket(x) - x) <= 0.011 * x
