@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from atoll.bench.harness import Run, sig
 from atoll.errors import AtollError, ConfigError
@@ -334,7 +335,8 @@ def simulated(args, model_dir: str, config, requests) -> dict:
                                    draft_rate=getattr(args, "spec_draft_rate", 1.0))
     out = simulate(config, topology, deployment, tokenized(requests, model_dir), rate=args.request_rate,
                    burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
-                   slos=parse_goodput(args.goodput), percentiles=parse_percentiles(args.metric_percentiles))
+                   slos=parse_goodput(args.goodput), percentiles=parse_percentiles(args.metric_percentiles),
+                   model_name=Path(model_dir).name)
     return out
 
 
@@ -402,7 +404,7 @@ def plan_lines(plan: dict) -> list[str]:
     else:
         lines.append(f"  planner: {plan['predicted_error']}")
     sim, x = plan["simulated"], plan["measured_over_simulated"]
-    lines.append(f"  simulated ({sim['deployment']} on {sim['topology']}):")
+    lines.append(f"  simulated ({sim['deployment']} on {sim['topology']}, steps from {sim['steps_from']}):")
     lines += ["  " + line for line in report_lines(sim["serve"])]
     lines.append("  measured / simulated: " + ", ".join(f"{k} {v}" for k, v in x.items()))
     return lines

@@ -23,6 +23,10 @@ def add_parser(subparsers) -> None:
                    help="largest group for the collectives (default: the core count, or the GPU count)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="what to measure: auto (a GPU if this machine shows one, else the CPU), cuda or cpu")
+    p.add_argument("--steps", metavar="MODEL_DIR", default=None,
+                   help="also time this checkpoint's engine steps (rows, chunk tokens, context) at --step-layouts "
+                        "for `atoll simulate` and `bench serve --compare-plan` (CPU; about a minute a layout)")
+    p.add_argument("--step-layouts", default="TP1", help="--steps: layouts, comma-separated (default TP1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -49,6 +53,8 @@ def run(args) -> int:
         (f" --device {args.device}" if args.device != "auto" else "")
     data = calibrate(quick=args.quick, max_ranks=args.max_ranks, progress=not args.no_progress, command=command,
                      device=args.device)
+    if args.steps:
+        data["calibration"]["steps"] = {Path(args.steps).name: steps_of(args)}
     write_yaml(data, out)
     topo = load_topology(str(out))  # what was written reads back
     cal = topo.calibration
@@ -66,5 +72,27 @@ def run(args) -> int:
     for op, sizes in cal.collectives.items():
         print(f"  {op}: " + ", ".join(f"{n} ranks {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
                                       for n, (lat, bw) in sizes.items()))
+    for model, layouts in cal.steps.items():
+        for layout, f in layouts.items():
+            rows = ", ".join(f"{r}: {us / 1e3:.1f}" for r, us in f["rows_us"].items())
+            print(f"  {model} {layout} steps ms by rows: {rows}; + {f['chunk_token_us']:.0f} us a chunk token "
+                  f"({f['samples']} ticks, fit RMS {f['rel_rms']:.1%} of a tick)")
     print(f"  {cal.how}", file=sys.stderr)
     return 0
+
+
+def steps_of(args) -> dict:
+    """The --steps checkpoint's fitted steps at each --step-layouts layout."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from atoll.calibrate.steps import measure_steps
+    from atoll.parallel.layout import Layout
+
+    model = Path(args.steps).expanduser()
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"--steps {args.steps}: not a checkpoint directory (no config.json)")
+    layouts = [str(Layout.parse(t.strip())) for t in args.step_layouts.split(",") if t.strip()]
+    with tqdm(total=len(layouts), desc="engine steps", disable=args.no_progress, dynamic_ncols=True) as bar:
+        return measure_steps(model, layouts, quick=args.quick, bar=bar)

@@ -62,7 +62,7 @@ def run(args) -> int:
               leave=False, mininterval=0.2) as bar:
         out = simulate(config, topology, deployment, requests, rate=args.request_rate, burstiness=args.burstiness,
                        max_concurrency=args.max_concurrency, seed=args.seed, slos=slos, percentiles=percentiles,
-                       progress=bar.update)
+                       progress=bar.update, model_name=name)
     out = {"model": name, "num_prompts": len(requests),
            "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate, **out}
     print(json.dumps(out, indent=1) if args.json else render(out))
@@ -78,7 +78,7 @@ def build(args, config, model) -> list:
 def render(r: dict) -> str:
     rate = r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}"
     lines = [f"{r['model']} simulated: {r['deployment']} on {r['topology']} ({r['gpus']} GPUs), "
-             f"{r['num_prompts']} requests, rate {rate} req/s",
+             f"{r['num_prompts']} requests, rate {rate} req/s; steps from {r['steps_from']}",
              *report_lines(r["serve"])]
     if r.get("goodput_per_gpu") is not None:
         lines.append(f"  goodput per GPU {r['goodput_per_gpu']:.3f} req/s")

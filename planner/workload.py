@@ -11,6 +11,8 @@ from atoll.errors import ConfigError
 from atoll.engine.kv.sizing import storage_bytes
 
 DTYPES = ("bf16", "fp8", "fp32")
+MAX_CONCURRENCY = 10_000_000  # requests in flight the planner costs (a bound, so a typo fails in one line)
+MAX_RATE = 1e9  # requests per second
 _BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
 # the KV cache also takes the runtime's --kv-cache-dtype names (fp8 = fp8_e4m3; int8 adds a scale)
 KV_DTYPES = DTYPES + ("fp8_e4m3", "fp8_e5m2", "int8")
@@ -38,6 +40,12 @@ class Workload:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r} must be a positive integer")
+        if self.concurrency > MAX_CONCURRENCY:
+            raise ConfigError(f"concurrency={self.concurrency} is past the {MAX_CONCURRENCY:,} requests in flight "
+                              "the planner costs")
+        if self.request_rate is not None and _positive(self.request_rate) and self.request_rate > MAX_RATE:
+            raise ConfigError(f"request_rate={self.request_rate:g} is past the {MAX_RATE:g} requests per second "
+                              "the planner costs")
         if self.request_rate is not None and not _positive(self.request_rate):
             raise ConfigError(f"request_rate={self.request_rate!r} must be a positive number of requests per second")
         if self.expert_imbalance is not None and not (_positive(self.expert_imbalance) and self.expert_imbalance >= 1):

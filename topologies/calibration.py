@@ -73,13 +73,15 @@ class Calibration:
     collectives: dict = field(default_factory=dict)  # op -> {size: (latency s, bytes/s)}
     errors: dict = field(default_factory=dict)  # tpot, ttft: median |predicted/measured - 1| of `plan --check`
     cpu_share: dict = field(default_factory=dict)  # ranks at once -> a rank's compute over one rank alone
+    # model -> layout -> a fitted engine step (planner/sim/stepfit.py reads it): `atoll calibrate --steps`
+    steps: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d, where: str = "calibration") -> "Calibration":
         if not isinstance(d, dict):
             raise ConfigError(f"{where} must be a mapping")
         unknown = set(d) - {"device", "cores", "how", "when", "host", "gemm_tflops", "memory_gb_s",
-                            "overhead_us", "collectives", "load_avg_1m", "seconds", "errors", "cpu_share"}
+                            "overhead_us", "collectives", "load_avg_1m", "seconds", "errors", "cpu_share", "steps"}
         if unknown:
             raise ConfigError(f"{where}: unknown field '{sorted(unknown)[0]}'")
         device = d.get("device", "cpu")
@@ -116,8 +118,13 @@ class Calibration:
         if not isinstance(errors, dict) or set(errors) - {"tpot", "ttft", "layouts", "how"}:
             raise ConfigError(f"{where}.errors: fields are tpot, ttft (median |error|), layouts, how")
         errors = {k: _num(errors[k], f"{where}.errors.{k}", zero_ok=True) for k in ("tpot", "ttft") if k in errors}
+        steps = d.get("steps") or {}
+        if not isinstance(steps, dict) or not all(isinstance(v, dict) and all(isinstance(f, dict) for f in v.values())
+                                                  for v in steps.values()):
+            raise ConfigError(f"{where}.steps must map a model to layouts, each a fitted step")
         return cls(device=device, cores=cores, how=str(d.get("how", "")), gemm_tflops=gemm, memory_gb_s=memory,
-                   overhead_us=over, collectives=parsed, errors=errors, cpu_share=share)
+                   overhead_us=over, collectives=parsed, errors=errors, cpu_share=share,
+                   steps={str(m): {str(k): dict(f) for k, f in v.items()} for m, v in steps.items()})
 
     # -- lookups the cost model makes ------------------------------------------------------
     def gemm_flops(self, dtype: str, rows: float) -> float | None:
@@ -173,7 +180,8 @@ class Calibration:
                 "memory_gb_s": dict(self.memory_gb_s), "overhead_us": dict(self.overhead_us),
                 "collectives": {op: {s: {"latency_us": lat * 1e6, "gb_s": bw / 1e9} for s, (lat, bw) in v.items()}
                                 for op, v in self.collectives.items()},
-                "errors": dict(self.errors), "cpu_share": dict(self.cpu_share)}
+                "errors": dict(self.errors), "cpu_share": dict(self.cpu_share),
+                **({"steps": {m: dict(v) for m, v in self.steps.items()}} if self.steps else {})}
 
 
 def _at(table: dict[int, float], n: int, *, shared: bool = True) -> float:

@@ -22,6 +22,7 @@ from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.engine.batch.request import Request, finish_reason, result_of
 from atoll.engine.sample.sampler import SamplerState, logprob_entry
 from atoll.engine.batch.scheduler import Sequence
+from atoll.engine.batch.shape import step_shape
 from atoll.engine.batch.tokenizer import Tokenizer
 
 
@@ -30,10 +31,12 @@ class EngineCore:
     `on_finish(index, result)` as a request ends; `on_token(seq, started)` on every rank as a
     sequence takes a token, before its blocks can be freed (disaggregation); `inbox.poll(tick,
     lanes)` gives (sequence, started) pairs whose prompt arrived already in the cache, and
-    `inbox.pending` keeps the loop going while more are to come."""
+    `inbox.pending` keeps the loop going while more are to come. `trace`: a list that takes,
+    for every tick whose micro-batch entered with work, (engine.batch.shape.StepShape of it,
+    the tick's seconds on this rank), as `atoll calibrate --steps` fits them."""
 
     def __init__(self, runner, *, pipelined: bool = True, stop_strings: bool = False, on_finish=None,
-                 on_token=None, inbox=None):
+                 on_token=None, inbox=None, trace: list | None = None):
         spec = self.spec = runner.spec
         self.runner = runner
         self.depth = runner.ctx.layout.pp
@@ -55,6 +58,7 @@ class EngineCore:
         self.on_finish, self.on_token, self.inbox = on_finish, on_token, inbox
         self._decode = Tokenizer(spec.model_dir).decode if stop_strings else None
         self._aborting: set[int] = set()  # indices to end when their micro-batch leaves the pipeline
+        self.trace = trace
 
     def add(self, req: Request) -> None:
         """The request joins this tick (every rank adds it at the same tick)."""
@@ -91,6 +95,7 @@ class EngineCore:
                 self.sequences[seq.request.index] = seq
                 self.started[seq.request.index] = at
                 self._settle(seq)
+        started = time.perf_counter()
         lane = self.lanes.at(self.tick)
         chunks = lane.schedule(self.tick) if lane is not None else []
         mb = MicroBatch.of(chunks, self.spec.engine.block_size, device=runner.device) if chunks else None
@@ -102,6 +107,8 @@ class EngineCore:
         if len(self.inflight) == self.depth and (done := self.inflight.pop()) is not None:
             rows = runner.logprobs
             self._apply(done, tokens.tolist(), rows.tolist() if rows is not None else None)
+        if self.trace is not None and chunks:
+            self.trace.append((step_shape(chunks), time.perf_counter() - started))
         self.tick += 1
         return True
 

@@ -90,16 +90,16 @@ class Batch:
                 self.on_finish(index, result)
 
 
-def run_batch(runner, requests: list[Request], *, pipelined: bool = True) -> list:
+def run_batch(runner, requests: list[Request], *, pipelined: bool = True, trace: list | None = None) -> list:
     """`requests` through an already built runner's rank loop until all have ended, every rank
     given the same list (in lock step). One replica: one result per request, in order, on
     every rank. With DP the requests go to the replicas in turn: the engine's rank 0 returns
     every result in order, the other ranks their own replica's (None for the others). For
     tools that time or inspect a stage in place (bench, calibrate, tests); jobs start
-    engine/worker.py."""
+    engine/worker.py. trace: each tick's shape and seconds (EngineCore's)."""
     dp = runner.ctx.layout.dp
     feed = Batch(requests, (lambda k: k % dp) if dp > 1 else (lambda k: runner.ctx.coords.dp))
-    loop = ServeLoop(runner, feed, feed, pipelined=pipelined)
+    loop = ServeLoop(runner, feed, feed, pipelined=pipelined, trace=trace)
     loop.run()
     if dp > 1 and loop.first:
         return [feed.results[r.index] for r in requests]
@@ -115,14 +115,14 @@ class ServeLoop:
 
     def __init__(self, runner, inbox, outbox, *, on_token=None, inbox_hook=None, command=None, forward=None,
                  name: str | None = None, cache_events: bool = False, pipelined: bool = True,
-                 link_stats: bool = False):
+                 link_stats: bool = False, trace: list | None = None):
         self.runner, self.ctx, self.name = runner, runner.ctx, name
         # the feed: a Batch, or the driver's channel (None on ranks but 0, which never read it)
         self.feed = inbox if inbox is None or hasattr(inbox, "take") else Channel(inbox)
         self.outbox = outbox
         self.finished: list = []
         self.core = EngineCore(runner, on_finish=lambda index, result: self.finished.append((index, result)),
-                               on_token=on_token, inbox=inbox_hook, pipelined=pipelined)
+                               on_token=on_token, inbox=inbox_hook, pipelined=pipelined, trace=trace)
         self.link_stats = link_stats  # count the run's bytes by link class (parallel.links), sent as it stops
         self.command, self.forward = command, forward
         self.leader = self.ctx.coords.tp == 0 and self.ctx.is_first_stage  # holds its replica's tokens

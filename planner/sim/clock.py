@@ -17,6 +17,7 @@ from collections import Counter
 EXACT = 64  # counts up to this are kept exactly
 GRID = 0.02  # above it, a geometric grid this fine
 _LOG = math.log1p(GRID)
+MEASURED = "measured engine steps (calibrate --steps)"
 
 
 def bucket(x: float) -> int:
@@ -31,8 +32,10 @@ class StepCost:
     (pass seconds, slowest stage seconds); `breakdown()` the seconds of every tick counted so
     far by what they were spent on (the cost model's categories)."""
 
-    def __init__(self, cost_model):
-        self.cm = cost_model
+    def __init__(self, cost_model, fit=None):
+        """fit: the model's measured steps on this machine (stepfit.StepFit), which replace the
+        cost model's pass where given (its stage: the pass over the stages)."""
+        self.cm, self.fit = cost_model, fit
         self.memo: dict[tuple, tuple[float, float, dict]] = {}
         self.counts: Counter = Counter()  # ticks by step key, for the breakdown
 
@@ -48,8 +51,12 @@ class StepCost:
         hit = self.memo.get(key)
         if hit is None:
             r, c, ctx, attended, dr, dc = key
-            hit = self.memo[key] = self.cm.micro_batch(r, c, ctx=ctx, chunk_ctx=attended, dp_rows=dr,
-                                                       dp_chunk_tokens=dc)
+            if self.fit is not None:
+                s = self.fit.seconds(r, c, ctx * r, attended * c)
+                hit = self.memo[key] = (s, s / self.cm.l.pp, {MEASURED: s})
+            else:
+                hit = self.memo[key] = self.cm.micro_batch(r, c, ctx=ctx, chunk_ctx=attended, dp_rows=dr,
+                                                           dp_chunk_tokens=dc)
         return hit[0], hit[1], key
 
     def count(self, key: tuple, times: int = 1) -> None:

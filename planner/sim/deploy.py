@@ -25,6 +25,7 @@ from atoll.planner.cost import CostModel
 from atoll.planner.memory import memory_fit
 from atoll.planner.shapes import shapes as model_shapes
 from atoll.planner.sim.clock import StepCost
+from atoll.planner.sim.stepfit import StepFit
 from atoll.planner.workload import Workload
 
 ROUTERS = ("cache_aware", "round_robin")
@@ -100,9 +101,10 @@ class EngineKind:
     num_blocks: int  # per DP replica
     max_num_batched_tokens: int
     max_model_len: int
+    fit: StepFit | None = None  # the model's measured steps at this layout on this machine
 
     def step_cost(self) -> StepCost:
-        return StepCost(self.cost_model)
+        return StepCost(self.cost_model, self.fit)
 
 
 def on_cpu(topology) -> bool:
@@ -111,7 +113,7 @@ def on_cpu(topology) -> bool:
 
 
 def engine_kind(config, topology, deployment: Deployment, layout_text: str, *, isl: float, osl: float,
-                ranks: int | None = None) -> EngineKind:
+                ranks: int | None = None, model_name: str | None = None) -> EngineKind:
     """One engine layout's cost model and KV capacity for requests of mean isl in, osl out;
     ranks: the deployment's ranks busy on one node (on a calibrated CPU they share its cores)."""
     d = deployment
@@ -140,7 +142,11 @@ def engine_kind(config, topology, deployment: Deployment, layout_text: str, *, i
     if blocks < 1:
         raise ConfigError(f"{layout} on {topology.name}: no memory left for a KV cache after the weights "
                           f"({memory_fit(config, sh, topology, work, layout, 1).describe()})")
-    return EngineKind(layout, cm, blocks, budget, max_len)
+    fit = None
+    cal = topology.calibration
+    if cal is not None and model_name in cal.steps and str(layout) in cal.steps[model_name]:
+        fit = StepFit.from_dict(cal.steps[model_name][str(layout)], f"calibration.steps.{model_name}.{layout}")
+    return EngineKind(layout, cm, blocks, budget, max_len, fit)
 
 
 def gpu_blocks(config, shapes, topology, workload, layout, d: Deployment) -> int:

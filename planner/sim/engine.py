@@ -24,6 +24,7 @@ from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.batch.lanes import Lanes
 from atoll.engine.batch.request import Request, finish_reason
 from atoll.engine.batch.scheduler import Sequence
+from atoll.engine.batch.shape import step_shape
 from atoll.engine.spec.drafter import Drafter
 
 
@@ -130,28 +131,12 @@ class SimEngine:
         self.tick_no += 1
 
     def _cost(self, chunks: list[list]) -> tuple[float, float]:
-        rows = chunk = 0
-        ctx = attended = 0.0
-        per_rows, per_chunk = [], []
-        for part in chunks:
-            r = k = 0
-            for c in part:
-                if c.start >= len(c.seq.request.prompt_token_ids):  # a decode step (and its draft)
-                    r += 1
-                    ctx += c.start + c.count
-                    k += c.count - 1
-                    attended += (c.count - 1) * (c.start + c.count / 2)
-                else:  # a prompt chunk: each token over the positions before it
-                    k += c.count
-                    attended += c.count * (c.start + c.count / 2)
-            per_rows.append(r)
-            per_chunk.append(k)
-            rows += r
-            chunk += k
-        dp = len(self.replicas)
-        pass_s, stage_s, key = self.cost.tick(rows, chunk, ctx, attended,
-                                              dp_rows=max(per_rows) if dp > 1 else None,
-                                              dp_chunk_tokens=max(per_chunk) if dp > 1 else None)
+        shapes = [step_shape(part) for part in chunks]
+        multi = len(shapes) > 1
+        pass_s, stage_s, key = self.cost.tick(
+            sum(x.rows for x in shapes), sum(x.chunk_tokens for x in shapes), sum(x.ctx_sum for x in shapes),
+            sum(x.attended_sum for x in shapes), dp_rows=max(x.rows for x in shapes) if multi else None,
+            dp_chunk_tokens=max(x.chunk_tokens for x in shapes) if multi else None)
         self.cost.count(key)
         return pass_s, stage_s
 
