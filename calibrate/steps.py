@@ -75,16 +75,20 @@ def steps_rank(rank: int, world: int, model_dir: str, layout: str, quick: bool) 
 
 
 def measure_steps(model_dir, layouts: list[str], *, quick: bool = False, bar=None) -> dict:
-    """{layout: StepFit.to_dict()} for the model on this machine."""
+    """{layout: StepFit.to_dict()} for the model on this machine; "N x LAYOUT" times one engine
+    with the threads each of N such engines gets on this machine's cores."""
     out = {}
     cores = os.cpu_count() or 1
-    for layout in layouts:
-        lay = Layout.parse(layout)
+    for text in layouts:
+        copies, _, one = text.rpartition("x")
+        lay = Layout.parse(one.strip())
+        copies = int(copies) if copies.strip() else 1  # "2 x TP1": a TP1 engine with the threads it gets beside another
+        key = f"{copies} x {lay}" if copies > 1 else str(lay)
         if bar is not None:
-            bar.set_postfix_str(f"steps {layout}")
+            bar.set_postfix_str(f"steps {key}")
         samples = run_local(steps_rank, lay.world_size, str(model_dir), str(lay), quick,
-                            threads=max(1, cores // lay.world_size), timeout_s=1800)[0]
-        out[str(lay)] = fit(samples).to_dict()
+                            threads=max(1, cores // (lay.world_size * copies)), timeout_s=1800)[0]
+        out[key] = fit(samples).to_dict()
         if bar is not None:
             bar.update()
     return out

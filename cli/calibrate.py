@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", metavar="MODEL_DIR", default=None,
                    help="also time this checkpoint's engine steps (rows, chunk tokens, context) at --step-layouts "
                         "for `atoll simulate` and `bench serve --compare-plan` (CPU; about a minute a layout)")
-    p.add_argument("--step-layouts", default="TP1", help="--steps: layouts, comma-separated (default TP1)")
+    p.add_argument("--step-layouts", default="TP1", help="--steps: layouts, comma-separated; 'N x TP1' times a TP1 engine with the cores it gets "
+                        "beside N - 1 others (default TP1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -93,6 +94,8 @@ def steps_of(args) -> dict:
     model = Path(args.steps).expanduser()
     if not (model / "config.json").is_file():
         raise ConfigError(f"--steps {args.steps}: not a checkpoint directory (no config.json)")
-    layouts = [str(Layout.parse(t.strip())) for t in args.step_layouts.split(",") if t.strip()]
+    layouts = [t.strip() for t in args.step_layouts.split(",") if t.strip()]
+    for t in layouts:
+        Layout.parse(t.rpartition("x")[2].strip())  # a bad one fails here, before any rank starts
     with tqdm(total=len(layouts), desc="engine steps", disable=args.no_progress, dynamic_ncols=True) as bar:
         return measure_steps(model, layouts, quick=args.quick, bar=bar)

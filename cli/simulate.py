@@ -16,6 +16,7 @@ from tqdm import tqdm
 from atoll.bench.serve import add_load_options, build_requests, check_load
 from atoll.config import add_model_options, resolve
 from atoll.engine.batch.router import ROUTERS
+from atoll.errors import ConfigError
 from atoll.models.gguf import demo_model_dir
 from atoll.models.presets import resolve_model
 from atoll.planner.sim import simulate
@@ -33,6 +34,7 @@ def add_parser(sub) -> None:
                                                  "(default: the demo model, SmolLM2-135M)")
     p.add_argument("--topology", default="local", help="preset or YAML (default local; `atoll calibrate` writes "
                                                        "a measured one)")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: the topology's)")
     p.add_argument("--replicas", type=int, default=None,
                    help="replicas of the layout behind the router (default 1; a dense model's -dp N means N too)")
     p.add_argument("--router", default="cache_aware", choices=ROUTERS, help="which replica takes a request")
@@ -51,7 +53,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     slos, percentiles = check_load(args)
-    topology = load_topology(args.topology)
+    if args.nodes is not None and not 1 <= args.nodes <= 4096:
+        raise ConfigError(f"--nodes {args.nodes}: must be a whole number from 1 to 4096")
+    topology = load_topology(args.topology, nodes=args.nodes)
     model = args.model or str(demo_model_dir())
     name, config = resolve_model(str(model))
     deployment = from_engine_flags(args, config, topology, replicas=args.replicas, router=args.router,

@@ -32,8 +32,8 @@ class EngineCore:
     sequence takes a token, before its blocks can be freed (disaggregation); `inbox.poll(tick,
     lanes)` gives (sequence, started) pairs whose prompt arrived already in the cache, and
     `inbox.pending` keeps the loop going while more are to come. `trace`: a list that takes,
-    for every tick whose micro-batch entered with work, (engine.batch.shape.StepShape of it,
-    the tick's seconds on this rank), as `atoll calibrate --steps` fits them."""
+    for every tick with work in flight, (engine.batch.shape.StepShape of its heaviest
+    micro-batch, the tick's seconds on this rank), as `atoll calibrate --steps` fits them."""
 
     def __init__(self, runner, *, pipelined: bool = True, stop_strings: bool = False, on_finish=None,
                  on_token=None, inbox=None, trace: list | None = None):
@@ -103,12 +103,15 @@ class EngineCore:
         if not go:
             return False
         self.inflight.appendleft(mb)
+        if self.trace is not None:  # the heaviest micro-batch in flight sets the tick (one, without PP)
+            shapes = [step_shape(b.chunks) for b in self.inflight if b is not None]
+            heaviest = max(shapes, key=lambda x: (x.chunk_tokens, x.rows), default=None)
         tokens = runner.tick(self.inflight)
         if len(self.inflight) == self.depth and (done := self.inflight.pop()) is not None:
             rows = runner.logprobs
             self._apply(done, tokens.tolist(), rows.tolist() if rows is not None else None)
-        if self.trace is not None and chunks:
-            self.trace.append((step_shape(chunks), time.perf_counter() - started))
+        if self.trace is not None and heaviest is not None:
+            self.trace.append((heaviest, time.perf_counter() - started))
         self.tick += 1
         return True
 

@@ -33,8 +33,8 @@ class StepCost:
     far by what they were spent on (the cost model's categories)."""
 
     def __init__(self, cost_model, fit=None):
-        """fit: the model's measured steps on this machine (stepfit.StepFit), which replace the
-        cost model's pass where given (its stage: the pass over the stages)."""
+        """fit: the model's measured ticks on this machine (stepfit.StepFit), which replace the
+        cost model where given: a tick of the micro-batch (under PP, its stage; the pass pp ticks)."""
         self.cm, self.fit = cost_model, fit
         self.memo: dict[tuple, tuple[float, float, dict]] = {}
         self.counts: Counter = Counter()  # ticks by step key, for the breakdown
@@ -52,8 +52,8 @@ class StepCost:
         if hit is None:
             r, c, ctx, attended, dr, dc = key
             if self.fit is not None:
-                s = self.fit.seconds(r, c, ctx * r, attended * c)
-                hit = self.memo[key] = (s, s / self.cm.l.pp, {MEASURED: s})
+                s = self.fit.seconds(r, c, ctx * r, attended * c)  # a tick: one stage's share under PP
+                hit = self.memo[key] = (s * self.cm.l.pp, s, {MEASURED: s})
             else:
                 hit = self.memo[key] = self.cm.micro_batch(r, c, ctx=ctx, chunk_ctx=attended, dp_rows=dr,
                                                            dp_chunk_tokens=dc)

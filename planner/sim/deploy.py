@@ -144,8 +144,12 @@ def engine_kind(config, topology, deployment: Deployment, layout_text: str, *, i
                           f"({memory_fit(config, sh, topology, work, layout, 1).describe()})")
     fit = None
     cal = topology.calibration
-    if cal is not None and model_name in cal.steps and str(layout) in cal.steps[model_name]:
-        fit = StepFit.from_dict(cal.steps[model_name][str(layout)], f"calibration.steps.{model_name}.{layout}")
+    fits = cal.steps.get(model_name, {}) if cal is not None else {}
+    copies = max(1, (ranks or layout.world_size) // layout.world_size)  # engines of this size sharing the node
+    for key in ([f"{copies} x {layout}"] if copies > 1 else []) + [str(layout)]:
+        if key in fits:
+            fit = StepFit.from_dict(fits[key], f"calibration.steps.{model_name}.{key}")
+            break
     return EngineKind(layout, cm, blocks, budget, max_len, fit)
 
 

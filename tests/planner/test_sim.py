@@ -155,3 +155,30 @@ def test_bucket_is_exact_then_within_two_percent():
     assert [bucket(x) for x in (0, 1, 17, 64)] == [0, 1, 17, 64]
     for x in (65, 100, 1000, 12345, 10**6):
         assert abs(bucket(x) - x) <= 0.011 * x
+
+
+def test_step_fit_recovers_a_known_step_and_the_simulator_takes_it(h200):
+    from dataclasses import replace
+
+    from atoll.planner.sim.stepfit import StepFit, fit
+    from atoll.topologies.calibration import Calibration
+
+    def true(r, c, ctx, att):  # a step: 20 ms, + 1 ms a row up to 4 then 0.5 ms, + 50 us a chunk token
+        rows = 20_000 + 1000 * min(r, 4) + 500 * max(r - 4, 0) if r else 30_000
+        return 1e-6 * (rows + 50 * c + 2.0 * ctx / 1000 + 0.1 * att / 1000)
+
+    samples = [(r, c, ctx, att, true(r, c, ctx, att)) for r in (0, 1, 2, 4, 8, 16) for c in (0, 64, 512)
+               for ctx, att in ((100.0 * max(r, 1), 10.0 * c), (4000.0 * max(r, 1), 300.0 * c)) if r or c]
+    f = fit(samples)
+    assert f.rel_rms < 1e-6 and f.chunk_token_us == pytest.approx(50, rel=1e-6)
+    assert f.seconds(6, 100, 600, 2000) == pytest.approx(true(6, 100, 600, 2000), rel=1e-6)
+    assert StepFit.from_dict(f.to_dict(), "x").seconds(2, 0, 300, 0) == pytest.approx(true(2, 0, 300, 0), rel=1e-3)
+    # the calibration names the model and layout: the simulator's ticks are the fit's
+    cal = Calibration(device="cuda", steps={"m": {"TP1": f.to_dict()}})
+    topo = replace(h200, calibration=cal)
+    reqs = _reqs(n=2, isl=64, osl=17)
+    out = simulate(MODEL, topo, Deployment(layout="TP1"), reqs, rate=0.01, model_name="m")
+    assert out["steps_from"] == "measured engine steps"
+    want = sum(true(1, 0, c, 0) for c in range(65, 65 + 16)) / 16
+    assert out["serve"]["tpot_ms"]["p50"] == pytest.approx(want * 1e3, rel=0.01)
+    assert simulate(MODEL, topo, Deployment(layout="TP1"), reqs, model_name="other")["steps_from"] == "the cost model"

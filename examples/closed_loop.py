@@ -1,0 +1,84 @@
+"""The simulator's closed loop on this machine: `atoll bench serve --compare-plan` over eight
+scenarios, one after another, each printing the measured figures beside the simulated ones for
+the same command line; then the table the README shows (measured / simulated for p50 TTFT,
+p50 TPOT, p90 TPOT and goodput), the median and worst |error| of each.
+
+    python examples/closed_loop.py --topology calibrated.yaml [--model DIR] [--out runs.json]
+
+The topology should be one `atoll calibrate --steps MODEL --step-layouts "TP1,PP2,2 x TP1"`
+wrote for the same model, so the simulator times the model's own measured steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+COMMON = ["--num-prompts", "40", "--input-len", "128", "--output-len", "32", "--goodput", "ttft:1500", "tpot:120"]
+SCENARIOS = {
+    "TP1, 1 req/s": ["--request-rate", "1"],
+    "TP1, 2.5 req/s (near saturation)": ["--request-rate", "2.5"],
+    "PP2, 1 req/s": ["-pp", "2", "--request-rate", "1"],
+    "PP2, 2.5 req/s": ["-pp", "2", "--request-rate", "2.5"],
+    "2 x TP1, cache-aware, shared prefixes": ["-dp", "2", "--prompts", "shared-prefix", "--input-len", "256",
+                                              "--system-prompts", "4", "--user-len", "32", "--request-rate", "1.5"],
+    "1P1D, 10% long prompts": ["--prefill", "TP1", "--decode", "TP1", "--prompts", "long-mix", "--input-len", "64",
+                               "--long-len", "1024", "--long-share", "0.1", "--disagg-min-prompt-tokens", "512",
+                               "--request-rate", "1"],
+    # eager: the compiled CPU step does not yet take a verify step's rows (max_num_seqs x (1 + K))
+    "TP1, n-gram speculation (eager)": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                        "--enforce-eager", "--request-rate", "1"],
+    "TP1, closed loop of 4": ["--max-concurrency", "4"],
+}
+FIGURES = ("ttft_p50", "tpot_p50", "tpot_p90", "goodput")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", required=True)
+    p.add_argument("--model", default=None)
+    p.add_argument("--out", default=None, help="write every run's JSON here")
+    p.add_argument("--resume", default=None, help="a --out file of runs already made: only the others run")
+    args = p.parse_args()
+    runs = {}
+    if args.resume:
+        with open(args.resume) as f:
+            runs = {k: v for k, v in json.load(f).items() if k in SCENARIOS}
+    for name, flags in SCENARIOS.items():
+        if name in runs:
+            continue
+        cmd = [sys.executable, "-m", "atoll", "bench", "serve", "--json", "--compare-plan", "--topology",
+               args.topology, *(["--model", args.model] if args.model else []), *COMMON, *flags]
+        print(f"== {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        if done.returncode != 0:
+            print(done.stderr[-2000:], file=sys.stderr)
+            return 1
+        runs[name] = json.loads(done.stdout)
+        if args.out:  # after every run: a later failure keeps the runs made
+            with open(args.out, "w") as f:
+                json.dump(runs, f, indent=1)
+        x = runs[name]["plan"]["measured_over_simulated"]
+        print("   measured / simulated: " + ", ".join(f"{k} {x.get(k)}" for k in FIGURES), file=sys.stderr, flush=True)
+    print("| scenario | " + " | ".join(FIGURES) + " | load |")
+    print("|---" * (len(FIGURES) + 2) + "|")
+    errors: dict[str, list[float]] = {k: [] for k in FIGURES}
+    for name, r in runs.items():
+        x = r["plan"]["measured_over_simulated"]
+        for k in FIGURES:
+            if x.get(k):
+                errors[k].append(abs(x[k] - 1))
+        print(f"| {name} | " + " | ".join(f"{x.get(k)}" for k in FIGURES) + f" | {r.get('load_avg_1m')} |")
+    print("| median abs error | " + " | ".join(f"{statistics.median(v):.1%}" if v else "-" for v in errors.values())
+          + " | |")
+    print("| worst abs error | " + " | ".join(f"{max(v):.1%}" if v else "-" for v in errors.values()) + " | |")
+    print(f"({os.cpu_count()} cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
