@@ -31,11 +31,11 @@ from pathlib import Path
 
 from atoll.bench.harness import Run, sig
 from atoll.errors import AtollError, ConfigError
-from atoll.planner.sim.load import (PROMPTS, jsonl_requests, mixed_requests, random_requests,
-                                   shared_prefix_requests)
-from atoll.planner.sim.report import parse_goodput, parse_percentiles, report_lines
 
 SCENARIOS = ("load", "long-prompt", "routing", "disagg")
+PROMPTS = ("random", "shared-prefix", "long-mix")  # what planner/sim/load.py builds
+# planner.sim's modules are imported by the functions that use them: importing any loads the
+# planner's package (numpy and the cost model), and `atoll --help` builds this parser
 
 
 def add_parser(sub) -> None:
@@ -113,6 +113,8 @@ MAX_PROMPTS = 10_000_000  # requests a load may hold (lengths bounded by the mod
 def check_load(args) -> tuple[dict, tuple]:
     """The load flags' values (add_load_options), each out of range named in one line; the SLOs
     and percentiles parsed."""
+    from atoll.planner.sim.report import parse_goodput, parse_percentiles
+
     for name in ("num_prompts", "input_len", "long_len", "long_after", "system_prompts", "user_len"):
         v = getattr(args, name)
         if not 1 <= v <= MAX_PROMPTS:
@@ -175,6 +177,8 @@ WARM_SEED = 1_000_003  # the warm-up's prompts: none of a round's
 
 def build_requests(args, config, *, seed: int, n: int | None = None):
     """--num-prompts requests (or n) of the --prompts kind from `seed`, else the --dataset's."""
+    from atoll.planner.sim.load import jsonl_requests, mixed_requests, random_requests, shared_prefix_requests
+
     osl = args.output_len or 32
     n = n or args.num_prompts
     if args.dataset:
@@ -324,7 +328,7 @@ def compare_plan(args, model_dir: str, config, requests, measured: dict) -> dict
 
 def simulated(args, model_dir: str, config, requests) -> dict:
     """The simulator's run of the same requests, arrivals and engine flags (planner/sim)."""
-    from atoll.planner.sim import simulate
+    from atoll.planner.sim.api import simulate
     from atoll.planner.sim.deploy import from_engine_flags
     from atoll.planner.sim.load import tokenized
     from atoll.planner.sim.report import parse_goodput, parse_percentiles
@@ -362,6 +366,8 @@ def _ms(v) -> str:
 
 
 def render(r: dict) -> str:
+    from atoll.planner.sim.report import report_lines
+
     s = r["serve"]
     rate = r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}"
     lines = [f"{r['model']}: {r['num_prompts']} requests, {r['input_len'] or 'dataset'} in / {r['output_len']} out, "
@@ -392,6 +398,8 @@ def render(r: dict) -> str:
 
 def plan_lines(plan: dict) -> list[str]:
     """--compare-plan's lines: the analytic prediction, the simulation, and measured over each."""
+    from atoll.planner.sim.report import report_lines
+
     lines = []
     if "predicted" in plan:
         p, x = plan["predicted"], plan["measured_over_predicted"]

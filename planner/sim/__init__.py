@@ -2,7 +2,7 @@
 scheduler, block pools, router and disaggregation decision (engine.batch, engine.kv,
 engine.disagg.decision, imported as they serve) and timed by the planner's cost model.
 
-    from atoll.planner.sim import Deployment, simulate
+    from atoll.planner.sim.api import Deployment, simulate
     from atoll.planner.sim.load import random_requests
     out = simulate("Llama-3.1-8B", load_topology("dgx-h200"), Deployment(layout="TP2", replicas=4),
                    random_requests(1000, input_len=2048, output_len=256, vocab_size=128256),
@@ -12,82 +12,7 @@ engine.disagg.decision, imported as they serve) and timed by the planner's cost 
 The output's "serve" is `atoll bench serve`'s report of the same requests (report.py), so one
 command line can be simulated or run and the two compared figure by figure.
 
-Modules: load (the requests and their arrivals, shared with the bench), deploy (the
+Modules: api (simulate), load (the requests and their arrivals, shared with the bench), deploy (the
 deployment and each engine's cost model and KV capacity), engine (one engine's ticks), clock
 (a tick's seconds), run (the event loop and the driver's choices), report (the figures).
 """
-
-from __future__ import annotations
-
-import math
-import time
-
-from atoll.errors import ConfigError
-from atoll.models.config import ModelConfig
-from atoll.models.presets import resolve_model
-from atoll.parallel.layout import Layout
-from atoll.planner.sim.deploy import Deployment, engine_kind
-from atoll.planner.sim.report import PERCENTILES, report
-from atoll.planner.sim.run import Simulation
-from atoll.planner.shapes import shapes as model_shapes
-
-MAX_REQUESTS = 10_000_000
-
-
-def simulate(model, topology, deployment: Deployment, requests: list, *, rate: float = math.inf,
-             burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-             slos: dict | None = None, percentiles=PERCENTILES, progress=None, model_name: str | None = None) -> dict:
-    """Every request through the deployment on `topology`: {"serve": bench serve's report,
-    "engines": each engine's figures, "routed": how the requests were routed, "deployment",
-    "sim_wall_s": the simulation's own seconds}. requests: load.BenchRequest with token-id
-    prompts. progress(n): called as requests end. model_name: the name the calibration's
-    measured steps go by (a checkpoint dir's name; default the preset's or dir's)."""
-    if not requests:
-        raise ConfigError("nothing to simulate: no requests")
-    if len(requests) > MAX_REQUESTS:
-        raise ConfigError(f"{len(requests)} requests: the simulator takes at most {MAX_REQUESTS}")
-    if any(not isinstance(r.prompt, list) for r in requests):
-        raise ConfigError("the simulator takes token-id prompts: tokenize text prompts first")
-    if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
-                                        or max_concurrency < 1):
-        raise ConfigError(f"max_concurrency={max_concurrency!r} must be a whole number of at least 1")
-    t0 = time.perf_counter()
-    if isinstance(model, ModelConfig):
-        config = model
-    else:
-        name, config = resolve_model(str(model))
-        model_name = model_name or name
-    isl = sum(len(r.prompt) for r in requests) / len(requests)
-    osl = sum(r.output_len for r in requests) / len(requests)
-    d = deployment
-    if d.disaggregated:
-        gpus = d.prefill_replicas * _world(d.prefill) + d.decode_replicas * _world(d.decode)
-        layouts = [d.prefill, d.decode]
-    else:
-        gpus = d.replicas * _world(d.layout)
-        layouts = [d.layout]
-    if gpus > topology.num_gpus:
-        raise ConfigError(f"{d.describe()} takes {gpus} GPUs; {topology.name} has {topology.num_gpus}")
-    kinds = [engine_kind(config, topology, d, lay, isl=isl, osl=osl, ranks=gpus, model_name=model_name)
-             for lay in layouts]
-    work = kinds[-1].cost_model.w
-    kv_token = model_shapes(config).kv_bytes_per_token_layer(1, work.kv_bytes, work.kv_scale_bytes) \
-        * config.num_hidden_layers
-    sim = Simulation(d, kinds, requests, topology=topology, kv_bytes_per_token=kv_token, rate=rate,
-                     burstiness=burstiness, max_concurrency=max_concurrency, seed=seed, progress=progress)
-    results, duration = sim.run()
-    out = {"deployment": d.describe(), "topology": topology.name, "gpus": gpus,
-           "steps_from": "measured engine steps" if all(k.fit for k in kinds) else "the cost model",
-           "serve": report(results, duration, slos=slos, percentiles=percentiles),
-           "engines": sim.engine_figures(duration), "routed": dict(sim.routed)}
-    if slos and out["serve"]["goodput"]["request_goodput"] is not None:
-        out["goodput_per_gpu"] = out["serve"]["goodput"]["request_goodput"] / gpus
-    out["sim_wall_s"] = time.perf_counter() - t0
-    return out
-
-
-def _world(text: str) -> int:
-    return Layout.parse(text).world_size
-
-
-__all__ = ["Deployment", "simulate"]

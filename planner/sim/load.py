@@ -17,7 +17,6 @@ from pathlib import Path
 from atoll.engine.batch.tokenizer import Tokenizer
 from atoll.errors import ConfigError, InputError
 
-PROMPTS = ("random", "shared-prefix", "long-mix")
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ NO_TORCH = """
 import sys
 from atoll.cli.main import build_parser, main
 build_parser()
-for argv in (["--help"], ["plan", "--help"], ["generate", "--help"], ["bench", "--help"]):
+for argv in (["--help"], ["plan", "--help"], ["generate", "--help"], ["bench", "--help"], ["simulate", "--help"]):
     try:
         main(argv)
     except SystemExit as e:

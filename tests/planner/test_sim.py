@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from atoll.errors import ConfigError
-from atoll.planner.sim import Deployment, simulate
+from atoll.planner.sim.api import Deployment, simulate
 from atoll.planner.sim.clock import bucket
 from atoll.planner.sim.deploy import engine_kind
 from atoll.planner.sim.load import mixed_requests, random_requests, shared_prefix_requests
