@@ -119,3 +119,23 @@ def test_thousand_requests_at_tp2(tiny_model):
     waves = [i // 16 for i in range(1000)]
     bound = max(waves) * (1 + 10 + 1) + 40
     assert max(queued) <= bound
+
+
+def test_the_rank_loop_traces_each_tick_with_its_shape(tiny_model):
+    """run_batch(trace=...): one (StepShape, seconds) per tick with work, the shapes adding up
+    to the requests' prompt tokens and decode steps (what `atoll calibrate --steps` fits)."""
+    from atoll.engine.batch.request import Request
+
+    spec = RunSpec.of(str(tiny_model("llama")), "TP1", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
+    runner = ModelRunner(spec, ParallelContext.single())
+    reqs = [Request(i, list(p), SamplingParams(max_tokens=NEW, ignore_eos=True)) for i, p in enumerate(PROMPTS[:3])]
+    trace = []
+    outs = run_batch(runner, reqs, trace=trace)
+    assert all(len(o["token_ids"]) == NEW for o in outs)
+    shapes = [s for s, _ in trace]
+    assert all(sec > 0 for _, sec in trace)
+    assert sum(s.chunk_tokens for s in shapes) == sum(len(p) for p in PROMPTS[:3])  # prompts, chunked by 8
+    assert sum(s.rows for s in shapes) == 3 * (NEW - 1)  # each later token is one decode row
+    assert max(s.chunk_tokens for s in shapes) <= 8
+    first = next(s for s in shapes if s.rows)
+    assert first.ctx_sum >= first.rows  # a decode row attends to its context
