@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 from atoll.bench.harness import Run, sig
-from atoll.errors import AtollError, ConfigError
+from atoll.errors import ConfigError
 
 SCENARIOS = ("load", "long-prompt", "routing", "disagg")
 PROMPTS = ("random", "shared-prefix", "long-mix")  # what planner/sim/load.py builds
@@ -226,7 +225,11 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         out |= {"url": args.url, "server_args": None if server is None else server.argv,
                 "server_start_s": None if server is None else server.started_s, "served_model": model}
         warm_up(url, model, warm, args)
-        spec0 = spec_counts(url) if args.compare_plan and args.speculative_config else None
+        spec0 = None
+        if args.compare_plan and args.speculative_config:
+            from atoll.bench.serve_compare import spec_counts, spec_rates
+
+            spec0 = spec_counts(url)
         reports, rounds = [], []
         for i in range(args.rounds):  # with --compare-offline: offline first in even rounds, the server in odd
             order = ("offline", "serve") if i % 2 == 0 or offline is None else ("serve", "offline")
@@ -243,8 +246,6 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
                     reports.append(report(results, duration, slos=slos, percentiles=percentiles))
                     if i == 0 and spec0 is not None:  # the simulator drafts as this round did
                         out["spec_measured"] = spec_rates(spec0, spec_counts(url), reports[0])
-                        args.spec_acceptance = out["spec_measured"]["acceptance"]
-                        args.spec_draft_rate = out["spec_measured"]["draft_rate"]
                     cpu = {"client": time.process_time() - client0}
                     cpu |= {k: v - cpu0[k] for k, v in (server.cpu() if server is not None else {}).items()}
                     row["serve_cpu_s"] = {k: round(v, 3) for k, v in cpu.items()}
@@ -270,103 +271,16 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         if not math.isinf(args.request_rate) or args.max_concurrency:
             out["offline_note"] = "the server was not at saturation (a finite --request-rate or --max-concurrency)"
     if args.compare_plan:
-        out["plan"] = compare_plan(args, bench.model, config, requests, out["serve"])
+        from atoll.bench.serve_compare import compare_plan
+
+        out["plan"] = compare_plan(args, bench.model, config, requests, out["serve"], slos=slos,
+                                   percentiles=percentiles, spec=out.get("spec_measured"))
     return out
-
-
-SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
-
-
-def spec_counts(url: str) -> dict[str, float]:
-    """The server's speculative decoding counters (/metrics)."""
-    from atoll.bench.serve_routing import scrape
-
-    m = scrape(url)
-    return {k: m.get(f"atoll_spec_decode_num_{k}_total", 0.0) for k in SPEC_COUNTERS}
-
-
-def spec_rates(before: dict, after: dict, rep: dict) -> dict:
-    """A round's drafting as the simulator takes it: the share of drafted tokens kept, and the
-    share of decode steps that drafted (steps: output tokens less each request's first and the
-    accepted drafts)."""
-    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
-    steps = rep["total_output_tokens"] - rep["completed"] - d["accepted_tokens"]
-    return {"acceptance": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
-            "draft_rate": min(1.0, d["drafts"] / steps) if steps > 0 else 0.0, **d}
-
-
-def compare_plan(args, model_dir: str, config, requests, measured: dict) -> dict:
-    from atoll.bench.serve_compare import plan_prediction, plan_workload, versus_plan
-    from atoll.config import from_args
-    from atoll.parallel.layout import resolve_layout
-    from atoll.launch.device import decide
-
-    layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
-                            args.data_parallel_size, args.expert_parallel_size,
-                            getattr(args, "context_parallel_size", None))
-    n = measured["completed"]  # the mean lengths the server counted, else those sent
-    if n:
-        isl, osl = round(measured["total_input_tokens"] / n), round(measured["total_output_tokens"] / n)
-    else:
-        isl = round(sum(r.prompt_len or 0 for r in requests) / len(requests))
-        osl = round(sum(r.output_len for r in requests) / len(requests))
-    on_cpu = args.url is None and decide(from_args(args).device, 0) == "cpu"
-    dtypes = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
-    dtype = dtypes.get(args.dtype or "", "fp32" if on_cpu else "auto")
-    workload, costed = plan_workload(isl=isl, osl=osl, requests=len(requests), rate=args.request_rate,
-                                     max_concurrency=args.max_concurrency, max_num_seqs=args.max_num_seqs, dtype=dtype)
-    out = {"costed_as": costed}
-    try:
-        predicted = plan_prediction(model_dir, str(layout), args.topology, workload)
-        out |= {"predicted": predicted, "measured_over_predicted": versus_plan(measured, predicted)}
-    except AtollError as e:  # a deployment the analytic model does not cost (replicas of dp, xPyD)
-        out["predicted_error"] = str(e)
-    out["simulated"] = simulated(args, model_dir, config, requests)
-    out["measured_over_simulated"] = versus_sim(measured, out["simulated"]["serve"])
-    return out
-
-
-def simulated(args, model_dir: str, config, requests) -> dict:
-    """The simulator's run of the same requests, arrivals and engine flags (planner/sim)."""
-    from atoll.planner.sim.api import simulate
-    from atoll.planner.sim.deploy import from_engine_flags
-    from atoll.planner.sim.load import tokenized
-    from atoll.planner.sim.report import parse_goodput, parse_percentiles
-    from atoll.topologies import load_topology
-
-    topology = load_topology(args.topology)
-    deployment = from_engine_flags(args, config, topology, acceptance=getattr(args, "spec_acceptance", None),
-                                   draft_rate=getattr(args, "spec_draft_rate", 1.0))
-    out = simulate(config, topology, deployment, tokenized(requests, model_dir), rate=args.request_rate,
-                   burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
-                   slos=parse_goodput(args.goodput), percentiles=parse_percentiles(args.metric_percentiles),
-                   model_name=Path(model_dir).name)
-    return out
-
-
-SIM_FIGURES = (("ttft_p50", "ttft_ms", "p50"), ("tpot_p50", "tpot_ms", "p50"), ("tpot_p90", "tpot_ms", "p90"),
-               ("ttft_mean", "ttft_ms", "mean"), ("tpot_mean", "tpot_ms", "mean"), ("itl_p50", "itl_ms", "p50"),
-               ("e2el_p50", "e2el_ms", "p50"))
-
-
-def versus_sim(measured: dict, sim: dict) -> dict:
-    """Measured over simulated, figure by figure (goodput where SLOs were given)."""
-    def ratio(m, p):
-        return sig(m / p, 4) if m is not None and p else None
-
-    out = {name: ratio(measured[group].get(key), sim[group].get(key)) for name, group, key in SIM_FIGURES}
-    out["output_throughput"] = ratio(measured["output_throughput"], sim["output_throughput"])
-    if "goodput" in measured and "goodput" in sim:
-        out["goodput"] = ratio(measured["goodput"]["request_goodput"], sim["goodput"]["request_goodput"])
-    return out
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
 
 
 def render(r: dict) -> str:
-    from atoll.planner.sim.report import report_lines
+    from atoll.bench.serve_compare import plan_lines
+    from atoll.planner.sim.report import num as _f, report_lines
 
     s = r["serve"]
     rate = r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}"
@@ -394,29 +308,3 @@ def render(r: dict) -> str:
     for e in s.get("errors", []):
         lines.append(f"  error: {e}")
     return "\n".join(lines)
-
-
-def plan_lines(plan: dict) -> list[str]:
-    """--compare-plan's lines: the analytic prediction, the simulation, and measured over each."""
-    from atoll.planner.sim.report import report_lines
-
-    lines = []
-    if "predicted" in plan:
-        p, x = plan["predicted"], plan["measured_over_predicted"]
-        lines.append(f"  planner ({p['layout']} on {p['topology']}, {plan['costed_as']}): "
-                     f"TTFT {_ms(p['ttft_ms'])} ms, TPOT {_ms(p['tpot_ms'])} ms, "
-                     f"{_f(p['output_tokens_per_s'])} output tok/s"
-                     + ("" if p["sustainable"] else f" (not sustainable: {p['overload']})"))
-        lines.append(f"  measured / predicted: TTFT {x['ttft']}, TPOT {x['tpot']}, "
-                     f"output tok/s {x['output_throughput']}")
-    else:
-        lines.append(f"  planner: {plan['predicted_error']}")
-    sim, x = plan["simulated"], plan["measured_over_simulated"]
-    lines.append(f"  simulated ({sim['deployment']} on {sim['topology']}, steps from {sim['steps_from']}):")
-    lines += ["  " + line for line in report_lines(sim["serve"])]
-    lines.append("  measured / simulated: " + ", ".join(f"{k} {v}" for k, v in x.items()))
-    return lines
-
-
-def _f(v, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"

@@ -1,5 +1,9 @@
 """What `atoll bench serve` puts beside its measured figures.
 
+--compare-plan also runs the simulator (planner/sim) on the same requests, arrivals and engine
+flags, and gives measured over simulated figure by figure; with speculation the round's own
+drafting (acceptance and draft rate, from the server's /metrics) goes to the simulator.
+
 --compare-plan: the planner's steady-serving prediction (planner/serving.py) for the same
 model config, layout (one replica), topology and workload: isl and osl the requests' mean
 lengths; open loop at --request-rate (the planner's Poisson arrivals; the cache planned for
@@ -19,8 +23,19 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from atoll.bench.harness import sig
+from atoll.bench.serve_routing import scrape
+from atoll.config import from_args
+from atoll.errors import AtollError
+from atoll.launch.device import decide
+from atoll.parallel.layout import resolve_layout
+from atoll.planner.sim.api import simulate
+from atoll.planner.sim.deploy import RUNTIME_DTYPES, from_engine_flags
+from atoll.planner.sim.load import tokenized
+from atoll.planner.sim.report import num, report_lines
+from atoll.topologies import load_topology
 
 
 def plan_workload(*, isl: int, osl: int, requests: int, rate: float, max_concurrency: int | None,
@@ -120,3 +135,97 @@ class Offline:
 
     def _ranks_cpu(self, cpu_seconds) -> float:
         return sum(cpu_seconds(pid, children=False) for pid in self.ranks)
+
+
+SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def spec_counts(url: str) -> dict[str, float]:
+    """The server's speculative decoding counters (/metrics)."""
+    m = scrape(url)
+    return {k: m.get(f"atoll_spec_decode_num_{k}_total", 0.0) for k in SPEC_COUNTERS}
+
+
+def spec_rates(before: dict, after: dict, rep: dict) -> dict:
+    """A round's drafting as the simulator takes it: the share of drafted tokens kept, and the
+    share of decode steps that drafted (steps: output tokens less each request's first and the
+    accepted drafts)."""
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    steps = rep["total_output_tokens"] - rep["completed"] - d["accepted_tokens"]
+    return {"acceptance": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
+            "draft_rate": min(1.0, d["drafts"] / steps) if steps > 0 else 0.0, **d}
+
+
+def compare_plan(args, model_dir: str, config, requests, measured: dict, *, slos: dict, percentiles,
+                 spec: dict | None = None) -> dict:
+    """--compare-plan: the analytic prediction and the simulation of the same load beside the
+    measured figures; spec: the round's measured drafting (spec_rates), for the simulator."""
+    layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
+                            args.data_parallel_size, args.expert_parallel_size,
+                            getattr(args, "context_parallel_size", None))
+    n = measured["completed"]  # the mean lengths the server counted, else those sent
+    if n:
+        isl, osl = round(measured["total_input_tokens"] / n), round(measured["total_output_tokens"] / n)
+    else:
+        isl = round(sum(r.prompt_len or 0 for r in requests) / len(requests))
+        osl = round(sum(r.output_len for r in requests) / len(requests))
+    on_cpu = args.url is None and decide(from_args(args).device, 0) == "cpu"
+    dtype = RUNTIME_DTYPES.get(args.dtype or "", "fp32" if on_cpu else "auto")
+    workload, costed = plan_workload(isl=isl, osl=osl, requests=len(requests), rate=args.request_rate,
+                                     max_concurrency=args.max_concurrency, max_num_seqs=args.max_num_seqs, dtype=dtype)
+    out = {"costed_as": costed}
+    try:
+        predicted = plan_prediction(model_dir, str(layout), args.topology, workload)
+        out |= {"predicted": predicted, "measured_over_predicted": versus_plan(measured, predicted)}
+    except AtollError as e:  # a deployment the analytic model does not cost (replicas of dp, xPyD)
+        out["predicted_error"] = str(e)
+    out["simulated"] = simulated(args, model_dir, config, requests, slos=slos, percentiles=percentiles, spec=spec)
+    out["measured_over_simulated"] = versus_sim(measured, out["simulated"]["serve"])
+    return out
+
+
+def simulated(args, model_dir: str, config, requests, *, slos: dict, percentiles, spec: dict | None = None) -> dict:
+    """The simulator's run of the same requests, arrivals and engine flags (planner/sim)."""
+    topology = load_topology(args.topology)
+    deployment = from_engine_flags(args, config, topology, acceptance=spec["acceptance"] if spec else None,
+                                   draft_rate=spec["draft_rate"] if spec else 1.0)
+    return simulate(config, topology, deployment, tokenized(requests, model_dir), rate=args.request_rate,
+                    burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed, slos=slos,
+                    percentiles=percentiles, model_name=Path(model_dir).name)
+
+
+SIM_FIGURES = (("ttft_p50", "ttft_ms", "p50"), ("tpot_p50", "tpot_ms", "p50"), ("tpot_p90", "tpot_ms", "p90"),
+               ("ttft_mean", "ttft_ms", "mean"), ("tpot_mean", "tpot_ms", "mean"), ("itl_p50", "itl_ms", "p50"),
+               ("e2el_p50", "e2el_ms", "p50"))
+
+
+def versus_sim(measured: dict, sim: dict) -> dict:
+    """Measured over simulated, figure by figure (goodput where SLOs were given)."""
+    def ratio(m, p):
+        return sig(m / p, 4) if m is not None and p else None
+
+    out = {name: ratio(measured[group].get(key), sim[group].get(key)) for name, group, key in SIM_FIGURES}
+    out["output_throughput"] = ratio(measured["output_throughput"], sim["output_throughput"])
+    if "goodput" in measured and "goodput" in sim:
+        out["goodput"] = ratio(measured["goodput"]["request_goodput"], sim["goodput"]["request_goodput"])
+    return out
+
+
+def plan_lines(plan: dict) -> list[str]:
+    """--compare-plan's lines: the analytic prediction, the simulation, and measured over each."""
+    lines = []
+    if "predicted" in plan:
+        p, x = plan["predicted"], plan["measured_over_predicted"]
+        lines.append(f"  planner ({p['layout']} on {p['topology']}, {plan['costed_as']}): "
+                     f"TTFT {num(p['ttft_ms'])} ms, TPOT {num(p['tpot_ms'])} ms, "
+                     f"{num(p['output_tokens_per_s'])} output tok/s"
+                     + ("" if p["sustainable"] else f" (not sustainable: {p['overload']})"))
+        lines.append(f"  measured / predicted: TTFT {x['ttft']}, TPOT {x['tpot']}, "
+                     f"output tok/s {x['output_throughput']}")
+    else:
+        lines.append(f"  planner: {plan['predicted_error']}")
+    sim, x = plan["simulated"], plan["measured_over_simulated"]
+    lines.append(f"  simulated ({sim['deployment']} on {sim['topology']}, steps from {sim['steps_from']}):")
+    lines += ["  " + line for line in report_lines(sim["serve"])]
+    lines.append("  measured / simulated: " + ", ".join(f"{k} {v}" for k, v in x.items()))
+    return lines

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 
 from atoll.bench.harness import sig
-from atoll.planner.sim.load import mixed_requests
+from atoll.planner.sim.load import mixed_requests, random_requests
 from atoll.errors import ConfigError
 
 SIDES = ("colocated", "disaggregated")
@@ -44,7 +44,6 @@ LAYOUT_FLAGS = ("--layout", "--tensor-parallel-size", "--pipeline-parallel-size"
 
 
 def run_disagg(args, bench, model_dir: str, vocab_size: int, slos: dict, percentiles) -> dict:
-    from atoll.planner.sim.load import random_requests
     from atoll.planner.sim.report import report
     from atoll.bench.serve_routing import server_round
     from atoll.bench.serve_server import engine_argv

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from atoll.bench.harness import sig
-from atoll.planner.sim.load import shared_prefix_requests
+from atoll.planner.sim.load import random_requests, shared_prefix_requests
 from atoll.errors import ConfigError
 
 ROUTERS = ("cache_aware", "round_robin")
@@ -80,7 +80,6 @@ def side(before: dict, after: dict, rep: dict, *, models_cache: bool) -> dict:
 
 def run_routing(args, bench, model_dir: str, vocab_size: int, percentiles) -> dict:
     """Both routers (module docstring), each on a server of its own."""
-    from atoll.planner.sim.load import random_requests
     from atoll.planner.sim.report import report
     from atoll.bench.serve_server import engine_argv
 

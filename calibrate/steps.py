@@ -16,8 +16,13 @@ import os
 
 from atoll.config.sampling import SamplingParams
 from atoll.engine.batch.request import Request
+from atoll.engine.rank.loop import run_batch
+from atoll.engine.rank.run_spec import RunSpec
+from atoll.engine.rank.runner import ModelRunner
 from atoll.launch.local import run_local
+from atoll.models.config import ModelConfig
 from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
 from atoll.planner.sim.stepfit import fit
 
 MAX_NUM_SEQS = 32
@@ -49,12 +54,6 @@ def requests_for(vocab: int, *, quick: bool = False) -> list[list[Request]]:
 def steps_rank(rank: int, world: int, model_dir: str, layout: str, quick: bool) -> list | None:
     """On every rank: the runner, both passes; rank 0 returns (rows, chunk tokens, ctx, attended,
     seconds) for each tick of the timed pass."""
-    from atoll.engine.rank.loop import run_batch
-    from atoll.engine.rank.run_spec import RunSpec
-    from atoll.engine.rank.runner import ModelRunner
-    from atoll.models.config import ModelConfig
-    from atoll.parallel.mesh import ParallelContext
-
     lay = Layout.parse(layout)
     config = ModelConfig.load(model_dir)
     lists = requests_for(config.vocab_size, quick=quick)

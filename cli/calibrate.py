@@ -84,6 +84,7 @@ def run(args) -> int:
 
 def steps_of(args) -> dict:
     """The --steps checkpoint's fitted steps at each --step-layouts layout."""
+    # lazy, as this command's run(): calibrate.steps imports torch, and `atoll --help` builds this parser
     from pathlib import Path
 
     from tqdm import tqdm

@@ -99,9 +99,9 @@ def analytic_bytes(config, dst: Layout, tokens: int, itemsize: int, scale_bytes:
 
 def _positions(blocks: list[int], tokens: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(block, offset) of positions 0 .. tokens - 1 of a sequence with this block table."""
-    pos = torch.arange(tokens)
-    block = torch.tensor(blocks, dtype=torch.long)[pos // block_size]
-    return block.to(device), (pos % block_size).to(device)
+    pos = torch.arange(tokens, device=device)
+    block = torch.tensor(blocks, dtype=torch.long, device=device)[pos // block_size]
+    return block, pos % block_size
 
 
 def _planes(layer) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ from atoll.planner.sim.stepfit import StepFit
 from atoll.planner.workload import Workload
 
 ROUTERS = ("cache_aware", "round_robin")
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}  # the runtime's names -> the planner's
+RUNTIME_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}  # the runtime's names -> the planner's
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def from_engine_flags(args, config, topology, *, replicas: int | None = None, ro
             raise InputError(f"give replicas as --replicas or as the layout's dp ({layout}), not both")
         count, layout = layout.dp, Layout(tp=layout.tp, pp=layout.pp, cp=layout.cp)
     cpu = on_cpu(topology)
-    dtype = _DTYPES.get(args.dtype or "", "fp32" if cpu else "auto")
+    dtype = RUNTIME_DTYPES.get(args.dtype or "", "fp32" if cpu else "auto")
     kv = {"auto": dtype, "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "int8": "int8"}
     spec_k = 0
     if args.speculative_config:

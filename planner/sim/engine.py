@@ -52,11 +52,11 @@ class SimEngine:
     pipelined), timed by `cost` (a clock.StepCost). Callbacks: on_chunk(seq, tokens, t) as a
     sequence takes tokens at time t, on_end(seq, t) as it ends."""
 
-    def __init__(self, name: str, cost, *, num_blocks: int, block_size: int, max_num_seqs: int,
+    def __init__(self, name: str, cost, *, layout: str = "TP1", num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, pp: int = 1, dp: int = 1,
                  prefix_caching: bool = False, spec_k: int = 0, acceptance: float = 0.0, draft_rate: float = 1.0,
                  seed: int = 0, on_chunk=None, on_end=None):
-        self.name, self.cost, self.depth, self.max_model_len = name, cost, pp, max_model_len
+        self.name, self.layout, self.cost, self.depth, self.max_model_len = name, layout, cost, pp, max_model_len
         self.drafter = (SimDrafter(spec_k, draft_rate=draft_rate, max_model_len=max_model_len, seed=seed)
                         if spec_k else None)
         self.acceptance, self.rng = acceptance, random.Random(seed + 1)
@@ -71,17 +71,22 @@ class SimEngine:
         self.adopted_extra_s = 0.0  # this tick's KV receive time
         self.on_chunk, self.on_end = on_chunk, on_end
         self.unfinished = 0
+        self.replica_of: dict[int, int] = {}  # request index -> the DP replica that holds it
         self.spec = {"steps": 0, "drafted": 0, "accepted": 0}
 
     # -- requests -------------------------------------------------------------------------
     def add(self, index: int, prompt: list[int], output_len: int) -> Sequence:
         req = Request(index, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True))
         seq = Sequence(req, None, arrived_step=self.tick_no)
-        loads = [sum(len(s.waiting) + len(s.running) for s in r.schedulers) for r in self.replicas]
-        seq.replica = loads.index(min(loads))
-        self.replicas[seq.replica].add(seq)
+        self.replicas[self._least_loaded(index)].add(seq)
         self.unfinished += 1
         return seq
+
+    def _least_loaded(self, index: int) -> int:
+        """The DP replica with the fewest unfinished sequences (the driver's choice), now request index's."""
+        loads = [sum(len(s.waiting) + len(s.running) for s in r.schedulers) for r in self.replicas]
+        self.replica_of[index] = loads.index(min(loads))
+        return self.replica_of[index]
 
     def hand_over(self, seq: Sequence, receive_s: float) -> None:
         """A sequence whose prompt another engine computed (its first token in output): it
@@ -145,10 +150,8 @@ class SimEngine:
         extra = 0.0
         while self.adopting:
             seq, receive_s = self.adopting[0]
-            loads = [sum(len(s.waiting) + len(s.running) for s in r.schedulers) for r in self.replicas]
-            seq.replica = loads.index(min(loads))
             seq.arrived_step = self.tick_no
-            if not self.replicas[seq.replica].adopt(seq, self.tick_no):
+            if not self.replicas[self._least_loaded(seq.request.index)].adopt(seq, self.tick_no):
                 break
             self.adopting.pop(0)
             extra += receive_s
@@ -165,7 +168,7 @@ class SimEngine:
             while accepted < len(c.draft) and self.rng.random() < self.acceptance:
                 accepted += 1
             seq.cached -= len(c.draft) - accepted
-            self.replicas[seq.replica].schedulers[seq.lane].pool.trim(seq.blocks, seq.cached)
+            self.replicas[self.replica_of[seq.request.index]].schedulers[seq.lane].pool.trim(seq.blocks, seq.cached)
             taken += accepted
             for k, n in (("steps", 1), ("drafted", len(c.draft)), ("accepted", accepted)):
                 self.spec[k] += n
@@ -185,7 +188,7 @@ class SimEngine:
         return bool(seq.output) and finish_reason(seq, self.max_model_len) is not None
 
     def _end(self, seq: Sequence, t: float) -> None:
-        self.replicas[seq.replica].end(seq)
+        self.replicas[self.replica_of.pop(seq.request.index)].end(seq)
         self.unfinished -= 1
         if self.on_end is not None:
             self.on_end(seq, t)

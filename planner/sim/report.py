@@ -155,12 +155,9 @@ def report(results: list[RequestResult], duration_s: float, *, slos: dict[str, f
     return out
 
 
-def _f(v, digits: int = 2) -> str:
+def num(v, digits: int = 2) -> str:
+    """A figure for a table: `digits` decimals, "-" for none."""
     return "-" if v is None else f"{v:.{digits}f}"
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
 
 
 def report_lines(s: dict) -> list[str]:
@@ -169,16 +166,16 @@ def report_lines(s: dict) -> list[str]:
     lines = [f"  completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s, "
              f"{s['total_input_tokens']} input / {s['total_output_tokens']} output tokens"
              + ("" if s["token_counts_from_usage"] is not False else " (output counted as chunks: no usage)"),
-             f"  request throughput {_f(s['request_throughput'])} req/s, output {_f(s['output_throughput'])} tok/s, "
-             f"total {_f(s['total_token_throughput'])} tok/s"]
+             f"  request throughput {num(s['request_throughput'])} req/s, output {num(s['output_throughput'])} tok/s, "
+             f"total {num(s['total_token_throughput'])} tok/s"]
     keys = [k for k in s["ttft_ms"]]
     lines.append(f"  {'ms':<6}" + "".join(f"{k:>10}" for k in keys))
     for m in ("ttft", "tpot", "itl", "e2el"):
-        lines.append(f"  {m.upper():<6}" + "".join(f"{_ms(s[m + '_ms'][k]):>10}" for k in keys))
+        lines.append(f"  {m.upper():<6}" + "".join(f"{num(s[m + '_ms'][k]):>10}" for k in keys))
     if "goodput" in s:
         g = s["goodput"]
         slo = " ".join(f"{k}:{v:g}" for k, v in g["slos_ms"].items())
-        each = ", ".join(f"{k} {_f(v, 3)}" for k, v in g["attainment_by_slo"].items())
-        lines.append(f"  SLOs {slo} ms: attainment {_f(g['attainment'], 3)} ({each}); goodput "
-                     f"{_f(g['request_goodput'])} req/s, {_f(g['output_token_goodput'])} output tok/s")
+        each = ", ".join(f"{k} {num(v, 3)}" for k, v in g["attainment_by_slo"].items())
+        lines.append(f"  SLOs {slo} ms: attainment {num(g['attainment'], 3)} ({each}); goodput "
+                     f"{num(g['request_goodput'])} req/s, {num(g['output_token_goodput'])} output tok/s")
     return lines

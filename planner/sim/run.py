@@ -94,21 +94,19 @@ class Simulation:
         d = deployment
         memos: dict[int, dict] = {}
 
-        def engine(name: str, kind, seed_: int) -> SimEngine:
+        def engine(name: str, kind, seed_: int, drafts: bool = True) -> SimEngine:
             cost = kind.step_cost()
             cost.memo = memos.setdefault(id(kind), cost.memo)  # engines of one layout share their steps
-            e = SimEngine(name, cost, num_blocks=kind.num_blocks, block_size=d.block_size,
-                          max_num_seqs=d.max_num_seqs, max_num_batched_tokens=kind.max_num_batched_tokens,
-                          max_model_len=kind.max_model_len, pp=kind.layout.pp, dp=kind.layout.dp,
-                          prefix_caching=d.prefix_caching, spec_k=d.spec_tokens if not name.startswith("prefill") else 0,
-                          acceptance=d.acceptance, draft_rate=d.draft_rate, seed=seed + seed_,
-                          on_chunk=self._chunk, on_end=self._ended)
-            e.kind = kind
-            return e
+            return SimEngine(name, cost, layout=str(kind.layout), num_blocks=kind.num_blocks,
+                             block_size=d.block_size, max_num_seqs=d.max_num_seqs,
+                             max_num_batched_tokens=kind.max_num_batched_tokens, max_model_len=kind.max_model_len,
+                             pp=kind.layout.pp, dp=kind.layout.dp, prefix_caching=d.prefix_caching,
+                             spec_k=d.spec_tokens if drafts else 0, acceptance=d.acceptance,
+                             draft_rate=d.draft_rate, seed=seed + seed_, on_chunk=self._chunk, on_end=self._ended)
 
         if d.disaggregated:
             pk, dk = kinds
-            self.prefills = [engine(f"prefill{i}", pk, i) for i in range(d.prefill_replicas)]
+            self.prefills = [engine(f"prefill{i}", pk, i, drafts=False) for i in range(d.prefill_replicas)]
             self.decodes = [engine(f"decode{j}", dk, 100 + j) for j in range(d.decode_replicas)]
             self.engines = self.prefills + self.decodes
             for e in self.decodes:
@@ -122,10 +120,12 @@ class Simulation:
         else:
             (k,) = kinds
             self.engines = [engine(f"replica{i}", k, i) for i in range(d.replicas)]
+            self.prefills, self.decodes = [], []
             self.router = make_router(d.router, capacities=[k.num_blocks * k.layout.dp] * d.replicas,
                                       block_size=d.block_size, imbalance=max(1, d.max_num_seqs // 4))
             self.routed: dict[str, int] = {}
         self.where: dict[int, SimEngine] = {}  # request index -> the engine that decodes it
+        self.bound: dict[int, tuple[SimEngine, int]] = {}  # remote prompt -> (its prefill engine, decode slot)
         self.stall: dict[int, float] = {}  # engine id -> when its ranks are done sending (prefill)
 
     def _links(self, wp: int, wd: int, topology) -> list[list[GroupLinks]]:
@@ -158,7 +158,7 @@ class Simulation:
             elif kind == "tick":
                 e = data
                 e.end_tick(now)
-                if e in getattr(self, "decodes", ()):
+                if e in self.decodes:
                     self._events_of(e)
                 self._next(e, now)
             elif kind == "wake":
@@ -221,8 +221,7 @@ class Simulation:
         self.waiting[path.prefill] += 1
         p = self.prefills[path.prefill]
         p.add(i, c.prompt, 1)
-        p.bound_for = getattr(p, "bound_for", {})
-        p.bound_for[i] = slot
+        self.bound[i] = (p, slot)
         return p
 
     # -- engine callbacks -----------------------------------------------------------------
@@ -235,16 +234,15 @@ class Simulation:
 
     def _ended(self, seq: Sequence, t: float) -> None:
         i = seq.request.index
-        prefill = next((p for p in getattr(self, "prefills", ()) if i in getattr(p, "bound_for", {})), None)
-        if prefill is not None and self.where[i] is not prefill:
-            self._hand_off(prefill, seq, t)
+        if i in self.bound and self.bound[i][0] is not self.where[i]:  # its prompt, computed remotely
+            self._hand_off(seq, t)
             return
         self._finish(i, t)
 
-    def _hand_off(self, p: SimEngine, seq: Sequence, t: float) -> None:
+    def _hand_off(self, seq: Sequence, t: float) -> None:
         """The prompt's KV to its decode engine; its first token is already out."""
         i = seq.request.index
-        slot = p.bound_for.pop(i)
+        p, slot = self.bound.pop(i)
         self.waiting[self.prefills.index(p)] -= 1
         c = self.clients[i]
         if c.output_len <= 1:
@@ -283,7 +281,7 @@ class Simulation:
             total = sum(spent.values()) or 1.0
             top = sorted(spent.items(), key=lambda kv: -kv[1])[:3]
             lanes = [s for r in e.replicas for s in r.schedulers]
-            out.append({"engine": e.name, "layout": str(e.kind.layout), "ticks": e.tick_no,
+            out.append({"engine": e.name, "layout": e.layout, "ticks": e.tick_no,
                         "busy_share": e.busy_s / duration if duration > 0 else None,
                         "preemptions": sum(s.preemptions for s in lanes),
                         "num_blocks": sum(s.pool.num_blocks for s in lanes),

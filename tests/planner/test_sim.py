@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,8 @@ from atoll.planner.sim.api import Deployment, simulate
 from atoll.planner.sim.clock import bucket
 from atoll.planner.sim.deploy import engine_kind
 from atoll.planner.sim.load import mixed_requests, random_requests, shared_prefix_requests
+from atoll.planner.sim.stepfit import StepFit, fit
+from atoll.topologies.calibration import Calibration
 from atoll.models.presets import resolve_model
 from atoll.topologies import load_topology
 
@@ -158,11 +161,6 @@ def test_bucket_is_exact_then_within_two_percent():
 
 
 def test_step_fit_recovers_a_known_step_and_the_simulator_takes_it(h200):
-    from dataclasses import replace
-
-    from atoll.planner.sim.stepfit import StepFit, fit
-    from atoll.topologies.calibration import Calibration
-
     def true(r, c, ctx, att):  # a step: 20 ms, + 1 ms a row up to 4 then 0.5 ms, + 50 us a chunk token
         rows = 20_000 + 1000 * min(r, 4) + 500 * max(r - 4, 0) if r else 30_000
         return 1e-6 * (rows + 50 * c + 2.0 * ctx / 1000 + 0.1 * att / 1000)

@@ -7,6 +7,7 @@ import torch
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
+from atoll.engine.batch.request import Request
 from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.run_spec import RunSpec
 from atoll.engine.rank.runner import ModelRunner
@@ -124,8 +125,6 @@ def test_thousand_requests_at_tp2(tiny_model):
 def test_the_rank_loop_traces_each_tick_with_its_shape(tiny_model):
     """run_batch(trace=...): one (StepShape, seconds) per tick with work, the shapes adding up
     to the requests' prompt tokens and decode steps (what `atoll calibrate --steps` fits)."""
-    from atoll.engine.batch.request import Request
-
     spec = RunSpec.of(str(tiny_model("llama")), "TP1", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8)
     runner = ModelRunner(spec, ParallelContext.single())
     reqs = [Request(i, list(p), SamplingParams(max_tokens=NEW, ignore_eos=True)) for i, p in enumerate(PROMPTS[:3])]
