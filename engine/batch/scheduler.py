@@ -111,7 +111,7 @@ class Scheduler:
             seq.names.append(block_hash(seq.names[-1] if i else None, tokens[i * size:(i + 1) * size]))
         return seq.names[:blocks]
 
-    def _commit(self, chunk: Scheduled) -> Scheduled:
+    def commit(self, chunk: Scheduled) -> Scheduled:
         """Name the sequence's blocks that the chunk fills (with its real tokens: never a draft)."""
         seq, full = chunk.seq, (chunk.start + chunk.count - len(chunk.draft)) // self.pool.block_size
         if self.prefix_caching and full > seq.named:
@@ -136,7 +136,7 @@ class Scheduler:
         seq.cached, seq.named = start, len(hits)
         if seq.first_scheduled_step is None:
             seq.cached_tokens = start
-        return self._commit(Scheduled(seq, start, count))
+        return self.commit(Scheduled(seq, start, count))
 
     def _slide(self, seq: Sequence) -> None:
         """Let go of the blocks the sequence's window has passed: its next query is at position
@@ -176,7 +176,7 @@ class Scheduler:
                     break
             if seq in gone:
                 continue
-            out.append(self._commit(Scheduled(seq, seq.cached, count)))
+            out.append(self.commit(Scheduled(seq, seq.cached, count)))
             budget -= count
         if self.drafter is not None:
             budget -= self.drafter.extend(out, self.pool, budget, running=len(self.running))
@@ -204,7 +204,7 @@ class Scheduler:
             seq.blocks = self.pool.table()
         if len(self.running) >= self.max_num_seqs or not self.pool.grow(seq.blocks, prompt):
             return False
-        self._commit(Scheduled(seq, 0, prompt))  # names its full prompt blocks for later prompts
+        self.commit(Scheduled(seq, 0, prompt))  # names its full prompt blocks for later prompts
         seq.cached, seq.first_scheduled_step = prompt, step
         self.running.append(seq)
         self.running.sort(key=lambda s: (s.arrived_step, s.request.index))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
 from atoll.errors import ConfigError
 from atoll.models.config import ModelConfig
@@ -26,6 +27,51 @@ def simulate(model, topology, deployment: Deployment, requests: list, *, rate: f
     "sim_wall_s": the simulation's own seconds}. requests: load.BenchRequest with token-id
     prompts. progress(n): called as requests end. model_name: the name the calibration's
     measured steps go by (a checkpoint dir's name; default the preset's or dir's)."""
+    t0 = time.perf_counter()
+    prepared = prepare(model, topology, deployment, requests, model_name=model_name)
+    out = prepared.run(requests, rate=rate, burstiness=burstiness, max_concurrency=max_concurrency, seed=seed,
+                       slos=slos, percentiles=percentiles, progress=progress)
+    out["sim_wall_s"] = time.perf_counter() - t0
+    return out
+
+
+@dataclass
+class Prepared:
+    """A deployment ready to simulate: its engines' kinds (cost models, KV capacity), built once
+    for any number of runs (an SLO search runs one deployment at several rates)."""
+    deployment: Deployment
+    topology: object
+    kinds: list
+    gpus: int
+    kv_bytes_per_token: float
+    memos: dict = field(default_factory=dict)  # the steps costed so far, shared by the runs
+
+    @property
+    def steps_from(self) -> str:
+        return "measured engine steps" if all(k.fit for k in self.kinds) else "the cost model"
+
+    def run(self, requests: list, *, rate: float = math.inf, burstiness: float = 1.0,
+            max_concurrency: int | None = None, seed: int = 0, slos: dict | None = None,
+            percentiles=PERCENTILES, progress=None, fast: bool = True) -> dict:
+        """simulate()'s figures for these requests (they should be like the ones prepared for);
+        fast False: every tick stepped, none fast-forwarded (steady.py)."""
+        check_requests(requests, max_concurrency)
+        t0 = time.perf_counter()
+        sim = Simulation(self.deployment, self.kinds, requests, topology=self.topology,
+                         kv_bytes_per_token=self.kv_bytes_per_token, rate=rate, burstiness=burstiness,
+                         max_concurrency=max_concurrency, seed=seed, progress=progress, memos=self.memos,
+                         fast=fast)
+        results, duration = sim.run()
+        out = {"deployment": self.deployment.describe(), "topology": self.topology.name, "gpus": self.gpus,
+               "steps_from": self.steps_from, "serve": report(results, duration, slos=slos, percentiles=percentiles),
+               "engines": sim.engine_figures(duration), "routed": dict(sim.routed)}
+        if slos and out["serve"]["goodput"]["request_goodput"] is not None:
+            out["goodput_per_gpu"] = out["serve"]["goodput"]["request_goodput"] / self.gpus
+        out["sim_wall_s"] = time.perf_counter() - t0
+        return out
+
+
+def check_requests(requests: list, max_concurrency: int | None = None) -> None:
     if not requests:
         raise ConfigError("nothing to simulate: no requests")
     if len(requests) > MAX_REQUESTS:
@@ -35,7 +81,12 @@ def simulate(model, topology, deployment: Deployment, requests: list, *, rate: f
     if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
                                         or max_concurrency < 1):
         raise ConfigError(f"max_concurrency={max_concurrency!r} must be a whole number of at least 1")
-    t0 = time.perf_counter()
+
+
+def prepare(model, topology, deployment: Deployment, requests: list, *, model_name: str | None = None) -> Prepared:
+    """The deployment's engines for requests like these (their mean lengths size the cost model's
+    workload and the KV capacity); model: a ModelConfig, a preset or a config path."""
+    check_requests(requests)
     if isinstance(model, ModelConfig):
         config = model
     else:
@@ -57,21 +108,11 @@ def simulate(model, topology, deployment: Deployment, requests: list, *, rate: f
     work = kinds[-1].cost_model.w
     kv_token = model_shapes(config).kv_bytes_per_token_layer(1, work.kv_bytes, work.kv_scale_bytes) \
         * config.num_hidden_layers
-    sim = Simulation(d, kinds, requests, topology=topology, kv_bytes_per_token=kv_token, rate=rate,
-                     burstiness=burstiness, max_concurrency=max_concurrency, seed=seed, progress=progress)
-    results, duration = sim.run()
-    out = {"deployment": d.describe(), "topology": topology.name, "gpus": gpus,
-           "steps_from": "measured engine steps" if all(k.fit for k in kinds) else "the cost model",
-           "serve": report(results, duration, slos=slos, percentiles=percentiles),
-           "engines": sim.engine_figures(duration), "routed": dict(sim.routed)}
-    if slos and out["serve"]["goodput"]["request_goodput"] is not None:
-        out["goodput_per_gpu"] = out["serve"]["goodput"]["request_goodput"] / gpus
-    out["sim_wall_s"] = time.perf_counter() - t0
-    return out
+    return Prepared(d, topology, kinds, gpus, kv_token)
 
 
 def _world(text: str) -> int:
     return Layout.parse(text).world_size
 
 
-__all__ = ["Deployment", "simulate"]
+__all__ = ["Deployment", "Prepared", "prepare", "simulate"]

@@ -26,6 +26,7 @@ from atoll.engine.batch.request import Request, finish_reason
 from atoll.engine.batch.scheduler import Sequence
 from atoll.engine.batch.shape import step_shape
 from atoll.engine.spec.drafter import Drafter
+from atoll.planner.sim import steady
 
 
 def token_at(index: int, position: int) -> int:
@@ -50,12 +51,14 @@ class SimDrafter(Drafter):
 class SimEngine:
     """An engine of `dp` replicas in lock step, each with its own Lanes (pp lanes when
     pipelined), timed by `cost` (a clock.StepCost). Callbacks: on_chunk(seq, tokens, t) as a
-    sequence takes tokens at time t, on_end(seq, t) as it ends."""
+    sequence takes tokens at time t, on_end(seq, t) as it ends, on_retime(engine, t) when the
+    tick under way now ends at t instead (a run of steady ticks cut short: steady.py). fast:
+    fast-forward steady decode (steady.py; False ticks one by one, for the tests' comparison)."""
 
     def __init__(self, name: str, cost, *, layout: str = "TP1", num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, pp: int = 1, dp: int = 1,
                  prefix_caching: bool = False, spec_k: int = 0, acceptance: float = 0.0, draft_rate: float = 1.0,
-                 seed: int = 0, on_chunk=None, on_end=None):
+                 seed: int = 0, on_chunk=None, on_end=None, on_retime=None, fast: bool = True):
         self.name, self.layout, self.cost, self.depth, self.max_model_len = name, layout, cost, pp, max_model_len
         self.drafter = (SimDrafter(spec_k, draft_rate=draft_rate, max_model_len=max_model_len, seed=seed)
                         if spec_k else None)
@@ -69,15 +72,20 @@ class SimEngine:
         self.running_tick = False  # a tick is under way (its end is an event)
         self.adopting: list = []  # sequences computed elsewhere, waiting for room (disaggregation)
         self.adopted_extra_s = 0.0  # this tick's KV receive time
-        self.on_chunk, self.on_end = on_chunk, on_end
+        self.on_chunk, self.on_end, self.on_retime = on_chunk, on_end, on_retime
+        self.fast = fast
+        self.run: steady.Run | None = None  # the steady ticks under way, if any
+        self.gen = 0  # bumped when the tick under way is retimed: older end events are stale
         self.unfinished = 0
         self.replica_of: dict[int, int] = {}  # request index -> the DP replica that holds it
         self.spec = {"steps": 0, "drafted": 0, "accepted": 0}
 
     # -- requests -------------------------------------------------------------------------
-    def add(self, index: int, prompt: list[int], output_len: int) -> Sequence:
+    def add(self, index: int, prompt: list[int], output_len: int, now: float | None = None) -> Sequence:
+        """A request arriving at `now` (it joins at the next tick)."""
+        step = self._interrupt(now)
         req = Request(index, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True))
-        seq = Sequence(req, None, arrived_step=self.tick_no)
+        seq = Sequence(req, None, arrived_step=step)
         self.replicas[self._least_loaded(index)].add(seq)
         self.unfinished += 1
         return seq
@@ -88,11 +96,26 @@ class SimEngine:
         self.replica_of[index] = loads.index(min(loads))
         return self.replica_of[index]
 
-    def hand_over(self, seq: Sequence, receive_s: float) -> None:
+    def hand_over(self, seq: Sequence, receive_s: float, now: float | None = None) -> None:
         """A sequence whose prompt another engine computed (its first token in output): it
         joins once a lane has room, the tick that adopts it taking receive_s longer."""
+        self._interrupt(now)
         self.adopting.append((seq, receive_s))
         self.unfinished += 1
+
+    def _interrupt(self, now: float | None) -> int:
+        """Something new for the engine at `now`: a steady run under way stops after its tick
+        then running. Returns the tick number under way."""
+        if self.run is None or now is None:
+            return self.tick_no
+        step = self.tick_no + self.run.running_tick(now)
+        dropped = self.run.cut(now)
+        if dropped is not None:
+            self.busy_s -= dropped
+            self.gen += 1
+            if self.on_retime is not None:
+                self.on_retime(self, self.run.ends[-1])
+        return step
 
     @property
     def busy(self) -> bool:
@@ -122,11 +145,21 @@ class SimEngine:
         dt += extra
         self.busy_s += dt
         self.running_tick = True
+        self.run = steady.plan(self, chunks, now, dt) if entry is not None else None
+        if self.run is not None:
+            self.busy_s += sum(s for s, _ in self.run.costs)
+            return self.run.ends[-1]
         return now + dt
 
     def end_tick(self, t: float) -> None:
         """The tick ends at t: the micro-batch leaving the last stage takes its tokens."""
         self.running_tick = False
+        if self.run is not None:  # tick 0's micro-batch, then the steady ticks after it
+            run, self.run = self.run, None
+            done = self.inflight.pop()
+            steady.settle(self, run, lambda t0: [self._apply(c, t0) for part in done[0] for c in part])
+            self.tick_no += run.ticks
+            return
         if len(self.inflight) == self.depth:
             done = self.inflight.pop()
             if done is not None:
@@ -174,6 +207,16 @@ class SimEngine:
                 self.spec[k] += n
         if not c.samples:
             return
+        if taken == 1:  # one token, the common case: finish_reason's test, inline
+            seq.output.append(token_at(seq.request.index, seq.length))
+            p = seq.request.params
+            finished = (seq.output[-1] in p.stop_token_ids or len(seq.output) >= p.max_tokens
+                        or seq.length >= self.max_model_len)
+            if self.on_chunk is not None:
+                self.on_chunk(seq, 1, t)
+            if finished:
+                self._end(seq, t)
+            return
         tokens, finished = 0, False
         while tokens < taken and not finished:
             seq.output.append(token_at(seq.request.index, seq.length))
@@ -183,6 +226,12 @@ class SimEngine:
             self.on_chunk(seq, tokens, t)
         if finished:
             self._end(seq, t)
+
+    def take(self, seq: Sequence, t: float) -> None:
+        """A steady tick's token for seq at t (steady.settle: it never ends the sequence)."""
+        seq.output.append(token_at(seq.request.index, seq.length))
+        if self.on_chunk is not None:
+            self.on_chunk(seq, 1, t)
 
     def _finished(self, seq: Sequence) -> bool:
         return bool(seq.output) and finish_reason(seq, self.max_model_len) is not None

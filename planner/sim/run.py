@@ -78,10 +78,12 @@ class _Ranks:
 class Simulation:
     def __init__(self, deployment, kinds: list, requests: list, *, topology, kv_bytes_per_token: float,
                  rate: float = math.inf, burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                 progress=None):
+                 progress=None, memos: dict | None = None, fast: bool = True):
         """kinds: the EngineKind of the replicas (one), or of the prefill and the decode engines
         (two); requests: load.BenchRequest with token-id prompts; kv_bytes_per_token: the
-        model's KV bytes per token over all layers (the hand-off's size)."""
+        model's KV bytes per token over all layers (the hand-off's size); memos: the costed steps
+        of each kind, kept across runs of one deployment (an SLO search's rates); fast: steady
+        decode fast-forwarded (steady.py: the same figures, fewer steps)."""
         self.d, self.progress = deployment, progress
         self.clients = [Client(r.prompt, r.output_len, t) for r, t in
                         zip(requests, arrival_times(len(requests), rate=rate, burstiness=burstiness, seed=seed))]
@@ -92,7 +94,7 @@ class Simulation:
         self.done = 0
         self.kv_bytes_per_token = kv_bytes_per_token
         d = deployment
-        memos: dict[int, dict] = {}
+        memos = {} if memos is None else memos
 
         def engine(name: str, kind, seed_: int, drafts: bool = True) -> SimEngine:
             cost = kind.step_cost()
@@ -102,7 +104,8 @@ class Simulation:
                              max_num_batched_tokens=kind.max_num_batched_tokens, max_model_len=kind.max_model_len,
                              pp=kind.layout.pp, dp=kind.layout.dp, prefix_caching=d.prefix_caching,
                              spec_k=d.spec_tokens if drafts else 0, acceptance=d.acceptance,
-                             draft_rate=d.draft_rate, seed=seed + seed_, on_chunk=self._chunk, on_end=self._ended)
+                             draft_rate=d.draft_rate, seed=seed + seed_, on_chunk=self._chunk, on_end=self._ended,
+                             on_retime=self._retime, fast=fast)
 
         if d.disaggregated:
             pk, dk = kinds
@@ -156,7 +159,9 @@ class Simulation:
                 else:
                     self._send(data, now)
             elif kind == "tick":
-                e = data
+                e, gen = data
+                if gen != e.gen:
+                    continue  # retimed: a steady run cut short ends at another event
                 e.end_tick(now)
                 if e in self.decodes:
                     self._events_of(e)
@@ -178,7 +183,10 @@ class Simulation:
         if ready > now:
             self._push(ready, "wake", e)
             return
-        self._push(e.start_tick(now), "tick", e)
+        self._push(e.start_tick(now), "tick", (e, e.gen))
+
+    def _retime(self, e: SimEngine, t: float) -> None:
+        self._push(t, "tick", (e, e.gen))
 
     def _send(self, i: int, now: float) -> None:
         c = self.clients[i]
@@ -190,10 +198,10 @@ class Simulation:
                        f"max_model_len {limit}")
             self._finish(i, now)
             return
-        e = self._route(i, c)
+        e = self._route(i, c, now)
         self._next(e, now)
 
-    def _route(self, i: int, c: Client) -> SimEngine:
+    def _route(self, i: int, c: Client, now: float) -> SimEngine:
         d = self.d
         if not d.disaggregated:
             loads = [e.unfinished for e in self.engines]
@@ -203,7 +211,7 @@ class Simulation:
                 route = self.router.choose(c.prompt, loads, list(range(len(self.engines))))
                 self.routed[route.reason] = self.routed.get(route.reason, 0) + 1
                 e = self.engines[route.replica]
-            e.add(i, c.prompt, c.output_len)
+            e.add(i, c.prompt, c.output_len, now)
             self.where[i] = e
             return e
         loads = [e.unfinished for e in self.decodes]
@@ -216,11 +224,11 @@ class Simulation:
         dec = self.decodes[slot]
         self.where[i] = dec
         if not path.remote:
-            dec.add(i, c.prompt, c.output_len)
+            dec.add(i, c.prompt, c.output_len, now)
             return dec
         self.waiting[path.prefill] += 1
         p = self.prefills[path.prefill]
-        p.add(i, c.prompt, 1)
+        p.add(i, c.prompt, 1, now)
         self.bound[i] = (p, slot)
         return p
 
@@ -253,7 +261,7 @@ class Simulation:
         self.stall[id(p)] = max(self.stall.get(id(p), t), t + move)
         req = Request(i, c.prompt, SamplingParams(max_tokens=c.output_len, ignore_eos=True))
         dec = self.decodes[slot]
-        dec.hand_over(Sequence(req, None, output=list(seq.output), cached_tokens=seq.cached_tokens), move)
+        dec.hand_over(Sequence(req, None, output=list(seq.output), cached_tokens=seq.cached_tokens), move, t)
         self._next(dec, t)
 
     def _events_of(self, e: SimEngine) -> None:
