@@ -13,21 +13,27 @@ import importlib
 
 from atoll.bench import model as bench_model
 
-# benchmark name -> module (imports heavy packages lazily inside its run())
+# benchmark name -> (module, its one-line help). `atoll bench --help` lists these from here; only
+# the benchmarks a command line names are imported (tests/cli check each line is its module's own)
 BENCHES = {
-    "model": "atoll.bench.model",
-    "dispatch": "atoll.bench.dispatch",
-    "exchange": "atoll.bench.exchange",
-    "kernels": "atoll.bench.kernels",
-    "prefix": "atoll.bench.prefix",
-    "disagg": "atoll.bench.disagg",
-    "serve": "atoll.bench.serve",
-    "startup": "atoll.bench.startup",
-    "spec": "atoll.bench.spec",
+    "model": ("atoll.bench.model", "atoll vs transformers generate, decode vs bandwidth floor (the default)"),
+    "dispatch": ("atoll.bench.dispatch", "MoE dispatch+combine time over a bare all_to_all of the same bytes"),
+    "exchange": ("atoll.bench.exchange", "MoE all_to_all dispatch vs gather_combine, per rows per rank"),
+    "kernels": ("atoll.bench.kernels", "Triton kernels vs torch reference vs device floor"),
+    "prefix": ("atoll.bench.prefix", "prefix caching off vs on: prefill tokens computed and TTFT"),
+    "disagg": ("atoll.bench.disagg", "colocated vs disaggregated prefill/decode: wall time, TTFT, TPOT, KV sent"),
+    "serve": ("atoll.bench.serve", "an OpenAI-compatible server under load: throughput, TTFT, TPOT, ITL, "
+                                   "goodput (vLLM's serving benchmark)"),
+    "startup": ("atoll.bench.startup", "atoll generate (default, --enforce-eager) and transformers, start-up "
+                                       "and compile included, first and second run"),
+    "spec": ("atoll.bench.spec", "speculative decoding off vs on: tokens/s, acceptance"),
 }
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, argv: list[str] | None = None) -> None:
+    """The `bench` parser. `argv` (the words after `bench`) picks the benchmarks built from their
+    modules: every one it names (a word that is an option's value included, harmless: one more
+    import); the others are their line of BENCHES. No argv: every benchmark is built."""
     p = sub.add_parser(
         "bench", help="benchmarks (atoll bench [model options] | atoll bench dispatch ...)",
         description="Benchmarks that time atoll against a baseline in the same run and print "
@@ -37,5 +43,8 @@ def add_parser(sub) -> None:
     bench_model.add_arguments(p)
     p.set_defaults(run=bench_model.run)
     benches = p.add_subparsers(dest="bench", metavar="[BENCH]", required=False)
-    for module in BENCHES.values():
-        importlib.import_module(module).add_parser(benches)
+    for name, (module, help_line) in BENCHES.items():
+        if argv is None or name in argv or name == "model":  # the model bench's module is loaded anyway
+            importlib.import_module(module).add_parser(benches)
+        else:
+            benches.add_parser(name, help=help_line)

@@ -1,6 +1,7 @@
 """Issue 12: every user error is one line `atoll: error: ...`, exit code 2, no traceback; the
 parser builds without torch; `convert --force` never deletes a directory it did not make."""
 
+import argparse
 import json
 import math
 import shutil
@@ -77,6 +78,21 @@ assert not heavy, heavy
 def test_help_imports_no_torch():
     r = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_help_lines_are_the_modules_own():
+    """`atoll --help` and `atoll bench --help` list COMMANDS' and BENCHES' lines without importing
+    the modules: each line is the help that module's own parser gives."""
+    from atoll.cli.bench import BENCHES
+    from atoll.cli.main import COMMANDS, build_parser
+
+    def listed(parser):
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return {a.dest: a.help for a in action._choices_actions}, action.choices
+
+    top, parsers = listed(build_parser())
+    assert top == {name: line for name, (_, line) in COMMANDS.items()}
+    assert listed(parsers["bench"])[0] == {name: line for name, (_, line) in BENCHES.items()}
 
 
 def test_lazy_package_names_still_import():
