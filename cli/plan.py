@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from atoll.cli.plan_goodput import add_goodput_options, run_goodput
 from atoll.errors import ConfigError
 
 
@@ -60,6 +61,7 @@ def add_parser(subparsers) -> None:
                         "plans on it carry them as their uncertainty band")
     p.add_argument("--rounds", type=int, default=3, help="--check: timed rounds per layout (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="--check: untimed rounds first (default 1)")
+    add_goodput_options(p)
     p.set_defaults(run=run)
 
 
@@ -107,6 +109,14 @@ def run(args) -> int:
 
         args.concurrency_check = _concurrencies(args.concurrency or "8")[0]
         return run_check(args)
+    if args.goodput:
+        if args.plot:
+            check_plot_path(args.plot)
+        if args.save:
+            from atoll.planner.planfile import check_save_path
+
+            check_save_path(args.save)
+        return run_goodput(args)
     if args.model is None:
         raise ConfigError("plan: the following arguments are required: --model (see `atoll plan --help`)")
     args.isl = 1024 if args.isl is None else args.isl

@@ -28,6 +28,7 @@ import yaml
 from atoll.errors import AtollError, ConfigError
 from atoll.parallel.layout import Layout
 from atoll.parallel.placement import Placement
+from atoll.planner.sim.deploy import Deployment
 from atoll.topologies.load import read_yaml
 from atoll.topologies.schema import GpuSpec, Link, Node, Topology
 
@@ -54,6 +55,7 @@ class SavedPlan:
     predictions: dict = field(default_factory=dict)
     workload: dict = field(default_factory=dict)
     reasons: tuple[str, ...] = ()
+    deployment: dict = field(default_factory=dict)  # the SLO search's whole deployment (planner.sim.deploy)
 
     @property
     def islands(self) -> tuple[int, ...]:
@@ -94,7 +96,7 @@ class SavedPlan:
                           for r, (n, g) in enumerate(pl.slots)],
             "predictions": dict(self.predictions), "workload": dict(self.workload),
             "reasons": list(self.reasons),
-        }
+        } | ({"deployment": dict(self.deployment)} if self.deployment else {})
 
 
 def from_plan(plan, config) -> SavedPlan:
@@ -112,6 +114,26 @@ def from_plan(plan, config) -> SavedPlan:
                                "kv_dtype": w.kv_dtype} | {k: getattr(w, k) for k in ("request_rate", "expert_imbalance")
                                                            if getattr(w, k) is not None},
                      reasons=tuple(plan.reasons))
+
+
+def from_search(result, config, topology, *, model: str, workload: dict) -> SavedPlan:
+    """The SLO search's deployment (planner/sim/search.py) as a SavedPlan: the layout of its
+    engines (xPyD: the decode engines'), placed from the cluster's first GPU, and the whole
+    deployment for `atoll serve --plan`."""
+    best = result.best
+    if best is None:
+        raise ConfigError(f"no plan to save: {result.reasons[0]}")
+    d = best.deployment
+    layout = Layout.parse(d.decode if d.disaggregated else d.layout)
+    t = best.best
+    preds = {"ttft_ms": t.serve["ttft_ms"]["p90"], "tpot_ms": t.serve["tpot_ms"]["p90"],
+             "tokens_per_s_per_gpu": t.point(best.gpus)[1], "tokens_per_s_per_user": t.point(best.gpus)[0],
+             "goodput_per_gpu": best.goodput_per_gpu, "attainment": t.attainment, "percentile": "p90"}
+    return SavedPlan(model=model, shapes=model_shapes(config), layout=layout,
+                     replicas=d.decode_replicas if d.disaggregated else d.replicas, topology=topology,
+                     placement=Placement.build(layout, topology, allow_cross_island=True), predictions=preds,
+                     workload=dict(workload) | {"slos_ms": dict(result.target.slos), "request_rate": result.target.rate},
+                     reasons=tuple(result.reasons), deployment=asdict(d))
 
 
 class _Flow(list):
@@ -245,9 +267,26 @@ def load_plan(path) -> SavedPlan:
     preds = d.get("predictions") or {}
     if not isinstance(preds, dict):
         raise ConfigError(f"{where}: 'predictions' must be a mapping")
+    deployment = d.get("deployment") or {}
+    if deployment:
+        check_deployment(deployment, where)
     return SavedPlan(model=str(model.get("name", "model")), shapes=dict(model["shapes"]), layout=layout,
                      replicas=replicas, topology=topology, placement=placement, predictions=preds,
-                     workload=d.get("workload") or {}, reasons=tuple(d.get("reasons") or ()))
+                     workload=d.get("workload") or {}, reasons=tuple(d.get("reasons") or ()), deployment=deployment)
+
+
+def check_deployment(d, where: str) -> None:
+    """A plan's deployment mapping holds only Deployment's fields, each in range (one line)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: 'deployment' must be a mapping")
+    known = {f.name for f in fields(Deployment)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{where}: deployment has unknown fields {', '.join(unknown)}")
+    try:
+        Deployment(**d)
+    except (AtollError, TypeError) as e:
+        raise ConfigError(f"{where}: deployment: {e}") from None
 
 
 def _placement(rows, layout: Layout, topology, where: str) -> Placement:

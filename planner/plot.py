@@ -69,3 +69,41 @@ def plot_plans(plans, path: str) -> None:
         raise ConfigError(f"--plot {path}: {getattr(e, 'strerror', None) or e}") from None
     finally:
         plt.close(fig)
+
+
+def plot_frontier(result, path: str, *, title: str = "") -> None:
+    """The SLO search's runs (planner/sim/search.py) that met the SLOs: output tokens/s per GPU
+    against per user, the Pareto front joined and the chosen deployment starred."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'atoll[plot]'") from None
+    pts = [(*t.point(j.gpus), j) for j in result.judged for t in j.trials
+           if t.attainment >= result.target.attainment and t.rate != float("inf")]
+    if not pts:
+        raise ConfigError("nothing to plot: no simulated run met the SLOs")
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.scatter([x for x, _, _ in pts], [y for _, y, _ in pts], s=12, c="#bbbbbb", label="runs meeting the SLOs")
+    front = result.frontier
+    ax.plot([x for x, _, _ in front], [y for _, y, _ in front], "-o", c="#1f77b4", ms=4, label="Pareto front")
+    for x, y, what in front:
+        ax.annotate(what, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    best = result.best
+    if best is not None and best.best is not None:
+        x, y = best.best.point(best.gpus)
+        ax.scatter([x], [y], marker="*", s=220, c="#d62728", zorder=5, label=best.deployment.describe())
+    ax.set_xlabel("output tokens/s per user (1 / mean TPOT)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title(f"{title}\n{result.target.describe()}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--plot {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        plt.close(fig)
