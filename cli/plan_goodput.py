@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
 from atoll.errors import ConfigError
 from atoll.models.presets import resolve_model
+from atoll.planner.sim.api import simulate
 from atoll.planner.sim.deploy import Deployment, on_cpu
 from atoll.planner.sim.judge import MAX_REQUESTS, Target
 from atoll.planner.sim.load import jsonl_requests, random_requests
+from atoll.planner.sim.observed import factors, read_metrics
 from atoll.planner.sim.report import parse_goodput
 from atoll.planner.sim.search import search
 from atoll.topologies import load_topology
@@ -49,6 +52,13 @@ def add_goodput_options(p) -> None:
     g.add_argument("--finalists", type=int, default=4, help="colocated layouts simulated (default 4)")
     g.add_argument("--no-disagg", action="store_true", help="colocated replicas only")
     g.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default 0)")
+    g.add_argument("--from-metrics", metavar="URL", default=None,
+                   help="correct by a running atoll server: its /metrics' mean TTFT and ITL over the simulated "
+                        "ones of the deployment it serves (--serving) at the rate it saw (--serving-rate)")
+    g.add_argument("--serving", metavar="DEPLOYMENT", default=None,
+                   help="with --from-metrics: what the server runs, 'TP2', '2 x TP1' or '1P1D:TP1/TP2'")
+    g.add_argument("--serving-rate", type=float, default=None,
+                   help="with --from-metrics: the requests/s the server saw")
 
 
 def check(args) -> tuple[dict, Target]:
@@ -73,7 +83,38 @@ def check(args) -> tuple[dict, Target]:
         raise ConfigError(f"--acceptance {args.acceptance}: must lie in [0, 1]")
     if not 1 <= args.spec_tokens <= 64 or not 1 <= args.finalists <= 64:
         raise ConfigError("--spec-tokens and --finalists: whole numbers from 1 to 64")
+    if args.from_metrics and (args.serving is None or args.serving_rate is None):
+        raise ConfigError("--from-metrics needs --serving (the server's deployment: 'TP2', '2 x TP1', "
+                          "'1P1D:TP1/TP2') and --serving-rate (the requests/s it saw)")
+    if args.serving_rate is not None and not 0 < args.serving_rate <= MAX_RATE:
+        raise ConfigError(f"--serving-rate {args.serving_rate:g}: must be a positive number of requests/s")
     return slos, Target(slos, args.slo_attainment, rate)
+
+
+def serving_deployment(text: str, base: Deployment) -> Deployment:
+    """'TP2', '2 x TP1' or '1P1D:TP1/TP2' as a Deployment with base's engine options."""
+    t = text.strip()
+    m = re.fullmatch(r"(\d+)P(\d+)D:([^/]+)/(.+)", t, flags=re.IGNORECASE)
+    if m:
+        return replace(base, prefill=m.group(3).strip(), decode=m.group(4).strip(),
+                       prefill_replicas=int(m.group(1)), decode_replicas=int(m.group(2)))
+    m = re.fullmatch(r"(\d+)\s*[xX*]\s*(.+)", t)
+    if m:
+        return replace(base, layout=m.group(2).strip(), replicas=int(m.group(1)))
+    return replace(base, layout=t)
+
+
+def correction(args, config, topology, base: Deployment, name: str) -> tuple[dict, str]:
+    """Measured over simulated mean TTFT and ITL of the server (observed.py), and a line saying so."""
+    seen = read_metrics(args.from_metrics)
+    d = serving_deployment(args.serving, base)
+    reqs = random_requests(max(200, seen.requests), input_len=max(1, round(seen.isl)),
+                           output_len=max(1, round(seen.osl)), vocab_size=config.vocab_size, seed=args.seed)
+    sim = simulate(config, topology, d, reqs, rate=args.serving_rate, seed=args.seed, model_name=name)
+    f = factors(seen, sim["serve"])
+    return f, (f"corrected by {seen.url} ({seen.requests} requests, mean {seen.isl:.0f} in / {seen.osl:.0f} out): "
+               f"measured over simulated TTFT {f['ttft']:.2f}, ITL {f['itl']:.2f} for {d.describe()} at "
+               f"{args.serving_rate:g} req/s")
 
 
 def run_goodput(args) -> int:
@@ -104,6 +145,10 @@ def run_goodput(args) -> int:
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if cpu else "auto")
     base = Deployment(max_num_seqs=args.max_num_seqs, prefix_caching=args.enable_prefix_caching, dtype=dtype,
                       kv_dtype=args.kv_dtype if args.kv_dtype != "auto" else dtype)
+    note = None
+    if args.from_metrics:
+        f, note = correction(args, config, topology, base, name)
+        target = replace(target, correction=f)
     shown = not args.no_progress and sys.stderr.isatty()
     with tqdm(desc="simulating deployments", unit="run", file=sys.stderr, disable=not shown, delay=1.0,
               leave=False, mininterval=0.2) as bar:
@@ -111,6 +156,8 @@ def run_goodput(args) -> int:
                         burstiness=args.burstiness, seed=args.seed, model_name=name, acceptance=args.acceptance,
                         spec_tokens=args.spec_tokens, count=args.finalists, disagg=not args.no_disagg,
                         progress=bar.update)
+    if note:
+        result.reasons.append(note)
     if args.format == "json":
         print(json.dumps(to_dict(result, name, topology), indent=1))
     else:

@@ -80,13 +80,21 @@ def score_layouts(config, topology, *, isl: int, osl: int, dtype: str, kv_dtype:
     return out
 
 
-def finalists(scored: list[Scored], count: int, gpus: int) -> tuple[list[Scored], list[Scored], list[Scored]]:
+def finalists(scored: list[Scored], count: int, gpus: int, *,
+              by_size: bool = False) -> tuple[list[Scored], list[Scored], list[Scored]]:
     """(colocated, prefill, decode) finalists: the best `count` kept layouts by score (by the
-    unloaded TPOT where none has a score); for xPyD the best prefill layouts of at most half the
+    unloaded TPOT where none has a score), and with by_size (a request rate to meet with the
+    fewest GPUs) the best of every smaller size too; for xPyD the best prefill layouts of at most half the
     cluster by prompts/s per GPU, and the best decode layouts that fit beside the smallest of them."""
     kept = [s for s in scored if not s.why]
     by_score = sorted(kept, key=lambda s: (-s.score, s.tpot1_s, s.world))
     colocated = by_score[:count]
+    if by_size and colocated:
+        sizes = {s.world for s in colocated}
+        for s in by_score:
+            if s.world < min(sizes):
+                colocated.append(s)
+                sizes.add(s.world)
     if not colocated:  # every layout misses alone: the one that fits and misses least, to name the closest
         fitting = sorted((s for s in scored if s.fits), key=lambda s: (s.tpot1_s, s.prefill_s))
         return fitting[:1], [], []

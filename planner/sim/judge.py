@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from atoll.parallel.layout import Layout
 from atoll.planner.sim.api import prepare
 from atoll.planner.sim.deploy import Deployment
+from atoll.planner.sim.observed import corrected, corrected_slos
 
 MAX_REQUESTS = 1000  # per run: the search's time bound
 BISECTIONS = 4  # steps between a light load and saturation: the goodput to ~6% of the saturated rate
@@ -41,6 +42,7 @@ class Target:
     slos: dict  # metric -> milliseconds (report.SLO_METRICS)
     attainment: float = 0.9  # the share of requests that must meet every SLO
     rate: float | None = None  # requests/s to serve with the fewest GPUs; None: the highest goodput per GPU
+    correction: dict | None = None  # measured over simulated {"ttft", "itl"} (observed.py), or None
 
     def describe(self) -> str:
         slo = " ".join(f"{k}:{v:g}" for k, v in self.slos.items())
@@ -120,10 +122,12 @@ class Judge:
     def _trial(self, prep, rate: float) -> Trial:
         self.runs += 1
         requests = self.requests(prep.deployment, rate)
-        out = prep.run(requests, rate=rate, burstiness=self.burstiness, seed=self.seed, slos=self.target.slos)
+        f = self.target.correction
+        slos = corrected_slos(self.target.slos, f) if f else self.target.slos
+        out = prep.run(requests, rate=rate, burstiness=self.burstiness, seed=self.seed, slos=slos)
         if self.progress is not None:
             self.progress(1)
-        return Trial(rate, out["serve"], out["engines"])
+        return Trial(rate, corrected(out["serve"], f) if f else out["serve"], out["engines"])
 
     def judge(self, d: Deployment) -> Judged:
         if d not in self.cache:

@@ -69,7 +69,7 @@ def search(config, topology, make_requests, target: Target, *, base: Deployment,
     t0 = time.perf_counter()
     scored = score_layouts(config, topology, isl=isl, osl=osl, dtype=base.dtype, kv_dtype=base.kv_dtype,
                            slos_ms=target.slos)
-    colocated, prefill, decode = finalists(scored, count, topology.num_gpus)
+    colocated, prefill, decode = finalists(scored, count, topology.num_gpus, by_size=target.rate is not None)
     judge = Judge(config, topology, make_requests, target, num_prompts=num_prompts, burstiness=burstiness,
                   seed=seed, model_name=model_name, progress=progress)
     n = topology.num_gpus
@@ -153,10 +153,28 @@ def _tune(judge: Judge, j: Judged, topology, rank, acceptance, spec_tokens) -> t
                 continue
             trial = replace(d, **{name: value})
         t = judge.judge(trial)
-        if rank(t) < rank(best):
+        if _better(t, best, judge.target):
             why.append(f"{_option(name, value)}: {_gain(best, t, judge.target)}")
             best = t
     return best, why
+
+
+MARGIN = 0.03  # an option is kept when it wins by more than this share (runs differ by their noise)
+
+
+def _better(new: Judged, old: Judged, target: Target) -> bool:
+    """Whether new beats old by more than noise: meeting where old misses, fewer GPUs, or (with
+    neither) MARGIN more goodput per GPU, attainment or headroom."""
+    if new.meets != old.meets:
+        return new.meets
+    if new.gpus != old.gpus and target.rate is not None:
+        return new.gpus < old.gpus and new.meets
+    if target.rate is None and new.meets:
+        return new.goodput_per_gpu > old.goodput_per_gpu * (1 + MARGIN)
+    a, b = new.closest.attainment, old.closest.attainment
+    if abs(a - b) > MARGIN:
+        return a > b
+    return _load(new, target) < _load(old, target) * (1 - MARGIN)
 
 
 def _option(name: str, value) -> str:

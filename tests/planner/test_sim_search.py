@@ -15,7 +15,7 @@ from atoll.planner.planfile import load_plan
 from atoll.planner.sim.api import prepare
 from atoll.planner.sim.candidates import splits
 from atoll.planner.sim.deploy import Deployment
-from atoll.planner.sim.judge import Target, scaled
+from atoll.planner.sim.judge import Judge, Target, scaled
 from atoll.planner.sim.load import random_requests
 from atoll.planner.sim.search import search
 from atoll.topologies import load_topology
@@ -122,3 +122,16 @@ def test_an_slo_nobody_meets_exits_1_with_one_line():
     assert r.returncode == 1
     assert r.stderr.strip().startswith("atoll: no deployment meets") and "closest is" in r.stderr
     assert "deployment" in r.stdout and "why:" in r.stdout  # the table and its reasons still print
+
+
+def test_a_measured_correction_scales_the_figures_and_tightens_the_slos(setup):
+    config, topology, make = setup
+    d = Deployment(layout="TP1", max_num_seqs=16)
+    plain = Judge(config, topology, make, Target(SLOS, rate=3.0), num_prompts=60, model_name=MODEL).judge(d)
+    slow = Judge(config, topology, make, Target(SLOS, rate=3.0, correction={"ttft": 3.0, "itl": 3.0}),
+                 num_prompts=60, model_name=MODEL).judge(d)
+    a, b = plain.trials[0].serve, slow.trials[0].serve
+    assert b["tpot_ms"]["p90"] == pytest.approx(3 * a["tpot_ms"]["p90"])
+    assert b["ttft_ms"]["p50"] == pytest.approx(3 * a["ttft_ms"]["p50"])
+    assert b["goodput"]["slos_ms"]["tpot"] == pytest.approx(SLOS["tpot"] / 3)  # judged against the SLO / 3
+    assert slow.trials[0].attainment <= plain.trials[0].attainment

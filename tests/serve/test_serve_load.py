@@ -169,3 +169,28 @@ def test_closed_streams_are_aborted_and_free_their_blocks(server, model_dir):
         return r.choices[0].token_ids
 
     assert asyncio.run(again()) == reference_tokens(model_dir, [[5, 7, 9]], 4)[0]
+
+
+def test_plan_reads_the_servers_metrics_for_its_correction(server):
+    """atoll plan --from-metrics (planner/sim/observed.py) reads this server's own /metrics: its
+    means are the histograms' sums over counts, and its lengths the token counters per request."""
+    from atoll.errors import ConfigError
+    from atoll.planner.sim.observed import read_metrics
+
+    m = server.metrics()
+    if m.get("atoll_e2e_request_latency_seconds_count", 0) < 10:  # run alone: make the traffic it reads
+        for i in range(12):
+            httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": [7 + i, 8, 9], "max_tokens": 4,
+                                                             "ignore_eos": True}, timeout=120).raise_for_status()
+        m = server.metrics()
+    seen = read_metrics(server.url)
+    done = m["atoll_e2e_request_latency_seconds_count"]
+    assert seen.requests == int(done) >= 10
+    assert seen.ttft_s == pytest.approx(m["atoll_time_to_first_token_seconds_sum"]
+                                        / m["atoll_time_to_first_token_seconds_count"])
+    assert seen.itl_s == pytest.approx(m["atoll_inter_token_latency_seconds_sum"]
+                                       / m["atoll_inter_token_latency_seconds_count"])
+    assert seen.osl == pytest.approx(m["atoll_generation_tokens_total"] / done)
+    assert seen.isl == pytest.approx(m["atoll_prompt_tokens_total"] / done) and seen.isl > 0
+    with pytest.raises(ConfigError, match="HTTP 404"):
+        read_metrics(f"{server.url}/v1/nothing")
