@@ -8,6 +8,13 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The repository root is the package atoll itself (installed in editable mode), so it must not be
+# on the path as a folder of top-level modules: its kernels/ would shadow Hugging Face's `kernels`
+# package, which transformers imports. `python -m pytest` puts the working folder first; drop it
+# here, and keep child processes (`python -c`, `python -m atoll`) from adding theirs.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 # Test files sit in folders that mirror the package's; a few import another folder's test
 # module by name (test_kernels' fixture, test_paged_attention's batches), so every folder is on
 # the path whatever was collected first (file names are unique across folders)
