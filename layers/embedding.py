@@ -9,7 +9,7 @@ from torch import nn
 
 from atoll.comm.group import Group
 from atoll.layers.linear import _param
-from atoll.layers.packed import linear
+from atoll.layers.packed import Packs, linear
 
 
 class _VocabShard(nn.Module):
@@ -44,6 +44,10 @@ class VocabParallelEmbedding(_VocabShard):
 
 
 class ParallelLMHead(_VocabShard):
+    def __init__(self, vocab_size: int, hidden: int, group: Group, dtype=None):
+        super().__init__(vocab_size, hidden, group, dtype=dtype)
+        self.packs = Packs()  # its weight's packed copies (layers.packed), tied or not
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = linear(x, self.weight, scale=self.weight_scale)  # [tokens, vocab/tp (padded)]
+        logits = linear(x, self.weight, scale=self.weight_scale, packs=self.packs)  # [tokens, vocab/tp (padded)]
         return self.group.all_gather(logits, dim=-1)[..., : self.vocab_size]  # [tokens, vocab]

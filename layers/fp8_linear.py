@@ -1,6 +1,7 @@
 """fp8 weights kept in fp8 (`--quantization fp8`): a parameter turned into float8 e4m3 with a
 float32 scale per row and 128 columns beside it (kernels/fp8.py's layout), filled by the
-layers' own weight_loaders through `linear.copy_into`, which hands an fp8 destination here.
+layers' own weight_loaders through `linear.copy_into`, which hands an fp8 destination here
+with its Fp8Scales (the layer's fp8_scales entry for that parameter).
 
 A checkpoint's 128 x 128 block scale is repeated over the block's rows, so a rank's slice may
 start inside a block (a TP shard of 64 rows, a merged [gate; up] or an expert's moe_tp rows)
@@ -21,28 +22,37 @@ Sources written into an fp8 destination:
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from atoll.kernels.fp8 import FP8, dequantize_weight, groups, quantize_weight
 
-# the fp8 parameter's storage -> (its shape, its scale tensor, its static input scale or None):
-# copy_into finds a destination view's scale rows from the view's storage and offset
-_SCALES: dict[int, tuple[torch.Size, torch.Tensor, torch.Tensor | None]] = {}
+
+@dataclass(eq=False)
+class Fp8Scales:
+    """What `write` needs beside an fp8 parameter made by keep_fp8: the parameter's shape, its
+    float32 scales [..., rows, groups] and its static input scale (a float32 scalar; None
+    where the checkpoint's activations are dynamic). The layer keeps it in its fp8_scales, under
+    the parameter's name, and its weight_loader hands it to layers.linear.copy_into."""
+
+    shape: torch.Size
+    scale: torch.Tensor
+    input: torch.Tensor | None
 
 
-def keep_fp8(module: nn.Module, name: str, scale_name: str, input_name: str | None = None) -> None:
+def keep_fp8(module: nn.Module, name: str, scale_name: str, input_name: str | None = None) -> Fp8Scales:
     """Replaces module.<name> (a float parameter [..., rows, cols], not loaded yet) by an fp8
     one of the same shape, and sets module.<scale_name> to its float32 scales [..., rows,
     groups] and, given input_name, module.<input_name> to its static input scale (a float32
-    scalar, filled from the checkpoint); the weight_loader and shards attributes carry over."""
+    scalar, filled from the checkpoint); the weight_loader carries over. The scales go to
+    module.fp8_scales[name] (a layer that may keep fp8 weights declares that dict) and are
+    returned."""
     old = getattr(module, name)
     new = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
-    for attr in ("weight_loader", "shards"):
-        if hasattr(old, attr):
-            setattr(new, attr, getattr(old, attr))
+    if hasattr(old, "weight_loader"):
+        new.weight_loader = old.weight_loader
     setattr(module, name, new)
     scale = torch.ones(*old.shape[:-1], groups(old.shape[-1]), dtype=torch.float32, device=old.device)
     setattr(module, scale_name, scale)
@@ -50,23 +60,27 @@ def keep_fp8(module: nn.Module, name: str, scale_name: str, input_name: str | No
     if input_name is not None:
         inp = torch.zeros((), dtype=torch.float32, device=old.device)
         setattr(module, input_name, inp)
-    if new.is_meta:  # a model built to count its bytes: never loaded
-        return
-    key = new.untyped_storage().data_ptr()
-    _SCALES[key] = (new.shape, scale, inp)
-    weakref.finalize(new, _SCALES.pop, key, None)
+    module.fp8_scales[name] = scales = Fp8Scales(new.shape, scale, inp)
+    return scales
+
+
+def scales_of(module: nn.Module, param: torch.Tensor) -> Fp8Scales | None:
+    """The Fp8Scales keep_fp8 recorded for `param`, one of module's own parameters; None for a
+    parameter not kept in fp8."""
+    for name, scales in module.fp8_scales.items():
+        if getattr(module, name) is param:
+            return scales
+    return None
 
 
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8
 
 
-def write(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst (whole rows of a keep_fp8 parameter) = src, with the rows' scales."""
-    entry = _SCALES.get(dst.untyped_storage().data_ptr())
-    if entry is None:
-        raise ValueError("an fp8 parameter that keep_fp8 did not make")
-    shape, scale, inp = entry
+def write(dst: torch.Tensor, src: torch.Tensor, fp8: Fp8Scales) -> None:
+    """dst (whole rows of a keep_fp8 parameter, as a view of it: its offset says which rows)
+    = src, with the rows' scales into fp8.scale."""
+    shape, scale, inp = fp8.shape, fp8.scale, fp8.input
     cols = shape[-1]
     if dst.shape[-1] != cols or not dst.is_contiguous():
         raise ValueError(f"an fp8 weight is written by whole rows, not a {tuple(dst.shape)} slice of {tuple(shape)}")

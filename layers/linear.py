@@ -3,6 +3,14 @@
 Each weight carries a `weight_loader(param, src, shard=None)` that reads only this rank's
 slice from `src`, a lazy checkpoint tensor (safetensors slice) indexed like a tensor.
 Weights follow torch's [out_features, in_features] convention.
+
+What a layer holds besides its parameters, each explicit on the layer:
+- `packs` (layers.packed.Packs): its weight's packed copies for CPU products, handed to
+  `linear` with the weight;
+- `fp8_scales`: parameter name -> layers.fp8_linear.Fp8Scales, for a weight kept in fp8
+  (keep_fp8 fills it), which the layer's weight_loader hands to copy_into;
+- `shard_ids` (the merged layers): parameter name -> the checkpoint shard ids it is filled
+  from, which models/strict.py checks were all loaded (a parameter not named: one tensor).
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from torch import nn
 
 from atoll.comm.group import Group
 from atoll.layers import fp8_linear
-from atoll.layers.packed import linear
+from atoll.layers.packed import Packs, linear
 
 
 def divide(n: int, d: int, what: str = "size") -> int:
@@ -30,11 +38,15 @@ def _param(*shape, dtype=None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype or torch.get_default_dtype()), requires_grad=False)
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor, fp8: fp8_linear.Fp8Scales | None = None) -> None:
+    """dst (a slice of a parameter) = src; a parameter kept in fp8 is written with its scales,
+    `fp8` (fp8_linear.scales_of: the parameter's entry in its layer's fp8_scales)."""
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"shape mismatch: parameter slice {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
     if fp8_linear.is_fp8(dst):  # a weight kept in fp8: its scales are written beside it
-        fp8_linear.write(dst, src)
+        if fp8 is None:
+            raise ValueError("an fp8 parameter without its scales (one keep_fp8 did not make)")
+        fp8_linear.write(dst, src, fp8)
     else:
         dst.copy_(src)
 
@@ -51,6 +63,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight.weight_loader = self._load_rows
         self.register_buffer("weight_scale", None)  # int8 weights' per-row scales (layers.quant_linear)
         self.register_buffer("input_scale", None)  # an fp8 checkpoint's static activation scale
+        self.fp8_scales: dict[str, fp8_linear.Fp8Scales] = {}
+        self.packs = Packs()
         self.bias = None
         if bias:
             self.bias = _param(self.out_local, dtype=dtype)
@@ -58,10 +72,11 @@ class ColumnParallelLinear(nn.Module):
 
     def _load_rows(self, param, src, shard=None):
         start = self.group.rank * self.out_local
-        copy_into(param.data, src[start:start + self.out_local])
+        copy_into(param.data, src[start:start + self.out_local], fp8_linear.scales_of(self, param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale, self.input_scale)  # [tokens, out/tp]
+        return linear(x, self.weight, self.bias, self.weight_scale, self.input_scale,
+                      packs=self.packs)  # [tokens, out/tp]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -71,14 +86,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], group: Group, *, bias: bool = False, dtype=None):
         self.part_local = [divide(n, group.size, "out_features") for n in out_sizes]
         super().__init__(in_features, sum(out_sizes), group, bias=bias, dtype=dtype)
-        for p in self.parameters():
-            p.shards = tuple(range(len(out_sizes)))
+        self.shard_ids = {name: tuple(range(len(out_sizes))) for name, _ in self.named_parameters()}
 
     def _load_rows(self, param, src, shard: int = 0):
         n = self.part_local[shard]
         offset = sum(self.part_local[:shard])
         start = self.group.rank * n
-        copy_into(param.data[offset:offset + n], src[start:start + n])
+        copy_into(param.data[offset:offset + n], src[start:start + n], fp8_linear.scales_of(self, param))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -100,8 +114,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.kv_local * head_dim
         out_total = (self.heads_local + 2 * self.kv_local) * head_dim * tp
         super().__init__(hidden, out_total, group, bias=bias, dtype=dtype)
-        for p in self.parameters():
-            p.shards = ("q", "k", "v")
+        self.shard_ids = {name: ("q", "k", "v") for name, _ in self.named_parameters()}
 
     def _load_rows(self, param, src, shard: str = "q"):
         if shard == "q":
@@ -109,7 +122,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = self.q_size + (self.kv_size if shard == "v" else 0)
             n, start = self.kv_size, self.kv_start * self.head_dim
-        copy_into(param.data[offset:offset + n], src[start:start + n])
+        copy_into(param.data[offset:offset + n], src[start:start + n], fp8_linear.scales_of(self, param))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -126,6 +139,8 @@ class RowParallelLinear(nn.Module):
         self.weight.weight_loader = self._load_cols
         self.register_buffer("weight_scale", None)  # int8 weights' per-row scales (layers.quant_linear)
         self.register_buffer("input_scale", None)  # an fp8 checkpoint's static activation scale
+        self.fp8_scales: dict[str, fp8_linear.Fp8Scales] = {}
+        self.packs = Packs()
         self.bias = None
         if bias:  # added once, after the reduction
             self.bias = _param(out_features, dtype=dtype)
@@ -133,10 +148,11 @@ class RowParallelLinear(nn.Module):
 
     def _load_cols(self, param, src, shard=None):
         start = self.group.rank * self.in_local
-        copy_into(param.data, src[:, start:start + self.in_local])
+        copy_into(param.data, src[:, start:start + self.in_local], fp8_linear.scales_of(self, param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(linear(x, self.weight, scale=self.weight_scale, input_scale=self.input_scale))
+        y = self.group.all_reduce(linear(x, self.weight, scale=self.weight_scale, input_scale=self.input_scale,
+                                         packs=self.packs))
         return y if self.bias is None else y + self.bias
 
 
@@ -146,13 +162,18 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False, dtype=None):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
-        self.weight.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
+        self.weight.weight_loader = self._load
         self.register_buffer("weight_scale", None)  # int8 weights' per-row scales (layers.quant_linear)
         self.register_buffer("input_scale", None)  # an fp8 checkpoint's static activation scale
+        self.fp8_scales: dict[str, fp8_linear.Fp8Scales] = {}
+        self.packs = Packs()
         self.bias = None
         if bias:
             self.bias = _param(out_features, dtype=dtype)
             self.bias.weight_loader = lambda p, src, shard=None: copy_into(p.data, src[:])
 
+    def _load(self, param, src, shard=None):
+        copy_into(param.data, src[:], fp8_linear.scales_of(self, param))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale, self.input_scale)
+        return linear(x, self.weight, self.bias, self.weight_scale, self.input_scale, packs=self.packs)

@@ -64,24 +64,27 @@ class Experts(nn.Module):
         self.inter_local = divide(inter, group.size, "moe_intermediate_size")
         self.w13 = _param(len(local), 2 * self.inter_local, hidden, dtype=dtype)
         self.w13.weight_loader = self._load_w13
-        self.w13.shards = tuple((e, part) for e in local for part in (0, 1))
         self.w2 = _param(len(local), hidden, self.inter_local, dtype=dtype)
         self.w2.weight_loader = self._load_w2
-        self.w2.shards = tuple((e, "down") for e in local)
+        # the checkpoint tensors each parameter is filled from (models/strict.py checks them all)
+        self.shard_ids = {"w13": tuple((e, part) for e in local for part in (0, 1)),
+                          "w2": tuple((e, "down") for e in local)}
+        self.fp8_scales: dict[str, fp8_linear.Fp8Scales] = {}  # w13 and w2 kept in fp8 (keep_fp8)
 
     def _load_w13(self, param, src, shard):
         e, part = shard
         if e not in self.local:
             return False  # another ep rank's expert: never read
         n, start = self.inter_local, self.group.rank * self.inter_local
-        copy_into(param.data[e - self.local.start, part * n:(part + 1) * n], src[start:start + n])
+        copy_into(param.data[e - self.local.start, part * n:(part + 1) * n], src[start:start + n],
+                  self.fp8_scales.get("w13"))
 
     def _load_w2(self, param, src, shard):
         e, _ = shard
         if e not in self.local:
             return False
         start = self.group.rank * self.inter_local
-        copy_into(param.data[e - self.local.start], src[:, start:start + self.inter_local])
+        copy_into(param.data[e - self.local.start], src[:, start:start + self.inter_local], self.fp8_scales.get("w2"))
 
     def forward(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """rows: [n_recv, hidden] in any order, local_ids: [n_recv] each row's local expert ->

@@ -178,8 +178,9 @@ def load_weights(model, ckpt: Checkpoint, *, get=None, world=None) -> Loaded:
 
     `model.checkpoint_targets(name)` maps a checkpoint name to (parameter name, shard id)
     pairs; tensors of other stages map to parameters this rank lacks and are never read. A
-    weight_loader returns False for a shard it does not hold (another rank's expert), and
-    a parameter's `shards` attribute lists the shard ids it must receive (default: one, None).
+    weight_loader returns False for a shard it does not hold (another rank's expert), and the
+    layer holding a parameter lists the shard ids it must receive in its `shard_ids` (default:
+    one, None; models/strict.shard_ids).
     An fp8 weight is read with its scales through an fp8.Fp8Source (block scales) or an
     fp8.ChannelFp8Source (per tensor or per channel, and a static input scale).
 

@@ -145,10 +145,14 @@ class LlamaForCausalLM(nn.Module):
         contract returns [] (the whole stage is then one graph)."""
         return list(self.model.layers.values())
 
+    def linear_layers(self) -> list[nn.Module]:
+        """This stage's linear layers, whose weight each multiplies by through layers.packed.linear
+        with its own packs: what the decode step may pack for oneDNN or MKL."""
+        return [m for m in self.modules() if isinstance(m, LINEAR_KINDS)]
+
     def linear_weights(self) -> list[torch.Tensor]:
-        """The weights this stage's linear layers multiply by (through layers.packed.linear):
-        what the decode step may pack for oneDNN or MKL."""
-        return [m.weight for m in self.modules() if isinstance(m, LINEAR_KINDS)]
+        """The weights of linear_layers (their bytes: what a packed copy costs)."""
+        return [m.weight for m in self.linear_layers()]
 
     @contextmanager
     def static_exchange(self):

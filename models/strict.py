@@ -57,10 +57,17 @@ def is_fp8_scale(ckpt, name: str, scheme) -> bool:
     return weight is not None and weight in ckpt.weight_map and ckpt.dtype(weight) in fp8.FP8_DTYPES
 
 
+def shard_ids(model, param: str) -> tuple:
+    """The shard ids parameter `param` (a name in model.named_parameters()) is filled from: its
+    layer's shard_ids entry (a merged layer's, layers/linear.py, or the experts'), else (None,),
+    one checkpoint tensor."""
+    owner, _, name = param.rpartition(".")
+    return getattr(model.get_submodule(owner), "shard_ids", {}).get(name, (None,))
+
+
 def check_filled(model, ckpt, loaded: set) -> None:
     """Every (parameter, shard) this rank holds was filled; else name the first tensor lacking."""
-    params = dict(model.named_parameters())
-    needed = {(p, s) for p, param in params.items() for s in getattr(param, "shards", (None,))}
+    needed = {(p, s) for p, _ in model.named_parameters() for s in shard_ids(model, p)}
     missing = sorted(needed - loaded, key=str)
     if not missing:
         return

@@ -37,12 +37,15 @@ over gloo on CPU. PP's send/recv stay outside: the runner receives into the buck
 Weights (EngineConfig.compile_freezing, on by default): every linear weight is packed once
 for oneDNN at build (layers.packed.pack_onednn; on this AMD EPYC oneDNN's float32 GEMM streams
 SmolLM2's weights 1.5-2x faster than MKL's F.linear at 1-16 rows) and the graph calls the
-packed product as an operator taking the weight as an input. This is what inductor's freezing
-did, but done outside the graph: freezing made the packed weights constants of the graph,
-which inductor's FX graph cache cannot store, so every run compiled again; here the graph
-holds no constants and is cached on disk, and the packing (a fraction of a second) is redone
-at each load. The copy costs a second copy of the weights, so it is made only when a copy on
-every rank of the machine fits in a quarter of its available memory.
+packed product as an operator taking the weight and its layer's packed copy as inputs (the
+copy as an opaque object, layers.packed.OnednnWeight: dynamo takes no mkldnn tensor, but a
+registered opaque object is a graph input like a tensor, so every layer runs the one graph with
+its own copy). This is what inductor's freezing did, but done outside the graph: freezing made
+the packed weights constants of the graph, which inductor's FX graph cache cannot store, so
+every run compiled again; here the graph holds no constants and is cached on disk, and the
+packing (a fraction of a second) is redone at each load. The copy costs a second copy of the
+weights, so it is made only when a copy on every rank of the machine fits in a quarter of its
+available memory.
 
 Cache: `spec.engine.cache_path / "inductor"` (ATOLL_CACHE or ~/.cache/atoll), unless the user
 set TORCHINDUCTOR_CACHE_DIR, which then wins. torch reads that variable at each compile; the
@@ -269,8 +272,9 @@ class CompiledDecode(DecodeStep):
 
 
 def _pack(model) -> bool:
-    """Packs the model's linear weights for oneDNN (layers.packed); whether any was packed."""
-    return packed.pack_onednn(model.linear_weights()) > 0
+    """Packs the model's linear layers' weights for oneDNN (layers.packed: each layer holds its
+    copy); whether any was packed."""
+    return packed.pack_onednn(model.linear_layers()) > 0
 
 
 def _cache_hits() -> int:
