@@ -10,11 +10,19 @@ stored. The 1-minute load average is read before and after.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
+import torch
+
+from atoll import LLM, SamplingParams
 from atoll.bench.harness import Run
 from atoll.config.engine import KV_CACHE_DTYPES
+from atoll.engine.disagg.transfer import analytic_bytes
+from atoll.engine.rank.run_spec import resolve_dtype
+from atoll.layers.kv_quant import kv_format
+from atoll.parallel.layout import Layout
 
 
 def add_parser(sub) -> None:
@@ -35,13 +43,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import random
-
-    from atoll import LLM, SamplingParams
-    from atoll.engine.disagg.transfer import analytic_bytes
-    from atoll.layers.kv_quant import kv_format
-    from atoll.parallel.layout import Layout
-
     bench = Run(args.model, quiet=args.json)
     rng = random.Random(args.seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
@@ -61,9 +62,6 @@ def run(args) -> int:
                       "kv_mib": sum(o.metrics.get("kv_bytes_sent", 0) for o in outs) / 2**20,
                       "tokens": [o.token_ids for o in outs]}
     first, second = runs.values()
-    import torch
-
-    from atoll.engine.rank.run_spec import resolve_dtype
 
     itemsize = resolve_dtype(llm.options.dtype, llm.config, torch.device("cpu")).itemsize  # the CPU ranks' dtype
     fmt = kv_format(args.kv_cache_dtype)

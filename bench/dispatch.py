@@ -54,9 +54,18 @@ from __future__ import annotations
 import math
 import statistics
 
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
 from atoll.bench.dispatch_groups import CLASSES, GROUPS, keep_freed_memory, make_groups, time_sides
+from atoll.bench.dispatch_sweep import _sweep_rank, render_sweep
 from atoll.bench.harness import Run
+from atoll.comm.dispatch import Dispatcher
+from atoll.comm.routing import min_rows
 from atoll.errors import ConfigError
+from atoll.launch.local import run_local
 
 SWEEP_ROWS = "1,2,4,8,16,32,64"
 
@@ -138,10 +147,6 @@ def check(args) -> dict:
 
 
 def run(args) -> int:
-    from atoll.launch.local import run_local
-
-    from atoll.bench.dispatch_sweep import _sweep_rank, render_sweep
-
     cfg = check(args)
     with Run(needs_model=False) as bench:
         result = run_local(_sweep_rank if cfg["sweep"] else _rank, cfg["ep"], cfg, timeout_s=590)[0]
@@ -151,11 +156,6 @@ def run(args) -> int:
 
 def _rank(rank: int, world: int, cfg: dict) -> dict:
     kept_memory = not cfg["return_memory"] and keep_freed_memory()
-    import torch
-    import torch.distributed as dist
-
-    from atoll.comm.dispatch import Dispatcher
-    from atoll.comm.routing import min_rows
 
     T, H, E, k = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
     islands, plain, groups = make_groups(rank, world, cfg)
@@ -269,9 +269,6 @@ def _mb(n: int) -> str:
 
 
 def render(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     c = r["config"]
     console = Console()
     mode = "hierarchical" if c["hierarchical"] else "flat"

@@ -4,8 +4,17 @@ says what each does)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import time
+
+import torch
+
+from atoll.comm.group import Group
+from atoll.comm.routing import expert_split, expert_starts
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ContextOptions, ParallelContext
 
 GROUPS = ("ep", "ep_island", "ep_rail")  # the groups the dispatchers use (and the sleeps are kept for)
 CLASSES = ("intra", "cross")
@@ -13,17 +22,12 @@ CLASSES = ("intra", "cross")
 
 def island_sets(ep: int, n: int) -> list[list[int]]:
     """n contiguous islands over ep ranks, sizes as even as possible."""
-    from atoll.comm.routing import expert_split, expert_starts
-
     sizes = expert_split(ep, n)
     return [list(range(s, s + m)) for s, m in zip(expert_starts(sizes), sizes)]
 
 
 def keep_freed_memory() -> bool:
     """glibc: serve buffers up to 32 MiB from the heap and never trim it. False elsewhere."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
@@ -37,8 +41,6 @@ def slow_group(group, island_of, gb_s: float | None, latency_us: float | None):
     """`group` (a comm.group.Group) as a SlowGroup: the same process group, whose collectives
     sleep as the module docstring says when its members span islands. island_of: global rank ->
     island id."""
-    from atoll.comm.group import Group
-
     class SlowGroup(Group):
         def __init__(self):
             super().__init__(group.pg, group.ranks, group.ranks[group.rank], group.name, group.device)
@@ -94,9 +96,6 @@ def slow_group(group, island_of, gb_s: float | None, latency_us: float | None):
 def make_groups(rank: int, world: int, cfg: dict):
     """(islands, the plain ep group for barriers and results, {name: group} of GROUPS for the
     dispatchers, SlowGroups when the link is simulated). Collective: every rank calls it."""
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ContextOptions, ParallelContext
-
     islands = island_sets(world, cfg["islands"])
     island_of = tuple(i for i, isl in enumerate(islands) for _ in isl)  # rank -> island id
     ctx = ParallelContext.create(Layout.parse(f"EP{world}"), rank, options=ContextOptions(islands=island_of))
@@ -110,8 +109,6 @@ def time_sides(sides: dict, plain, groups: dict, warmup: int, iters: int):
     """Run each side once per iteration, in an order rotated by one each time, after a barrier.
     Returns the slowest rank's wall seconds [iters, sides], all ranks' CPU seconds [iters, sides]
     and this rank's simulated sleep per iteration [sides, groups] (GROUPS order)."""
-    import torch
-
     names = list(sides)
     times = torch.zeros(iters, len(names), 2, dtype=torch.float64)  # [.., .., wall / cpu]
     slept = torch.zeros(len(names), len(GROUPS), dtype=torch.float64)

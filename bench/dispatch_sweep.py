@@ -25,15 +25,17 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
 from atoll.bench.dispatch_groups import CLASSES, GROUPS, keep_freed_memory, make_groups, time_sides
+from atoll.comm.dispatch import Dispatcher
+from atoll.comm.exchange import gather_combine
 
 
 def _sweep_rank(rank: int, world: int, cfg: dict) -> dict:
     kept_memory = not cfg["return_memory"] and keep_freed_memory()
-    import torch
-
-    from atoll.comm.dispatch import Dispatcher
-    from atoll.comm.exchange import gather_combine
 
     H, E, k = cfg["hidden"], cfg["experts"], cfg["topk"]
     islands, plain, groups = make_groups(rank, world, cfg)
@@ -101,9 +103,6 @@ def _sweep_rank(rank: int, world: int, cfg: dict) -> dict:
 
 
 def render_sweep(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     c = r["config"]
     sim = r.get("simulated_link")
     title = (f"exchange sweep: hidden {c['hidden']} (float32), {c['experts']} experts top-{c['topk']}, "

@@ -18,8 +18,16 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
 from atoll.bench.harness import Run
+from atoll.comm.dispatch import Dispatcher
+from atoll.comm.exchange import gather_combine
+from atoll.comm.gather import all_gather_rows
+from atoll.comm.group import Group
 from atoll.errors import ConfigError
+from atoll.launch.local import run_local
+from atoll.layers.moe import Experts
 
 
 def add_parser(sub) -> None:
@@ -59,8 +67,6 @@ def check(args) -> dict:
 
 
 def run(args) -> int:
-    from atoll.launch.local import run_local
-
     cfg = check(args)
     with Run(needs_model=False) as bench:
         result = run_local(_rank, cfg["ep"], cfg, timeout_s=590, threads=1)[0]
@@ -80,14 +86,6 @@ def render(result: dict) -> None:
 
 
 def _rank(rank: int, world: int, cfg: dict) -> dict:
-    import torch
-
-    from atoll.comm.dispatch import Dispatcher
-    from atoll.comm.exchange import gather_combine
-    from atoll.comm.gather import all_gather_rows
-    from atoll.comm.group import Group
-    from atoll.layers.moe import Experts
-
     g = Group.from_torch(name="ep")
     E, k, H = cfg["experts"], cfg["topk"], cfg["hidden"]
     disp = Dispatcher(g, E, grouped=False)

@@ -14,12 +14,13 @@ import json
 import os
 import sys
 
+from atoll.models.gguf import demo_model_dir
+
 
 def default_model(model: str | None, *, quiet: bool = False) -> str:
     """`model`, or the demo model (SmolLM2-135M, converted once from its GGUF package)."""
     if model is not None:
         return str(model)
-    from atoll.models.gguf import demo_model_dir  # lazy: `atoll --help` builds this module's parsers
 
     return str(demo_model_dir(progress=not quiet))
 

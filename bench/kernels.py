@@ -26,6 +26,14 @@ import sys
 import time
 from contextlib import nullcontext
 
+import torch
+
+from atoll.errors import AtollError
+from atoll.kernels import backend, ops, reference
+from atoll.kernels.configs import CANDIDATES, moe_config, rows_per_expert
+from atoll.kernels.moe import fused_moe
+from atoll.topologies.discover import gpu_spec_for
+
 MODELS = {  # the routed-expert shape of each family, all experts on the one GPU
     "mixtral-8x7b": dict(hidden=4096, inter=14336, experts=8, top_k=2),
     "qwen3-235b-a22b": dict(hidden=4096, inter=1536, experts=128, top_k=8),
@@ -60,7 +68,7 @@ def add_parser(sub) -> None:
 
 def _timer(smoke: bool, rep_ms: int):
     if not smoke:
-        from triton.testing import do_bench
+        from triton.testing import do_bench  # lazy: Triton runs on a GPU only; --smoke times without it
         return lambda fn: do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
 
     def wall(fn):  # one call: the interpreter's times mean nothing anyway
@@ -90,12 +98,6 @@ class Bench:
 
 
 def _moe(b: Bench, name, shape, tokens, dtype, sweep):
-    import torch
-
-    from atoll.kernels import ops, reference
-    from atoll.kernels.configs import CANDIDATES, moe_config, rows_per_expert
-    from atoll.kernels.moe import fused_moe
-
     h, inter, e, k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
     g = torch.Generator(device=b.device).manual_seed(0)
     x = torch.randn(tokens, h, device=b.device, dtype=dtype, generator=g)
@@ -137,14 +139,9 @@ def _moe(b: Bench, name, shape, tokens, dtype, sweep):
         print(f"  sweep {case}: table {fused['us']:.1f} us, best {best[0]:.1f} us "
               f"({fused['us'] / best[0]:.2f}x) with {best[1]}", flush=True)
         b.rows.append(dict(kernel="sweep", case=case, table_us=fused["us"], best_us=best[0], best=repr(best[1])))
-    del x, w13, w2, hh, y
 
 
 def _row_kernels(b: Bench, dtype, smoke):
-    import torch
-
-    from atoll.kernels import ops, reference
-
     el = torch.finfo(dtype).bits // 8
     hiddens, token_counts = ((64,), (1, 5)) if smoke else ((4096, 7168), (1, 64, 8192))
     for hidden in hiddens:
@@ -168,11 +165,6 @@ def _row_kernels(b: Bench, dtype, smoke):
 
 
 def run(args) -> int:
-    import torch
-
-    from atoll.kernels import backend
-    from atoll.topologies.discover import gpu_spec_for
-
     unknown = [m for m in args.models.split(",") if m and m not in MODELS]
     if unknown:
         raise backend.KernelError(f"--models: unknown {', '.join(unknown)}; known: {', '.join(MODELS)}")
@@ -217,7 +209,6 @@ def run(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m atoll.bench.kernels", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    from atoll.errors import AtollError
 
     try:
         return run(p.parse_args(argv))

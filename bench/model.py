@@ -41,12 +41,20 @@ from __future__ import annotations
 
 import os
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from atoll.bench import quant
 from atoll.bench.harness import Run
 from atoll.bench.model_rank import _rank
-from atoll.bench import quant
 from atoll.config import DEVICES, DTYPES
 from atoll.config.engine import QUANTIZATIONS
+from atoll.engine.kv.sizing import cpu_blocks
+from atoll.engine.sample.sampler import SamplingParams
 from atoll.errors import ConfigError
+from atoll.launch.api import LLM
+from atoll.launch.local import run_local
 
 
 def add_arguments(p) -> None:
@@ -92,8 +100,6 @@ def check(args) -> dict:
 
 
 def run(args) -> int:
-    from atoll.launch.local import run_local
-
     cfg = check(args)
     with Run(args.model, quiet=args.json) as bench:
         llm, spec, requests = prepare(bench.model, args.layout, batch=cfg["batch"], input_len=cfg["input_len"],
@@ -117,13 +123,6 @@ def prepare(model, layout, *, batch: int, input_len: int, output_len: int, seed:
             dtype: str | None = None, enforce_eager: bool = False):
     """(LLM, RunSpec, requests): `batch` random-token prompts of `input_len` tokens, each to
     generate exactly `output_len` tokens, and a KV cache of what they need."""
-
-    import torch
-
-    from atoll.engine.kv.sizing import cpu_blocks
-    from atoll.launch.api import LLM
-    from atoll.engine.sample.sampler import SamplingParams
-
     B, L, N = batch, input_len, output_len
     llm = LLM(model, layout=layout, device=device, dtype=dtype, max_num_seqs=B, max_model_len=L + N,
               enforce_eager=enforce_eager)
@@ -140,9 +139,6 @@ def prepare(model, layout, *, batch: int, input_len: int, output_len: int, seed:
 
 
 def render(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     c, a, h = r["config"], r["atoll"], r["transformers"]
     e = r.get("atoll_eager")  # beside the compiled path, when it ran
     th = c["threads"]

@@ -8,14 +8,19 @@ import os
 import statistics
 import time
 
+import torch
+
 from atoll.bench.harness import sig
 from atoll.calibrate.timing import sync
+from atoll.engine.rank.loop import run_batch
+from atoll.engine.rank.runner import ModelRunner
+from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
 
 
 def decode_weight_bytes(model, batch: int) -> int:
     """Parameter bytes one decode step of `batch` sequences reads on this rank."""
-    from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-
     # a tied LM head shares the embedding's tensor: read whole by the head
     embed = ({id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
              - {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)})
@@ -29,10 +34,6 @@ def decode_weight_bytes(model, batch: int) -> int:
 
 
 def time_atoll(runner, requests, pipelined: bool = True) -> dict:
-    import torch
-
-    from atoll.engine.rank.loop import run_batch
-
     sync(runner.device)
     t0 = time.perf_counter()
     results = run_batch(runner, requests, pipelined=pipelined)  # syncs each step (.tolist())
@@ -47,8 +48,7 @@ def time_atoll(runner, requests, pipelined: bool = True) -> dict:
 
 
 def _time_transformers(model, input_ids, n: int) -> dict:
-    import torch
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList  # lazy: transformers, for the baseline side only
 
     stamps, device = [], input_ids.device
 
@@ -97,12 +97,6 @@ def _time_memory(src, dst, times: int = 3) -> tuple[float, float]:
 
 
 def _rank(rank: int, world: int, cfg: dict, spec, requests, device: str = "cpu") -> dict | None:
-    import torch
-
-    from atoll.engine.rank.runner import ModelRunner
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ParallelContext
-
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
@@ -111,6 +105,7 @@ def _rank(rank: int, world: int, cfg: dict, spec, requests, device: str = "cpu")
         torch.tensor([decode_weight_bytes(runner.model, cfg["batch"])], dtype=torch.float64, device=dev))
     own_threads, all_threads = torch.get_num_threads(), cfg["threads"]["transformers"]
     if rank == 0:
+        # lazy: transformers, for the baseline side only (rank 0's)
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
 

@@ -25,12 +25,39 @@ once into the cache with calibrate.tiny.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import os
 import statistics
 import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
 
 from atoll.bench.harness import Run
+from atoll.bench.model import prepare
+from atoll.bench.model_rank import time_atoll
+from atoll.calibrate.compute import PROBE_ROWS, probe_tflops
+from atoll.calibrate.tiny import write_tiny
+from atoll.engine.rank.runner import ModelRunner
 from atoll.errors import ConfigError
+from atoll.launch.local import run_local
+from atoll.models.config import ModelConfig
+from atoll.models.gguf import cache_dir
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
+from atoll.parallel.placement import Placement
+from atoll.planner import Workload, plan_layouts
+from atoll.planner.cost import CostModel
+from atoll.planner.shapes import shapes
+from atoll.topologies import load_topology
+from atoll.topologies.load import read_yaml
 
 DENSE_LAYOUTS = ("TP1", "TP2", "PP2", "TP2PP2")
 MOE_LAYOUTS = ("EP2", "DP2EP2")
@@ -43,10 +70,6 @@ CHECK_MOE = dict(layers=8, moe=True, hidden_size=512, num_attention_heads=8, num
 
 def check_models(model: str | None, layouts: list[str] | None) -> list[tuple[str, str, list[str]]]:
     """(name, checkpoint dir, layouts) to run."""
-    from pathlib import Path
-
-    from atoll.models.config import ModelConfig
-
     if model is not None:
         d = Path(model)
         if not (d / "config.json").is_file():
@@ -65,9 +88,6 @@ def check_models(model: str | None, layouts: list[str] | None) -> list[tuple[str
 
 
 def _random_dir(name: str, shape: dict):
-    from atoll.calibrate.tiny import write_tiny
-    from atoll.models.gguf import cache_dir
-
     d = cache_dir() / name
     if not (d / "config.json").is_file():
         print(f"atoll: writing a random checkpoint once into {d}", file=sys.stderr, flush=True)
@@ -78,8 +98,6 @@ def _random_dir(name: str, shape: dict):
 def topology_for(topology, world: int):
     """The topology with at least `world` ranks on its node (a CPU runs more ranks than cores;
     the cost model shares the cores among them), one island per rank as on a CPU."""
-    import dataclasses
-
     if world <= topology.gpus_per_node:
         return topology
     node = dataclasses.replace(topology.nodes[0], gpus=world)
@@ -87,13 +105,6 @@ def topology_for(topology, world: int):
 
 
 def predict(model_dir: str, topology, layout_text: str, *, batch: int, isl: int, osl: int) -> dict:
-    from atoll.models.config import ModelConfig
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.placement import Placement
-    from atoll.planner import Workload, plan_layouts
-    from atoll.planner.cost import CostModel
-    from atoll.planner.shapes import shapes
-
     config = ModelConfig.load(model_dir)
     layout = Layout.parse(layout_text).validate(config)
     topo = topology_for(topology, layout.world_size)
@@ -108,8 +119,6 @@ def predict(model_dir: str, topology, layout_text: str, *, batch: int, isl: int,
 
 def probe_ref(topology) -> float | None:
     """The calibration's probe figure: one rank alone, fp32 GEMM at 8 rows streaming its weights."""
-    from atoll.calibrate.compute import PROBE_ROWS
-
     cal = topology.calibration
     return cal.gemm_tflops.get("fp32", {}).get(PROBE_ROWS) if cal is not None else None
 
@@ -117,8 +126,6 @@ def probe_ref(topology) -> float | None:
 def alone(topology, ranks: int):
     """The topology with its calibration as one rank alone measured it, for `ranks` ranks:
     what sharing the cores costs now comes from slowdown()."""
-    import dataclasses
-
     cal = topology.calibration
     if cal is None or 1 not in cal.memory_gb_s:
         return topology
@@ -128,17 +135,6 @@ def alone(topology, ranks: int):
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int, device: str = "cpu") -> dict | None:
-    import contextlib
-    import io
-
-    import torch
-
-    from atoll.calibrate.compute import probe_tflops
-    from atoll.engine.rank.runner import ModelRunner
-    from atoll.bench.model_rank import time_atoll
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ParallelContext
-
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     with contextlib.redirect_stderr(io.StringIO()):  # the cache summary line would break the progress bar
@@ -163,9 +159,6 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, warmup: int, devic
 
 
 def measure(model_dir: str, layout: str, *, batch: int, isl: int, osl: int, rounds: int, warmup: int) -> dict:
-    from atoll.bench.model import prepare
-    from atoll.launch.local import run_local
-
     llm, spec, requests = prepare(model_dir, layout, batch=batch, input_len=isl, output_len=osl, device="cpu",
                                   enforce_eager=True)
     return run_local(_rank, llm.layout.world_size, spec, requests, rounds, warmup, threads=1, timeout_s=1800,
@@ -173,11 +166,6 @@ def measure(model_dir: str, layout: str, *, batch: int, isl: int, osl: int, roun
 
 
 def run_check(args) -> int:
-    from tqdm import tqdm
-
-    from atoll.parallel.layout import Layout
-    from atoll.topologies import load_topology
-
     batch = args.concurrency_check
     isl, osl = args.isl or 32, args.osl or 24
     if osl < 2:
@@ -220,13 +208,6 @@ def run_check(args) -> int:
 
 def record(path: str, result: dict) -> None:
     """The check's median errors into the topology file's calibration.errors."""
-    import time
-    from pathlib import Path
-
-    import yaml
-
-    from atoll.topologies.load import read_yaml
-
     data = read_yaml(Path(path), path, "a topology YAML")
     data["calibration"]["errors"] = {
         "tpot": round(result["median_abs_tpot_error"], 4), "ttft": round(result["median_abs_ttft_error"], 4),
@@ -240,9 +221,6 @@ def record(path: str, result: dict) -> None:
 
 
 def render(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     t = Table(title=f"predicted vs measured on this machine ({r['cores']} cores): {r['batch']} requests of "
                     f"{r['isl']} tokens arriving together, {r['osl']} out each; medians of {r['rounds']} rounds",
               title_justify="left")

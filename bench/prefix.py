@@ -21,8 +21,17 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
 from atoll.bench.harness import Run
+from atoll.engine.rank.loop import run_batch
+from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.sample.sampler import SamplingParams
 from atoll.errors import ConfigError
+from atoll.launch.api import LLM
+from atoll.launch.local import run_local
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
 
 
 def add_parser(sub) -> None:
@@ -42,8 +51,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from atoll.launch.local import run_local
-
     for name in ("requests", "system_len", "unique_len", "output_len", "rounds", "max_num_seqs"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
@@ -63,11 +70,6 @@ def run(args) -> int:
 
 def prepare(args):
     """(LLM, RunSpec, requests): the shared system prompt plus each request's own tokens."""
-    import torch
-
-    from atoll.launch.api import LLM
-    from atoll.engine.sample.sampler import SamplingParams
-
     length = args.system_len + args.unique_len + args.output_len
     llm = LLM(args.model, layout=args.layout, max_num_seqs=args.max_num_seqs, max_model_len=length,
               enforce_eager=True)
@@ -82,11 +84,6 @@ def prepare(args):
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
-    from atoll.engine.rank.loop import run_batch
-    from atoll.engine.rank.runner import ModelRunner
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ParallelContext
-
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
@@ -106,8 +103,6 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
 
 
 def measure(runner, requests) -> dict:
-    from atoll.engine.rank.loop import run_batch
-
     t0 = time.perf_counter()
     results = run_batch(runner, requests)
     total = time.perf_counter() - t0

@@ -16,15 +16,21 @@ from __future__ import annotations
 import os
 import statistics
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
 from atoll.bench.harness import sig
 from atoll.bench.model_rank import decode_weight_bytes, time_atoll
+from atoll.engine.rank.runner import ModelRunner
+from atoll.launch.local import run_local
+from atoll.models import quantize
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
 
 
 def run(args, bench, cfg: dict, llm, spec, requests) -> int:
     """The side-by-side run on llm's layout (bench.model.run has prepared it)."""
-    from atoll.launch.local import run_local
-    from atoll.models import quantize
-
     quantize.check(args.quantization, llm.config, args.device)
     world = llm.layout.world_size
     threads = args.threads or max(1, bench.cores // world)
@@ -39,12 +45,6 @@ def run(args, bench, cfg: dict, llm, spec, requests) -> int:
 
 
 def _rank(rank: int, world: int, cfg: dict, spec, requests, device: str = "cpu") -> dict | None:
-    import torch
-
-    from atoll.engine.rank.runner import ModelRunner
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ParallelContext
-
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     sides = {"base": ModelRunner(spec, ctx),
@@ -97,9 +97,6 @@ def summarize(cfg: dict, rounds: list, weights: dict) -> dict:
 
 
 def render(r: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     c, b, q = r["config"], r["base"], r["quant"]
     t = Table(title=f"{os.path.basename(c['model'].rstrip('/'))} {c['layout']} {c['path']}: batch {c['batch']}, "
                     f"{c['input_len']} in, {c['output_len']} out; median of {c['rounds']} rounds")

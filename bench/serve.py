@@ -26,20 +26,30 @@ between and after the rounds.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import math
+import statistics
+import time
 
 from atoll.bench.harness import Run, sig
+from atoll.bench.serve_compare import Offline, compare_plan, plan_lines, spec_counts, spec_rates
+from atoll.bench.serve_disagg import render as render_disagg, run_disagg
+from atoll.bench.serve_load import run_load as load, served_model, warm_up
+from atoll.bench.serve_routing import render as render_routing, run_routing
+from atoll.bench.serve_scenario import render as render_long, run_long_prompt
+from atoll.bench.serve_server import Server, engine_argv
+from atoll.config import add_model_options, resolve
 from atoll.errors import ConfigError
+from atoll.models.config import ModelConfig
+from atoll.planner.sim.load import jsonl_requests, mixed_requests, random_requests, shared_prefix_requests
+from atoll.planner.sim.report import num as _f, parse_goodput, parse_percentiles, report, report_lines
 
 SCENARIOS = ("load", "long-prompt", "routing", "disagg")
 PROMPTS = ("random", "shared-prefix", "long-mix")  # what planner/sim/load.py builds
-# planner.sim's modules are imported by the functions that use them: importing any loads the
-# planner's package (numpy and the cost model), and `atoll --help` builds this parser
 
 
 def add_parser(sub) -> None:
-    from atoll.config import add_model_options, resolve
-
     p = sub.add_parser("serve", help="an OpenAI-compatible server under load: throughput, TTFT, TPOT, ITL, "
                                      "goodput (vLLM's serving benchmark)",
                        description=__doc__.split("\n\n")[0])
@@ -112,8 +122,6 @@ MAX_PROMPTS = 10_000_000  # requests a load may hold (lengths bounded by the mod
 def check_load(args) -> tuple[dict, tuple]:
     """The load flags' values (add_load_options), each out of range named in one line; the SLOs
     and percentiles parsed."""
-    from atoll.planner.sim.report import parse_goodput, parse_percentiles
-
     for name in ("num_prompts", "input_len", "long_len", "long_after", "system_prompts", "user_len"):
         v = getattr(args, name)
         if not 1 <= v <= MAX_PROMPTS:
@@ -144,24 +152,16 @@ def check_args(args) -> tuple[dict, tuple]:
 def run(args) -> int:
     slos, percentiles = check_args(args)
     with Run(args.model, quiet=args.json) as bench:
-        from atoll.models.config import ModelConfig
-
         config = ModelConfig.load(bench.model)
         if args.scenario == "long-prompt":
-            from atoll.bench.serve_scenario import render as render_long, run_long_prompt
-
             result = run_long_prompt(args, bench, bench.model, config.vocab_size, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_long)
             return 0
         if args.scenario == "disagg":
-            from atoll.bench.serve_disagg import render as render_disagg, run_disagg
-
             result = run_disagg(args, bench, bench.model, config.vocab_size, slos, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_disagg)
             return 1 if result["colocated"]["failed"] or result["disaggregated"]["failed"] else 0
         if args.scenario == "routing":
-            from atoll.bench.serve_routing import render as render_routing, run_routing
-
             result = run_routing(args, bench, bench.model, config.vocab_size, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_routing)
             return 1 if result["cache_aware"]["failed"] or result["round_robin"]["failed"] else 0
@@ -176,8 +176,6 @@ WARM_SEED = 1_000_003  # the warm-up's prompts: none of a round's
 
 def build_requests(args, config, *, seed: int, n: int | None = None):
     """--num-prompts requests (or n) of the --prompts kind from `seed`, else the --dataset's."""
-    from atoll.planner.sim.load import jsonl_requests, mixed_requests, random_requests, shared_prefix_requests
-
     osl = args.output_len or 32
     n = n or args.num_prompts
     if args.dataset:
@@ -194,14 +192,6 @@ def build_requests(args, config, *, seed: int, n: int | None = None):
 
 
 def run_load(args, bench, config, slos: dict, percentiles) -> dict:
-    import asyncio
-    import contextlib
-    import time
-
-    from atoll.bench.serve_load import run_load as load, served_model, warm_up
-    from atoll.planner.sim.report import report
-    from atoll.bench.serve_server import Server, engine_argv
-
     # each round its own prompts (both sides the same ones): a prompt sent again would be a prefix-cache hit
     rounds_requests = [build_requests(args, config, seed=args.seed + i) for i in range(args.rounds)]
     requests, warm = rounds_requests[0], build_requests(args, config, seed=args.seed + WARM_SEED, n=2)
@@ -214,8 +204,6 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
     with contextlib.ExitStack() as stack:
         offline = None
         if args.compare_offline:
-            from atoll.bench.serve_compare import Offline
-
             offline = stack.enter_context(Offline(args, bench.model, warm))
             out["offline_start_s"] = offline.start_s
         if server is not None:
@@ -227,8 +215,6 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         warm_up(url, model, warm, args)
         spec0 = None
         if args.compare_plan and args.speculative_config:
-            from atoll.bench.serve_compare import spec_counts, spec_rates
-
             spec0 = spec_counts(url)
         reports, rounds = [], []
         for i in range(args.rounds):  # with --compare-offline: offline first in even rounds, the server in odd
@@ -256,8 +242,6 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
     if args.rounds > 1:
         out["rounds"] = rounds
     if offline is not None:
-        import statistics
-
         off = statistics.median(r["offline"]["output_throughput"] for r in rounds)
         on = statistics.median(r["serve_output_throughput"] or 0.0 for r in rounds)
         out["offline"] = rounds[0]["offline"] | {"median_output_throughput": off}
@@ -271,17 +255,12 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         if not math.isinf(args.request_rate) or args.max_concurrency:
             out["offline_note"] = "the server was not at saturation (a finite --request-rate or --max-concurrency)"
     if args.compare_plan:
-        from atoll.bench.serve_compare import compare_plan
-
         out["plan"] = compare_plan(args, bench.model, config, requests, out["serve"], slos=slos,
                                    percentiles=percentiles, spec=out.get("spec_measured"))
     return out
 
 
 def render(r: dict) -> str:
-    from atoll.bench.serve_compare import plan_lines
-    from atoll.planner.sim.report import num as _f, report_lines
-
     s = r["serve"]
     rate = r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}"
     lines = [f"{r['model']}: {r['num_prompts']} requests, {r['input_len'] or 'dataset'} in / {r['output_len']} out, "

@@ -25,12 +25,18 @@ import math
 import time
 from pathlib import Path
 
+import psutil
+
 from atoll.bench.harness import sig
 from atoll.bench.serve_routing import scrape
+from atoll.bench.serve_server import cpu_seconds
 from atoll.config import from_args
+from atoll.config.sampling import SamplingParams
 from atoll.errors import AtollError
 from atoll.launch.device import decide
-from atoll.parallel.layout import resolve_layout
+from atoll.models.config import ModelConfig
+from atoll.parallel.layout import Layout, resolve_layout
+from atoll.planner import Workload, plan_layouts
 from atoll.planner.sim.api import simulate
 from atoll.planner.sim.deploy import RUNTIME_DTYPES, from_engine_flags
 from atoll.planner.sim.load import tokenized
@@ -53,11 +59,9 @@ def plan_workload(*, isl: int, osl: int, requests: int, rate: float, max_concurr
 
 def plan_prediction(model_dir: str, layout: str, topology: str, workload: dict) -> dict:
     """The planner's prediction for one replica of `layout` on `topology` (a preset or YAML)."""
+    # lazy: plan_check imports torch (its --check runs ranks); atoll simulate imports this module
+    # and runs without torch
     from atoll.bench.plan_check import topology_for
-    from atoll.models.config import ModelConfig
-    from atoll.parallel.layout import Layout
-    from atoll.planner import Workload, plan_layouts
-    from atoll.topologies import load_topology
 
     config = ModelConfig.load(model_dir)
     lay = Layout.parse(layout).validate(config)
@@ -87,7 +91,7 @@ class Offline:
     is (two requests at once, untimed)."""
 
     def __init__(self, args, model_dir: str, warm):
-        from atoll.launch.api import llm_from_args
+        from atoll.launch.api import llm_from_args  # lazy: torch; atoll simulate imports this module without it
 
         self.args, self.warm = args, warm
         self.llm = llm_from_args(args, model_dir)
@@ -95,10 +99,6 @@ class Offline:
         self.ranks: list[int] = []  # the processes the engine started (its ranks, forked by the fork server)
 
     def __enter__(self) -> "Offline":
-        from atoll.config.sampling import SamplingParams
-
-        import psutil
-
         t0 = time.perf_counter()
         before = {c.pid for c in psutil.Process().children(recursive=True)}
         try:
@@ -118,10 +118,6 @@ class Offline:
 
     def measure(self, requests) -> dict:
         """Output tokens per second of one generate call of every request."""
-        from atoll.config.sampling import SamplingParams
-
-        from atoll.bench.serve_server import cpu_seconds
-
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=self.args.ignore_eos) for r in requests]
         ranks0, driver0 = self._ranks_cpu(cpu_seconds), time.process_time()
         t0 = time.perf_counter()

@@ -15,10 +15,12 @@ and the load average after the side. Give both sides the same ranks for a fair c
 
 from __future__ import annotations
 
-
 from atoll.bench.harness import sig
-from atoll.planner.sim.load import mixed_requests, random_requests
+from atoll.bench.serve_routing import server_round
+from atoll.bench.serve_server import engine_argv
 from atoll.errors import ConfigError
+from atoll.planner.sim.load import mixed_requests, random_requests
+from atoll.planner.sim.report import report
 
 SIDES = ("colocated", "disaggregated")
 
@@ -44,10 +46,6 @@ LAYOUT_FLAGS = ("--layout", "--tensor-parallel-size", "--pipeline-parallel-size"
 
 
 def run_disagg(args, bench, model_dir: str, vocab_size: int, slos: dict, percentiles) -> dict:
-    from atoll.planner.sim.report import report
-    from atoll.bench.serve_routing import server_round
-    from atoll.bench.serve_server import engine_argv
-
     if args.url:
         raise ConfigError("--scenario disagg starts its own servers (colocated, then disaggregated): drop --url")
     if not args.prefill or not args.decode:

@@ -18,9 +18,9 @@ import json
 import math
 import time
 
+from atoll.errors import LaunchError
 from atoll.planner.sim.load import BenchRequest, arrival_times
 from atoll.planner.sim.report import RequestResult
-from atoll.errors import LaunchError
 
 
 def payload(model: str, req: BenchRequest, *, ignore_eos: bool = True) -> dict:
@@ -93,6 +93,7 @@ async def run_load(url: str, model: str, requests: list[BenchRequest], *, rate: 
     vLLM's semaphore: rate inf with it is a closed loop); (results in order, seconds from the
     first send to the last response). The whole run is bounded by timeout_s: a request still
     running then fails as timed out."""
+    # lazy: httpx is the optional atoll[serve]; atoll simulate imports this module without it
     import httpx
 
     endpoint = url.rstrip("/") + "/v1/completions"
@@ -129,6 +130,7 @@ def _timed(client, endpoint: str, model: str, req: BenchRequest, ignore_eos: boo
 
 def served_model(url: str, fallback: str, *, timeout_s: float = 10.0) -> str:
     """The first model id the server lists at /v1/models, else fallback."""
+    # lazy: httpx is the optional atoll[serve]; atoll simulate imports this module without it
     import httpx
 
     try:

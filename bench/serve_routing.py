@@ -16,14 +16,18 @@ from __future__ import annotations
 import asyncio
 
 from atoll.bench.harness import sig
-from atoll.planner.sim.load import random_requests, shared_prefix_requests
+from atoll.bench.serve_load import run_load, served_model, warm_up
+from atoll.bench.serve_server import Server, engine_argv
 from atoll.errors import ConfigError
+from atoll.planner.sim.load import random_requests, shared_prefix_requests
+from atoll.planner.sim.report import report
 
 ROUTERS = ("cache_aware", "round_robin")
 
 
 def scrape(url: str) -> dict[str, float]:
     """/metrics' samples: name (with its labels) -> value."""
+    # lazy: httpx is the optional atoll[serve]; atoll simulate imports this module without it
     import httpx
 
     out = {}
@@ -37,9 +41,6 @@ def scrape(url: str) -> dict[str, float]:
 def server_round(args, model_dir: str, argv: list[str], requests, warm) -> tuple[list, float, dict, dict]:
     """One server of `argv` (started here, ended after): warmed by `warm`, then `requests` at
     the bench's rate; (results, duration, /metrics before, /metrics after)."""
-    from atoll.bench.serve_load import run_load, served_model, warm_up
-    from atoll.bench.serve_server import Server
-
     with Server(model_dir, argv, ready_timeout_s=args.server_timeout) as url:
         model = served_model(url, model_dir)
         warm_up(url, model, warm, args)
@@ -80,9 +81,6 @@ def side(before: dict, after: dict, rep: dict, *, models_cache: bool) -> dict:
 
 def run_routing(args, bench, model_dir: str, vocab_size: int, percentiles) -> dict:
     """Both routers (module docstring), each on a server of its own."""
-    from atoll.planner.sim.report import report
-    from atoll.bench.serve_server import engine_argv
-
     if args.url:
         raise ConfigError("--scenario routing starts its own servers (one per router): drop --url")
     if not args.data_parallel_size or args.data_parallel_size < 2:

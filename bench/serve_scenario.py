@@ -18,15 +18,17 @@ import math
 import time
 
 from atoll.bench.harness import sig
-from atoll.bench.serve_load import payload, send
+from atoll.bench.serve_load import payload, send, served_model, warm_up
+from atoll.bench.serve_server import Server, engine_argv
+from atoll.errors import ConfigError
 from atoll.planner.sim.load import BenchRequest, random_requests
 from atoll.planner.sim.report import RequestResult, report
-from atoll.errors import ConfigError
 
 
 async def long_prompt_round(url: str, model: str, streams: list[BenchRequest], long: BenchRequest, *,
                             after: int, ignore_eos: bool, timeout_s: float) -> dict:
     """The streams, then the long prompt once each stream has had `after` chunks."""
+    # lazy: httpx is the optional atoll[serve]; atoll simulate imports this module without it
     import httpx
 
     endpoint = url.rstrip("/") + "/v1/completions"
@@ -82,10 +84,7 @@ def side(round_: dict, *, budget: int, percentiles) -> dict:
 
 def run_long_prompt(args, bench, model_dir: str, vocab_size: int, percentiles) -> dict:
     """Both sides (module docstring), each on a server of its own."""
-    from atoll.bench.serve_load import warm_up
-    from atoll.bench.serve_load import served_model
-    from atoll.bench.serve_server import Server, engine_argv
-    from atoll.launch.api import llm_from_args as make_llm
+    from atoll.launch.api import llm_from_args as make_llm  # lazy: torch; as in serve_compare.Offline
 
     if args.url:
         raise ConfigError("--scenario long-prompt starts its own servers (one per chunk budget): drop --url")

@@ -14,6 +14,10 @@ import tempfile
 import time
 from dataclasses import fields
 
+import psutil
+
+from atoll.config import resolve
+from atoll.config.engine import EngineConfig
 from atoll.errors import LaunchError
 
 # the model options of cli/generate.add_model_options that are not EngineConfig fields
@@ -26,9 +30,6 @@ LAYOUT_FLAGS = (("--layout", "layout"), ("--tensor-parallel-size", "tensor_paral
 def engine_argv(args, **override) -> list[str]:
     """The engine flags the bench was given (those set away from their default) as `atoll serve`
     takes them, with `override` (field name -> value) on top."""
-    from atoll.config import resolve
-    from atoll.config.engine import EngineConfig
-
     argv = []
     for flag, dest in LAYOUT_FLAGS:
         if getattr(args, dest, None) is not None:
@@ -51,8 +52,6 @@ def engine_argv(args, **override) -> list[str]:
 def cpu_seconds(pid: int, *, children: bool) -> float:
     """User + system CPU seconds of a live process (its threads included), or of its
     descendants; processes gone by now count 0."""
-    import psutil
-
     try:
         procs = psutil.Process(pid).children(recursive=True) if children else [psutil.Process(pid)]
     except psutil.NoSuchProcess:
@@ -111,6 +110,7 @@ class Server:
         return self.url
 
     def _wait_ready(self) -> None:
+        # lazy: httpx is the optional atoll[serve]; atoll simulate imports this module without it
         import httpx
 
         deadline = time.monotonic() + self.ready_timeout_s

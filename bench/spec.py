@@ -24,7 +24,17 @@ import statistics
 import time
 
 from atoll.bench.harness import Run
+from atoll.config.speculative import SpeculativeConfig
+from atoll.engine.batch.tokenizer import Tokenizer
+from atoll.engine.rank.loop import run_batch
+from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.sample.sampler import SamplingParams
+from atoll.engine.spec import stats as spec_stats
 from atoll.errors import ConfigError
+from atoll.launch.api import LLM
+from atoll.launch.local import run_local
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
 
 # each text longer than the default --output-len, so a faithful copy or light edit of it is the
 # whole answer (texts shorter than the output let the model run on into unrelated text)
@@ -92,9 +102,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from atoll.config.speculative import SpeculativeConfig
-    from atoll.launch.local import run_local
-
     for name in ("batch", "output_len", "rounds"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
@@ -119,10 +126,6 @@ def prompts(kind: str, n: int) -> list[str]:
 
 def prepare(args, speculative):
     """(LLM, RunSpec with speculation on, requests) for the chosen prompts."""
-    from atoll.engine.sample.sampler import SamplingParams
-    from atoll.engine.batch.tokenizer import Tokenizer
-    from atoll.launch.api import LLM
-
     n = args.requests or max(args.batch, 4)
     tok = Tokenizer(args.model)
     ids = [tok.encode_chat(t) for t in prompts(args.prompts, n)]
@@ -133,11 +136,6 @@ def prepare(args, speculative):
 
 
 def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
-    from atoll.engine.rank.loop import run_batch
-    from atoll.engine.rank.runner import ModelRunner
-    from atoll.parallel.layout import Layout
-    from atoll.parallel.mesh import ParallelContext
-
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
@@ -165,9 +163,6 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
 
 
 def measure(runner, requests) -> dict:
-    from atoll.engine.spec import stats as spec_stats
-    from atoll.engine.rank.loop import run_batch
-
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     results = run_batch(runner, requests)

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from atoll.errors import ConfigError
+from atoll.models.gguf import demo_model_dir
 
 TOPICS = ["the sea", "a mountain village", "the history of clocks", "a robot learning to paint", "winter in a city",
           "the first trip to Mars", "a lighthouse keeper", "bees and flowers", "a library at night",
@@ -75,8 +76,6 @@ def run(args) -> int:
     jobs = parse_jobs(args.jobs)
     model = args.model
     if model is None:
-        from atoll.models.gguf import demo_model_dir
-
         model = str(demo_model_dir())
     results = [job(model, n, t) for n, t in jobs]
     out = {"model": model, "jobs": results}

@@ -3,9 +3,17 @@ YAML holding the figures and how they were measured (see atoll/calibrate)."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
+from tqdm import tqdm
+
+from atoll.calibrate import calibrate, write_yaml
+from atoll.calibrate.steps import measure_steps
 from atoll.errors import ConfigError
+from atoll.parallel.layout import Layout
+from atoll.topologies import load_topology
 
 
 def add_parser(subparsers) -> None:
@@ -33,9 +41,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    import os
-    from pathlib import Path
-
     out = Path(args.out).expanduser()
     if out.is_dir():
         raise ConfigError(f"--out {args.out}: is a directory; give a file such as {out / 'calibrated.yaml'}")
@@ -45,9 +50,6 @@ def run(args) -> int:
         raise ConfigError(f"--out {args.out}: not writable")
     if args.max_ranks is not None and not 2 <= args.max_ranks <= 64:
         raise ConfigError(f"--max-ranks {args.max_ranks}: must be between 2 and 64")
-
-    from atoll.calibrate import calibrate, write_yaml
-    from atoll.topologies import load_topology
 
     command = "atoll calibrate" + (" --quick" if args.quick else "") + \
         (f" --max-ranks {args.max_ranks}" if args.max_ranks else "") + \
@@ -84,14 +86,6 @@ def run(args) -> int:
 
 def steps_of(args) -> dict:
     """The --steps checkpoint's fitted steps at each --step-layouts layout."""
-    # lazy, as this command's run(): calibrate.steps imports torch, and `atoll --help` builds this parser
-    from pathlib import Path
-
-    from tqdm import tqdm
-
-    from atoll.calibrate.steps import measure_steps
-    from atoll.parallel.layout import Layout
-
     model = Path(args.steps).expanduser()
     if not (model / "config.json").is_file():
         raise ConfigError(f"--steps {args.steps}: not a checkpoint directory (no config.json)")

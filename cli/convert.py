@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from atoll import config
 from atoll.errors import InputError
+from atoll.models import gguf
 
 
 def add_parser(sub) -> None:
@@ -31,8 +32,6 @@ def run(args) -> int:
             raise InputError("--demo always writes float32 into the cache; drop --dtype")
     elif not (args.gguf_file and args.out_dir):
         raise InputError("usage: atoll convert GGUF_FILE OUT_DIR  (or atoll convert --demo)")
-
-    from atoll.models import gguf
 
     if args.demo:
         out = gguf.demo_model_dir(reconvert=args.force)

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import time
 
+from rich.console import Console
+
+from atoll.engine.sample.sampler import SamplingParams
+from atoll.launch.api import LLM
+from atoll.models.gguf import demo_model_dir
+
 QUESTIONS = [
     "What is the capital of France?",
     "Give me three tips for staying focused while studying.",
@@ -20,12 +26,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from rich.console import Console
-
-    from atoll.launch.api import LLM
-    from atoll.engine.sample.sampler import SamplingParams
-    from atoll.models.gguf import demo_model_dir
-
     console = Console(stderr=True)
     model_dir = demo_model_dir()
     # a small cache suffices; four short answers do not repay compiling the decode step

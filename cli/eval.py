@@ -10,10 +10,15 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+from pathlib import Path
 
 from atoll.cli.generate import add_model_options, make_llm
+from atoll.engine.driver import perplexity
+from atoll.engine.sample.sampler import SamplingParams
 from atoll.errors import InputError
+from atoll.models.gguf import demo_model_dir
 
 
 def add_parser(sub) -> None:
@@ -42,14 +47,8 @@ def _common(p) -> None:
 
 def _setup(args):
     """(llm, token ids of the text, the text's name)."""
-    from pathlib import Path
-
-    from atoll.engine.driver import perplexity
-
     model = args.model
     if model == "demo":
-        from atoll.models.gguf import demo_model_dir
-
         model = demo_model_dir()
     if args.layout == "auto":
         raise InputError("atoll eval takes an explicit layout (--layout TP2 or -tp/-pp), not auto")
@@ -57,8 +56,6 @@ def _setup(args):
     if llm.tokenizer is None:
         raise InputError(f"{model} has no tokenizer.json: atoll eval reads a text")
     if args.text is None:
-        import importlib.metadata
-
         text, name = perplexity.default_text(), f"torch {importlib.metadata.version('torch')} README"
     else:
         path = Path(args.text)
@@ -69,8 +66,6 @@ def _setup(args):
 
 
 def run_perplexity(args) -> int:
-    from atoll.engine.driver import perplexity
-
     llm, ids, name = _setup(args)
     wins = perplexity.windows(ids, args.window, args.max_tokens)
     with llm:
@@ -87,8 +82,6 @@ def run_perplexity(args) -> int:
 
 
 def run_greedy(args) -> int:
-    from atoll.engine.sample.sampler import SamplingParams
-
     llm, ids, name = _setup(args)
     n, k = args.prompts, args.prompt_tokens
     if len(ids) < n * k:

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
 
 from atoll import config
 from atoll.cli.progress import ProgressBar
+from atoll.cli.requests import Line, ResultWriter, check_output, read_prompts
 from atoll.config.sampling import SamplingParams
 from atoll.engine.spec import stats as spec_stats
-from atoll.errors import InputError
+from atoll.engine.worker import worker
+from atoll.errors import AtollError, InputError, LaunchError
+from atoll.launch.api import RankLauncher, RayLauncher, llm_from_args
+from atoll.launch.launchers import check_launcher, detect, is_first_rank
+from atoll.models.config import ModelConfig
+from atoll.parallel.links import lines as link_lines
+from atoll.planner import Workload, enumerate_layouts, plan_layouts
+from atoll.planner.planfile import from_plan, load_plan
+from atoll.topologies import discover, load_topology
 
 
 def add_model_options(p) -> None:
@@ -77,8 +87,6 @@ def sampling_params(args):
 
 
 def make_llm(args, model_dir, layout=None):
-    from atoll.launch.api import llm_from_args
-
     return llm_from_args(args, model_dir, layout)
 
 
@@ -86,9 +94,6 @@ def run(args) -> int:
     """Everything a user can get wrong is checked before any rank starts: the flags, the
     prompts file, the output path, the model; then each request on its own (a bad one
     becomes its own error line). Results are written as they finish (launch.requests)."""
-    from atoll.launch.launchers import check_launcher, detect
-    from atoll.cli.requests import Line, check_output, read_prompts
-
     launcher = detect() if args.launcher == "auto" else args.launcher
     defaults = sampling_params(args)
     if args.prompts:
@@ -104,18 +109,12 @@ def run(args) -> int:
     args.context = llm.context_options(islands=plan.islands if plan else None, nodes=plan.nodes if plan else None)
     valid = _validate(llm, lines, defaults, chat=args.chat)
     if not args.prompts and lines[0].error:
-        from atoll.errors import InputError
-
         raise InputError(f"--prompt: {lines[0].error}")
     return _generate(args, llm, lines, valid, launcher)
 
 
 def _plan(args, launcher: str, lines):
     """The SavedPlan to run: --plan's file, or --layout auto's choice; None otherwise."""
-    from atoll.errors import InputError
-    from atoll.models.config import ModelConfig
-    from atoll.planner.planfile import load_plan
-
     auto = str(args.layout).lower() == "auto"
     if not args.plan and not auto:
         return None
@@ -132,8 +131,6 @@ def _plan(args, launcher: str, lines):
     else:
         plan = auto_plan(args, config, lines)
     if launcher == "local" and len(plan.placement.nodes) > 1:
-        from atoll.errors import LaunchError
-
         used = [plan.placement.node_names[n] for n in plan.placement.nodes]
         raise LaunchError(f"the plan puts ranks on {len(used)} nodes ({', '.join(used)}); the local launcher runs "
                           "one machine: use --launcher ray, or torchrun/mpirun on those nodes")
@@ -144,16 +141,8 @@ def _plan(args, launcher: str, lines):
 def auto_plan(args, config, lines):
     """Plan one replica on this machine's topology (NVML, nvidia-smi, or the local preset) for
     these requests: concurrency = their number, lengths from the prompts and --max-new-tokens."""
-    import dataclasses
-
-    from atoll.planner import Workload, enumerate_layouts, plan_layouts
-    from atoll.planner.planfile import from_plan
-    from atoll.topologies import discover
-
     topology = discover()
     if args.device == "cpu" and topology.gpu.name != "cpu-core":
-        from atoll.topologies import load_topology
-
         topology = load_topology("local")
     prompts = [ln.prompt for ln in lines if ln.error is None] or [""]
     isl = max(max(len(p.get("prompt_token_ids", ())) if isinstance(p, dict) else 0,
@@ -168,15 +157,11 @@ def auto_plan(args, config, lines):
 def _validate(llm, lines, defaults, *, chat: bool) -> list[tuple[int, object]]:
     """(line index, Request) for every servable line; the others get Line.error. Each
     Request.index is its position in this list (what rank 0 reports back)."""
-    from dataclasses import replace
-
-    from atoll.errors import InputError
-
     keep = []
     for i, ln in enumerate(lines):
         if ln.error is None:
             try:
-                keep.append((i, replace(defaults, **ln.sampling)))
+                keep.append((i, dataclasses.replace(defaults, **ln.sampling)))
             except InputError as e:
                 ln.error = _where(ln, e)
     errors: dict[int, str] = {}
@@ -208,9 +193,6 @@ def _row(ln, **fields) -> dict:
 
 
 def _generate(args, llm, lines, valid, launcher: str) -> int:
-    from atoll.errors import AtollError
-    from atoll.cli.requests import ResultWriter
-
     writer = ResultWriter(args.output, enabled=_writes_output(launcher))
     failed = [i for i, ln in enumerate(lines) if ln.error is not None]
     for i in failed:
@@ -240,8 +222,6 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
     if llm.prefill_layout is None and launcher != "local":
         llm.launcher = _living_launcher(args, llm, launcher)
         if not writer.enabled:  # torchrun/mpirun, a rank but 0: serve until rank 0 says stop
-            from atoll.engine.worker import worker
-
             llm.launcher.join(worker, llm.layout.world_size, None, None, None, device=llm.options.device)
             return 0
     try:
@@ -284,17 +264,13 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
           f"{spec_stats.describe([r['metrics'] for r in results if 'metrics' in r])}",
           file=sys.stderr)
     if sent is not None:
-        from atoll.parallel.links import lines
-
-        for line in lines(sent):
+        for line in link_lines(sent):
             print(f"atoll: {line}", file=sys.stderr)
     return 1 if failed else 0
 
 
 def _disaggregated(args, llm, requests, launcher: str, done) -> list[dict]:
     """Both engines as one living job (engine.driver.disagg); each result written as it ends."""
-    from atoll.errors import LaunchError
-
     if launcher not in ("local", "ray"):
         raise LaunchError(f"--prefill/--decode run under the local or Ray launcher, not {launcher}")
     if launcher == "ray":
@@ -312,8 +288,6 @@ def _disaggregated(args, llm, requests, launcher: str, done) -> list[dict]:
 
 def _living_launcher(args, llm, launcher: str):
     """The launcher object that starts the living engine's ranks under Ray, torchrun or mpirun."""
-    from atoll.launch.api import RankLauncher, RayLauncher
-
     if launcher == "ray":  # each TP group on one node (a disaggregated job's two TP sizes: their gcd)
         tp = math.gcd(llm.layout.tp, llm.prefill_layout.tp) if llm.prefill_layout is not None else llm.layout.tp
         return RayLauncher(address=args.ray_address, tp_size=tp, parallel=args.context, **_placement(args))
@@ -330,6 +304,4 @@ def _placement(args) -> dict:
 def _writes_output(launcher: str) -> bool:
     """Whether this process writes the output: always, except under torchrun/mpirun, where
     every rank runs this command and rank 0 writes."""
-    from atoll.launch.launchers import is_first_rank
-
     return is_first_rank(launcher)

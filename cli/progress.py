@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
+from tqdm import tqdm
+
 
 class ProgressBar:
     """put((done, tokens)); a tqdm bar over the requests shows tokens/s."""
 
     def __init__(self, total: int, *, enabled: bool = True):
-        from tqdm import tqdm
-
         self._bar = tqdm(total=total, unit="req", disable=not enabled, dynamic_ncols=True, mininterval=0.5)
         self._start = None  # the first step's report: tokens/s counts generation, not start-up
 

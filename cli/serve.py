@@ -11,10 +11,19 @@ restarts the whole server."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import socket
 import sys
 
-from atoll.cli.generate import add_model_options
-from atoll.cli.serve_replicas import add_replica_options
+from atoll.cli.generate import _living_launcher, _plan, add_model_options, make_llm
+from atoll.cli.main import Terminated
+from atoll.cli.requests import Line
+from atoll.cli.serve_replicas import add_replica_options, check_replicas, take_replicas
+from atoll.engine.worker import worker
+from atoll.errors import InputError, LaunchError
+from atoll.launch.launchers import check_launcher, detect, is_first_rank
+from atoll.models.config import ModelConfig
 
 DEAD_LINGER_S = 2.0  # /health says 503 this long after the engine died, then the process exits
 # --layout auto plans for this serving workload: max_num_seqs requests of these lengths (at
@@ -49,8 +58,6 @@ def add_parser(sub) -> None:
 
 
 def _check_args(args) -> None:
-    from atoll.errors import InputError
-
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port {args.port} must be between 0 and 65535")
     if not args.shutdown_timeout > 0:
@@ -63,11 +70,6 @@ def _check_args(args) -> None:
 
 def _layout(args, launcher: str):
     """The plan's layout (--plan, or --layout auto for a serving workload), else None."""
-    from atoll.cli.generate import _plan
-    from atoll.cli.requests import Line
-
-    from atoll.models.config import ModelConfig
-
     if not args.plan and str(args.layout).lower() != "auto":
         return None
     context = min(args.max_model_len or 1 << 30, ModelConfig.load(args.model).max_position_embeddings)
@@ -83,10 +85,6 @@ def _listen(host: str, port: int):
     (TCP_NODELAY) only on accepted sockets whose protocol says TCP, and with Nagle on, every
     response on a kept-alive connection and every streamed chunk after the first waited for
     the client's delayed ACK (about 40 ms on Linux)."""
-    import socket
-
-    from atoll.errors import LaunchError
-
     try:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -98,14 +96,6 @@ def _listen(host: str, port: int):
 
 
 def run(args) -> int:
-    from atoll.cli.generate import _living_launcher, make_llm
-    from atoll.cli.main import Terminated
-    from atoll.errors import LaunchError
-    from atoll.cli.serve_replicas import check_replicas, take_replicas
-    from atoll.launch.launchers import check_launcher, detect, is_first_rank
-    from atoll.models.config import ModelConfig
-    from atoll.serve.replicas import start_replicas
-
     _check_args(args)
     launcher = detect() if args.launcher == "auto" else args.launcher
     replicas = take_replicas(args, ModelConfig.load(args.model))
@@ -131,6 +121,8 @@ def run(args) -> int:
     try:
         try:
             if replicas > 1:
+                from atoll.serve.replicas import start_replicas  # lazy: prometheus_client (atoll[serve])
+
                 engine = start_replicas(llm, replicas, parallel=args.context, router=args.router)
             else:
                 llm.start(parallel=args.context)
@@ -149,10 +141,6 @@ def _join(args, llm) -> int:
     """torchrun/mpirun, a rank but 0: run the engine's rank until rank 0 (the server) says stop.
     The job's SIGTERM reaches every rank; this one waits for rank 0's drain instead of leaving
     the others mid-collective."""
-    import signal
-
-    from atoll.engine.worker import worker
-
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     llm.launcher.join(worker, llm.layout.world_size, None, None, None, device=llm.options.device)
@@ -160,8 +148,8 @@ def _join(args, llm) -> int:
 
 
 def _serve(args, llm, sock, engine=None) -> int:
-    import asyncio
-
+    # lazy: fastapi, uvicorn and prometheus_client are the optional atoll[serve]; --help and a
+    # torchrun rank but 0 need none of them
     from atoll.serve.server import serve
 
     names = args.served_model_name or [str(args.model)]

@@ -8,23 +8,21 @@ A saved plan's `replicas:` are run as they are, for either kind.
 
 from __future__ import annotations
 
+from atoll.engine.batch.router import ROUTERS
 from atoll.errors import InputError, LaunchError
+from atoll.parallel.layout import Layout
 
 ROUTER_HELP = ("which replica takes a request: cache_aware (the one holding the longest cached prefix of its "
                "prompt, else the least loaded) or round_robin")
 
 
 def add_replica_options(p) -> None:
-    from atoll.engine.batch.router import ROUTERS
-
     p.add_argument("--router", default="cache_aware", choices=ROUTERS, help=ROUTER_HELP)
 
 
 def take_replicas(args, config) -> int:
     """The replica count the flags ask for; a dense model's dp is moved out of the layout
     flags into it (args is changed so the engine's layout has dp 1)."""
-    from atoll.parallel.layout import Layout
-
     if config.is_moe or args.plan or getattr(args, "prefill", None):
         return 1  # a plan names its replicas; disaggregated: --prefill/--decode-replicas (-dp is refused)
     replicas = 1

@@ -19,6 +19,11 @@ from atoll.engine.batch.router import ROUTERS
 from atoll.errors import ConfigError
 from atoll.models.gguf import demo_model_dir
 from atoll.models.presets import resolve_model
+from atoll.planner.sim.api import simulate
+from atoll.planner.sim.deploy import from_engine_flags
+from atoll.planner.sim.load import tokenized
+from atoll.planner.sim.report import report_lines
+from atoll.topologies import load_topology
 
 
 
@@ -47,11 +52,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    # lazy: numpy and the cost model, so that `atoll --help` answers at once (cli/main.py)
-    from atoll.planner.sim.api import simulate
-    from atoll.planner.sim.deploy import from_engine_flags
-    from atoll.topologies import load_topology
-
     slos, percentiles = check_load(args)
     if args.nodes is not None and not 1 <= args.nodes <= 4096:
         raise ConfigError(f"--nodes {args.nodes}: must be a whole number from 1 to 4096")
@@ -76,14 +76,10 @@ def run(args) -> int:
 def build(args, config, model) -> list:
     """The load's requests, as `atoll bench serve` builds them for the same flags; text prompts
     counted in the model's tokens."""
-    from atoll.planner.sim.load import tokenized  # lazy: as in run()
-
     return tokenized(build_requests(args, config, seed=args.seed), model)
 
 
 def render(r: dict) -> str:
-    from atoll.planner.sim.report import report_lines  # lazy: as in run()
-
     rate = r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}"
     lines = [f"{r['model']} simulated: {r['deployment']} on {r['topology']} ({r['gpus']} GPUs), "
              f"{r['num_prompts']} requests, rate {rate} req/s; steps from {r['steps_from']}",

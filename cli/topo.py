@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
+from atoll import topologies as T
 from atoll.errors import ConfigError
+from atoll.topologies.discover import gpu_spec_for
 
 
 def add_parser(subparsers) -> None:
@@ -23,8 +26,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from atoll import topologies as T
-
     if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes {args.nodes}: must be at least 1")
     if args.list:
@@ -54,16 +55,12 @@ def run(args) -> int:
             raise ConfigError(f"{where} is not text: expected the output of `nvidia-smi topo -m`") from None
         if "\0" in text:
             raise ConfigError(f"{where} is not text: expected the output of `nvidia-smi topo -m`")
-        from atoll.topologies.discover import gpu_spec_for
-
         topo = T.topology_from_smi(text, nodes=nodes, gpu=gpu_spec_for(args.gpu) if args.gpu else None)
     elif args.ray:
         topo = T.topology_from_ray()
     else:
         topo = T.load_topology(args.name, nodes=args.nodes)
     if args.format == "json":
-        import json
-
         json.dump(to_dict(topo), sys.stdout, indent=1)
         print()
     else:

@@ -69,7 +69,7 @@ def search(config, topology, make_requests, target: Target, *, base: Deployment,
     t0 = time.perf_counter()
     scored = score_layouts(config, topology, isl=isl, osl=osl, dtype=base.dtype, kv_dtype=base.kv_dtype,
                            slos_ms=target.slos)
-    colocated, prefill, decode = finalists(scored, count, topology.num_gpus, by_size=target.rate is not None)
+    colocated, prefill, decode = finalists(scored, count, topology.num_gpus, by_size=True)
     judge = Judge(config, topology, make_requests, target, num_prompts=num_prompts, burstiness=burstiness,
                   seed=seed, model_name=model_name, progress=progress)
     n = topology.num_gpus

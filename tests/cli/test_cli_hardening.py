@@ -1,5 +1,6 @@
-"""Issue 12: every user error is one line `atoll: error: ...`, exit code 2, no traceback; the
-parser builds without torch; `convert --force` never deletes a directory it did not make."""
+"""Issue 12: every user error is one line `atoll: error: ...`, exit code 2, no traceback;
+`atoll --help` imports no subcommand, plan and simulate no torch; `convert --force` never
+deletes a directory it did not make."""
 
 import argparse
 import json
@@ -59,23 +60,48 @@ def test_argparse_error_from_a_real_process():
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("atoll: error: generate: argument"), r.stderr
 
 
-# --- the parser builds without torch ---
+# --- what a command imports: `atoll --help` no subcommand; plan and simulate no torch ---
+
+HELP_IMPORTS_NO_COMMAND = """
+import sys
+from atoll.cli.main import main
+try:
+    main(["--help"])
+except SystemExit as e:
+    assert e.code == 0
+heavy = sorted(m for m in ("torch", "transformers", "triton", "ray", "numpy") if m in sys.modules)
+commands = sorted(m for m in sys.modules if m.startswith("atoll.cli.") and m != "atoll.cli.main")
+assert not heavy and not commands, (heavy, commands)
+try:
+    main(["bench", "spec", "--help"])
+except SystemExit as e:
+    assert e.code == 0
+others = sorted(m for m in ("atoll.bench.kernels", "atoll.bench.dispatch", "atoll.bench.serve") if m in sys.modules)
+assert not others, others
+"""
 
 NO_TORCH = """
 import sys
-from atoll.cli.main import build_parser, main
-build_parser()
-for argv in (["--help"], ["plan", "--help"], ["generate", "--help"], ["bench", "--help"], ["simulate", "--help"]):
+from atoll.cli.main import main
+for argv in (["plan", "--help"], ["simulate", "--help"],
+             ["plan", "--model", "Llama-3.1-8B", "--topology", "dgx-h200", "--top", "1", "--no-progress"],
+             ["simulate", "--model", "Llama-3.1-8B", "--topology", "dgx-h200", "-tp", "8", "--num-prompts", "8",
+              "--no-progress"]):
     try:
         main(argv)
     except SystemExit as e:
         assert e.code == 0, argv
-heavy = sorted(m for m in ("torch", "transformers", "triton", "ray", "numpy") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "transformers", "triton", "ray") if m in sys.modules)
 assert not heavy, heavy
 """
 
 
-def test_help_imports_no_torch():
+def test_help_imports_no_command():
+    r = subprocess.run([sys.executable, "-c", HELP_IMPORTS_NO_COMMAND], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_plan_and_simulate_import_no_torch():
     r = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
