@@ -25,7 +25,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from atoll.calibrate import DTYPES, collectives, compute, measure_overheads
+from atoll.calibrate import collectives, compute
+from atoll.calibrate.overheads import DTYPES, measure_overheads
 from atoll.calibrate.compute import shape_for, stream_bytes_for
 from atoll.calibrate.timing import sync, timed
 from atoll.errors import AtollError, ConfigError

@@ -3,10 +3,23 @@ the recommendation and why."""
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import importlib.util
+import json
+import os
 import sys
+from pathlib import Path
 
 from atoll.cli.plan_goodput import add_goodput_options, run_goodput
 from atoll.errors import ConfigError
+from atoll.models.presets import resolve_model
+from atoll.planner import Workload, plan_sweep
+from atoll.planner.planfile import check_save_path, from_plan, save_plan
+from atoll.planner.plot import plot_plans
+from atoll.planner.progress import SearchProgress
+from atoll.planner.table import print_plans
+from atoll.topologies import load_topology
 
 
 def add_parser(subparsers) -> None:
@@ -82,10 +95,6 @@ PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", 
 
 def check_plot_path(path: str) -> None:
     """Before any work: --plot must name a writable file whose format matplotlib writes."""
-    import importlib.util
-    import os
-    from pathlib import Path
-
     p = Path(path).expanduser()
     if p.is_dir():
         raise ConfigError(f"--plot {path}: is a directory; give a file such as {p / 'plan.png'}")
@@ -105,6 +114,7 @@ def check_plot_path(path: str) -> None:
 
 def run(args) -> int:
     if args.check:
+        # lazy: --check runs models (torch); a plan without it never imports torch
         from atoll.bench.plan_check import run_check
 
         args.concurrency_check = _concurrencies(args.concurrency or "8")[0]
@@ -113,9 +123,7 @@ def run(args) -> int:
         if args.plot:
             check_plot_path(args.plot)
         if args.save:
-            from atoll.planner.planfile import check_save_path
-
-            check_save_path(args.save)
+                check_save_path(args.save)
         return run_goodput(args)
     if args.model is None:
         raise ConfigError("plan: the following arguments are required: --model (see `atoll plan --help`)")
@@ -134,14 +142,7 @@ def run(args) -> int:
     if args.plot:
         check_plot_path(args.plot)
     if args.save:
-        from atoll.planner.planfile import check_save_path
-
         check_save_path(args.save)
-
-    from atoll.models.presets import resolve_model
-    from atoll.planner import Workload, plan_sweep
-    from atoll.planner.progress import SearchProgress
-    from atoll.topologies import load_topology
 
     topology = load_topology(args.topology, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                              network=args.network)
@@ -156,25 +157,17 @@ def run(args) -> int:
                            allow_cross_island=args.allow_cross_island, max_cp=args.max_cp, progress=progress)
     plans = [_renamed(p, name) for p in plans]
     if args.format == "json":
-        import json
-
         out = [p.to_dict() for p in plans]
         json.dump(out[0] if len(out) == 1 else out, sys.stdout, indent=1)
         print()
     elif args.format == "csv":
         _csv(plans)
     else:
-        from atoll.planner.table import print_plans
-
         print_plans(plans, top=args.top)
     if args.plot:
-        from atoll.planner.plot import plot_plans
-
         plot_plans(plans, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.save:
-        from atoll.planner.planfile import from_plan, save_plan
-
         saved = from_plan(plans[0], config)
         save_plan(saved, args.save)
         print(f"wrote {args.save}: {saved.summary()}", file=sys.stderr)
@@ -191,14 +184,10 @@ def _closest_miss(plans) -> int:
 
 
 def _renamed(plan, name):
-    import dataclasses
-
     return dataclasses.replace(plan, model=name)
 
 
 def _csv(plans) -> None:
-    import csv
-
     cols = ["concurrency", "dtype", "kv_dtype", "name", "layout", "replicas", "gpus", "fits", "memory_used_gib",
             "memory_capacity_gib", "shortfall_gib", "ttft_ms", "tpot_ms", "tokens_per_s_per_gpu",
             "tokens_per_s_per_user", "meets_slo", "recommended", "reason"]

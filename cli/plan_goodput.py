@@ -16,6 +16,8 @@ from tqdm import tqdm
 
 from atoll.errors import ConfigError
 from atoll.models.presets import resolve_model
+from atoll.planner.planfile import from_search, save_plan
+from atoll.planner.plot import plot_frontier
 from atoll.planner.sim.api import simulate
 from atoll.planner.sim.deploy import Deployment, on_cpu
 from atoll.planner.sim.judge import MAX_REQUESTS, Target
@@ -163,16 +165,12 @@ def run_goodput(args) -> int:
     else:
         print(render(result, name, topology, isl, osl, args.top))
     if args.plot:
-        from atoll.planner.plot import plot_frontier
-
         plot_frontier(result, args.plot, title=f"{name} on {topology.name}: isl {isl}, osl {osl}")
         print(f"wrote {args.plot}", file=sys.stderr)
     if result.best is None:
         print(f"atoll: {result.reasons[0]}", file=sys.stderr)
         return 1
     if args.save:
-        from atoll.planner.planfile import from_search, save_plan
-
         saved = from_search(result, config, topology, model=name, workload={"isl": isl, "osl": osl})
         save_plan(saved, args.save)
         print(f"wrote {args.save}: {saved.summary()}", file=sys.stderr)

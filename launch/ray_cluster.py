@@ -10,14 +10,13 @@ import socket
 import sys
 
 from atoll.errors import LaunchError
-from atoll.launch.ray_placement import span
+from atoll.launch import ray_placement as rp
+from atoll.launch.ray_placement import planned_nodes, span
 
 
 def node_groups(world_size: int, placement=None, ranks_per_node: int | None = None) -> list[list[int]]:
     """Ranks grouped by node, in order of first rank: from placement.node_of, else chunks."""
     if placement is not None and hasattr(placement, "node_of"):
-        from atoll.launch.ray_placement import planned_nodes
-
         return [ranks for _, ranks in planned_nodes(placement, world_size)]
     per = max(1, min(ranks_per_node or world_size, world_size))
     return [list(range(s, min(s + per, world_size))) for s in range(0, world_size, per)]
@@ -126,8 +125,6 @@ def check_groups(ray, groups: list[list[int]], bundle: dict) -> None:
 
 def rank_groups(ray, world_size: int, placement, ranks_per_node, tp_size: int, bundle: dict):
     """(groups of ranks, the Ray node each is pinned to or None) by launch.ray_placement."""
-    from atoll.launch import ray_placement as rp
-
     check_totals(ray, world_size, bundle)
     if placement is None and ranks_per_node is not None:
         return node_groups(world_size, ranks_per_node=ranks_per_node), None

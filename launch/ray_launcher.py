@@ -36,8 +36,11 @@ import threading
 import time
 
 from atoll.errors import LaunchError, RankFailure
+from atoll.launch.device import check_requested
 from atoll.launch.ray_actor import NOSET_CUDA_VISIBLE_DEVICES, _RankActor, gpu_index
 from atoll.launch.ray_cluster import check_groups, connect, gpus_per_rank, node_names, rank_groups, reserve
+from atoll.launch.ray_placement import match_gpus
+from atoll.parallel.placement import check_job_placement
 
 __all__ = ["RayChannel", "RayJob", "channel", "gpu_index", "run_ray"]
 
@@ -149,8 +152,6 @@ class RayJob:
                  timeout_s: float | None = None, placement=None, ranks_per_node: int | None = None,
                  tp_size: int = 1, strict_placement: bool = False, cpus_per_rank: float = 1,
                  ready_timeout_s: float = 60.0, **kwargs):
-        from atoll.launch.device import check_requested
-
         check_requested(device)
         ray = self._ray = _import_ray()
         self._channels = [a for a in (*args, *kwargs.values()) if isinstance(a, RayChannel)]
@@ -287,8 +288,6 @@ def _follow_plan(ray, placement, groups, targets, made, gpus: bool, strict: bool
     """rank -> (group, bundle) so each rank runs on the actor holding its planned GPU; the
     ranks that differ from the plan (another node, another GPU) are one line, or a LaunchError
     when strict (parallel.placement.check_job_placement)."""
-    from atoll.launch.ray_placement import match_gpus
-
     keys = list(made)
     wait = 300.0 if deadline is None else max(1.0, deadline - time.monotonic())
     try:
@@ -304,8 +303,6 @@ def _follow_plan(ray, placement, groups, targets, made, gpus: bool, strict: bool
         for r, i in match_gpus(planned, [held[k, i][1] for i in range(len(ranks))]).items():
             slot[r] = (k, i)
     if hasattr(placement, "slots"):  # a Placement: say where the job differs from it
-        from atoll.parallel.placement import check_job_placement
-
         world = len(slot)
         hosts = [placement.node_name(r) if held[slot[r]][0] == targets[slot[r][0]].id else node_of.get(r)
                  for r in range(world)]
