@@ -69,6 +69,12 @@ from atoll.layers import packed
 # one sequence runs padded to two: dynamo would specialise a dimension of size 1 (a second
 # graph); at two rows it shares the symbolic one
 MIN_ROWS = 2
+# The symbolic dimensions' upper bounds, the same for every engine: inductor's on-disk cache keys a
+# graph without the range it was marked with, and a graph cached for rows <= 32 (max_num_seqs 8
+# with drafts of 3) then fails its guards in an engine marking rows <= 128 (ConstraintViolation)
+# instead of compiling again; one range for all makes every cached graph valid for every engine.
+MAX_ROWS = 1 << 16
+MAX_BLOCKS = 1 << 20
 # the one-row graph: a product's input (a norm's output, silu(gate) * up) is computed once into
 # a buffer, not again inside the loop over every weight row, where inductor would inline it
 # (it does so for a broadcast input whose expression has up to 50 operations on the CPU)
@@ -151,16 +157,16 @@ class CompiledDecode(DecodeStep):
         # decoder layer kind, which every layer of the stage runs (see the module's docstring)
         self._layers = model.step_layers() or None
         if self._layers:
-            self._rows = None if self.buckets[-1] == 1 else max(4, self.buckets[-1])  # the shared graph's rows
+            shared = self.buckets[-1] > 1  # a graph of symbolic rows for the buckets past one row
             kinds = {type(layer) for layer in self._layers}
             # {rows: {layer kind: graph}}: 1 the one-row graph, None the shared symbolic one
             self._layer_graphs = {}
-            if one_row and self._rows is not None:
+            if one_row and shared:
                 self.warm_rows = (1, MIN_ROWS)  # both graphs made before a living engine says it is ready
             if one_row:
                 self._layer_graphs[1] = {kind: torch.compile(kind.forward, dynamic=False, fullgraph=True,
                                                              options=ONE_ROW_OPTIONS) for kind in kinds}
-            if self._rows is not None:
+            if shared:
                 self._layer_graphs[None] = {kind: torch.compile(kind.forward, dynamic=False, fullgraph=True)
                                             for kind in kinds}
             self._forwards = [partial(self._through_graph, layer) for layer in self._layers]  # made once
@@ -187,7 +193,7 @@ class CompiledDecode(DecodeStep):
         key = self._graphs(x)
         if key is None:  # tensors made outside the graphs: the same symbolic rows
             for t in (x, residual, *cos_sin):
-                torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=self._rows)
+                torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=MAX_ROWS)
         return self._layer_graphs[key][type(layer)](layer, x, residual, meta, *rest)
 
     def _through_head(self, x):
@@ -195,7 +201,7 @@ class CompiledDecode(DecodeStep):
         at more the packed product, inside the graph where eager would run F.linear."""
         key = self._graphs(x)
         if key is None:
-            torch._dynamo.mark_dynamic(x, 0, min=MIN_ROWS, max=self._rows)
+            torch._dynamo.mark_dynamic(x, 0, min=MIN_ROWS, max=MAX_ROWS)
         return self._head_graphs[key](self._head, x)
 
     def _run_layers(self, *inputs) -> torch.Tensor:
@@ -235,10 +241,10 @@ class CompiledDecode(DecodeStep):
         tables = torch.full((size, width), self.scratch, dtype=torch.long, device=self.device)
         tables[:n, :blocks] = meta.block_tables[:, :blocks]
         if self.max_blocks > 2:  # one graph for every width 2..max_blocks
-            torch._dynamo.mark_dynamic(tables, 1, min=2, max=self.max_blocks)
+            torch._dynamo.mark_dynamic(tables, 1, min=2, max=MAX_BLOCKS)
         if size > 1:  # one graph for every bucket (the one-row graph is static)
             for t in (inp.x, inp.positions, inp.block, inp.offset, inp.lengths, tables):
-                torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=max(4, self.buckets[-1]))
+                torch._dynamo.mark_dynamic(t, 0, min=MIN_ROWS, max=MAX_ROWS)
         if not self._announced and self.rank == 0:
             self._announced = True  # the first call compiles: say why the run pauses here
             print("atoll: compiling the decode step (--enforce-eager or --compile never skips it)",

@@ -185,6 +185,21 @@ def test_one_sequence_graph_matches_transformers(model_and_reference, compiling)
     assert r["buckets"] == [1] and r["graphs_first"] == r["graphs_second"] == 2 and r["compiles"] == 1
 
 
+@pytest.mark.timeout(300)
+def test_a_cached_graph_serves_an_engine_of_more_rows(model_and_reference, compiling):
+    """Two engines sharing inductor's cache, the second with four times the rows (max_num_seqs 2
+    then 8, each with a verify step's 1 + 3 rows a sequence): the second takes the first's cached
+    graphs and still gives transformers' tokens, where a graph cached for the first's row range
+    failed its guards (ConstraintViolationError) before."""
+    model_dir, expected = model_and_reference
+    for seqs in (2, 8):
+        llm = LLM(model_dir, layout="TP1", max_num_seqs=seqs, block_size=4,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        requests = _requests(llm)
+        r = run_local(_eager_then_compiled_twice, 1, llm.spec(requests), requests, timeout_s=220)[0]
+        assert r["first"] == expected and r["second"] == expected and r["compiles"] == 1, (seqs, r)
+
+
 def test_row_product_is_linear():
     from atoll.layers.packed import row_product
 
