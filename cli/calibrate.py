@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from atoll.bench.serve_steps import measure_steps
 from atoll.calibrate import calibrate, write_yaml
-from atoll.calibrate.steps import measure_steps
 from atoll.errors import ConfigError
 from atoll.parallel.layout import Layout
 from atoll.topologies import load_topology

@@ -136,6 +136,9 @@ class EngineConfig:
                                                              "{\"method\": \"ngram\" or \"layer_skip\", "
                                                              "\"num_speculative_tokens\": K, ...} "
                                                              "(config/speculative.py)")
+    step_trace: str | None = _opt(None, "append every engine tick's shape (decode rows, prompt-chunk tokens, the "
+                                        "positions they attend to) and seconds to this file, a JSON line each, from "
+                                        "each engine's first rank (atoll calibrate --steps reads them)")
     cache_dir: str | None = _opt(None, "where atoll keeps converted models, compiled graphs (inductor/) and "
                                        "compile times (decode_steps.json) (default ~/.cache/atoll; env ATOLL_CACHE)")
 

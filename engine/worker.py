@@ -14,6 +14,7 @@ from atoll.engine.disagg.roles import decode_loop, prefill_loop
 from atoll.engine.rank.job import EngineJob
 from atoll.engine.rank.loop import Batch, ServeLoop
 from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.rank.trace import StepTrace
 from atoll.kernels import backend
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext
@@ -60,6 +61,8 @@ def _build(rank, world_size, job: EngineJob, inboxes, outbox, device, node, rank
     else:
         loop = decode_loop(runner, world, inboxes[engine], outbox, engine - x, layouts[:x], base[:x])
     loop.name = job.name(engine)
+    if isinstance(loop.core.trace, StepTrace):
+        loop.core.trace.engine = loop.name
     return engine, loop
 
 

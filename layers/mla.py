@@ -34,7 +34,7 @@ from torch import nn
 
 from atoll.kernels.backend import use_triton
 from atoll.kernels.ops import mla_decode_attention
-from atoll.layers.attention import AttentionMetadata, gather_blocks, read_blocks, write_cache
+from atoll.layers.attention import AttentionMetadata, decode_attention, gather_blocks, read_blocks, write_cache
 from atoll.layers.kv_quant import QuantizedKV
 from atoll.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
 from atoll.layers.norm import RMSNorm
@@ -124,11 +124,13 @@ class MLAttention(nn.Module):
                                      latent=self.latent, scale=self.scale,
                                      cache_scale=cache.scale if quantized else None)
         else:
-            tables, mask = meta.decode_keys(None)
-            kv = gather_blocks(cache, tables)  # [seqs, 1, keys, kv_lora_rank + rope], one copy
-            # every head reads the one shared latent head; the value is its first kv_lora_rank values
-            o = F.scaled_dot_product_attention(q[:, :, None], kv, kv[..., :self.latent], attn_mask=mask,
-                                               scale=self.scale, enable_gqa=self.heads > 1)[:, :, 0]
+            def group(qs, tables, mask):
+                kv = gather_blocks(cache, tables)  # [seqs, 1, keys, kv_lora_rank + rope], one copy
+                # every head reads the one shared latent head; the value is its first kv_lora_rank values
+                return F.scaled_dot_product_attention(qs[:, :, None], kv, kv[..., :self.latent], attn_mask=mask,
+                                                      scale=self.scale, enable_gqa=self.heads > 1)[:, :, 0]
+
+            o = decode_attention(q, meta.decode_groups(None), group)
         return torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _prefill(self, q, cache, meta) -> torch.Tensor:

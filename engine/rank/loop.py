@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from atoll.engine.batch.request import Request
 from atoll.engine.rank.core import EngineCore
+from atoll.engine.rank.trace import StepTrace
 from atoll.parallel import links
 
 IDLE_S = 0.5
@@ -121,6 +122,9 @@ class ServeLoop:
         self.feed = inbox if inbox is None or hasattr(inbox, "take") else Channel(inbox)
         self.outbox = outbox
         self.finished: list = []
+        path = runner.spec.engine.step_trace
+        if trace is None and path and runner.ctx.world.rank == 0:
+            trace = StepTrace(path, name)
         self.core = EngineCore(runner, on_finish=lambda index, result: self.finished.append((index, result)),
                                on_token=on_token, inbox=inbox_hook, pipelined=pipelined, trace=trace)
         self.link_stats = link_stats  # count the run's bytes by link class (parallel.links), sent as it stops

@@ -47,7 +47,7 @@ packing (a fraction of a second) is redone at each load. The copy costs a second
 weights, so it is made only when a copy on every rank of the machine fits in a quarter of its
 available memory.
 
-Cache: `spec.engine.cache_path / "inductor"` (ATOLL_CACHE or ~/.cache/atoll), unless the user
+Cache: `spec.engine.cache_path / "inductor" / RANGE_DIR` (ATOLL_CACHE or ~/.cache/atoll), unless the user
 set TORCHINDUCTOR_CACHE_DIR, which then wins. torch reads that variable at each compile; the
 step sets it only for the duration of its own calls and puts back what was there, so building
 or running a step leaves the process's environment and torch's settings as they were.
@@ -75,6 +75,9 @@ MIN_ROWS = 2
 # instead of compiling again; one range for all makes every cached graph valid for every engine.
 MAX_ROWS = 1 << 16
 MAX_BLOCKS = 1 << 20
+# graphs cached under another range (atoll's older ranges, per engine) would fail these guards:
+# the cache's folder is named by the range
+RANGE_DIR = f"rows{MAX_ROWS}-blocks{MAX_BLOCKS}"
 # the one-row graph: a product's input (a norm's output, silu(gate) * up) is computed once into
 # a buffer, not again inside the loop over every weight row, where inductor would inline it
 # (it does so for a broadcast input whose expression has up to 50 operations on the CPU)
@@ -83,7 +86,7 @@ ONE_ROW_OPTIONS = {"realize_opcount_threshold": 4}
 
 def inductor_cache_dir(cache_path) -> str | None:
     """Where the step's graphs go: None when the user set TORCHINDUCTOR_CACHE_DIR (torch reads
-    it), else `cache_path / "inductor"`. Importing torch._inductor sets the variable to its
+    it), else `cache_path / "inductor" / RANGE_DIR`. Importing torch._inductor sets the variable to its
     default in /tmp: that one is not the user's. Without the variable torch._inductor is not
     imported here (1.8 s of a short eager job's start on 2 cores)."""
     theirs = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -92,7 +95,7 @@ def inductor_cache_dir(cache_path) -> str | None:
 
         if os.path.abspath(theirs) != os.path.abspath(default_cache_dir()):
             return None
-    return str(cache_path / "inductor")
+    return str(cache_path / "inductor" / RANGE_DIR)
 
 
 def _cache_dir_for(cache_dir: str | None, first: bool):
@@ -222,8 +225,12 @@ class CompiledDecode(DecodeStep):
 
     def takes(self, mb) -> bool:
         """A decode micro-batch, or a speculative verify step of decoding sequences (one row per
-        position: MicroBatch.decode_rows), of at most the largest bucket's rows."""
-        return bool(mb.chunks) and mb.decode_rows and mb.tokens <= self.buckets[-1]
+        position: MicroBatch.decode_rows), of at most the largest bucket's rows, unless its
+        contexts differ so much that the eager step's attention, grouped by context
+        (layers.attention.decode_groups), reads far fewer keys than the graph's, which reads
+        every row's up to the longest."""
+        return (bool(mb.chunks) and mb.decode_rows and mb.tokens <= self.buckets[-1]
+                and len(mb.meta.decode_groups(None)) == 1)
 
     def __call__(self, x: torch.Tensor, mb) -> torch.Tensor:
         """x: [n] token ids (first stage) or [n, hidden] activations -> [n, ...] rows, a row a

@@ -138,3 +138,20 @@ def test_the_rank_loop_traces_each_tick_with_its_shape(tiny_model):
     assert max(s.chunk_tokens for s in shapes) <= 8
     first = next(s for s in shapes if s.rows)
     assert first.ctx_sum >= first.rows  # a decode row attends to its context
+
+
+@pytest.mark.parametrize("layout", ["TP1", "TP2"])
+def test_step_trace_writes_each_engines_ticks_once(tiny_model, tmp_path, layout):
+    """LLM(step_trace=FILE): the engine's first rank (of TP2's two, one) appends a line per tick
+    with work, as the living engine serves; the ticks add up to the prompts and decode steps."""
+    from atoll.engine.rank.trace import read_trace
+
+    path = tmp_path / "ticks.jsonl"
+    with LLM(str(tiny_model("llama")), layout=layout, max_num_seqs=4, max_num_batched_tokens=8,
+             step_trace=str(path)) as llm:
+        outs = llm.generate([list(p) for p in PROMPTS[:3]], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert all(len(o.token_ids) == NEW for o in outs)
+    ticks = [t for t in read_trace(path) if t[1] or t[2]]
+    assert {t[0] for t in ticks} == {"engine"} and all(t[5] > 0 for t in ticks)
+    assert sum(t[2] for t in ticks) == sum(len(p) for p in PROMPTS[:3])  # every prompt token once: one rank wrote
+    assert sum(t[1] for t in ticks) == 3 * (NEW - 1)

@@ -1,0 +1,102 @@
+"""`atoll calibrate --steps MODEL`: a model's engine steps measured as it serves, for the
+simulator (planner/sim/stepfit.py fits them).
+
+For each layout, `atoll serve` is started as a user starts it (the engine's defaults but
+max_num_seqs 32, `--step-trace` to a file), and fixed lists of requests are streamed to it
+over HTTP by `atoll bench serve`'s own client, one list after another: N requests of 32 prompt
+tokens decoding together (N = 1, 2, 4, 8, 16, 32), long prompts alone and in fours (a full
+chunk budget), and prompts joining while others decode (chunks beside decode rows), at
+contexts from tens to two thousand tokens. The lists run twice: the first pass compiles and
+warms, the second is the one fitted. Each engine's first rank writes every tick's shape and
+seconds (engine/rank/trace.py), so a tick is timed with what serving costs beside it: the API
+server's process streaming tokens and the client reading them, on the same cores.
+
+"N x LAYOUT" times N replicas of LAYOUT served together (`--data-parallel-size N`), each with
+the cores it gets beside the others, as replicas or a 1P1D pair of engines share a machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import tempfile
+
+from atoll.bench.serve_load import run_load, served_model
+from atoll.bench.serve_server import Server
+from atoll.engine.rank.trace import read_trace
+from atoll.errors import LaunchError
+from atoll.models.config import ModelConfig
+from atoll.parallel.layout import Layout
+from atoll.planner.sim.load import BenchRequest
+from atoll.planner.sim.stepfit import fit
+
+MAX_NUM_SEQS = 32
+JOIN_RATE = 6.0  # requests a second in the list of prompts joining others as they decode
+
+
+def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096) -> list[tuple[list[BenchRequest], float]]:
+    """The lists each pass streams, one after another: (requests, arrival rate; inf: all at once);
+    no prompt longer than a model of max_len positions takes with its output."""
+    counter = iter(range(1 << 30))
+
+    def ids(n: int) -> list[int]:
+        i = next(counter)
+        return [(7919 * i + 104729 * j) % (vocab - 2) + 1 for j in range(n)]
+
+    decode = 6 if quick else 24
+    out = [([BenchRequest(ids(32), decode) for _ in range(n)], math.inf)
+           for n in ((1, 4, 16) if quick else (1, 2, 4, 8, 16, 32))]
+    longest = max_len - decode - 1
+    for n, length in (((1, 512),) if quick else ((1, 512), (1, 2000), (4, 512))):
+        out.append(([BenchRequest(ids(min(length, longest)), 4) for _ in range(n)], math.inf))
+    joining = [BenchRequest(ids(min(256 if k % 2 else 64, longest)), decode) for k in range(4 if quick else 12)]
+    out.append((joining, JOIN_RATE))
+    return out
+
+
+def served_ticks(model_dir, layout: Layout, copies: int, *, quick: bool = False) -> list[tuple]:
+    """(rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds) of every
+    tick of the second pass, every engine's."""
+    config = ModelConfig.load(model_dir)
+    max_len = min(config.max_position_embeddings, 4096)
+    lists = request_lists(config.vocab_size, quick=quick, max_len=max_len)
+    fd, trace = tempfile.mkstemp(prefix="atoll-steps-", suffix=".jsonl")
+    os.close(fd)
+    argv = ["--layout", str(layout), "--max-num-seqs", str(MAX_NUM_SEQS), "--step-trace", trace,
+            "--max-model-len", str(max_len)]
+    if copies > 1:
+        argv += ["--data-parallel-size", str(copies)]
+    try:
+        with Server(str(model_dir), argv) as url:
+            model = served_model(url, str(model_dir))
+            for pass_ in range(2):
+                if pass_ == 1:
+                    warm = len(read_trace(trace))
+                for requests, rate in lists:
+                    results, _ = asyncio.run(run_load(url, model, requests, rate=rate, timeout_s=1800))
+                    bad = [r.error for r in results if not r.success]
+                    if bad:
+                        raise LaunchError(f"calibrate --steps: the server failed a request at {layout}: {bad[0]}")
+        ticks = read_trace(trace)[warm:]
+    finally:
+        os.unlink(trace)
+    return [(rows, chunk, ctx, attended, seconds) for _, rows, chunk, ctx, attended, seconds in ticks
+            if rows or chunk]
+
+
+def measure_steps(model_dir, layouts: list[str], *, quick: bool = False, bar=None) -> dict:
+    """{layout: StepFit.to_dict()} for the model on this machine, served; "N x LAYOUT" times N
+    replicas served together."""
+    out = {}
+    for text in layouts:
+        copies, _, one = text.rpartition("x")
+        lay = Layout.parse(one.strip())
+        copies = int(copies) if copies.strip() else 1
+        key = f"{copies} x {lay}" if copies > 1 else str(lay)
+        if bar is not None:
+            bar.set_postfix_str(f"steps {key}")
+        out[key] = fit(served_ticks(model_dir, lay, copies, quick=quick)).to_dict()
+        if bar is not None:
+            bar.update()
+    return out

@@ -1,0 +1,36 @@
+"""`--step-trace FILE`: each engine's first rank appends every tick's shape and seconds to FILE,
+a JSON line a tick, as the rank loop times it (EngineCore's trace): what `atoll calibrate
+--steps` fits the simulator's step from, measured in the engine as it serves.
+
+    {"engine": "decode engine 0", "rows": 8, "chunk_tokens": 64, "ctx_sum": 1210,
+     "attended_sum": 2080, "seconds": 0.0713}
+"""
+
+from __future__ import annotations
+
+import json
+
+
+class StepTrace:
+    """A list-like sink for EngineCore's trace that writes each (StepShape, seconds) as it comes."""
+
+    def __init__(self, path: str, engine: str | None):
+        self.engine = engine or "engine"
+        self.file = open(path, "a", buffering=1, encoding="utf-8")  # a line each, flushed as written
+
+    def append(self, item) -> None:
+        shape, seconds = item
+        self.file.write(json.dumps({"engine": self.engine, "rows": shape.rows, "chunk_tokens": shape.chunk_tokens,
+                                    "ctx_sum": shape.ctx_sum, "attended_sum": shape.attended_sum,
+                                    "seconds": round(seconds, 7)}) + "\n")
+
+
+def read_trace(path) -> list[tuple[str, int, int, float, float, float]]:
+    """(engine, rows, chunk tokens, ctx_sum, attended_sum, seconds) of every tick in a trace file."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                d = json.loads(line)
+                out.append((d["engine"], d["rows"], d["chunk_tokens"], d["ctx_sum"], d["attended_sum"], d["seconds"]))
+    return out
