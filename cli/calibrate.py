@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from atoll.bench.serve_steps import measure_steps
 from atoll.calibrate import calibrate, write_yaml
-from atoll.errors import ConfigError
+from atoll.errors import ConfigError, LayoutError
+from atoll.models.config import ModelConfig
 from atoll.parallel.layout import Layout
 from atoll.topologies import load_topology
 
@@ -31,11 +32,13 @@ def add_parser(subparsers) -> None:
                    help="largest group for the collectives (default: the core count, or the GPU count)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="what to measure: auto (a GPU if this machine shows one, else the CPU), cuda or cpu")
-    p.add_argument("--steps", metavar="MODEL_DIR", default=None,
-                   help="also time this checkpoint's engine steps (rows, chunk tokens, context) at --step-layouts "
-                        "for `atoll simulate` and `bench serve --compare-plan` (CPU; about a minute a layout)")
-    p.add_argument("--step-layouts", default="TP1", help="--steps: layouts, comma-separated; 'N x TP1' times a TP1 engine with the cores it gets "
-                        "beside N - 1 others (default TP1)")
+    p.add_argument("--steps", metavar="MODEL_DIR", action="append", default=None,
+                   help="also time this checkpoint's engine steps as it serves (rows, chunk tokens, context) at "
+                        "--step-layouts, for `atoll simulate` and `bench serve --compare-plan` (a few minutes a "
+                        "layout); repeat for several models")
+    p.add_argument("--step-layouts", default="TP1",
+                   help="--steps: layouts, comma-separated; 'N x TP1' serves N TP1 replicas together; a layout a "
+                        "model cannot take (its heads) is skipped for that model (default TP1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -57,7 +60,7 @@ def run(args) -> int:
     data = calibrate(quick=args.quick, max_ranks=args.max_ranks, progress=not args.no_progress, command=command,
                      device=args.device)
     if args.steps:
-        data["calibration"]["steps"] = {Path(args.steps).name: steps_of(args)}
+        data["calibration"]["steps"] = steps_of(args)
     write_yaml(data, out)
     topo = load_topology(str(out))  # what was written reads back
     cal = topo.calibration
@@ -85,12 +88,28 @@ def run(args) -> int:
 
 
 def steps_of(args) -> dict:
-    """The --steps checkpoint's fitted steps at each --step-layouts layout."""
-    model = Path(args.steps).expanduser()
-    if not (model / "config.json").is_file():
-        raise ConfigError(f"--steps {args.steps}: not a checkpoint directory (no config.json)")
-    layouts = [t.strip() for t in args.step_layouts.split(",") if t.strip()]
-    for t in layouts:
-        Layout.parse(t.rpartition("x")[2].strip())  # a bad one fails here, before any rank starts
-    with tqdm(total=len(layouts), desc="engine steps", disable=args.no_progress, dynamic_ncols=True) as bar:
-        return measure_steps(model, layouts, quick=args.quick, bar=bar)
+    """{model name: {layout: fitted steps}} for each --steps checkpoint at each --step-layouts
+    layout it can take (checked before any server starts)."""
+    texts = [t.strip() for t in args.step_layouts.split(",") if t.strip()]
+    plans = []
+    for given in args.steps:
+        model = Path(given).expanduser()
+        if not (model / "config.json").is_file():
+            raise ConfigError(f"--steps {given}: not a checkpoint directory (no config.json)")
+        config, layouts = ModelConfig.load(model), []
+        for t in texts:
+            try:
+                Layout.parse(t.rpartition("x")[2].strip()).validate(config)
+            except (ConfigError, LayoutError) as e:
+                print(f"atoll: --steps {model.name}: {t} skipped: {e}", file=sys.stderr)
+                continue
+            layouts.append(t)
+        if not layouts:
+            raise ConfigError(f"--steps {given}: takes none of --step-layouts {args.step_layouts!r}")
+        plans.append((model, layouts))
+    out = {}
+    with tqdm(total=sum(len(ls) for _, ls in plans), desc="engine steps", disable=args.no_progress,
+              dynamic_ncols=True) as bar:
+        for model, layouts in plans:
+            out[model.name] = measure_steps(model, layouts, quick=args.quick, bar=bar)
+    return out

@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 COMMON = ["--num-prompts", "40", "--input-len", "128", "--output-len", "32", "--goodput", "ttft:1500", "tpot:120"]
 SCENARIOS = {
     "TP1, 1 req/s": ["--request-rate", "1"],
     "TP1, 2.5 req/s (near saturation)": ["--request-rate", "2.5"],
+    "TP2, 1 req/s (8-head model)": ["-tp", "2", "--request-rate", "1"],
     "PP2, 1 req/s": ["-pp", "2", "--request-rate", "1"],
     "PP2, 2.5 req/s": ["-pp", "2", "--request-rate", "2.5"],
     "2 x TP1, cache-aware, shared prefixes": ["-dp", "2", "--prompts", "shared-prefix", "--input-len", "256",
@@ -29,21 +32,45 @@ SCENARIOS = {
     "1P1D, 10% long prompts": ["--prefill", "TP1", "--decode", "TP1", "--prompts", "long-mix", "--input-len", "64",
                                "--long-len", "1024", "--long-share", "0.1", "--disagg-min-prompt-tokens", "512",
                                "--request-rate", "1"],
-    # eager: the compiled CPU step does not yet take a verify step's rows (max_num_seqs x (1 + K))
-    "TP1, n-gram speculation (eager)": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-                                        "--enforce-eager", "--request-rate", "1"],
+    "TP1, n-gram speculation": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                                "--request-rate", "1"],
     "TP1, closed loop of 4": ["--max-concurrency", "4"],
 }
 FIGURES = ("ttft_p50", "tpot_p50", "tpot_p90", "goodput")
+DEFAULT_MODEL = Path("~/.cache/atoll/SmolLM2-135M-Instruct").expanduser()
+
+
+def make_tp2_model(out: Path, base: Path = DEFAULT_MODEL) -> None:
+    """SmolLM2-135M's shape with 8 heads of 64 and 4 KV heads (hidden 512), random weights
+    (seed 0), float32, with SmolLM2's tokenizer: a model TP2 divides."""
+    import torch  # lazy: only this one-off step builds a model
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: as torch
+
+    config = json.loads((base / "config.json").read_text())
+    config.update(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    config = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "dtype",
+                                                                                 "transformers_version")})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (base / name).exists():
+            shutil.copy(base / name, out / name)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--topology", required=True)
+    p.add_argument("--topology", default=None, help="a topology `atoll calibrate --steps` wrote (required to run)")
     p.add_argument("--model", default=None)
     p.add_argument("--out", default=None, help="write every run's JSON here")
     p.add_argument("--resume", default=None, help="a --out file of runs already made: only the others run")
+    p.add_argument("--tp2-model", default="~/.cache/atoll/closed-loop-8-heads", help="the TP2 scenario's model")
+    p.add_argument("--make-tp2-model", metavar="DIR", default=None, help="make the TP2 scenario's model in DIR, then stop")
     args = p.parse_args()
+    if args.make_tp2_model:
+        make_tp2_model(Path(args.make_tp2_model).expanduser())
+        return 0
+    if args.topology is None:
+        p.error("--topology is required to run the scenarios")
     runs = {}
     if args.resume:
         with open(args.resume) as f:
@@ -51,8 +78,9 @@ def main() -> int:
     for name, flags in SCENARIOS.items():
         if name in runs:
             continue
+        model = str(Path(args.tp2_model).expanduser()) if "-tp" in flags else args.model
         cmd = [sys.executable, "-m", "atoll", "bench", "serve", "--json", "--compare-plan", "--topology",
-               args.topology, *(["--model", args.model] if args.model else []), *COMMON, *flags]
+               args.topology, *(["--model", model] if model else []), *COMMON, *flags]
         print(f"== {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         if done.returncode != 0:

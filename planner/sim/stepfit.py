@@ -1,15 +1,19 @@
 """A model's engine steps on a calibrated machine, fitted from its measured ticks (`atoll calibrate
---steps MODEL`): the time of a tick against its shape (engine.batch.shape.StepShape).
+--steps MODEL`): the time of a tick against its shape (engine.batch.shape.StepShape), in two
+parts, as the engine runs them two ways:
 
-    seconds = rows(r) + chunk_token_us x chunk tokens + ctx_kilotoken_us x decode positions / 1000
-              + attended_kilotoken_us x (chunk token, position) pairs / 1000     (all in microseconds)
+    decode-only tick:   rows(r) + ctx_kilotoken_us x decode positions / 1000
+    tick with chunks:   chunk_base_us + chunk_row_us x r + chunk_token_us x chunk tokens
+                        + chunk_ctx_kilotoken_us x decode positions / 1000
+                        + attended_kilotoken_us x (chunk token, position) pairs / 1000
 
-rows(r) is piecewise linear over the measured row counts (a compiled CPU step runs in buckets:
-one row is its own graph, so the decode part is not one straight line), past the last one
-extended along its last piece. The coefficients are non-negative least squares over every
-tick measured (clip and refit). The simulator takes it, where the calibration holds the
-model and layout, in place of the cost model's roofline: a measured step of this model on this
-machine, not a micro-benchmark.
+(all in microseconds). A decode-only tick is the decode step (compiled on a CPU, captured on a
+GPU), which runs in buckets: rows(r) is piecewise linear over the measured row counts, past the
+last one extended along its last piece. A tick carrying prompt chunks runs the plain step, its
+rows beside the chunk tokens at a per-row cost of their own. Each part's coefficients are
+non-negative least squares over its ticks (clip and refit). The simulator takes it, where the
+calibration holds the model and layout, in place of the cost model's roofline: a measured step
+of this model on this machine, not a micro-benchmark.
 """
 
 from __future__ import annotations
@@ -26,14 +30,22 @@ KNOTS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 @dataclass(frozen=True)
 class StepFit:
-    rows: dict  # row count -> microseconds of a step of that many decoding rows (no chunk)
+    rows: dict  # row count -> microseconds of a decode-only tick of that many rows
     chunk_token_us: float
     ctx_kilotoken_us: float
     attended_kilotoken_us: float
     samples: int = 0
     rel_rms: float = 0.0  # the fit's RMS error over the measured ticks, relative to their mean
+    # ticks with prompt chunks; None (a fit written before they had their own part): rows(r) too
+    chunk_base_us: float | None = None
+    chunk_row_us: float = 0.0
+    chunk_ctx_kilotoken_us: float = 0.0
 
     def seconds(self, rows: int, chunk_tokens: float, ctx_sum: float, attended_sum: float) -> float:
+        if chunk_tokens and self.chunk_base_us is not None:
+            return 1e-6 * (self.chunk_base_us + self.chunk_row_us * rows + self.chunk_token_us * chunk_tokens
+                           + self.chunk_ctx_kilotoken_us * ctx_sum / 1000
+                           + self.attended_kilotoken_us * attended_sum / 1000)
         return 1e-6 * (self._rows_us(rows) + self.chunk_token_us * chunk_tokens
                        + self.ctx_kilotoken_us * ctx_sum / 1000 + self.attended_kilotoken_us * attended_sum / 1000)
 
@@ -50,20 +62,28 @@ class StepFit:
     def from_dict(cls, d: dict, where: str) -> "StepFit":
         try:
             rows = {int(k): float(v) for k, v in d["rows_us"].items()}
+            chunk = d.get("chunk")
             return cls(rows=rows, chunk_token_us=float(d["chunk_token_us"]),
                        ctx_kilotoken_us=float(d["ctx_kilotoken_us"]),
                        attended_kilotoken_us=float(d["attended_kilotoken_us"]), samples=int(d.get("samples", 0)),
-                       rel_rms=float(d.get("rel_rms", 0.0)))
+                       rel_rms=float(d.get("rel_rms", 0.0)),
+                       chunk_base_us=None if chunk is None else float(chunk["base_us"]),
+                       chunk_row_us=0.0 if chunk is None else float(chunk["row_us"]),
+                       chunk_ctx_kilotoken_us=0.0 if chunk is None else float(chunk["ctx_kilotoken_us"]))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ConfigError(f"{where} must hold rows_us {{rows: us}}, chunk_token_us, ctx_kilotoken_us and "
-                              "attended_kilotoken_us") from None
+                              "attended_kilotoken_us, and chunk {base_us, row_us, ctx_kilotoken_us}") from None
 
     def to_dict(self) -> dict:
-        return {"rows_us": {int(k): round(float(v), 1) for k, v in sorted(self.rows.items())},
-                "chunk_token_us": round(float(self.chunk_token_us), 3),
-                "ctx_kilotoken_us": round(float(self.ctx_kilotoken_us), 3),
-                "attended_kilotoken_us": round(float(self.attended_kilotoken_us), 4), "samples": int(self.samples),
-                "rel_rms": round(float(self.rel_rms), 4)}
+        out = {"rows_us": {int(k): round(float(v), 1) for k, v in sorted(self.rows.items())},
+               "chunk_token_us": round(float(self.chunk_token_us), 3),
+               "ctx_kilotoken_us": round(float(self.ctx_kilotoken_us), 3),
+               "attended_kilotoken_us": round(float(self.attended_kilotoken_us), 4), "samples": int(self.samples),
+               "rel_rms": round(float(self.rel_rms), 4)}
+        if self.chunk_base_us is not None:
+            out["chunk"] = {"base_us": round(float(self.chunk_base_us), 1), "row_us": round(float(self.chunk_row_us), 2),
+                            "ctx_kilotoken_us": round(float(self.chunk_ctx_kilotoken_us), 3)}
+        return out
 
 
 def _hats(rows: np.ndarray, knots: list[int]) -> np.ndarray:
@@ -77,19 +97,10 @@ def _hats(rows: np.ndarray, knots: list[int]) -> np.ndarray:
     return out
 
 
-def fit(samples: list[tuple[int, float, float, float, float]]) -> StepFit:
-    """samples: (rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds) per tick."""
-    if len(samples) < 8:
-        raise ValueError(f"{len(samples)} ticks: too few to fit a step")
-    x = np.array(samples, dtype=float)
-    top = x[:, 0].max()
-    knots = [k for k in KNOTS if k <= top] + [k for k in KNOTS if k > top][:1]
-    a = np.hstack([_hats(x[:, 0], knots), x[:, 1:2], x[:, 2:3] / 1000, x[:, 3:4] / 1000])
-    y = x[:, 4] * 1e6
-    keep = np.ones(a.shape[1], bool)
-    keep[:len(knots)] = a[:, :len(knots)].any(axis=0)  # knots no tick reaches stay out of the fit
+def _nnls(a: np.ndarray, y: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """Least squares of a @ coef = y with coef >= 0: refit without the negative terms."""
     coef = np.zeros(a.shape[1])
-    for _ in range(a.shape[1]):  # non-negative least squares: refit without the negative terms
+    for _ in range(a.shape[1]):
         sol = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
         coef[:] = 0
         coef[keep] = sol
@@ -97,9 +108,28 @@ def fit(samples: list[tuple[int, float, float, float, float]]) -> StepFit:
         if not neg.any():
             break
         keep &= ~neg
+    return coef
+
+
+def fit(samples: list[tuple[int, float, float, float, float]]) -> StepFit:
+    """samples: (rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds) per tick."""
+    if len(samples) < 8:
+        raise ValueError(f"{len(samples)} ticks: too few to fit a step")
+    x = np.array(samples, dtype=float)
+    decode, chunked = x[x[:, 1] == 0], x[x[:, 1] > 0]
+    if len(decode) < 2 or len(chunked) < 5:
+        raise ValueError(f"{len(decode)} decode-only and {len(chunked)} ticks with prompt chunks: too few to fit a step")
+    top = decode[:, 0].max()
+    knots = [k for k in KNOTS if k <= top] + [k for k in KNOTS if k > top][:1]
+    a = np.hstack([_hats(decode[:, 0], knots), decode[:, 2:3] / 1000])
+    keep = np.ones(a.shape[1], bool)
+    keep[:len(knots)] = a[:, :len(knots)].any(axis=0)  # knots no tick reaches stay out of the fit
+    dec = _nnls(a, decode[:, 4] * 1e6, keep)
+    b = np.hstack([np.ones((len(chunked), 1)), chunked[:, 0:2], chunked[:, 2:4] / 1000])
+    chk = _nnls(b, chunked[:, 4] * 1e6, np.ones(b.shape[1], bool))
     n = len(knots)
-    rows = {k: coef[i] for i, k in enumerate(knots) if a[:, i].any()}
-    err = a @ coef - y
-    return StepFit(rows=rows, chunk_token_us=coef[n], ctx_kilotoken_us=coef[n + 1],
-                   attended_kilotoken_us=coef[n + 2], samples=len(samples),
-                   rel_rms=float(np.sqrt((err ** 2).mean()) / y.mean()))
+    rows = {k: dec[i] for i, k in enumerate(knots) if a[:, i].any()}
+    err = np.concatenate([a @ dec - decode[:, 4] * 1e6, b @ chk - chunked[:, 4] * 1e6])
+    return StepFit(rows=rows, chunk_token_us=chk[2], ctx_kilotoken_us=dec[n], attended_kilotoken_us=chk[4],
+                   samples=len(samples), rel_rms=float(np.sqrt((err ** 2).mean()) / (x[:, 4].mean() * 1e6)),
+                   chunk_base_us=chk[0], chunk_row_us=chk[1], chunk_ctx_kilotoken_us=chk[3])

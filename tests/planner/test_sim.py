@@ -161,16 +161,23 @@ def test_bucket_is_exact_then_within_two_percent():
 
 
 def test_step_fit_recovers_a_known_step_and_the_simulator_takes_it(h200):
-    def true(r, c, ctx, att):  # a step: 20 ms, + 1 ms a row up to 4 then 0.5 ms, + 50 us a chunk token
-        rows = 20_000 + 1000 * min(r, 4) + 500 * max(r - 4, 0) if r else 30_000
-        return 1e-6 * (rows + 50 * c + 2.0 * ctx / 1000 + 0.1 * att / 1000)
+    def true(r, c, ctx, att):
+        """A decode-only tick: 20 ms, + 1 ms a row up to 4 then 0.5 ms; one with chunks (the plain
+        step): 30 ms + 3 ms a row + 50 us a chunk token; both + their context terms."""
+        if c == 0:
+            return 1e-6 * (20_000 + 1000 * min(r, 4) + 500 * max(r - 4, 0) + 2.0 * ctx / 1000)
+        return 1e-6 * (30_000 + 3000 * r + 50 * c + 4.0 * ctx / 1000 + 0.1 * att / 1000)
 
     samples = [(r, c, ctx, att, true(r, c, ctx, att)) for r in (0, 1, 2, 4, 8, 16) for c in (0, 64, 512)
                for ctx, att in ((100.0 * max(r, 1), 10.0 * c), (4000.0 * max(r, 1), 300.0 * c)) if r or c]
     f = fit(samples)
     assert f.rel_rms < 1e-6 and f.chunk_token_us == pytest.approx(50, rel=1e-6)
+    assert f.chunk_row_us == pytest.approx(3000, rel=1e-6) and f.rows[4] == pytest.approx(24_000, rel=1e-6)
     assert f.seconds(6, 100, 600, 2000) == pytest.approx(true(6, 100, 600, 2000), rel=1e-6)
-    assert StepFit.from_dict(f.to_dict(), "x").seconds(2, 0, 300, 0) == pytest.approx(true(2, 0, 300, 0), rel=1e-3)
+    assert f.seconds(6, 0, 600, 0) == pytest.approx(true(6, 0, 600, 0), rel=1e-6)
+    back = StepFit.from_dict(f.to_dict(), "x")
+    for shape in ((2, 0, 300, 0), (3, 64, 500, 900)):
+        assert back.seconds(*shape) == pytest.approx(true(*shape), rel=1e-3)
     # the calibration names the model and layout: the simulator's ticks are the fit's
     cal = Calibration(device="cuda", steps={"m": {"TP1": f.to_dict()}})
     topo = replace(h200, calibration=cal)
