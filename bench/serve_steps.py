@@ -4,10 +4,10 @@ simulator (planner/sim/stepfit.py fits them).
 For each layout, `atoll serve` is started as a user starts it (the engine's defaults but
 max_num_seqs 32, `--step-trace` to a file), and fixed lists of requests are streamed to it
 over HTTP by `atoll bench serve`'s own client, one list after another: N requests of 32 prompt
-tokens decoding together (N = 1, 2, 4, 8, 16, 32), long prompts alone and in fours (a full
+tokens decoding together (N = 1, 2, 4, 8, 16, 32), and of 480 (N = 1, 4, 16), long prompts alone and in fours (a full
 chunk budget), and prompts joining while others decode (chunks beside decode rows), at
-contexts from tens to two thousand tokens. The lists run twice: the first pass compiles and
-warms, the second is the one fitted. Each engine's first rank writes every tick's shape and
+contexts from tens to two thousand tokens. The lists run three times: the first pass compiles
+and warms, the other two are fitted (a 2-core machine's speed drifted by 30% between two passes). Each engine's first rank writes every tick's shape and
 seconds (engine/rank/trace.py), so a tick is timed with what serving costs beside it: the API
 server's process streaming tokens and the client reading them, on the same cores.
 
@@ -33,6 +33,7 @@ from atoll.planner.sim.stepfit import fit
 
 MAX_NUM_SEQS = 32
 JOIN_RATE = 6.0  # requests a second in the list of prompts joining others as they decode
+TIMED_PASSES = 2  # after the warm pass: a machine's speed drifts by tens of percent between minutes
 
 
 def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096) -> list[tuple[list[BenchRequest], float]]:
@@ -45,9 +46,12 @@ def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096) -> li
         return [(7919 * i + 104729 * j) % (vocab - 2) + 1 for j in range(n)]
 
     decode = 6 if quick else 24
+    longest = max_len - decode - 1
     out = [([BenchRequest(ids(32), decode) for _ in range(n)], math.inf)
            for n in ((1, 4, 16) if quick else (1, 2, 4, 8, 16, 32))]
-    longest = max_len - decode - 1
+    # the same row counts at a longer context, so that the rows' cost and the context's part apart
+    out += [([BenchRequest(ids(min(480, longest)), decode) for _ in range(n)], math.inf)
+            for n in ((4,) if quick else (1, 4, 16))]
     for n, length in (((1, 512),) if quick else ((1, 512), (1, 2000), (4, 512))):
         out.append(([BenchRequest(ids(min(length, longest)), 4) for _ in range(n)], math.inf))
     joining = [BenchRequest(ids(min(256 if k % 2 else 64, longest)), decode) for k in range(4 if quick else 12)]
@@ -57,7 +61,7 @@ def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096) -> li
 
 def served_ticks(model_dir, layout: Layout, copies: int, *, quick: bool = False) -> list[tuple]:
     """(rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds) of every
-    tick of the second pass, every engine's."""
+    tick of the timed passes, every engine's."""
     config = ModelConfig.load(model_dir)
     max_len = min(config.max_position_embeddings, 4096)
     lists = request_lists(config.vocab_size, quick=quick, max_len=max_len)
@@ -70,7 +74,7 @@ def served_ticks(model_dir, layout: Layout, copies: int, *, quick: bool = False)
     try:
         with Server(str(model_dir), argv) as url:
             model = served_model(url, str(model_dir))
-            for pass_ in range(2):
+            for pass_ in range(1 + TIMED_PASSES):
                 if pass_ == 1:
                     warm = len(read_trace(trace))
                 for requests, rate in lists:

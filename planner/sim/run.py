@@ -199,7 +199,10 @@ class Simulation:
             self._finish(i, now)
             return
         e = self._route(i, c, now)
-        self._next(e, now)
+        # the engine's next tick starts after every event of this instant: requests sent together
+        # (a closed loop's clients as their requests end in one tick) join that tick together, as
+        # the rank loop takes every request waiting when a tick begins
+        self._push(now, "wake", e)
 
     def _route(self, i: int, c: Client, now: float) -> SimEngine:
         d = self.d

@@ -8,10 +8,11 @@ parts, as the engine runs them two ways:
                         + attended_kilotoken_us x (chunk token, position) pairs / 1000
 
 (all in microseconds). A decode-only tick is the decode step (compiled on a CPU, captured on a
-GPU), which runs in buckets: rows(r) is piecewise linear over the measured row counts, past the
-last one extended along its last piece. A tick carrying prompt chunks runs the plain step, its
+GPU), which runs in buckets: rows(r) is piecewise linear over the measured row counts and never
+falls as they grow, past the last one extended along its last piece. A tick carrying prompt chunks runs the plain step, its
 rows beside the chunk tokens at a per-row cost of their own. Each part's coefficients are
-non-negative least squares over its ticks (clip and refit). The simulator takes it, where the
+non-negative least squares over its ticks (clip and refit), Huber-weighted so that a few
+ticks slowed by something else on the machine do not pull it. The simulator takes it, where the
 calibration holds the model and layout, in place of the cost model's roofline: a measured step
 of this model on this machine, not a micro-benchmark.
 """
@@ -86,14 +87,14 @@ class StepFit:
         return out
 
 
-def _hats(rows: np.ndarray, knots: list[int]) -> np.ndarray:
-    """Each tick's weights on the knots: linear interpolation between the two around its rows."""
-    out = np.zeros((rows.size, len(knots)))
-    for n, r in enumerate(rows.tolist()):
-        i = min(max(bisect.bisect_right(knots, r) - 1, 0), len(knots) - 2)
-        a, b = knots[i], knots[i + 1]
-        w = (r - a) / (b - a)
-        out[n, i], out[n, i + 1] = 1 - w, w
+def _ramps(rows: np.ndarray, knots: list[int]) -> np.ndarray:
+    """Each tick's weights on the step at the first knot and on each rise between two knots (0
+    below the rise, 1 above it, linear between): non-negative weights make rows(r) a
+    non-decreasing piecewise linear function, as a step of more rows never takes less."""
+    out = np.ones((rows.size, len(knots)))
+    for j in range(1, len(knots)):
+        a, b = knots[j - 1], knots[j]
+        out[:, j] = np.clip((rows - a) / (b - a), 0.0, 1.0)
     return out
 
 
@@ -111,6 +112,24 @@ def _nnls(a: np.ndarray, y: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _robust(a: np.ndarray, y: np.ndarray, rounds: int = 6) -> np.ndarray:
+    """Non-negative least squares with Huber weights, refitted: a tick slowed by something
+    outside the step (another process on its cores, a page fault) counts as far as HUBER
+    median absolute residuals and no further, so a few outliers do not pull the step."""
+    w = np.ones(len(y))
+    coef = _nnls(a, y, np.ones(a.shape[1], bool))
+    for _ in range(rounds):
+        r = a @ coef - y
+        scale = HUBER * max(float(np.median(np.abs(r))), 1e-9)
+        w = np.minimum(1.0, scale / np.maximum(np.abs(r), 1e-12))
+        sw = np.sqrt(w)
+        coef = _nnls(a * sw[:, None], y * sw, np.ones(a.shape[1], bool))
+    return coef
+
+
+HUBER = 2.0  # residuals past this many median absolute residuals count linearly, not squared
+
+
 def fit(samples: list[tuple[int, float, float, float, float]]) -> StepFit:
     """samples: (rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds) per tick."""
     if len(samples) < 8:
@@ -119,16 +138,15 @@ def fit(samples: list[tuple[int, float, float, float, float]]) -> StepFit:
     decode, chunked = x[x[:, 1] == 0], x[x[:, 1] > 0]
     if len(decode) < 2 or len(chunked) < 5:
         raise ValueError(f"{len(decode)} decode-only and {len(chunked)} ticks with prompt chunks: too few to fit a step")
-    top = decode[:, 0].max()
-    knots = [k for k in KNOTS if k <= top] + [k for k in KNOTS if k > top][:1]
-    a = np.hstack([_hats(decode[:, 0], knots), decode[:, 2:3] / 1000])
-    keep = np.ones(a.shape[1], bool)
-    keep[:len(knots)] = a[:, :len(knots)].any(axis=0)  # knots no tick reaches stay out of the fit
-    dec = _nnls(a, decode[:, 4] * 1e6, keep)
+    low, top = decode[:, 0].min(), decode[:, 0].max()
+    knots = [k for k in KNOTS if low <= k <= top] + [k for k in KNOTS if k > top][:1]
+    knots = [k for k in KNOTS if k < low][-1:] + knots if knots[0] > low else knots
+    a = np.hstack([_ramps(decode[:, 0], knots), decode[:, 2:3] / 1000])
+    dec = _robust(a, decode[:, 4] * 1e6)
     b = np.hstack([np.ones((len(chunked), 1)), chunked[:, 0:2], chunked[:, 2:4] / 1000])
-    chk = _nnls(b, chunked[:, 4] * 1e6, np.ones(b.shape[1], bool))
+    chk = _robust(b, chunked[:, 4] * 1e6)
     n = len(knots)
-    rows = {k: dec[i] for i, k in enumerate(knots) if a[:, i].any()}
+    rows = dict(zip(knots, np.cumsum(dec[:n]).tolist()))
     err = np.concatenate([a @ dec - decode[:, 4] * 1e6, b @ chk - chunked[:, 4] * 1e6])
     return StepFit(rows=rows, chunk_token_us=chk[2], ctx_kilotoken_us=dec[n], attended_kilotoken_us=chk[4],
                    samples=len(samples), rel_rms=float(np.sqrt((err ** 2).mean()) / (x[:, 4].mean() * 1e6)),
