@@ -35,7 +35,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--steps", metavar="MODEL_DIR", action="append", default=None,
                    help="also time this checkpoint's engine steps as it serves (rows, chunk tokens, context) at "
                         "--step-layouts, for `atoll simulate` and `bench serve --compare-plan` (a few minutes a "
-                        "layout); repeat for several models")
+                        "layout); repeat for several models; MODEL_DIR:TP2,PP2 gives that model its own layouts")
     p.add_argument("--step-layouts", default="TP1",
                    help="--steps: layouts, comma-separated; 'N x TP1' serves N TP1 replicas together; a layout a "
                         "model cannot take (its heads) is skipped for that model (default TP1)")
@@ -90,22 +90,26 @@ def run(args) -> int:
 def steps_of(args) -> dict:
     """{model name: {layout: fitted steps}} for each --steps checkpoint at each --step-layouts
     layout it can take (checked before any server starts)."""
-    texts = [t.strip() for t in args.step_layouts.split(",") if t.strip()]
     plans = []
     for given in args.steps:
-        model = Path(given).expanduser()
+        path, colon, own = given.rpartition(":")
+        if not colon:  # the model at --step-layouts
+            path, own = given, ""
+        texts = [t.strip() for t in (own or args.step_layouts).split(",") if t.strip()]
+        model = Path(path).expanduser()
         if not (model / "config.json").is_file():
             raise ConfigError(f"--steps {given}: not a checkpoint directory (no config.json)")
         config, layouts = ModelConfig.load(model), []
         for t in texts:
+            layout = Layout.parse(t.rpartition("x")[2].strip())  # a bad one fails here, before any server starts
             try:
-                Layout.parse(t.rpartition("x")[2].strip()).validate(config)
+                layout.validate(config)
             except (ConfigError, LayoutError) as e:
                 print(f"atoll: --steps {model.name}: {t} skipped: {e}", file=sys.stderr)
                 continue
             layouts.append(t)
         if not layouts:
-            raise ConfigError(f"--steps {given}: takes none of --step-layouts {args.step_layouts!r}")
+            raise ConfigError(f"--steps {given}: takes none of the layouts {', '.join(texts)}")
         plans.append((model, layouts))
     out = {}
     with tqdm(total=sum(len(ls) for _, ls in plans), desc="engine steps", disable=args.no_progress,

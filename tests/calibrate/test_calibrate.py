@@ -220,3 +220,25 @@ def test_calibrate_device_cuda_without_a_gpu_is_one_line(tmp_path, capsys):
     code, _, err = run(capsys, "calibrate", "--device", "cuda", "--no-progress", "--out", tmp_path / "c.yaml")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "no GPU" in lines[0], err
+
+
+def test_steps_take_several_models_each_at_the_layouts_it_admits(tiny_model, monkeypatch, capsys):
+    """--steps repeated, MODEL_DIR:LAYOUTS giving one model its own; a layout a model's heads do
+    not admit is skipped with a line, a layout that does not parse fails before any server starts."""
+    import argparse
+
+    import atoll.cli.calibrate as cli_calibrate
+    from atoll.errors import LayoutError
+
+    runs = []
+    monkeypatch.setattr(cli_calibrate, "measure_steps",
+                        lambda model, layouts, **kw: runs.append(layouts) or {t: {} for t in layouts})
+    llama = tiny_model("llama")  # 4 heads, 2 KV heads: no TP3
+    args = argparse.Namespace(steps=[str(llama), f"{llama}:TP2"], step_layouts="TP1,TP3,2 x TP1", quick=True,
+                              no_progress=True)
+    out = cli_calibrate.steps_of(args)
+    assert runs == [["TP1", "2 x TP1"], ["TP2"]] and list(out) == [llama.name]
+    assert "TP3 skipped" in capsys.readouterr().err
+    args.steps = [f"{llama}:TPX"]
+    with pytest.raises(LayoutError):
+        cli_calibrate.steps_of(args)
