@@ -22,7 +22,7 @@ by load.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from atoll.engine.kv.blocks import prefix_names
 
@@ -34,6 +34,7 @@ class Route:
     replica: int
     reason: str  # prefix, least_loaded, balance, round_robin
     hit_tokens: int  # prompt tokens the router expects the replica to have cached
+    names: tuple = field(default=(), compare=False, repr=False)  # the names of the prompt's full blocks it computed (the engine's own; the simulator reuses them)
 
 
 class CacheModel:
@@ -87,7 +88,7 @@ class CacheAwareRouter:
             else:
                 route = Route(pick, "prefix", best * self.block_size)
         self.models[route.replica].touch(full)
-        return route
+        return replace(route, names=tuple(full))
 
     def forget(self, replica: int) -> None:
         """The replica died: it holds nothing."""

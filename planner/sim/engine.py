@@ -81,11 +81,13 @@ class SimEngine:
         self.spec = {"steps": 0, "drafted": 0, "accepted": 0}
 
     # -- requests -------------------------------------------------------------------------
-    def add(self, index: int, prompt: list[int], output_len: int, now: float | None = None) -> Sequence:
-        """A request arriving at `now` (it joins at the next tick)."""
+    def add(self, index: int, prompt: list[int], output_len: int, now: float | None = None,
+            names: tuple = ()) -> Sequence:
+        """A request arriving at `now` (it joins at the next tick); names: its prompt's full
+        blocks' names where the router computed them already (the scheduler's own hash chain)."""
         step = self._interrupt(now)
         req = Request(index, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True))
-        seq = Sequence(req, None, arrived_step=step)
+        seq = Sequence(req, None, arrived_step=step, names=list(names))
         self.replicas[self._least_loaded(index)].add(seq)
         self.unfinished += 1
         return seq

@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from atoll.engine.batch.tokenizer import Tokenizer
 from atoll.errors import ConfigError, InputError
 
@@ -36,16 +38,18 @@ def random_requests(n: int, *, input_len: int, output_len: int, vocab_size: int,
     uniformly from [len * (1 - r), len * (1 + r)] (vLLM's --random-range-ratio), at least 1."""
     if not 0 <= range_ratio < 1:
         raise ConfigError(f"--range-ratio {range_ratio}: must be in [0, 1)")
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)  # numpy's: ten million token ids in a fraction of a second
 
-    def length(mean: int) -> int:
+    def lengths(mean: int) -> list[int]:
         lo, hi = max(1, math.floor(mean * (1 - range_ratio))), max(1, math.ceil(mean * (1 + range_ratio)))
-        return rng.randint(lo, hi)
+        return rng.integers(lo, hi + 1, size=n).tolist()
 
-    out = []
-    for _ in range(n):
-        isl, osl = length(input_len), length(output_len)
-        out.append(BenchRequest([rng.randrange(vocab_size) for _ in range(isl)], osl))
+    isl, osl = lengths(input_len), lengths(output_len)
+    ids = rng.integers(0, vocab_size, size=sum(isl)).tolist()
+    out, at = [], 0
+    for i, o in zip(isl, osl):
+        out.append(BenchRequest(ids[at:at + i], o))
+        at += i
     return out
 
 

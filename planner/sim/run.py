@@ -208,13 +208,12 @@ class Simulation:
         d = self.d
         if not d.disaggregated:
             loads = [e.unfinished for e in self.engines]
-            if len(self.engines) == 1:
-                e = self.engines[0]
-            else:
+            e, names = self.engines[0], ()
+            if len(self.engines) > 1:
                 route = self.router.choose(c.prompt, loads, list(range(len(self.engines))))
                 self.routed[route.reason] = self.routed.get(route.reason, 0) + 1
-                e = self.engines[route.replica]
-            e.add(i, c.prompt, c.output_len, now)
+                e, names = self.engines[route.replica], route.names  # its blocks' names, hashed once
+            e.add(i, c.prompt, c.output_len, now, names=names)
             self.where[i] = e
             return e
         loads = [e.unfinished for e in self.decodes]

@@ -120,12 +120,18 @@ def settle(engine, run: Run, apply_first) -> None:
     """The run's ticks happen: tick 0's chunks through apply_first(t), then each later tick's
     blocks (the scheduler's grow and names), token and timestamp, in the scheduler's order."""
     apply_first(run.ends[0])
+    # the pool and the scheduler are called only where a tick changes something, in the same
+    # order as ticking one by one: a row entering a new block grows its table, one filling a
+    # block names it (with prefix caching); the other calls return at once, so they are skipped
+    rows = [(sched, seq, sched.pool, sched.pool.block_size, sched.prefix_caching) for sched, seq in run.rows]
+    take, count = engine.take, engine.cost.count
     for (seconds, key), t in zip(run.costs, run.ends[1:]):
-        engine.cost.count(key)
-        for sched, seq in run.rows:
-            pool = sched.pool
-            pool.grow(seq.blocks, seq.cached + 1)
-            if sched.prefix_caching:
+        count(key)
+        for sched, seq, pool, size, naming in rows:
+            n = seq.cached + 1
+            if n > len(seq.blocks) * size:
+                pool.grow(seq.blocks, n)
+            if naming and n // size > seq.named:
                 sched.commit(Scheduled(seq, seq.cached, 1))
-            seq.cached += 1
-            engine.take(seq, t)
+            seq.cached = n
+            take(seq, t)
