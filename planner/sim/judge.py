@@ -141,6 +141,18 @@ class Judge:
                                        [_scaled(t, factor) for t in j.trials], j.steps_from)
         return self.cache[d]
 
+    def could_beat(self, d: Deployment, old: Judged, margin: float) -> bool:
+        """Without a target rate, whether d could have a goodput per GPU above old's by more than
+        margin: one run at that rate, instead of a whole bisection for an option that loses (the
+        bisection assumes as much: meeting the SLOs at a rate, a deployment meets them below it).
+        With a target rate, or where old meets nothing, d is judged whole."""
+        if self.target.rate is not None or not old.meets or d in self.cache:
+            return True
+        small, factor = scaled(d)
+        prep = prepare(self.config, self.topology, small, self.requests(small), model_name=self.model_name)
+        rate = old.goodput_per_gpu * (1 + margin) * prep.gpus
+        return self._trial(prep, rate).attainment >= self.target.attainment
+
     def _judge(self, d: Deployment) -> Judged:
         prep = prepare(self.config, self.topology, d, self.requests(d), model_name=self.model_name)
         goal = self.target.attainment

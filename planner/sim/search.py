@@ -20,12 +20,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from atoll.config.engine import default_batched_tokens
 from atoll.planner.plot import pareto
 from atoll.planner.sim.candidates import finalists, score_layouts, splits
 from atoll.planner.sim.deploy import Deployment, on_cpu
 from atoll.planner.sim.judge import Judge, Judged, Target
+from atoll.planner.sim.pool import run_tasks
 
 
 
@@ -63,9 +65,10 @@ def _load(j: Judged, target: Target) -> float:
 def search(config, topology, make_requests, target: Target, *, base: Deployment, num_prompts: int = 300,
            isl: int, osl: int, burstiness: float = 1.0, seed: int = 0, model_name: str | None = None,
            acceptance: float | None = None, spec_tokens: int = 4, count: int = 4, disagg: bool = True,
-           tune: bool = True, progress=None) -> SearchResult:
+           tune: bool = True, progress=None, workers: int | None = None) -> SearchResult:
     """The module's search. make_requests(n): the load's requests; base: the engine options a
-    deployment starts from (its layout fields are ignored); count: finalists per family."""
+    deployment starts from (its layout fields are ignored); count: finalists per family; workers:
+    processes judging the finalists (default: every core this process may use, pool.py)."""
     t0 = time.perf_counter()
     scored = score_layouts(config, topology, isl=isl, osl=osl, dtype=base.dtype, kv_dtype=base.kv_dtype,
                            slos_ms=target.slos)
@@ -76,12 +79,12 @@ def search(config, topology, make_requests, target: Target, *, base: Deployment,
     judged: list[Judged] = []
     if progress is not None:
         progress(0)
-    for s in colocated:
-        judged.append(_colocated(judge, base, s, n, target))
+    tasks = [partial(_colocated, base=base, s=s, gpus=n, target=target) for s in colocated]
     if disagg and n >= 2:
-        for p in prefill[:1]:
-            for dec in decode:
-                judged.extend(_disaggregated(judge, base, p, dec, n, target))
+        tasks += [partial(_disaggregated, base=base, p=p, dec=dec, gpus=n, target=target)
+                  for p in prefill[:1] for dec in decode]
+    for out in run_tasks(judge, tasks, workers=workers):
+        judged.extend(out if isinstance(out, list) else [out])
     rank = _rank(target)
     judged.sort(key=rank)
     reasons: list[str] = []
@@ -152,6 +155,8 @@ def _tune(judge: Judge, j: Judged, topology, rank, acceptance, spec_tokens) -> t
             if getattr(d, name) == value:
                 continue
             trial = replace(d, **{name: value})
+        if not judge.could_beat(trial, best, MARGIN):
+            continue
         t = judge.judge(trial)
         if _better(t, best, judge.target):
             why.append(f"{_option(name, value)}: {_gain(best, t, judge.target)}")

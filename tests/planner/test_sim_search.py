@@ -59,6 +59,16 @@ def test_highest_goodput_per_gpu_meets_its_slos_at_its_rate_and_not_far_above(se
     assert r.frontier and all(y > 0 for _, y, _ in r.frontier)
 
 
+def test_worker_processes_judge_as_one_process_does(setup):
+    """The finalists judged on two forked workers give the same judgements, in the same order,
+    as one process judging them in turn."""
+    one = _search(setup, Target(SLOS), workers=1)
+    two = _search(setup, Target(SLOS), workers=2)
+    assert [(j.deployment, j.rate, j.meets, len(j.trials)) for j in one.judged] == \
+        [(j.deployment, j.rate, j.meets, len(j.trials)) for j in two.judged]
+    assert one.runs == two.runs and len(one.judged) >= 3
+
+
 def test_a_request_rate_takes_the_fewest_gpus_that_meet_it(setup):
     r = _search(setup, Target(SLOS, rate=12.0), disagg=False)
     best = r.best
