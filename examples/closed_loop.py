@@ -1,7 +1,8 @@
 """The simulator's closed loop on this machine: `atoll bench serve --compare-plan` over eight
 scenarios, one after another, each printing the measured figures beside the simulated ones for
 the same command line; then the table the README shows (measured / simulated for p50 TTFT,
-p50 TPOT, p90 TPOT and goodput), the median and worst |error| of each.
+p50 TPOT, p90 TPOT and goodput, and measured / the analytic planner's mean TTFT and TPOT beside
+them), the median and worst |error| of each.
 
     python examples/closed_loop.py --topology calibrated.yaml [--model DIR] [--out runs.json]
 
@@ -94,9 +95,10 @@ def main() -> int:
                 json.dump(runs, f, indent=1)
         x = runs[name]["plan"]["measured_over_simulated"]
         print("   measured / simulated: " + ", ".join(f"{k} {x.get(k)}" for k in FIGURES), file=sys.stderr, flush=True)
-    print("| scenario | " + " | ".join(FIGURES) + " | load |")
-    print("|---" * (len(FIGURES) + 2) + "|")
+    print("| scenario | " + " | ".join(FIGURES) + " | analytic ttft | analytic tpot | load |")
+    print("|---" * (len(FIGURES) + 4) + "|")
     errors: dict[str, list[float]] = {k: [] for k in FIGURES}
+    analytic: dict[str, list[float]] = {"ttft": [], "tpot": []}
     for name, r in runs.items():
         x = dict(r["plan"]["measured_over_simulated"])
         m, sim = (r["serve"]["goodput"]["request_goodput"],
@@ -109,10 +111,15 @@ def main() -> int:
         for k in FIGURES:
             if isinstance(x.get(k), (int, float)):  # 0: measured none where the simulation had some, a 100% error
                 errors[k].append(abs(x[k] - 1))
-        print(f"| {name} | " + " | ".join(f"{x.get(k)}" for k in FIGURES) + f" | {r.get('load_avg_1m')} |")
-    print("| median abs error | " + " | ".join(f"{statistics.median(v):.1%}" if v else "-" for v in errors.values())
-          + " | |")
-    print("| worst abs error | " + " | ".join(f"{max(v):.1%}" if v else "-" for v in errors.values()) + " | |")
+        a = r["plan"].get("measured_over_predicted") or {}  # the analytic planner's means, for comparison
+        for k in ("ttft", "tpot"):
+            if isinstance(a.get(k), (int, float)):
+                analytic[k].append(abs(a[k] - 1))
+        print(f"| {name} | " + " | ".join(f"{x.get(k)}" for k in FIGURES)
+              + f" | {a.get('ttft')} | {a.get('tpot')} | {r.get('load_avg_1m')} |")
+    for what, f in (("median", statistics.median), ("worst", max)):
+        print(f"| {what} abs error | " + " | ".join(f"{f(v):.1%}" if v else "-"
+                                                  for v in [*errors.values(), *analytic.values()]) + " | |")
     print(f"({os.cpu_count()} cores)")
     return 0
 
