@@ -99,7 +99,10 @@ class Tables:
 
     def _step(self, layout: int, row: int, k: float) -> float:
         if k in self.col:
-            return float(self.t[layout, row, self.col[k]])
+            c = self.col[k]
+            if self.lazy and not self.filled[layout, row, c]:  # a table filled as asked for
+                self._fill(np.array([layout]), np.array([row]), np.array([c]), one=True)
+            return float(self.t[layout, row, c])
         key = (layout, row, k)
         if key not in self._off:  # off the table: costed when asked for
             self._off[key] = self.costs[layout].decode(int(ROWS[row]), k, self.chunk)[0]
