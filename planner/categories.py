@@ -6,3 +6,4 @@ KV = "HBM reads of KV cache"
 COMPUTE = "compute"
 KERNELS = "kernel launch floors"
 OVERHEAD = "per-op launch/dispatch time (calibrated)"
+OVERLAP = "MoE exchange hidden by two-batch overlap"  # negative: seconds taken off

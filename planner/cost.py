@@ -59,7 +59,7 @@ class CostModel:
         self.c, self.s, self.t, self.w, self.l = config, shapes, topology, workload, layout
         gpu = topology.gpu
         self.hbm = gpu.hbm_tb_s * 1e12 * eff.HBM_EFFICIENCY
-        self.flops = gpu.tflops(workload.dtype) * 1e12 * eff.GEMM_EFFICIENCY
+        self.flops = gpu.tflops(workload.dtype) * 1e12 * eff.gemm_efficiency(workload.dtype)
         self.attn_flops = gpu.bf16_tflops * 1e12 * eff.ATTENTION_EFFICIENCY
         self.cal = topology.calibration  # measured figures of this machine: they replace the above
         # atoll's own runtime as calibrated on a CPU: its overheads, MoE exchange and tick exchange

@@ -10,6 +10,15 @@ from atoll.config.engine import LARGE_DEVICE_GIB, default_batched_tokens
 # Dense GEMM: 8192^3 bf16 matmul measured at ~790 of 989 TFLOP/s on one H200 (REFERENCE.md,
 # measured on this project's machine): 0.80. Used for prefill and any compute-bound GEMM.
 GEMM_EFFICIENCY = 0.80
+# fp8 GEMMs with DeepSeek-V3's fine-grained (block) scaling: DeepGEMM, the kernels SGLang, vLLM
+# and DeepSeek run them with, reports "1350+ FP8 TFLOPS" on Hopper (deepseek-ai/DeepGEMM README,
+# its release note) of the 1,979 dense fp8 peak: 0.68.
+FP8_GEMM_EFFICIENCY = 0.68
+
+
+def gemm_efficiency(dtype: str) -> float:
+    """The share of the data-sheet peak a large GEMM of the weights' dtype reaches."""
+    return FP8_GEMM_EFFICIENCY if dtype == "fp8" else GEMM_EFFICIENCY
 
 # Attention core in prefill (FlashAttention-style): FlashAttention-3 reports ~600-750 of 989
 # TFLOP/s bf16 on H100 for long sequences; 0.60 is the lower end, as prompts here are ~1k tokens.
@@ -74,6 +83,10 @@ KERNELS_PER_STEP = 10  # embedding, final norm, LM head, argmax, token index; ro
 # prefill 1.49x and decode 2.54x there.
 EXPERT_IMBALANCE = 2.56
 MEASURED_EXPERTS_PER_RANK = 8  # the layout that figure was measured on (256 experts / EP32)
+# The same table with EPLB's redundant experts placed by load (its "EPLB" row): max / mean 1.11.
+# For an engine that balances experts so (SGLang's and DeepSeek's wide EP, TensorRT-LLM's EPLB), a
+# workload's expert_imbalance takes this figure; atoll's own runtime has no redundant experts.
+EXPERT_IMBALANCE_EPLB = 1.11
 
 # Memory kept out of the KV cache on every GPU: AIConfigurator models a fixed ~3.5 GB "other"
 # (CUDA context, CUDA graphs, allocator slack) plus communication buffers (REFERENCE.md).
@@ -112,6 +125,7 @@ def table() -> list[tuple[str, float, str]]:
     """(name, value, source) for the README and `atoll plan --explain`."""
     return [
         ("GEMM compute", GEMM_EFFICIENCY, "8192^3 bf16 matmul ~790/989 TFLOP/s on one H200 (measured)"),
+        ("fp8 GEMM compute", FP8_GEMM_EFFICIENCY, "DeepGEMM README: 1350+ fp8 TFLOP/s on Hopper of 1,979"),
         ("prefill attention", ATTENTION_EFFICIENCY, "FlashAttention-3 on H100: 600-750/989 TFLOP/s"),
         ("HBM read", HBM_EFFICIENCY, "device copy ~4.3/4.8 TB/s on one H200 (measured)"),
         ("NVLink", NVLINK_EFFICIENCY, "DeepEP intranode 153-158 GB/s of H800's 200 GB/s"),
@@ -131,6 +145,7 @@ def table() -> list[tuple[str, float, str]]:
         ("kernels: shared-expert gate", KERNELS_SHARED_GATE, "counted: tiny Qwen2-MoE decode step"),
         ("kernels: per step", KERNELS_PER_STEP, "counted: embedding, head, sampling, rotary tables"),
         ("expert imbalance", EXPERT_IMBALANCE, "TensorRT-LLM blog 4, Table 1: EP32 no EPLB, 8 experts/rank"),
+        ("expert imbalance, EPLB", EXPERT_IMBALANCE_EPLB, "TensorRT-LLM blog 4, Table 1: EP32 with EPLB"),
         ("reserve (bytes)", RESERVE_BYTES, "AIConfigurator's fixed ~3.5 GB per GPU"),
         ("prefill chunk (tokens)", PREFILL_CHUNK_TOKENS, "the runtime's default step budget on GPUs of 70 GiB or "
                                                           "more (2048 on smaller GPUs and CPUs), vLLM's online default"),

@@ -20,7 +20,7 @@ import functools
 import numpy as np
 
 from atoll.planner.workload import gather_max_rows  # the runtime's threshold (the config's moe_gather_rows)
-from atoll.planner.categories import EXPERTS, WEIGHTS
+from atoll.planner.categories import EXPERTS, OVERLAP, WEIGHTS
 from atoll.planner.collectives import all_gather, all_reduce, all_to_all, island_first_all_to_all
 # the expert imbalance and the layout it was measured on: sourced in efficiency.py
 from atoll.planner.efficiency import EXPERT_IMBALANCE, MEASURED_EXPERTS_PER_RANK
@@ -136,6 +136,7 @@ def moe_layer(cm, out, *, n, n_all, act, wb: int):
         g_dp = cm.links(l.dp, l.tp)
         out.add(cm._comm_name("MoE all-gather", g_dp), all_gather(n_all * row, g_dp))
     reduced = rows  # rows of moe_tp partial sums each rank ends with
+    moved = 0.0  # seconds of the ep exchange, which two-batch overlap can hide
     if ep > 1:
         per_rank = rows if direct else vceil(rows / ep)
         # comm.exchange.gather_combine at decode sizes inside one island: fixed shapes, no
@@ -145,15 +146,26 @@ def moe_layer(cm, out, *, n, n_all, act, wb: int):
             t = (all_gather(ep * per_rank * (row + 8 * k), g_ep) + all_gather(ep * per_rank * row, g_ep)
                  if direct else all_reduce(rows * row, g_ep))  # reduce_scatter moves an all_gather's bytes
             out.add(cm._comm_name("MoE gather", g_ep), t, when=gather)
+            moved = vwhere(gather, t, 0.0)
         if not vall(gather):
-            out.add(cm._comm_name("all-to-all", g_ep), _dispatch_combine(cm, g_ep, per_rank, n_all, pairs),
-                    when=vnot(gather))
+            t = _dispatch_combine(cm, g_ep, per_rank, n_all, pairs)
+            out.add(cm._comm_name("all-to-all", g_ep), t, when=vnot(gather))
             if not direct:  # each ep rank routed a chunk of the stage's tokens: gathered back
-                out.add(cm._comm_name("MoE all-gather", g_ep), all_gather(rows * row, g_ep), when=vnot(gather))
+                back = all_gather(rows * row, g_ep)
+                out.add(cm._comm_name("MoE all-gather", g_ep), back, when=vnot(gather))
+                t = t + back
+            moved = moved + vwhere(gather, 0.0, t)
             reduced = vwhere(gather, rows, per_rank)
     if mt > 1:  # moe_tp partial sums, added over the moe_tp group
         name = cm._comm_name("TP all-reduce" if mt == l.tp else "MoE all-reduce", g_mt)
         out.add(name, all_reduce(reduced * row, g_mt))
+    if w.two_batch_overlap and ep > 1:
+        # two micro-batches: one's dispatch and combine run under the other's attention and
+        # experts, so the layer takes about the longer of the two (DeepSeek's profile-data
+        # README, "two micro-batches" overlapping all-to-all with computation; SGLang's
+        # large-scale EP blog, two-batch overlap). The layer's other work is what it held so far.
+        rest = out.total() - moved
+        out.add(OVERLAP, -vmin(moved, rest), when=n >= 2)  # a single token cannot be split
 
 
 def _dispatch_combine(cm, g, per_rank, n_all, pairs):

@@ -34,6 +34,9 @@ class Workload:
     expert_imbalance: float | None = None
     # the runtime's --quantization (int8, fp8): weights counted by its own rule (planner/quantized.py)
     quantization: str | None = None
+    # the engine runs each step as two micro-batches, one's MoE exchange under the other's compute
+    # (SGLang's and DeepSeek's "two-batch overlap"); atoll's runtime does not (False)
+    two_batch_overlap: bool = False
 
     def __post_init__(self):
         for name in ("isl", "osl", "concurrency"):
@@ -51,6 +54,8 @@ class Workload:
         if self.expert_imbalance is not None and not (_positive(self.expert_imbalance) and self.expert_imbalance >= 1):
             raise ConfigError(f"expert_imbalance={self.expert_imbalance!r} must be a number >= 1 "
                               "(the busiest EP rank's tokens over the mean)")
+        if not isinstance(self.two_batch_overlap, bool):
+            raise ConfigError(f"two_batch_overlap={self.two_batch_overlap!r} must be true or false")
         if self.quantization not in (None, "int8", "fp8"):
             raise ConfigError(f"quantization={self.quantization!r} must be int8 or fp8")
         for name, names in (("dtype", DTYPES), ("kv_dtype", KV_DTYPES)):

@@ -1,8 +1,9 @@
 """The planner against published measurements (tests/data/published.yaml, sources named there):
-each prediction must fall inside this test's own tolerance, fixed here and never read from the
-planner, so widening the planner's stated band cannot turn a miss green. Entries the planner
-misses today are strict xfails with the measured ratio in the reason, so a fix that brings one
-inside the tolerance fails here until its known_miss is removed from the data file."""
+each sourced prediction must fall within this test's own tolerance, fixed here and never read
+from the planner, so widening the planner's stated band cannot turn a miss green. Entries the
+planner misses today are strict xfails with the measured ratio in the reason, so a fix that
+brings one inside the tolerance fails here until its known_miss is removed from the data file.
+Unsourced figures are printed by the example only, never counted here."""
 
 import importlib.util
 import sys
@@ -18,56 +19,87 @@ sys.modules[_spec.name] = published  # dataclasses look their module up there
 _spec.loader.exec_module(published)
 
 ENTRIES = published.load_entries()
+UNSOURCED = published.load_entries(section="unsourced")
 
-# predicted/measured must be within 1 +- TOLERANCE of the metric (issue 14's comparison: +-25% on
-# TPOT and tokens/s, +-50% on TTFT). A ratio of two layouts' tokens/s, each within +-t, lies in
-# (1 - t)/(1 + t) .. (1 + t)/(1 - t).
-TOLERANCE = {"tokens_per_s_per_user": 0.25, "tokens_per_s_per_gpu": 0.25, "tpot_ms": 0.25, "ratio": 0.25,
-             "ttft_ms": 0.50}
+# issue 35: predicted/measured within 1.25x either way, for every metric
+TOLERANCE = 0.25
+SHARE_REQUIRED = 0.90  # of the sourced entries within the tolerance (issue 35)
 
 
-def accepted(metric: str) -> tuple[float, float]:
-    t = TOLERANCE[metric]
-    return ((1 - t) / (1 + t), (1 + t) / (1 - t)) if metric == "ratio" else (1 - t, 1 + t)
+def accepted() -> tuple[float, float]:
+    return 1 / (1 + TOLERANCE), 1 + TOLERANCE
+
 
 # predicted/measured when each known miss was recorded (examples/planner_vs_published.py)
 RECORDED_RATIO = {
-    "dsv3-h200-tp8-c1": 2.56,
-    "dsr1-2xh100-c1": 0.61,
-    "dsr1-2xh100-c25-itl": 0.62,
-    "dsr1-2xh100-c25-ttft": 0.17,
-    "llama405b-2xh100-eth-tp8pp2-vs-tp16": 2.43,
+    "sglang-96h100-prefill-ep32-isl1k": 1.25,
+    "sglang-96h100-prefill-ep32-isl2k": 1.32,
+    "sglang-96h100-prefill-ep32-isl4k": 1.43,
+    "sglang-96h100-decode-ep72": 1.54,
+    "tt-dsr1-16xh100-tp16-c1-isl128": 0.61,
+    "tt-dsr1-16xh100-tp16-c1-isl4k": 0.60,
+    "trtllm-dsr1-h200-tp8-b1": 0.47,
+    "trtllm-dsr1-0528-h200-dep8-1k1k": 1.52,
+    "trtllm-dsr1-h200-dep8-c1024-gpu": 1.79,
+    "trtllm-dsr1-h200-dep8-c1024-user": 1.77,
+    "trtllm-llama70b-h100-tp4-qps2-ttft": 0.66,
+    "trtllm-llama70b-h200-tp4-qps2-itl": 0.77,
+    "trtllm-llama8b-h100-tp1-qps2-ttft": 0.58,
+    "vllm-llama405b-2xh100-eth-tp8pp2-vs-tp16": 3.33,
+    "distserve-13b-a100-2p1d": 0.57,
 }
 
 
 def _param(e):
     if not e.get("known_miss"):
         return pytest.param(e, id=e["id"])
-    reason = (f"known miss: {e['metric']} measured {e['measured']:g} ({e['source']}); planner "
-              f"predicted/measured {RECORDED_RATIO[e['id']]:.2f} when recorded: {e['known_miss']}")
+    reason = (f"known miss: {e['metric']} measured {e['measured']:g}; planner predicted/measured "
+              f"{RECORDED_RATIO[e['id']]:.2f} when recorded: {e['known_miss']}")
     return pytest.param(e, id=e["id"], marks=pytest.mark.xfail(strict=True, reason=reason))
 
 
 def test_data_file_is_complete():
-    ids = [e["id"] for e in ENTRIES]
+    ids = [e["id"] for e in ENTRIES + UNSOURCED]
     assert len(ids) == len(set(ids))
-    for e in ENTRIES:
-        for key in ("model", "topology", "nodes", "layouts", "precision", "isl", "osl", "concurrency",
-                    "metric", "measured", "source"):
+    for e in ENTRIES + UNSOURCED:
+        for key in ("model", "topology", "nodes", "layouts", "precision", "isl", "osl", "metric", "measured",
+                    "source", "assumed"):
             assert key in e, (e["id"], key)
-        assert e["measured"] > 0 and e["metric"] in TOLERANCE
+        assert e["measured"] > 0 and e["metric"] in published.METRICS
+    for e in ENTRIES:
         assert bool(e.get("known_miss")) == (e["id"] in RECORDED_RATIO), e["id"]
+        assert "none to cite" not in e["source"], e["id"]
+    assert not any(e.get("known_miss") for e in UNSOURCED)
+
+
+def test_fixture_covers_issue_35():
+    """Multi-node wide-EP prefill and decode, TP16 over two nodes, a batch-1 TP8, an xPyD result."""
+    metrics = {e["metric"] for e in ENTRIES}
+    assert {"prefill_tokens_per_s_per_gpu", "decode_tokens_per_s_per_gpu", "disagg_gain"} <= metrics
+    assert any(e["layouts"][0] == "TP16" and e["nodes"] == 2 and e.get("concurrency") == 1 for e in ENTRIES)
+    assert any(e["layouts"][0].startswith("TP8") and e["nodes"] == 1 and e.get("concurrency") == 1 for e in ENTRIES)
 
 
 def test_tolerance_bounds():
-    assert accepted("tpot_ms") == (0.75, 1.25) and accepted("ttft_ms") == (0.5, 1.5)
-    assert accepted("ratio") == pytest.approx((0.6, 1 / 0.6))
+    assert accepted() == pytest.approx((0.8, 1.25))
 
 
 @pytest.mark.parametrize("entry", [_param(e) for e in ENTRIES])
 def test_prediction_within_tolerance(entry):
     c = published.compare(entry)
-    lo, hi = accepted(entry["metric"])
+    lo, hi = accepted()
     assert lo <= c.ratio <= hi, (f"{entry['id']}: predicted {c.predicted:.3g} vs measured {entry['measured']:g}, "
                                  f"ratio {c.ratio:.2f} outside {lo:.2f}-{hi:.2f}")
 
+
+@pytest.mark.xfail(strict=True, reason="issue 35 asks for 90% of sourced entries within 1.25x; 5 of 20 (25%) "
+                   "when recorded: the known misses above")
+def test_share_within_tolerance():
+    lo, hi = accepted()
+    inside = sum(lo <= published.compare(e).ratio <= hi for e in ENTRIES)
+    assert inside / len(ENTRIES) >= SHARE_REQUIRED, f"{inside} of {len(ENTRIES)} within 1.25x"
+
+
+def test_unsourced_entries_still_compute():
+    for e in UNSOURCED:
+        assert published.compare(e).predicted > 0, e["id"]
