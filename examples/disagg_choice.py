@@ -22,10 +22,10 @@ from atoll.parallel.layout import Layout
 
 # (name, the search's and the bench's load flags, SLOs)
 LOADS = {
-    "prefill-heavy (768 in, 16 out)": (["--isl", "768", "--osl", "16"], ["--input-len", "768", "--output-len", "16"],
-                                       ["ttft:4000", "tpot:150"]),
-    "short prompts (32 in, 64 out)": (["--isl", "32", "--osl", "64"], ["--input-len", "32", "--output-len", "64"],
-                                      ["ttft:2000", "tpot:150"]),
+    "prefill-heavy (768 in, 64 out)": (["--isl", "768", "--osl", "64"], ["--input-len", "768", "--output-len", "64"],
+                                       ["ttft:6000", "tpot:100"]),
+    "short prompts (32 in, 256 out)": (["--isl", "32", "--osl", "256"], ["--input-len", "32", "--output-len", "256"],
+                                       ["ttft:2000", "tpot:100"]),
 }
 NUM_PROMPTS = 40
 
@@ -79,25 +79,31 @@ def main() -> int:
             if row is None:
                 continue
             bench = run(atoll + ["bench", "serve", "--json", "--model", args.model, *flags(row["deployment"]),
-                                 *bench_load, "--num-prompts", str(NUM_PROMPTS), "--request-rate", str(rate),
-                                 "--goodput", *slos])
-            good = bench["serve"]["goodput"]
-            runs[role] = {"deployment": row["deployment"], "searched_goodput": row["rate"],
-                          "measured_goodput": good["request_goodput"], "measured_attainment": good["attainment"],
+                                 "--max-num-seqs", str(row["max_num_seqs"]), *bench_load,
+                                 "--num-prompts", str(NUM_PROMPTS), "--request-rate", str(rate), "--goodput", *slos])
+            good, serve = bench["serve"]["goodput"], bench["serve"]
+            runs[role] = {"deployment": row["deployment"], "max_num_seqs": row["max_num_seqs"],
+                          "searched_goodput": row["rate"], "measured_goodput": good["request_goodput"],
+                          "measured_attainment": good["attainment"],
+                          "measured_p90_ms": {k: serve[f"{k}_ms"]["p90"] for k in ("ttft", "tpot")},
+                          "searched_p90_ms": {"ttft": row["p90_ttft_ms"], "tpot": row["p90_tpot_ms"]},
                           "load_avg_1m": bench.get("load_avg_1m")}
         out[name] = {"slos": slos, "rate": rate, "search": found, "runs": runs}
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
-    print("| load | SLOs | rate req/s | deployment | search's pick | measured goodput req/s | attainment | load |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| load | SLOs | rate req/s | deployment | search's pick | searched goodput req/s | measured goodput req/s "
+          "| measured attainment | p90 TTFT / TPOT ms measured (searched) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, o in out.items():
         for role in ("chosen", "other"):
             r = o["runs"].get(role)
             if r:
+                m, p = r["measured_p90_ms"], r["searched_p90_ms"]
                 print(f"| {name} | {' '.join(o['slos'])} | {o['rate']:g} | {r['deployment']} | "
-                      f"{'yes' if role == 'chosen' else 'no'} | {r['measured_goodput']} | "
-                      f"{r['measured_attainment']} | {r['load_avg_1m']} |")
+                      f"{'yes' if role == 'chosen' else 'no'} | {r['searched_goodput']:.3g} | "
+                      f"{r['measured_goodput']:.3g} | {r['measured_attainment']:.3g} | "
+                      f"{m['ttft']:.0f} / {m['tpot']:.0f} ({p['ttft']:.0f} / {p['tpot']:.0f}) | {r['load_avg_1m']} |")
     print(f"({os.cpu_count()} cores)")
     return 0
 
