@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from atoll.models.config import ModelConfig
+from atoll.models.presets import resolve_model
 from atoll.planner import Workload, plan_layouts
 from atoll.planner import efficiency as eff
 from atoll.planner.disagg import disaggregated_gain
@@ -40,7 +41,6 @@ def workload_of(entry: dict, model) -> Workload:
                  two_batch_overlap=bool(engine.get("two_batch_overlap")))
     config = model if isinstance(model, ModelConfig) else None
     if config is None:
-        from atoll.models.presets import resolve_model
         config = resolve_model(model)[1]
     return w.resolved(config)
 

@@ -20,8 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from atoll.parallel.layout import Layout
+from atoll.planner import plan_layouts
+from atoll.planner.memory import memory_fit
+from atoll.planner.points import cost_model
 from atoll.planner.serving import md1_wait
-from atoll.planner.points import _model
 
 _BISECT = 40
 
@@ -39,8 +42,6 @@ def _highest(ok, hi: float) -> float:
 
 def colocated_rate(model, topology, layout: str, workload, *, ttft_s: float, tpot_s: float) -> float:
     """Requests/s one colocated replica serves within both SLOs."""
-    from atoll.planner import plan_layouts  # the package's entry point (above this module)
-
     def ok(rate: float) -> bool:
         if rate <= 0:
             return True
@@ -48,20 +49,19 @@ def colocated_rate(model, topology, layout: str, workload, *, ttft_s: float, tpo
         p = plan_layouts(model, topology, w, layouts=[f"1 x {layout}"]).predictions[0]
         return p.sustainable and p.ttft_s <= ttft_s and p.tpot_s <= tpot_s
 
-    one = _model(model, topology, layout, workload)[0].prefill(1)[0]
+    one = cost_model(model, topology, layout, workload)[0].prefill(1)[0]
     return _highest(ok, 1.0 / one)
 
 
 def prefill_rate(model, topology, layout: str, workload, *, ttft_s: float) -> float:
     """Requests/s one prefill engine serves within the TTFT SLO."""
-    service = _model(model, topology, layout, workload)[0].prefill(1)[0]
+    service = cost_model(model, topology, layout, workload)[0].prefill(1)[0]
     return _highest(lambda r: service + md1_wait(r, service) <= ttft_s, 1.0 / service)
 
 
 def decode_rate(model, topology, layout: str, workload, *, tpot_s: float, most: int = 4096) -> float:
     """Requests/s one decode engine serves within the TPOT SLO."""
-    from atoll.planner.memory import memory_fit
-    cm, lay = _model(model, topology, layout, workload)
+    cm, lay = cost_model(model, topology, layout, workload)
     best = 0.0
     n = 1
     while n <= most:
@@ -76,9 +76,7 @@ def decode_rate(model, topology, layout: str, workload, *, tpot_s: float, most: 
 def disaggregated_gain(model, topology, workload, *, colocated: str, prefill: str, decode: str,
                        x: int, y: int, ttft_s: float, tpot_s: float) -> float:
     """Goodput per GPU of x prefill and y decode engines over that of colocated replicas."""
-    wc = _model(model, topology, colocated, workload)[1].world_size
-    wp = _model(model, topology, prefill, workload)[1].world_size
-    wd = _model(model, topology, decode, workload)[1].world_size
+    wc, wp, wd = (Layout.parse(t).world_size for t in (colocated, prefill, decode))
     rc = colocated_rate(model, topology, colocated, workload, ttft_s=ttft_s, tpot_s=tpot_s) / wc
     rp = prefill_rate(model, topology, prefill, workload, ttft_s=ttft_s)
     rd = decode_rate(model, topology, decode, workload, tpot_s=tpot_s)

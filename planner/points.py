@@ -32,7 +32,8 @@ class Point:
     breakdown: dict  # seconds by category of that pass or step
 
 
-def _model(model, topology, layout: str, workload: Workload):
+def cost_model(model, topology, layout: str, workload: Workload) -> tuple[CostModel, Layout]:
+    """The cost model of one replica of `layout` (a preset name or a ModelConfig), and the layout."""
     config = model if isinstance(model, ModelConfig) else resolve_model(str(model))[1]
     lay = Layout.parse(layout).validate(config)
     work = workload.resolved(config)
@@ -47,7 +48,7 @@ def prefill_point(model, topology, layout: str, *, isl: int, tokens_per_gpu: int
     """Input tokens/s per GPU of one prefill pass holding `tokens_per_gpu` prompt tokens on every
     GPU, in whole prompts of `isl` tokens (at least one per DP rank)."""
     w = Workload(isl=isl, osl=1) if workload is None else workload
-    cm, lay = _model(model, topology, layout, w)
+    cm, lay = cost_model(model, topology, layout, w)
     per_dp = max(1, math.ceil(tokens_per_gpu * lay.tp * lay.pp / isl))  # a DP rank's prompts
     requests = per_dp * lay.dp
     _, bottleneck, _ = cm.prefill(requests)
@@ -62,7 +63,7 @@ def decode_point(model, topology, layout: str, *, batch_per_gpu: int, kv_len: in
     """Output tokens/s per GPU of one decode step of `batch_per_gpu` sequences per GPU (per DP
     rank with tp > 1: batch_per_gpu x tp), each attending to `kv_len` tokens."""
     w = Workload(isl=max(1, kv_len - 1), osl=1) if workload is None else workload
-    cm, lay = _model(model, topology, layout, w)
+    cm, lay = cost_model(model, topology, layout, w)
     rows = batch_per_gpu * lay.world_size // max(1, lay.pp)
     step, slowest, parts = cm.micro_batch(rows, 0, ctx=kv_len, chunk_ctx=0.0)
     step = max(step, lay.pp * slowest) if lay.pp > 1 else step

@@ -232,11 +232,7 @@ class Replicas:
         live, ids, most, per_t, rates = np.arange(idx.size), idx, b - 1, others_rate * osl, others_rate
 
         def mean_step(t):  # the mean step when a step takes t: its chunks arrive during it
-            # no others (a closed loop of one): none decode beside it and no chunk arrives, even
-            # where a step is unbounded (0 x inf would be NaN)
-            grow = np.where(per_t > 0, per_t * np.where(per_t > 0, t, 0.0), 0.0)
-            arrive = np.where(rates > 0, rates * np.where(rates > 0, t, 0.0) * self.chunks, 0.0)
-            return self.mean_step(ids, 1 + np.minimum(most, grow), arrive)
+            return self.mean_step(ids, 1 + np.minimum(most, per_t * t), rates * t * self.chunks)
 
         tpot = self.step(idx, np.ones(idx.size), 0)
         t = tpot

@@ -107,6 +107,7 @@ class Judge:
         self.progress = progress
         self.runs = 0
         self._requests: dict[int, list] = {}
+        self._prepared: dict[Deployment, object] = {}  # api.Prepared, built once a deployment
         self.cache: dict[Deployment, Judged] = {}
 
     def requests(self, d: Deployment, rate: float = math.inf) -> list:
@@ -148,13 +149,17 @@ class Judge:
         With a target rate, or where old meets nothing, d is judged whole."""
         if self.target.rate is not None or not old.meets or d in self.cache:
             return True
-        small, factor = scaled(d)
-        prep = prepare(self.config, self.topology, small, self.requests(small), model_name=self.model_name)
+        prep = self._prepare(scaled(d)[0])
         rate = old.goodput_per_gpu * (1 + margin) * prep.gpus
         return self._trial(prep, rate).attainment >= self.target.attainment
 
+    def _prepare(self, d: Deployment):
+        if d not in self._prepared:
+            self._prepared[d] = prepare(self.config, self.topology, d, self.requests(d), model_name=self.model_name)
+        return self._prepared[d]
+
     def _judge(self, d: Deployment) -> Judged:
-        prep = prepare(self.config, self.topology, d, self.requests(d), model_name=self.model_name)
+        prep = self._prepare(d)
         goal = self.target.attainment
         if self.target.rate is not None:
             t = self._trial(prep, self.target.rate)

@@ -10,6 +10,7 @@ from cli import run_cli as run
 
 from atoll.cli.main import main
 from atoll.topologies import load_topology
+import atoll.cli.calibrate as cli_calibrate
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
@@ -227,7 +228,6 @@ def test_steps_take_several_models_each_at_the_layouts_it_admits(tiny_model, mon
     not admit is skipped with a line, a layout that does not parse fails before any server starts."""
     import argparse
 
-    import atoll.cli.calibrate as cli_calibrate
     from atoll.errors import LayoutError
 
     runs = []
