@@ -82,7 +82,8 @@ def run(args) -> int:
         for layout, f in layouts.items():
             rows = ", ".join(f"{r}: {us / 1e3:.1f}" for r, us in f["rows_us"].items())
             print(f"  {model} {layout} steps ms by rows: {rows}; + {f['chunk_token_us']:.0f} us a chunk token "
-                  f"({f['samples']} ticks, fit RMS {f['rel_rms']:.1%} of a tick)")
+                  f"({f['samples']} ticks; fit off by {f.get('rel_median', 0):.1%} of the median tick, "
+                  f"RMS {f['rel_rms']:.1%} of the mean)")
     print(f"  {cal.how}", file=sys.stderr)
     return 0
 

@@ -37,6 +37,9 @@ class StepFit:
     attended_kilotoken_us: float
     samples: int = 0
     rel_rms: float = 0.0  # the fit's RMS error over the measured ticks, relative to their mean
+    # the fit's median absolute error relative to the median tick: what a typical tick misses by,
+    # unmoved by the few ticks another process on the machine slowed (which rel_rms counts squared)
+    rel_median: float = 0.0
     # ticks with prompt chunks; None (a fit written before they had their own part): rows(r) too
     chunk_base_us: float | None = None
     chunk_row_us: float = 0.0
@@ -67,7 +70,7 @@ class StepFit:
             return cls(rows=rows, chunk_token_us=float(d["chunk_token_us"]),
                        ctx_kilotoken_us=float(d["ctx_kilotoken_us"]),
                        attended_kilotoken_us=float(d["attended_kilotoken_us"]), samples=int(d.get("samples", 0)),
-                       rel_rms=float(d.get("rel_rms", 0.0)),
+                       rel_rms=float(d.get("rel_rms", 0.0)), rel_median=float(d.get("rel_median", 0.0)),
                        chunk_base_us=None if chunk is None else float(chunk["base_us"]),
                        chunk_row_us=0.0 if chunk is None else float(chunk["row_us"]),
                        chunk_ctx_kilotoken_us=0.0 if chunk is None else float(chunk["ctx_kilotoken_us"]))
@@ -80,7 +83,7 @@ class StepFit:
                "chunk_token_us": round(float(self.chunk_token_us), 3),
                "ctx_kilotoken_us": round(float(self.ctx_kilotoken_us), 3),
                "attended_kilotoken_us": round(float(self.attended_kilotoken_us), 4), "samples": int(self.samples),
-               "rel_rms": round(float(self.rel_rms), 4)}
+               "rel_rms": round(float(self.rel_rms), 4), "rel_median": round(float(self.rel_median), 4)}
         if self.chunk_base_us is not None:
             out["chunk"] = {"base_us": round(float(self.chunk_base_us), 1), "row_us": round(float(self.chunk_row_us), 2),
                             "ctx_kilotoken_us": round(float(self.chunk_ctx_kilotoken_us), 3)}
@@ -150,4 +153,5 @@ def fit(samples: list[tuple[int, float, float, float, float]]) -> StepFit:
     err = np.concatenate([a @ dec - decode[:, 4] * 1e6, b @ chk - chunked[:, 4] * 1e6])
     return StepFit(rows=rows, chunk_token_us=chk[2], ctx_kilotoken_us=dec[n], attended_kilotoken_us=chk[4],
                    samples=len(samples), rel_rms=float(np.sqrt((err ** 2).mean()) / (x[:, 4].mean() * 1e6)),
+                   rel_median=float(np.median(np.abs(err)) / (np.median(x[:, 4]) * 1e6)),
                    chunk_base_us=chk[0], chunk_row_us=chk[1], chunk_ctx_kilotoken_us=chk[3])

@@ -2,9 +2,12 @@
 `atoll serve` with --step-trace, the fixed lists streamed by the bench's client, the second
 pass fitted."""
 
+import numpy as np
 import pytest
 
-from atoll.bench.serve_steps import measure_steps, request_lists
+from atoll.bench.serve_steps import request_lists, served_ticks
+from atoll.parallel.layout import Layout
+from atoll.planner.sim.stepfit import fit
 
 
 def test_the_lists_cover_decode_batches_long_prompts_and_joining():
@@ -17,9 +20,17 @@ def test_the_lists_cover_decode_batches_long_prompts_and_joining():
 
 @pytest.mark.timeout(600)
 def test_served_steps_fit_the_ticks_of_a_real_server(tiny_model):
-    fits = measure_steps(tiny_model("llama"), ["TP1"], quick=True)
-    f = fits["TP1"]
+    ticks = served_ticks(tiny_model("llama"), Layout.parse("TP1"), 1, quick=True)
+    f = fit(ticks)
+    d = f.to_dict()
     # the second pass only: its decode rows and prompt tokens, one engine's ticks
-    assert f["samples"] >= 20 and set(f["rows_us"]) >= {1, 4, 16}
-    assert all(v >= 0 for v in f["rows_us"].values()) and f["chunk_token_us"] >= 0
-    assert 0 < f["rel_rms"] < 1 and max(f["rows_us"].values()) > 0
+    assert d["samples"] == len(ticks) >= 20 and set(d["rows_us"]) >= {1, 4, 16}
+    assert all(v >= 0 for v in d["rows_us"].values()) and d["chunk_token_us"] >= 0
+    assert max(d["rows_us"].values()) > 0 and d["rel_rms"] > 0 and d["rel_median"] > 0
+    # the fit follows the typical tick of each kind at its own shape. A tick here is a few
+    # milliseconds, and on a shared 2-core machine a few take 30-100x that (a core taken away
+    # mid-step), so the check is on medians; the RMS squares those ticks and is not bounded
+    ratio = np.array([f.seconds(*t[:4]) / t[4] for t in ticks])
+    decode = np.array([t[1] == 0 for t in ticks])
+    assert 2 / 3 < np.median(ratio[decode]) < 1.5, np.median(ratio[decode])
+    assert 1 / 3 < np.median(ratio[~decode]) < 3, np.median(ratio[~decode])  # fewer, and noisier
