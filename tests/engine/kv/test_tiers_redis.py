@@ -1,0 +1,120 @@
+"""The shared KV tier on a real redis-server (started here on a free port, killed by pid): two
+chains share its blocks as two replicas would, and a server killed mid-run turns the tier off
+with one warning while the local tiers go on serving."""
+
+import logging
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from atoll.engine.kv.tiers.chain import TierChain
+from atoll.engine.kv.tiers.disk import DiskTier
+from atoll.engine.kv.tiers.host import HostTier
+from atoll.engine.kv.tiers.record import unpack
+from atoll.engine.kv.tiers.shared import SharedTier
+
+from test_tiers import NS, OTHER, RECORD, chain_of, offload_chain, payload
+
+redis = pytest.importorskip("redis", reason="the redis package (pip install 'atoll[kv]')")
+SERVER = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server():
+    """A throwaway redis-server on 127.0.0.1: (url, process)."""
+    if SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"redis-server on port {port} did not start")
+            time.sleep(0.05)
+    client.close()
+    yield f"redis://127.0.0.1:{port}/0", proc
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def test_two_replicas_share_blocks_through_redis(server):
+    url, _ = server
+    keys = chain_of(4)
+    with TierChain([HostTier(0), SharedTier.open(url)], NS) as one, \
+            TierChain([HostTier(100 * RECORD), SharedTier.open(url)], NS) as two:
+        offload_chain(one, keys)  # the host holds nothing: every block goes to Redis
+        assert one.stats()["shared"]["bytes_in"] == 4 * RECORD
+        assert two.lookup(keys) == 4
+        assert two.fetch(keys) == [payload(k) for k in keys]
+        assert two.stats()["shared"]["hits"] == 4
+        assert two.flush(5) and two.stats()["host"]["blocks"] == 4  # promoted
+        with TierChain([SharedTier.open(url)], OTHER) as other:
+            assert other.lookup(keys) == 0
+    stored = redis.Redis.from_url(url).keys("*")
+    assert sorted(stored) == sorted(b"atoll:kv:" + (NS + k).hex().encode() for k in keys)
+
+
+def test_a_bad_record_in_redis_is_a_counted_miss_and_is_deleted(server):
+    url, _ = server
+    keys = chain_of(2)
+    with TierChain([SharedTier.open(url)], NS) as chain:
+        offload_chain(chain, keys)
+        client = redis.Redis.from_url(url)
+        name = b"atoll:kv:" + (NS + keys[1]).hex().encode()
+        client.set(name, client.get(name)[:-3])
+        assert chain.fetch(keys) == [payload(keys[0])]
+        assert chain.stats()["checksum_misses"]["truncated"] == 1 and not client.exists(name)
+
+
+def test_redis_killed_mid_run_turns_the_tier_off_with_one_warning(server, tmp_path, caplog):
+    url, proc = server
+    keys = chain_of(6)
+    tiers = [HostTier(2 * RECORD), DiskTier(tmp_path / "kv", 2 * RECORD), SharedTier.open(url)]
+    with TierChain(tiers, NS) as chain:
+        offload_chain(chain, keys)  # 2 in the host, 2 on disk, 2 in Redis
+        assert chain.stats()["shared"]["bytes_in"] == 2 * RECORD and chain.lookup(keys) == 6
+        proc.kill()
+        proc.wait(timeout=10)
+        with caplog.at_level(logging.WARNING):
+            start = time.monotonic()
+            here = [tiers[0].has([NS + k])[0] or tiers[1].has([NS + k])[0] for k in keys]
+            assert sum(here) == 4 and chain.lookup(keys) == (here + [False]).index(False)
+            more = chain_of(6, seed=2)
+            offload_chain(chain, more)  # the local tiers take them; what falls off the disk is dropped
+            local = [(t, k) for k in more for t in tiers[:2] if t.has([NS + k])[0]]
+            assert len(local) == 4 and all(unpack(NS, k, t.get(NS + k)) == payload(k) for t, k in local)
+            ask = [local[0][1]] + keys
+            got = chain.fetch(ask)  # its first block read before any promotion could move it
+            assert got and got == [payload(k) for k in ask[:len(got)]]
+            assert time.monotonic() - start < 5
+        stats = chain.stats()
+    shared = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(shared) == 1 and url in shared[0].getMessage(), [r.getMessage() for r in shared]
+    assert stats["shared"]["enabled"] is False and stats["host"]["enabled"] and stats["disk"]["enabled"]
+    assert stats["writes_dropped"] >= 6  # what fell off the disk with nowhere below to go
+
+
+def test_an_unreachable_redis_at_start_is_one_warning(caplog):
+    url = f"redis://127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.WARNING), TierChain([HostTier(RECORD), SharedTier.open(url)], NS) as chain:
+        keys = chain_of(3)
+        offload_chain(chain, keys)
+        assert chain.lookup(keys) == 0 and chain.lookup(keys[2:]) == 1
+        assert chain.fetch(keys[2:]) == [payload(keys[2])]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
