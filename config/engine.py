@@ -84,6 +84,14 @@ class EngineConfig:
     kv_cache_gb: float | None = _opt(None, "KV cache per rank in GiB (default: CUDA, from "
                                            "--gpu-memory-utilization; CPU, what the requests need)")
     num_blocks: int | None = _opt(None, "KV cache blocks per rank (instead of --kv-cache-gb)")
+    kv_offload_gb: float = _opt(0.0, "KV cache tiers: GiB of host memory per rank holding prefix blocks below the "
+                                     "device pool (engine/rank/kv_tiers.py)")
+    kv_disk_dir: str | None = _opt(None, "KV cache tiers: a directory on local disk holding prefix blocks (empty or "
+                                         "atoll's own; a restart on it starts warm)")
+    kv_disk_gb: float | None = _opt(None, "KV cache tiers: GiB the --kv-disk-dir holds at most per rank (default: "
+                                          "until the disk is full)")
+    kv_shared: str | None = _opt(None, "KV cache tiers: a store every replica and restart shares, file:///DIR or "
+                                       "redis://HOST:PORT")
     gpu_memory_utilization: float = _opt(0.9, "share of each GPU's memory for weights, activations "
                                               "and KV cache")
     enforce_eager: bool = _opt(False, "run the decode step eagerly: no torch.compile, no CUDA graphs "
@@ -159,11 +167,18 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name}={value!r} must be a whole number of at least 1")
-        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s"):
+        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s", "kv_disk_gb"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not value > 0):
                 raise InputError(f"{name}={value!r} must be a positive number")
+        v = self.kv_offload_gb
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise InputError(f"kv_offload_gb={v!r} must be a number of at least 0")
+        if self.kv_disk_gb is not None and not self.kv_disk_dir:
+            raise InputError("--kv-disk-gb needs --kv-disk-dir")
+        if self.kv_shared is not None and not str(self.kv_shared).startswith(("file://", "redis://")):
+            raise InputError(f"kv_shared={self.kv_shared!r} must be file:///DIR or redis://HOST:PORT")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("enforce_eager", "compile_freezing", "enable_prefix_caching", "mkl_pack",

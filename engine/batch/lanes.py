@@ -35,7 +35,7 @@ class Lanes:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, depth: int, pipelined: bool = True, prefix_caching: bool = False,
                  drafter=None, sliding_window: int | None = None, cp: int = 1,
-                 window_pool: tuple[int, int] | None = None):
+                 window_pool: tuple[int, int] | None = None, tiers=None):
         """depth: pipeline stages; as many lanes as `lane_count` gives. prefix_caching: each
         lane's pool keeps its own cache of named blocks (engine.kv.blocks). drafter: speculative
         tokens for every lane (engine.spec.registry), or None. sliding_window: blocks a running
@@ -43,7 +43,8 @@ class Lanes:
         scratch block, stands in for them). cp: context parallel ranks; num_blocks is per rank
         and each pool stripes a sequence's blocks over the cp ranks (engine.kv.blocks).
         window_pool: (width, blocks) when the sliding layers keep their own cache of `blocks`
-        blocks (engine.kv.windowed; width their widest window); its block `blocks` is its hole."""
+        blocks (engine.kv.windowed; width their widest window); its block `blocks` is its hole.
+        tiers: the KV cache's lower tiers, every lane's (Scheduler)."""
         count = lane_count(num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                            depth=depth, pipelined=pipelined, cp=cp)
         share = num_blocks // count
@@ -58,7 +59,8 @@ class Lanes:
             pools = [WindowedPool(pool, BlockPool(part, block_size, first=i * part, hole=blocks), sliding_window)
                      for i, pool in enumerate(pools)]
         self.schedulers = [Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     prefix_caching=prefix_caching, drafter=drafter, sliding_window=sliding_window)
+                                     prefix_caching=prefix_caching, drafter=drafter, sliding_window=sliding_window,
+                                     tiers=tiers)
                            for pool in pools]
 
     def __len__(self) -> int:

@@ -79,13 +79,17 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = False, drafter=None, sliding_window: int | None = None):
+                 prefix_caching: bool = False, drafter=None, sliding_window: int | None = None, tiers=None):
         """drafter: proposes speculative tokens for decoding sequences (engine.spec.registry), or None.
         sliding_window: every layer attends to this many positions at most (Mistral): blocks
         wholly before a running sequence's window go back to the pool (the pool needs a hole).
         With a WindowedPool (engine.kv.windowed) it is the sliding layers' widest window, and
-        only their blocks go back."""
+        only their blocks go back.
+        tiers: the KV cache's lower tiers (engine.rank.kv_tiers.RankTiers), with prefix caching:
+        `held(names)` the leading blocks they hold (every rank the same count), `fill(block, i)`
+        the block that takes the i-th, `computed(block, name, parent)` a block named this tick."""
         self.pool = pool
+        self.tiers = tiers if prefix_caching else None
         self.window = sliding_window if pool.hole is not None else None
         self.drafter = drafter
         self.prefix_caching = prefix_caching
@@ -118,22 +122,30 @@ class Scheduler:
             names = self._names(seq, full)
             for i in range(seq.named, full):
                 self.pool.name_at(seq.blocks, i, names[i])
+                if self.tiers is not None:
+                    self.tiers.computed(seq.blocks[i], names[i], names[i - 1] if i else None)
             seq.named = full
         return chunk
 
     def _admit(self, seq: Sequence, budget: int) -> Scheduled | None:
         """A waiting sequence's first chunk, after the cached blocks that start it; None (and no
         change) if the blocks it needs are not free."""
-        pool, hits = self.pool, []
+        pool, hits, below = self.pool, [], 0
         if self.prefix_caching:  # never the block of the last token: it is computed to sample
-            hits = pool.lookup(self._names(seq, (seq.length - 1) // pool.block_size))
-        start = len(hits) * pool.block_size
+            names = self._names(seq, (seq.length - 1) // pool.block_size)
+            hits = pool.lookup(names)
+            if self.tiers is not None and len(hits) < len(names):
+                below = self.tiers.held(names[len(hits):])  # brought up from the lower tiers
+        start = (len(hits) + below) * pool.block_size
         count = min(seq.length - start, budget)
         if not pool.fits(hits, start + count):
             return None
         pool.share(seq.blocks, hits)
         pool.grow(seq.blocks, start + count)
-        seq.cached, seq.named = start, len(hits)
+        for i in range(len(hits), len(hits) + below):
+            self.tiers.fill(seq.blocks[i], i - len(hits))
+            pool.name_at(seq.blocks, i, names[i])
+        seq.cached, seq.named = start, len(hits) + below
         if seq.first_scheduled_step is None:
             seq.cached_tokens = start
         return self.commit(Scheduled(seq, start, count))

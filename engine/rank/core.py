@@ -48,7 +48,7 @@ class EngineCore:
                            max_model_len=spec.max_model_len, depth=self.depth, pipelined=pipelined,
                            prefix_caching=spec.engine.enable_prefix_caching, drafter=self.drafter,
                            sliding_window=runner.config.pool_window, cp=runner.ctx.layout.cp,
-                           window_pool=runner.window_pool)
+                           window_pool=runner.window_pool, tiers=runner.kv_tiers)
         self.inflight: deque[MicroBatch | None] = deque()  # inflight[s]: the micro-batch at stage s
         self.results: dict[int, dict] = {}
         self.tick, self.produced = 0, 0
@@ -99,19 +99,25 @@ class EngineCore:
         lane = self.lanes.at(self.tick)
         chunks = lane.schedule(self.tick) if lane is not None else []
         mb = MicroBatch.of(chunks, self.spec.engine.block_size, device=runner.device) if chunks else None
+        if runner.kv_tiers is not None:  # blocks brought up from the lower tiers, into the cache
+            runner.kv_tiers.apply()
+            if mb is not None:
+                mb.tier_saves = runner.kv_tiers.take_new()
         go, mb = runner.agree(more or self.busy, mb)
         if not go:
             return False
         self.inflight.appendleft(mb)
         if self.trace is not None:  # the heaviest micro-batch in flight sets the tick (one, without PP)
-            shapes = [step_shape(b.chunks) for b in self.inflight if b is not None]
+            size = self.spec.engine.block_size
+            shapes = [step_shape(b.chunks, size, -(-self.spec.max_model_len // size))
+                      for b in self.inflight if b is not None]
             heaviest = max(shapes, key=lambda x: (x.chunk_tokens, x.rows), default=None)
         tokens = runner.tick(self.inflight)
         if len(self.inflight) == self.depth and (done := self.inflight.pop()) is not None:
             rows = runner.logprobs
             self._apply(done, tokens.tolist(), rows.tolist() if rows is not None else None)
         if self.trace is not None and heaviest is not None:
-            self.trace.append((heaviest, time.perf_counter() - started))
+            self.trace.append((heaviest, time.perf_counter() - started, runner.last_graphed))
         self.tick += 1
         return True
 

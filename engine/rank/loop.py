@@ -172,6 +172,8 @@ class ServeLoop:
                     self.outbox.put(("step", tokens, done, stats, self.name))
                     last = stats
         self.runner.end_run()
+        if self.runner.kv_tiers is not None:  # the queued writes land (a restart finds them)
+            self.runner.kv_tiers.close()
         # every block is back once every request ended; named ones stay cached (evictable)
         self.runner.stats |= {"blocks_held": core.blocks_in_use(), "blocks_cached": core.cached_blocks()}
         if self.link_stats:
@@ -239,9 +241,11 @@ class ServeLoop:
 
 def _stats(core: EngineCore) -> dict:
     lanes = core.lanes.schedulers
-    return {"running": sum(len(s.running) for s in lanes), "waiting": sum(len(s.waiting) for s in lanes),
-            "blocks_in_use": core.blocks_in_use(), "blocks_cached": core.cached_blocks(),
-            "num_blocks": sum(s.pool.num_blocks for s in lanes)} | core.window_stats()
+    tiers = core.runner.kv_tiers
+    return ({"running": sum(len(s.running) for s in lanes), "waiting": sum(len(s.waiting) for s in lanes),
+             "blocks_in_use": core.blocks_in_use(), "blocks_cached": core.cached_blocks(),
+             "num_blocks": sum(s.pool.num_blocks for s in lanes)} | core.window_stats()
+            | (tiers.stats() if tiers is not None else {}))
 
 
 def _sum(parts: list[dict]) -> dict | None:

@@ -9,6 +9,7 @@ import torch
 
 from atoll.engine.kv.sizing import kv_bytes_per_block
 from atoll.engine.rank.kv_cache import make_cache, size_cache
+from atoll.engine.rank.kv_tiers import RankTiers
 from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.rank.tuning import packer_for, tune_eager
 from atoll.engine.sample.micro_batch import MicroBatch
@@ -54,6 +55,8 @@ class ModelRunner:
         # whether the eager step runs the weights tune_eager chose (False: plain F.linear products)
         self.eager_tuned = self.decode_step is None and self.packer is None and tune_eager(self)
         self.stats: dict = {}
+        self.kv_tiers = RankTiers.build(self)  # --kv-offload-gb, --kv-disk-dir, --kv-shared (None: none)
+        self.last_graphed = False  # whether the last tick ran the compiled decode step (the step trace says)
 
     @property
     def spec_k(self) -> int | None:
@@ -115,6 +118,7 @@ class ModelRunner:
         self.stats["ticks"] += 1
         if mb is not None:
             stepped = self.decode_step is not None and self.decode_step.takes(mb)  # padded to a bucket, compiled
+            self.last_graphed = stepped
             meta, ids, tokens = (None, None, mb.tokens) if stepped else self._view(mb)
             if ctx.is_first_stage:
                 x = None if stepped else ids  # the decode step reads the ids from the chunks
@@ -135,6 +139,8 @@ class ModelRunner:
                 self._sending = ctx.pp.isend(out, dst=stage + 1)
             elif ctx.rank == self.sampler_rank and mb.chunks:
                 out = mb.sample(out)  # each sampler reads its rows in float32
+            if self.kv_tiers is not None and getattr(mb, "tier_saves", None):
+                self.kv_tiers.save(mb.tier_saves)  # this stage's layers of the blocks it filled
             self.stats["busy_s"] += time.perf_counter() - t0
         done = inflight[pp - 1] if len(inflight) == pp else None
         if done is None:

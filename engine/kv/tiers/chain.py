@@ -30,10 +30,15 @@ COUNTS = ("hits", "misses", "bytes_in", "bytes_out", "evictions", "fetch_seconds
 class TierChain:
     """The ordered lower tiers of one rank's KV cache, fed by a background writer."""
 
-    def __init__(self, tiers: list, namespace: bytes, max_pending_bytes: int = 256 << 20):
+    def __init__(self, tiers: list, namespace: bytes, max_pending_bytes: int = 256 << 20,
+                 write_through: bool = False):
         """tiers: top first (None entries are skipped); namespace: record.namespace(...) of this
         rank's slice. max_pending_bytes: payloads waiting for the writer past which an offload
-        is dropped (counted) rather than queued, so a slow disk never grows memory unbounded."""
+        is dropped (counted) rather than queued, so a slow disk never grows memory unbounded.
+        write_through: an offload is stored in every tier at once (the engine offloads a block as
+        it is computed, so a restart finds it on disk and other replicas in the shared store), and
+        a tier over capacity only lets go (what it held is below already)."""
+        self.write_through = write_through
         self.tiers = [t for t in tiers if t is not None]
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
@@ -168,7 +173,9 @@ class TierChain:
                 record = data if is_record else pack(self.namespace, key, data)
                 name = self.namespace + key
                 parent = None if parent is None else self.namespace + parent
-                if level >= 0:
+                if level >= 0 and self.write_through:
+                    self._store([(at, at + 1, name, parent, record) for at in range(len(self.tiers))])
+                elif level >= 0:
                     self._store([(level, len(self.tiers), name, parent, record)])
                 else:  # a promotion: a copy into each tier above the one it was found in
                     self._store([(up, up + 1, name, parent, record) for up in range(-level)])
@@ -188,7 +195,7 @@ class TierChain:
     def _store(self, todo: list) -> None:
         """Put each (level, stop, name, parent, record) in the first enabled tier from `level`
         to `stop` - 1 (a failed write goes on down; a promoted copy stops above where the block
-        is); what a tier lets go of goes on down to the bottom."""
+        is); what a tier lets go of goes on down to the bottom (written through: it is there already)."""
         bottom = len(self.tiers)
         todo = deque(todo)
         while todo:
@@ -201,7 +208,7 @@ class TierChain:
                         self._dropped += 1
                 continue
             tier = self.tiers[level]
-            below = level + 1 < bottom
+            below = not self.write_through and level + 1 < bottom
             stored, spilled = tier.put(name, parent, record, below)
             with self._lock:
                 c = self._counts[tier.name]

@@ -1,0 +1,192 @@
+"""The KV cache's lower tiers on one rank: host memory, a local disk directory and a shared
+store (engine/kv/tiers) behind this rank's paged cache, for `--kv-offload-gb`, `--kv-disk-dir`
+and `--kv-shared`.
+
+A block is written through as it is computed: when the micro-batch that fills a named block has
+passed this rank's stage, the block's bytes (every layer of this rank's slice, as stored: fp8
+or int8 with their scales) are queued for the tiers' background writer, so the device pool can
+later let the block go with nothing to write, a restarted server finds it on disk and another
+replica finds it in the shared store.
+
+A prompt whose leading blocks are not in the device pool asks the tiers (the scheduler's
+`tiers.held`): each rank reads the blocks its own tiers hold, checks every record, and the ranks
+agree on the count every one of them read (a collective), so every rank schedules the same
+blocks. The scheduler gives those blocks device blocks, names them, and starts the prompt's
+prefill after them; this module copies their bytes into the cache before the tick runs.
+
+Every rank's slice has its own namespace (the checkpoint, dtypes, block size, layout and this
+rank's place in it), so a block of another model or layout is never read as this one's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from atoll.engine.kv.tiers.chain import TierChain
+from atoll.engine.kv.tiers.disk import DiskTier
+from atoll.engine.kv.tiers.host import HostTier
+from atoll.engine.kv.tiers.record import namespace
+from atoll.engine.kv.tiers.shared import SharedTier
+from atoll.errors import ConfigError
+from atoll.layers.kv_quant import QuantizedKV
+
+GIB = 1 << 30
+
+
+def planes(cache) -> list[torch.Tensor]:
+    """The tensors of every layer's k and v cache, in a fixed order, each [blocks, ...]: a
+    block's bytes in the tiers are each plane's row for that block, one after another."""
+    out = []
+    for pair in zip(cache.k, cache.v):
+        for t in pair:
+            if t is not None:
+                out += t.tensors() if isinstance(t, QuantizedKV) else [t]
+    return out
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(torch.uint8)
+
+
+def read_blocks(cache, blocks: list[int]) -> list[bytes]:
+    """Each block's bytes, every plane's row in order."""
+    ps = planes(cache)
+    ids = torch.tensor(blocks, dtype=torch.long, device=ps[0].device)
+    rows = [_bytes_view(p.index_select(0, ids)).reshape(len(blocks), -1) for p in ps]
+    whole = torch.cat(rows, dim=1).cpu().numpy()
+    return [whole[i].tobytes() for i in range(len(blocks))]
+
+
+def block_bytes(cache) -> int:
+    """One block's bytes in the tiers (every plane's row)."""
+    return sum(p[0].numel() * p.element_size() for p in planes(cache))
+
+
+def write_blocks(cache, blocks: list[int], payloads: list[bytes]) -> None:
+    """Copy each payload (read_blocks' bytes) into its block."""
+    flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(blocks), -1)
+    ps = planes(cache)
+    ids = torch.tensor(blocks, dtype=torch.long, device=ps[0].device)
+    at = 0
+    for p in ps:
+        n = p[0].numel() * p.element_size()
+        dst = p.view(torch.uint8) if p.element_size() == 1 else p  # fp8 is written as its bytes
+        rows = flat[:, at:at + n].contiguous().view(dst.dtype).view(len(blocks), *p.shape[1:])
+        dst.index_copy_(0, ids, rows.to(p.device))
+        at += n
+
+
+class RankTiers:
+    """This rank's tier chain and the hooks the scheduler (engine.batch.scheduler) and the
+    rank loop call: `held`, `fill` and `computed` while scheduling, `apply` before the tick,
+    `save` once this stage has computed a micro-batch."""
+
+    def __init__(self, runner, chain: TierChain):
+        self.runner, self.chain = runner, chain
+        self._fetched: list[bytes] = []  # payloads of the last `held`
+        self._fills: list[tuple[int, bytes]] = []  # (block, payload) to copy in before the tick
+        self._new: list[tuple[int, bytes, bytes | None]] = []  # (block, name, parent) named this tick
+        self.size = block_bytes(runner.cache)
+
+    @classmethod
+    def build(cls, runner) -> RankTiers | None:
+        """The rank's tiers from its engine flags, or None where none is asked for."""
+        eng = runner.spec.engine
+        if not (eng.kv_offload_gb or eng.kv_disk_dir or eng.kv_shared):
+            return None
+        lay = runner.ctx.layout
+        if not eng.enable_prefix_caching:
+            raise ConfigError("KV cache tiers hold prefix blocks: they need prefix caching (drop "
+                              "--no-enable-prefix-caching)")
+        if lay.cp > 1 or lay.dp > 1 or runner.window_pool is not None:
+            raise ConfigError("KV cache tiers run with TP and PP; not yet with context parallel stripes, DP "
+                              "attention replicas in one job or a sliding layers' own cache")
+        rank = runner.ctx.rank
+        tiers = [HostTier(int(eng.kv_offload_gb * GIB)) if eng.kv_offload_gb else None]
+        if eng.kv_disk_dir:
+            where = Path(eng.kv_disk_dir) / f"rank{rank}" if lay.world_size > 1 else Path(eng.kv_disk_dir)
+            tiers.append(DiskTier(where, int(eng.kv_disk_gb * GIB) if eng.kv_disk_gb else None))
+        if eng.kv_shared:
+            tiers.append(SharedTier.open(eng.kv_shared))
+        return cls(runner, TierChain(tiers, namespace(**_slice(runner)), write_through=True))
+
+    # --- the scheduler's hooks (every rank calls them in the same order) ---
+
+    def held(self, names: list[bytes]) -> int:
+        """How many leading blocks of `names` every rank read from its tiers (their payloads
+        kept for `fill`)."""
+        got = self.chain.fetch(names) if names else []
+        count = len(got)
+        if self.runner.ctx.layout.world_size > 1:
+            t = torch.tensor([count], dtype=torch.long, device=self.runner.device)
+            count = int(self.runner.ctx.world.all_reduce(t, op="min")[0])
+        self._fetched = got[:count]
+        return count
+
+    def fill(self, block: int, i: int) -> None:
+        """Block `block` takes the i-th payload of the last `held`."""
+        payload = self._fetched[i]
+        if len(payload) != self.size:  # the namespace covers the layout: this is a bug, not a miss
+            raise RuntimeError(f"a tier's block holds {len(payload)} bytes where this cache's take {self.size}")
+        self._fills.append((block, payload))
+
+    def computed(self, block: int, name: bytes, parent: bytes | None) -> None:
+        """A block is named this tick: its bytes go to the tiers once computed."""
+        self._new.append((block, name, parent))
+
+    # --- the rank loop ---
+
+    def apply(self) -> None:
+        """Copy the blocks brought up this tick into the cache (before the tick reads them)."""
+        if self._fills:
+            blocks, payloads = zip(*self._fills)
+            write_blocks(self.runner.cache, list(blocks), list(payloads))
+            self._fills.clear()
+        self._fetched = []
+
+    def take_new(self) -> list[tuple[int, bytes, bytes | None]]:
+        """The blocks named this tick, for the micro-batch that computes them."""
+        new, self._new = self._new, []
+        return new
+
+    def save(self, new: list[tuple[int, bytes, bytes | None]]) -> None:
+        """Queue the bytes of blocks this stage has just computed for the tiers' writer."""
+        payloads = read_blocks(self.runner.cache, [b for b, _, _ in new])
+        for (_, name, parent), payload in zip(new, payloads):
+            self.chain.offload(name, parent, payload)
+
+    def stats(self) -> dict:
+        """Flat counters for the engine's step stats: kv_tier_<tier>_<counter>, checksum misses."""
+        s = self.chain.stats()
+        out = {}
+        for tier in ("host", "disk", "shared"):
+            for k, v in (s.get(tier) or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[f"kv_tier_{tier}_{k}"] = v
+        out["kv_tier_checksum_misses"] = sum(s["checksum_misses"].values())
+        out["kv_tier_writes_dropped"] = s["writes_dropped"]
+        return out
+
+    def close(self) -> None:
+        """Finish the queued writes (a restart finds them) and stop the writer."""
+        self.chain.close(timeout=60.0)
+
+
+def _slice(runner) -> dict:
+    """What a block's bytes depend on besides its tokens: the checkpoint (its config and a
+    fingerprint of this rank's first weights), dtypes, block size, layout and this rank's place."""
+    spec, ctx = runner.spec, runner.ctx
+    config = (Path(spec.model_dir) / "config.json").read_text() if (Path(spec.model_dir) / "config.json").exists() \
+        else json.dumps(vars(runner.config), default=str, sort_keys=True)
+    first = next(runner.model.parameters())
+    sample = first.detach().reshape(-1)[:1024].float().cpu().numpy().tobytes()
+    return {"config": hashlib.blake2b(config.encode(), digest_size=16).hexdigest(),
+            "weights": hashlib.blake2b(sample, digest_size=16).hexdigest(),
+            "dtype": str(runner.dtype), "kv_cache_dtype": spec.engine.kv_cache_dtype,
+            "quantization": spec.engine.quantization, "block_size": spec.engine.block_size,
+            "layout": str(ctx.layout), "tp_rank": ctx.coords.tp, "pp_stage": ctx.coords.pp,
+            "planes": [(str(p.dtype), tuple(p.shape[1:])) for p in planes(runner.cache)]}

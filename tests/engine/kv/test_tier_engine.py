@@ -1,0 +1,84 @@
+"""The KV cache tiers under the engine (engine/rank/kv_tiers.py): a prefix the device pool let
+go of comes back from host memory or disk with the tokens of computing it, a restart on the same
+disk directory starts warm, and a damaged or foreign block is a miss, never data."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from atoll import LLM, SamplingParams
+from reference import reference_tokens
+
+NEW = 6
+
+
+def _prompts(vocab: int, convs: int = 8) -> tuple[list, list]:
+    """Turn 1: `convs` prompts of 40 tokens; turn 2: each with 20 more (its first two blocks
+    computed by turn 1)."""
+    first = [[(97 * c + 31 * j) % (vocab - 10) + 5 for j in range(40)] for c in range(convs)]
+    second = [p + [(13 * c + 7 * j) % (vocab - 10) + 5 for j in range(20)] for c, p in enumerate(first)]
+    return first, second
+
+
+def _serve(model, prompts, **kw) -> list:
+    """Each prompt alone, in order, on one living engine whose pool holds one conversation's worth."""
+    with LLM(str(model), max_model_len=128, num_blocks=8, max_num_seqs=1, **kw) as llm:
+        return [llm.generate([p], SamplingParams(max_tokens=NEW, ignore_eos=True))[0] for p in prompts]
+
+
+@pytest.mark.parametrize("layout", ["TP1", "TP2", "PP2"])
+def test_prefixes_come_back_from_the_tiers_with_the_tokens_of_computing_them(tiny_model, tmp_path, layout):
+    model = tiny_model("llama")
+    first, second = _prompts(256)
+    outs = _serve(model, first + second, layout=layout, kv_offload_gb=0.01, kv_disk_dir=str(tmp_path / "kv"))
+    assert [o.token_ids for o in outs] == reference_tokens(model, first + second, NEW)
+    # the pool holds 8 blocks: every turn-2 prompt finds its first two blocks below it
+    assert [o.metrics["cached_tokens"] for o in outs[len(first):]] == [32] * len(second)
+    if layout == "TP1":  # without tiers most of them are computed again
+        plain = _serve(model, first + second, layout=layout)
+        assert sum(o.metrics["cached_tokens"] for o in plain[len(first):]) < 32 * len(second) // 2
+        assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
+
+
+def test_a_restart_on_the_same_disk_directory_starts_warm(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    first, second = _prompts(256, convs=3)
+    kv = str(tmp_path / "kv")
+    before = _serve(model, first, kv_disk_dir=kv)
+    assert [o.metrics["cached_tokens"] for o in before] == [0, 0, 0]
+    after = _serve(model, second, kv_disk_dir=kv)  # a new engine: its device pool is empty
+    assert [o.metrics["cached_tokens"] for o in after] == [32, 32, 32]
+    assert [o.token_ids for o in after] == reference_tokens(model, second, NEW)
+
+
+def test_a_corrupt_truncated_or_foreign_block_is_a_miss_and_the_tokens_hold(tiny_model, tmp_path):
+    model, other = tiny_model("llama"), tiny_model("llama", seed=7)
+    first, second = _prompts(256, convs=3)
+    kv, theirs = tmp_path / "kv", tmp_path / "theirs"
+    _serve(model, first, kv_disk_dir=str(kv))
+    _serve(other, first, kv_disk_dir=str(theirs))
+    files = sorted(p for p in kv.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert len(files) >= 6  # two named prompt blocks a conversation (and decode blocks)
+    by_name = {p.name: p for p in theirs.rglob("*") if p.is_file()}
+    # conversation k's first block: damaged three ways (each conversation's own first block)
+    firsts = [_first_block(kv, p, model) for p in first]
+    data = firsts[0].read_bytes()
+    firsts[0].write_bytes(data[:-40] + bytes(b ^ 0xFF for b in data[-40:]))  # corrupt
+    firsts[1].write_bytes(firsts[1].read_bytes()[:100])  # truncated
+    foreign = [p for n, p in by_name.items() if n[-32:] == firsts[2].name[-32:]]
+    assert foreign, "the other model's engine wrote the same block name"
+    firsts[2].write_bytes(foreign[0].read_bytes())  # another model's block under this one's file
+    after = _serve(model, second, kv_disk_dir=str(kv))
+    assert [o.metrics["cached_tokens"] for o in after] == [0, 0, 0]  # each walk stops at its first block
+    assert [o.token_ids for o in after] == reference_tokens(model, second, NEW)
+
+
+def _first_block(kv: Path, prompt: list, model) -> Path:
+    """The disk file of a prompt's first block (its name ends the file name)."""
+    from atoll.engine.kv.blocks import prefix_names
+
+    key = prefix_names(prompt, 16, 1)[0].hex()
+    found = [p for p in kv.rglob("*") if p.is_file() and p.name.endswith(key)]
+    assert len(found) == 1, (key, os.listdir(kv))
+    return found[0]
