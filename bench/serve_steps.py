@@ -4,7 +4,8 @@ simulator (planner/sim/stepfit.py fits them).
 For each layout, `atoll serve` is started as a user starts it (the engine's defaults but
 max_num_seqs 32, `--step-trace` to a file), and fixed lists of requests are streamed to it
 over HTTP by `atoll bench serve`'s own client, one list after another: N requests of 32 prompt
-tokens decoding together (N = 1, 2, 4, 8, 16, 32), and of 480 (N = 1, 4, 16), long prompts alone and in fours (a full
+tokens decoding together (N = 1, 2, 4, 8, 16, 32), and of 480 (N = 1, 4, 16), one of 480 beside
+N - 1 of 32 (N = 4, 16), long prompts alone and in fours (a full
 chunk budget), and prompts joining while others decode (chunks beside decode rows), at
 contexts from tens to two thousand tokens. The lists run three times: the first pass compiles
 and warms, the other two are fitted (a 2-core machine's speed drifted by 30% between two passes). Each engine's first rank writes every tick's shape and
@@ -52,6 +53,10 @@ def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096) -> li
     # the same row counts at a longer context, so that the rows' cost and the context's part apart
     out += [([BenchRequest(ids(min(480, longest)), decode) for _ in range(n)], math.inf)
             for n in ((4,) if quick else (1, 4, 16))]
+    # one long context decoding beside short ones: the compiled step reads every row up to the
+    # longest, which this tells apart from each row reading its own (StepFit.decode_keys)
+    out += [([BenchRequest(ids(min(480, longest)), decode)] + [BenchRequest(ids(32), decode) for _ in range(n - 1)],
+             math.inf) for n in ((8,) if quick else (4, 16))]
     for n, length in (((1, 512),) if quick else ((1, 512), (1, 2000), (4, 512))):
         out.append(([BenchRequest(ids(min(length, longest)), 4) for _ in range(n)], math.inf))
     joining = [BenchRequest(ids(min(256 if k % 2 else 64, longest)), decode) for k in range(4 if quick else 12)]
@@ -60,8 +65,9 @@ def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096) -> li
 
 
 def served_ticks(model_dir, layout: Layout, copies: int, *, quick: bool = False) -> list[tuple]:
-    """(rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds) of every
-    tick of the timed passes, every engine's."""
+    """(rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds, keys the
+    tick's decode step read) of every tick of the timed passes, every engine's: a tick of the
+    compiled decode step read ctx_padded keys, any other its rows' contexts."""
     config = ModelConfig.load(model_dir)
     max_len = min(config.max_position_embeddings, 4096)
     lists = request_lists(config.vocab_size, quick=quick, max_len=max_len)
@@ -85,8 +91,8 @@ def served_ticks(model_dir, layout: Layout, copies: int, *, quick: bool = False)
         ticks = read_trace(trace)[warm:]
     finally:
         os.unlink(trace)
-    return [(rows, chunk, ctx, attended, seconds) for _, rows, chunk, ctx, attended, seconds in ticks
-            if rows or chunk]
+    return [(rows, chunk, ctx, attended, seconds, padded if graph else ctx)
+            for _, rows, chunk, ctx, attended, seconds, padded, graph in ticks if rows or chunk]
 
 
 def measure_steps(model_dir, layouts: list[str], *, quick: bool = False, bar=None) -> dict:

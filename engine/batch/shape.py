@@ -17,17 +17,34 @@ class StepShape:
     chunk_tokens: int = 0  # prompt-chunk tokens
     ctx_sum: float = 0.0  # positions the decoding rows attend to, in all
     attended_sum: float = 0.0  # positions the chunk tokens attend to, in all
+    # keys a compiled decode step reads: every row up to the longest row's context, its block
+    # table padded to a power of two (block_bucket); ctx_sum where the block size is not given
+    ctx_padded: float = 0.0
 
 
-def step_shape(chunks) -> StepShape:
-    """The shape of one replica's chunks (engine.batch.scheduler.Scheduled)."""
-    rows = tokens = 0
+def block_bucket(blocks: int, max_blocks: int | None = None) -> int:
+    """The power of two >= blocks (at least 2: a width of 1 would be specialised by dynamo),
+    capped at max_blocks: the block-table width a compiled decode step runs a batch at."""
+    b = 2
+    while b < blocks:
+        b *= 2
+    return b if max_blocks is None else min(b, max_blocks)
+
+
+def step_shape(chunks, block_size: int | None = None, max_blocks: int | None = None) -> StepShape:
+    """The shape of one replica's chunks (engine.batch.scheduler.Scheduled); with block_size,
+    also the keys the compiled decode step reads (ctx_padded)."""
+    rows = tokens = longest = 0
     ctx = attended = 0.0
     for c in chunks:
         if c.start >= len(c.seq.request.prompt_token_ids):  # a decode step (a verify step: a row a position)
             rows += c.count
             ctx += c.count * c.start + c.count * (c.count + 1) / 2  # row k attends to start + k positions
+            longest = max(longest, c.start + c.count)
         else:  # a prompt chunk: each token over the positions before it
             tokens += c.count
             attended += c.count * (c.start + c.count / 2)
-    return StepShape(rows, tokens, ctx, attended)
+    padded = ctx
+    if block_size and rows:
+        padded = float(rows * block_bucket(-(-longest // block_size), max_blocks) * block_size)
+    return StepShape(rows, tokens, ctx, attended, padded)

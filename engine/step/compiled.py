@@ -63,7 +63,8 @@ from functools import partial
 
 import torch
 
-from atoll.engine.step.decode_step import DecodeStep, block_bucket
+from atoll.engine.batch.shape import block_bucket
+from atoll.engine.step.decode_step import DecodeStep
 from atoll.layers import packed
 
 # one sequence runs padded to two: dynamo would specialise a dimension of size 1 (a second

@@ -37,15 +37,6 @@ def seq_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
     return out + [max(max_num_seqs, smallest)]
 
 
-def block_bucket(blocks: int, max_blocks: int) -> int:
-    """The power of two >= blocks (at least 2: a width of 1 would be specialised by dynamo),
-    capped at max_blocks."""
-    b = 2
-    while b < blocks:
-        b *= 2
-    return min(b, max_blocks)
-
-
 class DecodeStep:
     """The runner's decode step for micro-batches `takes` accepts; `__call__(x, mb)` returns
     what model(x, mb.meta, cache) returns for them. Subclasses hold the bucket buffers and run

@@ -40,19 +40,24 @@ class StepCost:
         self.counts: Counter = Counter()  # ticks by step key, for the breakdown
 
     def tick(self, rows: int, chunk_tokens: int, ctx_sum: float, attended_sum: float, *,
-             dp_rows: int | None = None, dp_chunk_tokens: int | None = None) -> tuple[float, float, tuple]:
+             dp_rows: int | None = None, dp_chunk_tokens: int | None = None,
+             ctx_padded: float | None = None) -> tuple[float, float, tuple]:
         """(pass seconds, slowest stage seconds, the step's key) of a micro-batch of `rows`
         decoding sequences attending to ctx_sum positions in all, and `chunk_tokens` prompt
         tokens attending to attended_sum positions in all; with DP the busiest rank's rows
-        and chunk tokens."""
+        and chunk tokens. ctx_padded: the keys a compiled decode step reads (what a measured
+        step fitted on them times; the cost model reads each row's own context)."""
+        padded = self.fit is not None and self.fit.decode_keys == "padded" and ctx_padded is not None and rows
         key = (rows, bucket(chunk_tokens), bucket(ctx_sum / rows) if rows else 0,
                bucket(attended_sum / chunk_tokens) if chunk_tokens else 0,
-               dp_rows, None if dp_chunk_tokens is None else bucket(dp_chunk_tokens))
+               dp_rows, None if dp_chunk_tokens is None else bucket(dp_chunk_tokens),
+               bucket(ctx_padded / rows) if padded else None)
         hit = self.memo.get(key)
         if hit is None:
-            r, c, ctx, attended, dr, dc = key
+            r, c, ctx, attended, dr, dc, width = key
             if self.fit is not None:
-                s = self.fit.seconds(r, c, ctx * r, attended * c)  # a tick: one stage's share under PP
+                # a tick: one stage's share under PP
+                s = self.fit.seconds(r, c, ctx * r, attended * c, None if width is None else width * r)
                 hit = self.memo[key] = (s * self.cm.l.pp, s, {MEASURED: s})
             else:
                 hit = self.memo[key] = self.cm.micro_batch(r, c, ctx=ctx, chunk_ctx=attended, dp_rows=dr,

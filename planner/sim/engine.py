@@ -60,6 +60,7 @@ class SimEngine:
                  prefix_caching: bool = False, spec_k: int = 0, acceptance: float = 0.0, draft_rate: float = 1.0,
                  seed: int = 0, on_chunk=None, on_end=None, on_retime=None, fast: bool = True):
         self.name, self.layout, self.cost, self.depth, self.max_model_len = name, layout, cost, pp, max_model_len
+        self.block_size, self.max_blocks = block_size, -(-max_model_len // block_size)
         self.drafter = (SimDrafter(spec_k, draft_rate=draft_rate, max_model_len=max_model_len, seed=seed)
                         if spec_k else None)
         self.acceptance, self.rng = acceptance, random.Random(seed + 1)
@@ -171,12 +172,13 @@ class SimEngine:
         self.tick_no += 1
 
     def _cost(self, chunks: list[list]) -> tuple[float, float]:
-        shapes = [step_shape(part) for part in chunks]
+        shapes = [step_shape(part, self.block_size, self.max_blocks) for part in chunks]
         multi = len(shapes) > 1
         pass_s, stage_s, key = self.cost.tick(
             sum(x.rows for x in shapes), sum(x.chunk_tokens for x in shapes), sum(x.ctx_sum for x in shapes),
             sum(x.attended_sum for x in shapes), dp_rows=max(x.rows for x in shapes) if multi else None,
-            dp_chunk_tokens=max(x.chunk_tokens for x in shapes) if multi else None)
+            dp_chunk_tokens=max(x.chunk_tokens for x in shapes) if multi else None,
+            ctx_padded=sum(x.ctx_padded for x in shapes))
         self.cost.count(key)
         return pass_s, stage_s
 

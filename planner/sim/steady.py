@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from atoll.engine.batch.scheduler import Scheduled
+from atoll.engine.batch.shape import block_bucket
 from atoll.engine.kv.blocks import BlockPool
 
 MAX_TICKS = 4096  # one run at most (its tick times are listed)
@@ -70,7 +71,7 @@ def plan(engine, chunks: list[list], start: float, first_s: float) -> Run | None
     rows, limit, per_replica, max_len = [], MAX_TICKS, [], engine.max_model_len
     for replica, part in zip(engine.replicas, chunks):
         sched = replica.schedulers[0]
-        ctx = 0
+        ctx = longest = 0
         for c in part:
             seq = c.seq
             p = seq.request.params
@@ -82,8 +83,9 @@ def plan(engine, chunks: list[list], start: float, first_s: float) -> Run | None
             if limit < 2:
                 return None
             ctx += c.start + 1
+            longest = max(longest, c.start + 1)
             rows.append((sched, seq))
-        per_replica.append((len(part), ctx))
+        per_replica.append((len(part), ctx, longest))
     ticks = limit
     while ticks >= 2 and not _blocks_fit(engine, rows, ticks):
         ticks //= 2
@@ -91,13 +93,17 @@ def plan(engine, chunks: list[list], start: float, first_s: float) -> Run | None
         return None
     run = Run(rows, [start + first_s])
     multi = len(per_replica) > 1
-    total_rows = sum(n for n, _ in per_replica)
-    top_rows = max(n for n, _ in per_replica)
-    ctx0 = sum(c for _, c in per_replica)
+    total_rows = sum(n for n, _, _ in per_replica)
+    top_rows = max(n for n, _, _ in per_replica)
+    ctx0 = sum(c for _, c, _ in per_replica)
     t = run.ends[0]
+    size, cap = engine.block_size, engine.max_blocks
     for j in range(1, ticks):
+        # the keys a compiled step reads: each replica's rows up to its longest row, padded
+        padded = sum(n * block_bucket(-(-(top + j) // size), cap) * size for n, _, top in per_replica)
         pass_s, _, key = engine.cost.tick(total_rows, 0, ctx0 + j * total_rows, 0.0,
-                                          dp_rows=top_rows if multi else None, dp_chunk_tokens=0 if multi else None)
+                                          dp_rows=top_rows if multi else None, dp_chunk_tokens=0 if multi else None,
+                                          ctx_padded=padded)
         t = t + pass_s
         run.ends.append(t)
         run.costs.append((pass_s, key))

@@ -2,12 +2,15 @@
 --steps MODEL`): the time of a tick against its shape (engine.batch.shape.StepShape), in two
 parts, as the engine runs them two ways:
 
-    decode-only tick:   rows(r) + ctx_kilotoken_us x decode positions / 1000
+    decode-only tick:   rows(r) + ctx_kilotoken_us x decode keys / 1000
     tick with chunks:   chunk_base_us + chunk_row_us x r + chunk_token_us x chunk tokens
                         + chunk_ctx_kilotoken_us x decode positions / 1000
                         + attended_kilotoken_us x (chunk token, position) pairs / 1000
 
-(all in microseconds). A decode-only tick is the decode step (compiled on a CPU, captured on a
+(all in microseconds). A decode-only tick's keys are the positions its rows attend to, or, where
+that fits the ticks better (decode_keys "padded"), the keys the compiled CPU step reads: every row
+up to the longest row's context, padded to a power of two of blocks, so that one long sequence
+beside short ones costs what it costs there. A decode-only tick is the decode step (compiled on a CPU, captured on a
 GPU), which runs in buckets: rows(r) is piecewise linear over the measured row counts and never
 falls as they grow, past the last one extended along its last piece. A tick carrying prompt chunks runs the plain step, its
 rows beside the chunk tokens at a per-row cost of their own. Each part's coefficients are
@@ -44,8 +47,15 @@ class StepFit:
     chunk_base_us: float | None = None
     chunk_row_us: float = 0.0
     chunk_ctx_kilotoken_us: float = 0.0
+    # what a decode-only tick's context term counts: "sum", every row's own context; "padded",
+    # what the compiled CPU step reads (every row up to the longest, its blocks padded to a power of two)
+    decode_keys: str = "sum"
 
-    def seconds(self, rows: int, chunk_tokens: float, ctx_sum: float, attended_sum: float) -> float:
+    def seconds(self, rows: int, chunk_tokens: float, ctx_sum: float, attended_sum: float,
+                ctx_padded: float | None = None) -> float:
+        """A tick's seconds; ctx_padded: the keys a compiled decode step reads (StepShape.ctx_padded)."""
+        if not chunk_tokens and self.decode_keys == "padded" and ctx_padded is not None:
+            ctx_sum = ctx_padded
         if chunk_tokens and self.chunk_base_us is not None:
             return 1e-6 * (self.chunk_base_us + self.chunk_row_us * rows + self.chunk_token_us * chunk_tokens
                            + self.chunk_ctx_kilotoken_us * ctx_sum / 1000
@@ -73,7 +83,8 @@ class StepFit:
                        rel_rms=float(d.get("rel_rms", 0.0)), rel_median=float(d.get("rel_median", 0.0)),
                        chunk_base_us=None if chunk is None else float(chunk["base_us"]),
                        chunk_row_us=0.0 if chunk is None else float(chunk["row_us"]),
-                       chunk_ctx_kilotoken_us=0.0 if chunk is None else float(chunk["ctx_kilotoken_us"]))
+                       chunk_ctx_kilotoken_us=0.0 if chunk is None else float(chunk["ctx_kilotoken_us"]),
+                       decode_keys=str(d.get("decode_keys", "sum")))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ConfigError(f"{where} must hold rows_us {{rows: us}}, chunk_token_us, ctx_kilotoken_us and "
                               "attended_kilotoken_us, and chunk {base_us, row_us, ctx_kilotoken_us}") from None
@@ -83,7 +94,8 @@ class StepFit:
                "chunk_token_us": round(float(self.chunk_token_us), 3),
                "ctx_kilotoken_us": round(float(self.ctx_kilotoken_us), 3),
                "attended_kilotoken_us": round(float(self.attended_kilotoken_us), 4), "samples": int(self.samples),
-               "rel_rms": round(float(self.rel_rms), 4), "rel_median": round(float(self.rel_median), 4)}
+               "rel_rms": round(float(self.rel_rms), 4), "rel_median": round(float(self.rel_median), 4),
+               "decode_keys": self.decode_keys}
         if self.chunk_base_us is not None:
             out["chunk"] = {"base_us": round(float(self.chunk_base_us), 1), "row_us": round(float(self.chunk_row_us), 2),
                             "ctx_kilotoken_us": round(float(self.chunk_ctx_kilotoken_us), 3)}
@@ -133,18 +145,30 @@ def _robust(a: np.ndarray, y: np.ndarray, rounds: int = 6) -> np.ndarray:
 HUBER = 2.0  # residuals past this many median absolute residuals count linearly, not squared
 
 
-def fit(samples: list[tuple[int, float, float, float, float]]) -> StepFit:
-    """samples: (rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds) per tick."""
+def fit(samples: list[tuple]) -> StepFit:
+    """samples: (rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds[,
+    keys the compiled decode step read]) per tick. With the keys read, a decode-only tick is
+    fitted on the positions each way, and the one that fits the ticks better is kept
+    (decode_keys): the compiled CPU step reads every row up to the longest row, padded."""
     if len(samples) < 8:
         raise ValueError(f"{len(samples)} ticks: too few to fit a step")
-    x = np.array(samples, dtype=float)
-    decode, chunked = x[x[:, 1] == 0], x[x[:, 1] > 0]
+    x = np.array([s[:5] for s in samples], dtype=float)
+    padded = np.array([s[5] if len(s) > 5 else s[2] for s in samples], dtype=float)
+    fits = [_fit(x, x[:, 2], "sum")]
+    if not np.allclose(padded[x[:, 1] == 0], x[x[:, 1] == 0, 2]):
+        fits.append(_fit(x, padded, "padded"))
+    return min(fits, key=lambda f: f.rel_median)
+
+
+def _fit(x: np.ndarray, keys: np.ndarray, decode_keys: str) -> StepFit:
+    only = x[:, 1] == 0
+    decode, chunked = x[only], x[~only]
     if len(decode) < 2 or len(chunked) < 5:
         raise ValueError(f"{len(decode)} decode-only and {len(chunked)} ticks with prompt chunks: too few to fit a step")
     low, top = decode[:, 0].min(), decode[:, 0].max()
     knots = [k for k in KNOTS if low <= k <= top] + [k for k in KNOTS if k > top][:1]
     knots = [k for k in KNOTS if k < low][-1:] + knots if knots[0] > low else knots
-    a = np.hstack([_ramps(decode[:, 0], knots), decode[:, 2:3] / 1000])
+    a = np.hstack([_ramps(decode[:, 0], knots), keys[only, None] / 1000])
     dec = _robust(a, decode[:, 4] * 1e6)
     b = np.hstack([np.ones((len(chunked), 1)), chunked[:, 0:2], chunked[:, 2:4] / 1000])
     chk = _robust(b, chunked[:, 4] * 1e6)
@@ -152,6 +176,6 @@ def fit(samples: list[tuple[int, float, float, float, float]]) -> StepFit:
     rows = dict(zip(knots, np.cumsum(dec[:n]).tolist()))
     err = np.concatenate([a @ dec - decode[:, 4] * 1e6, b @ chk - chunked[:, 4] * 1e6])
     return StepFit(rows=rows, chunk_token_us=chk[2], ctx_kilotoken_us=dec[n], attended_kilotoken_us=chk[4],
-                   samples=len(samples), rel_rms=float(np.sqrt((err ** 2).mean()) / (x[:, 4].mean() * 1e6)),
+                   samples=len(x), rel_rms=float(np.sqrt((err ** 2).mean()) / (x[:, 4].mean() * 1e6)),
                    rel_median=float(np.median(np.abs(err)) / (np.median(x[:, 4]) * 1e6)),
-                   chunk_base_us=chk[0], chunk_row_us=chk[1], chunk_ctx_kilotoken_us=chk[3])
+                   chunk_base_us=chk[0], chunk_row_us=chk[1], chunk_ctx_kilotoken_us=chk[3], decode_keys=decode_keys)

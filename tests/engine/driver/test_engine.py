@@ -131,8 +131,8 @@ def test_the_rank_loop_traces_each_tick_with_its_shape(tiny_model):
     trace = []
     outs = run_batch(runner, reqs, trace=trace)
     assert all(len(o["token_ids"]) == NEW for o in outs)
-    shapes = [s for s, _ in trace]
-    assert all(sec > 0 for _, sec in trace)
+    shapes = [s for s, _, _ in trace]
+    assert all(sec > 0 for _, sec, _ in trace)
     assert sum(s.chunk_tokens for s in shapes) == sum(len(p) for p in PROMPTS[:3])  # prompts, chunked by 8
     assert sum(s.rows for s in shapes) == 3 * (NEW - 1)  # each later token is one decode row
     assert max(s.chunk_tokens for s in shapes) <= 8
@@ -155,3 +155,7 @@ def test_step_trace_writes_each_engines_ticks_once(tiny_model, tmp_path, layout)
     assert {t[0] for t in ticks} == {"engine"} and all(t[5] > 0 for t in ticks)
     assert sum(t[2] for t in ticks) == sum(len(p) for p in PROMPTS[:3])  # every prompt token once: one rank wrote
     assert sum(t[1] for t in ticks) == 3 * (NEW - 1)
+    # a decode tick's padded keys: its rows, each a power of two of 16-token blocks
+    for t in ticks:
+        if t[1] and not t[2]:
+            assert t[6] >= t[3] and (t[6] / t[1]) % 16 == 0 and t[7] in (True, False)
