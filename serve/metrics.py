@@ -40,6 +40,17 @@ DESCRIPTIONS = {
     "spec_decode_acceptance_rate": "speculative decoding: accepted / drafted tokens, since start",
     "spec_decode_mean_accepted_length": "speculative decoding: tokens per verify step (accepted drafts + 1), "
                                         "since start",
+    "kv_tier_blocks": "KV cache tiers: blocks a tier holds (host, disk; the shared store's own count is its server's)",
+    "kv_tier_bytes": "KV cache tiers: bytes a tier holds",
+    "kv_tier_hits": "KV cache tiers: blocks read from a tier, since start",
+    "kv_tier_misses": "KV cache tiers: blocks looked for in a tier and not found, since start",
+    "kv_tier_bytes_in": "KV cache tiers: bytes written to a tier, since start",
+    "kv_tier_bytes_out": "KV cache tiers: bytes read from a tier, since start",
+    "kv_tier_evictions": "KV cache tiers: blocks a tier let go of for room, since start",
+    "kv_tier_fetch_seconds": "KV cache tiers: seconds spent reading blocks from a tier to bring them up, since start",
+    "kv_tier_checksum_misses": "KV cache tiers: blocks found torn, truncated, corrupt or another model's, "
+                               "each read as a miss and computed again",
+    "kv_tier_writes_dropped": "KV cache tiers: blocks no tier could take (a full write queue or every tier off)",
     "disagg_routed": "disaggregated serving: requests by the path decided at arrival (prefill: to the prefill "
                      "engines; decode: short or cached enough to stay; queue: the prefill engines were full)",
     "disagg_requests_total": "disaggregated serving: requests that ended, by the engine that computed their "
@@ -81,6 +92,12 @@ class Metrics:
                           ("kv_blocks_total", "num_blocks"), ("kv_window_blocks_in_use", "window_blocks_in_use"),
                           ("kv_window_blocks_total", "window_num_blocks")):
             Gauge(f"{PREFIX}_{name}", d[name], registry=r).set_function(lambda key=key: stats().get(key, 0))
+        for counter in ("blocks", "bytes", "hits", "misses", "bytes_in", "bytes_out", "evictions", "fetch_seconds"):
+            g = Gauge(f"{PREFIX}_kv_tier_{counter}", d[f"kv_tier_{counter}"], ["tier"], registry=r)
+            for tier in ("host", "disk", "shared"):
+                g.labels(tier).set_function(lambda k=f"kv_tier_{tier}_{counter}": stats().get(k, 0))
+        for name in ("kv_tier_checksum_misses", "kv_tier_writes_dropped"):
+            Gauge(f"{PREFIX}_{name}", d[name], registry=r).set_function(lambda k=name: stats().get(k, 0))
         Gauge(f"{PREFIX}_prefix_cache_hit_rate", d["prefix_cache_hit_rate"], registry=r).set_function(self.hit_rate)
         routed = Gauge(f"{PREFIX}_disagg_routed", d["disagg_routed"], ["decision"], registry=r)
         for decision in ("prefill", "decode", "queue"):

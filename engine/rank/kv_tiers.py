@@ -87,6 +87,9 @@ class RankTiers:
 
     def __init__(self, runner, chain: TierChain):
         self.runner, self.chain = runner, chain
+        # the ranks that schedule together: the job, or with DP replicas this replica's tp or pp group
+        ctx = runner.ctx
+        self.group = ctx.world if ctx.layout.dp == 1 else ctx.tp if ctx.layout.pp == 1 else ctx.pp
         self._fetched: list[bytes] = []  # payloads of the last `held`
         self._fills: list[tuple[int, bytes]] = []  # (block, payload) to copy in before the tick
         self._new: list[tuple[int, bytes, bytes | None]] = []  # (block, name, parent) named this tick
@@ -102,12 +105,13 @@ class RankTiers:
         if not eng.enable_prefix_caching:
             raise ConfigError("KV cache tiers hold prefix blocks: they need prefix caching (drop "
                               "--no-enable-prefix-caching)")
-        if lay.cp > 1 or lay.dp > 1 or runner.window_pool is not None:
-            raise ConfigError("KV cache tiers run with TP and PP; not yet with context parallel stripes, DP "
-                              "attention replicas in one job or a sliding layers' own cache")
+        if lay.cp > 1 or runner.window_pool is not None or (lay.dp > 1 and lay.tp > 1 and lay.pp > 1):
+            raise ConfigError("KV cache tiers run with TP, PP and DP replicas; not yet with context parallel "
+                              "stripes, a sliding layers' own cache, or TP, PP and DP all at once")
         rank = runner.ctx.rank
         tiers = [HostTier(int(eng.kv_offload_gb * GIB)) if eng.kv_offload_gb else None]
         if eng.kv_disk_dir:
+            # a directory per rank (replicas' ranks too: two writers never share one)
             where = Path(eng.kv_disk_dir) / f"rank{rank}" if lay.world_size > 1 else Path(eng.kv_disk_dir)
             tiers.append(DiskTier(where, int(eng.kv_disk_gb * GIB) if eng.kv_disk_gb else None))
         if eng.kv_shared:
@@ -121,9 +125,9 @@ class RankTiers:
         kept for `fill`)."""
         got = self.chain.fetch(names) if names else []
         count = len(got)
-        if self.runner.ctx.layout.world_size > 1:
+        if self.group.size > 1:
             t = torch.tensor([count], dtype=torch.long, device=self.runner.device)
-            count = int(self.runner.ctx.world.all_reduce(t, op="min")[0])
+            count = int(self.group.all_reduce(t, op="min")[0])
         self._fetched = got[:count]
         return count
 
@@ -178,7 +182,8 @@ class RankTiers:
 
 def _slice(runner) -> dict:
     """What a block's bytes depend on besides its tokens: the checkpoint (its config and a
-    fingerprint of this rank's first weights), dtypes, block size, layout and this rank's place."""
+    fingerprint of this rank's first weights), dtypes, block size, the TP and PP split and this
+    rank's place in it."""
     spec, ctx = runner.spec, runner.ctx
     config = (Path(spec.model_dir) / "config.json").read_text() if (Path(spec.model_dir) / "config.json").exists() \
         else json.dumps(vars(runner.config), default=str, sort_keys=True)
@@ -188,5 +193,6 @@ def _slice(runner) -> dict:
             "weights": hashlib.blake2b(sample, digest_size=16).hexdigest(),
             "dtype": str(runner.dtype), "kv_cache_dtype": spec.engine.kv_cache_dtype,
             "quantization": spec.engine.quantization, "block_size": spec.engine.block_size,
-            "layout": str(ctx.layout), "tp_rank": ctx.coords.tp, "pp_stage": ctx.coords.pp,
+            # the slice a rank's cache holds: DP replicas (and an MoE's expert split) hold the same
+            "tp": ctx.layout.tp, "pp": ctx.layout.pp, "tp_rank": ctx.coords.tp, "pp_stage": ctx.coords.pp,
             "planes": [(str(p.dtype), tuple(p.shape[1:])) for p in planes(runner.cache)]}

@@ -9,6 +9,7 @@ import pytest
 
 from atoll import LLM, SamplingParams
 from reference import reference_tokens
+from test_tiers_redis import server  # noqa: F401  (the redis-server fixture)
 
 NEW = 6
 
@@ -82,3 +83,24 @@ def _first_block(kv: Path, prompt: list, model) -> Path:
     found = [p for p in kv.rglob("*") if p.is_file() and p.name.endswith(key)]
     assert len(found) == 1, (key, os.listdir(kv))
     return found[0]
+
+
+def test_replicas_share_prefixes_through_redis_and_serve_on_when_it_dies(tiny_model, server):
+    """Two engines at once (two replicas, or two servers): what A computed, B finds in Redis.
+    Then Redis dies: serving goes on from the local tiers, no request failing."""
+    url, proc = server
+    model = tiny_model("llama")
+    first, second = _prompts(256, convs=2)
+    ref = reference_tokens(model, first + second, NEW)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    kw = dict(max_model_len=128, num_blocks=8, max_num_seqs=1, kv_shared=url)
+    with LLM(str(model), **kw) as a, LLM(str(model), **kw) as b:
+        one = a.generate([first[0]], params)[0]
+        two = b.generate([second[0]], params)[0]  # b's pool never saw the prefix
+    assert (one.token_ids, two.token_ids) == (ref[0], ref[2])
+    assert (one.metrics["cached_tokens"], two.metrics["cached_tokens"]) == (0, 32)
+    proc.kill()
+    proc.wait(timeout=10)
+    after = _serve(model, [first[1], second[1]], kv_shared=url, kv_offload_gb=0.01)
+    assert [o.token_ids for o in after] == [ref[1], ref[3]] and all(o.error is None for o in after)
+    assert after[1].metrics["cached_tokens"] == 32  # from host memory, with Redis gone
