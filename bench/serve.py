@@ -18,8 +18,9 @@ long-prompt: the streams' ITL while a long prompt arrives, with the default chun
 without chunking (bench/serve_scenario.py). --scenario routing: cache-aware routing against
 round-robin over --data-parallel-size replicas, on requests sharing --system-prompts
 prefixes (bench/serve_routing.py). --scenario disagg: colocated against --prefill/--decode
-serving on requests with a --long-share of --long-len prompts (bench/serve_disagg.py). The
-1-minute load average is read before,
+serving on requests with a --long-share of --long-len prompts (bench/serve_disagg.py).
+--scenario kv-tiers: multi-turn chat served with no KV tiers, a host tier and host plus disk
+(bench/serve_tiers.py). The 1-minute load average is read before,
 between and after the rounds.
 """
 
@@ -38,6 +39,7 @@ from atoll.bench.serve_disagg import render as render_disagg, run_disagg
 from atoll.bench.serve_load import run_load as load, served_model, warm_up
 from atoll.bench.serve_routing import render as render_routing, run_routing
 from atoll.bench.serve_scenario import render as render_long, run_long_prompt
+from atoll.bench.serve_tiers import render as render_tiers, run_tiers
 from atoll.bench.serve_server import Server, engine_argv
 from atoll.config import add_model_options, resolve
 from atoll.errors import ConfigError
@@ -45,7 +47,7 @@ from atoll.models.config import ModelConfig
 from atoll.planner.sim.load import jsonl_requests, mixed_requests, random_requests, shared_prefix_requests
 from atoll.planner.sim.report import num as _f, parse_goodput, parse_percentiles, report, report_lines
 
-SCENARIOS = ("load", "long-prompt", "routing", "disagg")
+SCENARIOS = ("load", "long-prompt", "routing", "disagg", "kv-tiers")
 PROMPTS = ("random", "shared-prefix", "long-mix")  # what planner/sim/load.py builds
 
 
@@ -113,7 +115,10 @@ def add_load_options(p) -> None:
                    help="long-prompt: sent once every stream has had this many chunks (default 8)")
     p.add_argument("--system-prompts", type=int, default=8,
                    help="routing: shared prompts of --input-len tokens the requests start with (default 8)")
-    p.add_argument("--user-len", type=int, default=32, help="routing: each request's own tokens after it (default 32)")
+    p.add_argument("--user-len", type=int, default=32,
+                   help="routing: each request's own tokens after it; kv-tiers: each later turn's new tokens "
+                        "(default 32)")
+    p.add_argument("--turns", type=int, default=6, help="kv-tiers: turns of each conversation (default 6)")
 
 
 MAX_PROMPTS = 10_000_000  # requests a load may hold (lengths bounded by the model's context)
@@ -161,6 +166,10 @@ def run(args) -> int:
             result = run_disagg(args, bench, bench.model, config.vocab_size, slos, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_disagg)
             return 1 if result["colocated"]["failed"] or result["disaggregated"]["failed"] else 0
+        if args.scenario == "kv-tiers":
+            result = run_tiers(args, bench, bench.model, config.vocab_size)
+            bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_tiers)
+            return 1 if any(s["failed"] for s in result["sides"].values()) or not result["same_answers"] else 0
         if args.scenario == "routing":
             result = run_routing(args, bench, bench.model, config.vocab_size, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_routing)

@@ -31,12 +31,13 @@ def payload(model: str, req: BenchRequest, *, ignore_eos: bool = True) -> dict:
     return body
 
 
-async def send(client, url: str, body: dict, *, prompt_len: int | None = None, on_chunk=None) -> RequestResult:
+async def send(client, url: str, body: dict, *, prompt_len: int | None = None, on_chunk=None,
+               token_ids: list | None = None) -> RequestResult:
     """One streamed completion, timed (vLLM's request function): TTFT at the first chunk that
     carries choices, each later such chunk adds a gap to ITL, E2EL at the last one; the token
     counts from the final usage chunk, else the tokens sent and the token ids the chunks carried
     (or the chunks, where they carry none).
-    on_chunk(k): after the k-th chunk (1-based)."""
+    on_chunk(k): after the k-th chunk (1-based). token_ids: a list that takes the ids the chunks carry."""
     r = RequestResult(prompt_tokens=prompt_len or 0)
     chunks = ids = 0
     st = last = time.perf_counter()
@@ -59,7 +60,10 @@ async def send(client, url: str, body: dict, *, prompt_len: int | None = None, o
                     return r
                 if msg.get("choices"):
                     now = time.perf_counter()
-                    ids += len(msg["choices"][0].get("token_ids") or ())
+                    got = msg["choices"][0].get("token_ids") or ()
+                    ids += len(got)
+                    if token_ids is not None:
+                        token_ids.extend(got)
                     if chunks == 0:
                         r.ttft = now - st
                     else:

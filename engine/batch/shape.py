@@ -31,9 +31,22 @@ def block_bucket(blocks: int, max_blocks: int | None = None) -> int:
     return b if max_blocks is None else min(b, max_blocks)
 
 
-def step_shape(chunks, block_size: int | None = None, max_blocks: int | None = None) -> StepShape:
+def seq_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
+    """smallest, 2 x smallest, 4 x smallest, ... below max_num_seqs, then max_num_seqs (or
+    just smallest, when max_num_seqs is not above it)."""
+    out, b = [], smallest
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max(max_num_seqs, smallest)]
+
+
+def step_shape(chunks, block_size: int | None = None, max_blocks: int | None = None,
+               buckets: list[int] | None = None) -> StepShape:
     """The shape of one replica's chunks (engine.batch.scheduler.Scheduled); with block_size,
-    also the keys the compiled decode step reads (ctx_padded)."""
+    also the keys the compiled decode step reads (ctx_padded): its rows padded to the first of
+    `buckets` that holds them (seq_buckets; padding rows read the same width), each its block
+    table padded to block_bucket of the longest row's."""
     rows = tokens = longest = 0
     ctx = attended = 0.0
     for c in chunks:
@@ -46,5 +59,6 @@ def step_shape(chunks, block_size: int | None = None, max_blocks: int | None = N
             attended += c.count * (c.start + c.count / 2)
     padded = ctx
     if block_size and rows:
-        padded = float(rows * block_bucket(-(-longest // block_size), max_blocks) * block_size)
+        height = next((b for b in buckets or () if b >= rows), rows)
+        padded = float(height * block_bucket(-(-longest // block_size), max_blocks) * block_size)
     return StepShape(rows, tokens, ctx, attended, padded)

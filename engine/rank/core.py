@@ -108,8 +108,9 @@ class EngineCore:
             return False
         self.inflight.appendleft(mb)
         if self.trace is not None:  # the heaviest micro-batch in flight sets the tick (one, without PP)
-            size = self.spec.engine.block_size
-            shapes = [step_shape(b.chunks, size, -(-self.spec.max_model_len // size))
+            size, step = self.spec.engine.block_size, runner.decode_step
+            shapes = [step_shape(b.chunks, size, -(-self.spec.max_model_len // size),
+                                 step.buckets if step is not None else None)
                       for b in self.inflight if b is not None]
             heaviest = max(shapes, key=lambda x: (x.chunk_tokens, x.rows), default=None)
         tokens = runner.tick(self.inflight)

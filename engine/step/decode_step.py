@@ -22,19 +22,10 @@ import torch
 from atoll.config.sampling import SamplingParams
 from atoll.engine.batch.request import Request
 from atoll.engine.batch.scheduler import Scheduled, Sequence
+from atoll.engine.batch.shape import seq_buckets
 from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.layers.attention import StaticDecode
 from atoll.layers.rotary import RotaryEmbedding
-
-
-def seq_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
-    """smallest, 2 x smallest, 4 x smallest, ... below max_num_seqs, then max_num_seqs (or
-    just smallest, when max_num_seqs is not above it)."""
-    out, b = [], smallest
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    return out + [max(max_num_seqs, smallest)]
 
 
 class DecodeStep:

@@ -24,7 +24,7 @@ from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.batch.lanes import Lanes
 from atoll.engine.batch.request import Request, finish_reason
 from atoll.engine.batch.scheduler import Sequence
-from atoll.engine.batch.shape import step_shape
+from atoll.engine.batch.shape import seq_buckets, step_shape
 from atoll.engine.spec.drafter import Drafter
 from atoll.planner.sim import steady
 
@@ -60,7 +60,9 @@ class SimEngine:
                  prefix_caching: bool = False, spec_k: int = 0, acceptance: float = 0.0, draft_rate: float = 1.0,
                  seed: int = 0, on_chunk=None, on_end=None, on_retime=None, fast: bool = True):
         self.name, self.layout, self.cost, self.depth, self.max_model_len = name, layout, cost, pp, max_model_len
+        # the compiled decode step's shapes: rows in buckets, tables in powers of two of blocks
         self.block_size, self.max_blocks = block_size, -(-max_model_len // block_size)
+        self.buckets = seq_buckets(max_num_seqs * (1 + spec_k))
         self.drafter = (SimDrafter(spec_k, draft_rate=draft_rate, max_model_len=max_model_len, seed=seed)
                         if spec_k else None)
         self.acceptance, self.rng = acceptance, random.Random(seed + 1)
@@ -172,7 +174,7 @@ class SimEngine:
         self.tick_no += 1
 
     def _cost(self, chunks: list[list]) -> tuple[float, float]:
-        shapes = [step_shape(part, self.block_size, self.max_blocks) for part in chunks]
+        shapes = [step_shape(part, self.block_size, self.max_blocks, self.buckets) for part in chunks]
         multi = len(shapes) > 1
         pass_s, stage_s, key = self.cost.tick(
             sum(x.rows for x in shapes), sum(x.chunk_tokens for x in shapes), sum(x.ctx_sum for x in shapes),

@@ -99,8 +99,9 @@ def plan(engine, chunks: list[list], start: float, first_s: float) -> Run | None
     t = run.ends[0]
     size, cap = engine.block_size, engine.max_blocks
     for j in range(1, ticks):
-        # the keys a compiled step reads: each replica's rows up to its longest row, padded
-        padded = sum(n * block_bucket(-(-(top + j) // size), cap) * size for n, _, top in per_replica)
+        # the keys a compiled step reads: each replica's rows (to their bucket) up to its longest row, padded
+        padded = sum(next((b for b in engine.buckets if b >= n), n) * block_bucket(-(-(top + j) // size), cap) * size
+                     for n, _, top in per_replica)
         pass_s, _, key = engine.cost.tick(total_rows, 0, ctx0 + j * total_rows, 0.0,
                                           dp_rows=top_rows if multi else None, dp_chunk_tokens=0 if multi else None,
                                           ctx_padded=padded)

@@ -166,7 +166,8 @@ def _fit(x: np.ndarray, keys: np.ndarray, decode_keys: str) -> StepFit:
     if len(decode) < 2 or len(chunked) < 5:
         raise ValueError(f"{len(decode)} decode-only and {len(chunked)} ticks with prompt chunks: too few to fit a step")
     low, top = decode[:, 0].min(), decode[:, 0].max()
-    knots = [k for k in KNOTS if low <= k <= top] + [k for k in KNOTS if k > top][:1]
+    # past the top measured row count the step is extended along its last piece
+    knots = [k for k in KNOTS if low <= k <= top] + ([k for k in KNOTS if k > top][:1] if top not in KNOTS else [])
     knots = [k for k in KNOTS if k < low][-1:] + knots if knots[0] > low else knots
     a = np.hstack([_ramps(decode[:, 0], knots), keys[only, None] / 1000])
     dec = _robust(a, decode[:, 4] * 1e6)

@@ -4,7 +4,7 @@ simulator times a tick by."""
 from atoll.config.sampling import SamplingParams
 from atoll.engine.batch.request import Request
 from atoll.engine.batch.scheduler import Scheduled, Sequence
-from atoll.engine.batch.shape import block_bucket, step_shape
+from atoll.engine.batch.shape import block_bucket, seq_buckets, step_shape
 
 
 def _decoding(prompt: int, out: int) -> Scheduled:
@@ -28,3 +28,11 @@ def test_a_compiled_decode_step_reads_every_row_up_to_the_longest_padded():
     prompt = Scheduled(Sequence(Request(1, [1] * 40, SamplingParams()), None), 0, 40)
     s = step_shape([prompt], 16)
     assert (s.rows, s.chunk_tokens, s.ctx_padded) == (0, 40, 0.0)
+
+
+def test_padding_rows_read_the_same_width():
+    # 3 rows run in the 4-row bucket: 4 x 2 blocks of 16
+    rows = [_decoding(8, 2), _decoding(8, 3), _decoding(8, 4)]
+    assert step_shape(rows, 16, buckets=[1, 2, 4, 8]).ctx_padded == 4 * 2 * 16
+    assert step_shape(rows, 16).ctx_padded == 3 * 2 * 16  # no buckets given: the rows themselves
+    assert seq_buckets(20) == [1, 2, 4, 8, 16, 20]

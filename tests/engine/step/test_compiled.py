@@ -14,8 +14,7 @@ from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
 from atoll.engine.step import policy as step_policy
-from atoll.engine.batch.shape import block_bucket
-from atoll.engine.step.decode_step import seq_buckets
+from atoll.engine.batch.shape import block_bucket, seq_buckets
 from atoll.config import EngineConfig, add_cli_options, from_args
 from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.runner import ModelRunner
