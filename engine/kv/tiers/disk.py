@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 from atoll.engine.kv.tiers.host import Spilled
-from atoll.engine.kv.tiers.index import PrefixLRU
+from atoll.engine.kv.tiers.index import Indexed, PrefixLRU
 from atoll.errors import ConfigError
 
 MARKER = ".atoll-kv-tier"
@@ -76,7 +76,7 @@ def _write(folder: Path, path: Path, data: bytes) -> None:
         raise
 
 
-class DiskTier:
+class DiskTier(Indexed):
     """Block records as files under `directory`, at most `capacity_bytes` of them (None: no
     limit, for a shared directory whose owner sizes it)."""
 
@@ -89,14 +89,6 @@ class DiskTier:
         self._lock = threading.Lock()  # the index: the writer thread puts while the engine thread gets
         claim(self.directory)
         self._reindex()
-
-    @property
-    def blocks(self) -> int:
-        return len(self._index)
-
-    @property
-    def bytes(self) -> int:
-        return self._index.bytes
 
     def path(self, name: bytes) -> Path:
         return self.directory / name[-1:].hex() / name.hex()

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import threading
 
-from atoll.engine.kv.tiers.index import PrefixLRU
+from atoll.engine.kv.tiers.index import Indexed, PrefixLRU
 
 Spilled = list[tuple[bytes, bytes | None, bytes | None]]  # (name, parent, record or None)
 
 
-class HostTier:
+class HostTier(Indexed):
     """Records in a dict, at most `capacity_bytes` of them (header included)."""
 
     name = "host"
@@ -34,14 +34,6 @@ class HostTier:
         self._records: dict[bytes, bytes] = {}
         self._index = PrefixLRU()
         self._lock = threading.Lock()  # the writer thread puts while the engine thread gets
-
-    @property
-    def blocks(self) -> int:
-        return len(self._index)
-
-    @property
-    def bytes(self) -> int:
-        return self._index.bytes
 
     def has(self, names: list[bytes]) -> list[bool]:
         """Whether each name is held."""

@@ -72,3 +72,17 @@ class PrefixLRU:
             if not self._kids.get(name):
                 return name
         return next(iter(self._size), None)  # only a loop of parents (never from real names)
+
+
+class Indexed:
+    """A tier that keeps its own PrefixLRU (`self._index`): what it holds, counted from it."""
+
+    _index: PrefixLRU
+
+    @property
+    def blocks(self) -> int:
+        return len(self._index)
+
+    @property
+    def bytes(self) -> int:
+        return self._index.bytes

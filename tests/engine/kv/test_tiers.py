@@ -196,19 +196,25 @@ def test_disk_stays_under_its_capacity_and_inside_its_directory(tmp_path):
     assert not [f for f in os.listdir(tmp_path / "kv") if f.startswith(".tmp-")]
 
 
-def test_a_shared_directory_serves_a_second_replica(tmp_path):
-    url = f"file://{tmp_path / 'shared'}"
+def shared_by_two_replicas(url: str) -> list[bytes]:
+    """Replica one writes a chain to the shared store `url` (its host tier holds nothing), replica
+    two finds, fetches and promotes it, and another namespace sees none of it; the keys."""
     keys = chain_of(4)
     with TierChain([HostTier(0), SharedTier.open(url)], NS) as one, \
             TierChain([HostTier(100 * RECORD), SharedTier.open(url)], NS) as two:
-        offload_chain(one, keys)  # the host holds nothing: every block spills to the shared tier
-        assert one.stats()["shared"]["blocks"] == 4
+        offload_chain(one, keys)  # the host holds nothing: every block goes on to the shared tier
+        assert one.stats()["shared"]["bytes_in"] == 4 * RECORD
         assert two.lookup(keys) == 4
         assert two.fetch(keys) == [payload(k) for k in keys]
         assert two.stats()["shared"]["hits"] == 4
         assert two.flush(5) and two.stats()["host"]["blocks"] == 4  # promoted
     with TierChain([SharedTier.open(url)], OTHER) as other:
         assert other.lookup(keys) == 0
+    return keys
+
+
+def test_a_shared_directory_serves_a_second_replica(tmp_path):
+    shared_by_two_replicas(f"file://{tmp_path / 'shared'}")
 
 
 def test_shared_urls_it_cannot_use_are_one_line_errors(tmp_path):

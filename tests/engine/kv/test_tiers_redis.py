@@ -16,7 +16,7 @@ from atoll.engine.kv.tiers.host import HostTier
 from atoll.engine.kv.tiers.record import unpack
 from atoll.engine.kv.tiers.shared import SharedTier
 
-from test_tiers import NS, OTHER, RECORD, chain_of, offload_chain, payload
+from test_tiers import NS, RECORD, chain_of, offload_chain, payload, shared_by_two_replicas
 
 redis = pytest.importorskip("redis", reason="the redis package (pip install 'atoll[kv]')")
 SERVER = shutil.which("redis-server")
@@ -55,17 +55,7 @@ def server():
 
 def test_two_replicas_share_blocks_through_redis(server):
     url, _ = server
-    keys = chain_of(4)
-    with TierChain([HostTier(0), SharedTier.open(url)], NS) as one, \
-            TierChain([HostTier(100 * RECORD), SharedTier.open(url)], NS) as two:
-        offload_chain(one, keys)  # the host holds nothing: every block goes to Redis
-        assert one.stats()["shared"]["bytes_in"] == 4 * RECORD
-        assert two.lookup(keys) == 4
-        assert two.fetch(keys) == [payload(k) for k in keys]
-        assert two.stats()["shared"]["hits"] == 4
-        assert two.flush(5) and two.stats()["host"]["blocks"] == 4  # promoted
-        with TierChain([SharedTier.open(url)], OTHER) as other:
-            assert other.lookup(keys) == 0
+    keys = shared_by_two_replicas(url)
     stored = redis.Redis.from_url(url).keys("*")
     assert sorted(stored) == sorted(b"atoll:kv:" + (NS + k).hex().encode() for k in keys)
 
