@@ -104,3 +104,18 @@ def test_replicas_share_prefixes_through_redis_and_serve_on_when_it_dies(tiny_mo
     after = _serve(model, [first[1], second[1]], kv_shared=url, kv_offload_gb=0.01)
     assert [o.token_ids for o in after] == [ref[1], ref[3]] and all(o.error is None for o in after)
     assert after[1].metrics["cached_tokens"] == 32  # from host memory, with Redis gone
+
+
+@pytest.mark.parametrize("kind,kv_dtype", [("llama", "int8"), ("llama", "fp8"), ("deepseek_v3", "auto"),
+                                           ("mistral", "auto")])
+def test_quantized_latent_and_windowed_caches_come_back_as_stored(tiny_model, tmp_path, kind, kv_dtype):
+    """int8 and fp8 blocks (with their scales), MLA's latent rows and a sliding-window model's
+    blocks: the tokens with tiers are those without (the same cache dtype), and every turn-2
+    prompt finds its two blocks below the pool."""
+    model = tiny_model(kind, **({"sliding_window": 32} if kind == "mistral" else {}))
+    first, second = _prompts(256, convs=6)
+    kw = dict(kv_cache_dtype=kv_dtype)
+    tiers = _serve(model, first + second, kv_offload_gb=0.01, **kw)
+    plain = _serve(model, first + second, **kw)
+    assert [o.token_ids for o in tiers] == [o.token_ids for o in plain]
+    assert [o.metrics["cached_tokens"] for o in tiers[len(first):]] == [32] * len(second)
