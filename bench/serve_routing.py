@@ -1,5 +1,6 @@
-"""`atoll bench serve --scenario routing`: cache-aware routing against round-robin over the same
-replicas (--data-parallel-size N, a dense model), side by side in one run.
+"""`atoll bench serve --scenario routing`: cache-aware routing by the engines' cache events,
+the same rule over the router's own model of what it sent (sent_prefix), and round-robin, over
+the same replicas (--data-parallel-size N, a dense model), side by side in one run.
 
 --system-prompts prompts (default 8) of --input-len random token ids (512 in the manual's
 figure) are shared: each of --num-prompts requests is one of them, drawn at random, followed
@@ -22,7 +23,7 @@ from atoll.errors import ConfigError
 from atoll.planner.sim.load import random_requests, shared_prefix_requests
 from atoll.planner.sim.report import report
 
-ROUTERS = ("cache_aware", "round_robin")
+ROUTERS = ("cache_aware", "sent_prefix", "round_robin")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -97,14 +98,14 @@ def run_routing(args, bench, model_dir: str, vocab_size: int, percentiles) -> di
         results, duration, before, after = server_round(args, model_dir, argv, requests, warm)
         bench.note()
         rep = report(results, duration, percentiles=percentiles)
-        sides[router] = side(before, after, rep, models_cache=router == "cache_aware") | {"load_avg_1m_after": round(bench.loads[-1], 2),
+        sides[router] = side(before, after, rep, models_cache=router != "round_robin") | {"load_avg_1m_after": round(bench.loads[-1], 2),
                                                     "server_args": argv}
     ca, rr = sides["cache_aware"], sides["round_robin"]
     p50 = lambda s: s["ttft_ms"].get("p50")  # noqa: E731
     return {"scenario": "routing", "replicas": args.data_parallel_size, "num_prompts": len(requests),
             "system_prompts": args.system_prompts, "system_len": args.input_len, "user_len": args.user_len,
             "output_len": osl, "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
-            "cache_aware": ca, "round_robin": rr,
+            **sides,
             "ttft_p50_round_robin_over_cache_aware": sig(p50(rr) / p50(ca), 4) if p50(rr) and p50(ca) else None}
 
 
@@ -114,7 +115,7 @@ def render(r: dict) -> str:
              f"rate {r['request_rate']} req/s"]
     lines.append(f"{'router':<13}{'hit rate':>9}{'expected':>9}{'TTFT p50':>10}{'TTFT mean':>10}{'E2EL p50':>10}"
                  f"{'out tok/s':>10}{'done':>6}{'load':>6}  routes / per replica")
-    for name in ROUTERS:
+    for name in (n for n in ROUTERS if n in r):
         s = r[name]
         routes = " ".join(f"{k} {v}" for k, v in sorted(s["routes"].items()))
         per = "/".join(str(v) for v in s["requests_per_replica"].values())

@@ -13,7 +13,8 @@ from atoll.errors import InputError, LaunchError
 from atoll.parallel.layout import Layout
 
 ROUTER_HELP = ("which replica takes a request: cache_aware (the one holding the longest cached prefix of its "
-               "prompt, else the least loaded) or round_robin")
+               "prompt, as the engines report the blocks they name and evict, else the least loaded), "
+               "sent_prefix (the same rule over the router's own model of what it sent) or round_robin")
 
 
 def add_replica_options(p) -> None:

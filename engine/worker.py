@@ -50,7 +50,7 @@ def _build(rank, world_size, job: EngineJob, inboxes, outbox, device, node, rank
             else ParallelContext.single(device, job.options)
         runner = ModelRunner(job.specs[0], ctx, ranks_here=ranks_here)
         inbox = inboxes[0] if inboxes else None
-        return 0, ServeLoop(runner, inbox, outbox, link_stats=job.link_stats)
+        return 0, ServeLoop(runner, inbox, outbox, link_stats=job.link_stats, cache_events=job.cache_events)
     layouts = job.layouts
     engine, ctx = create_part(layouts, rank, device, job.options)
     world = Group(dist.group.WORLD, range(world_size), rank, "job", device)

@@ -241,10 +241,15 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
     replica that fails to start stops the others and its error is raised."""
     spec = engine_spec(llm)
     launchers = replica_launchers(llm.launcher, count, llm.layout.world_size)
+    chooser: list = []  # the router, once the engines said their sizes; their cache events go to it
+
+    def events_of(k: int):
+        return lambda events: chooser[0].observe(k, events) if chooser else None
 
     def one(k: int) -> OnlineEngine:
         return OnlineEngine(spec, world_size=llm.layout.world_size, launcher=launchers[k],
-                            parallel=parallel or llm.context_options())
+                            parallel=parallel or llm.context_options(),
+                            on_events=events_of(k) if router == "cache_aware" else None)
 
     # under Ray the first alone: its job may start the Ray session the others then join
     alone = 0 if isinstance(llm.launcher, LocalLauncher) else 1
@@ -265,6 +270,7 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
         raise failure
     info = engines[0].info
     capacities = [e.info["num_blocks"] for e in engines]
-    chooser = make_router(router, capacities=capacities, block_size=info["block_size"],
-                          imbalance=max(1, info["max_num_seqs"] // 4))
-    return Replicas(engines, chooser)
+    chooser.append(make_router(router, capacities=capacities, block_size=info["block_size"],
+                               imbalance=max(1, info["max_num_seqs"] // 4), events=True,
+                               tiers=[bool(e.info.get("kv_tiers")) for e in engines]))
+    return Replicas(engines, chooser[0])

@@ -1,13 +1,17 @@
 """Which replica takes a request: cache-aware (the longest cached prefix) or round-robin.
 
-The cache-aware router keeps, for every replica, a model of the prefix blocks it holds: the
-names (engine.kv.blocks.prefix_names, the engines' own block hashes) of the full prompt blocks
-of every request it sent there, in least-recently-used order, at most as many as the
-replica's KV cache has blocks. It is the router's own bookkeeping, not the engines' report:
-a block the engine evicted early (its running requests took the room) or never computed (the
-request was aborted before its prefill) still counts here until the model evicts it, and the
-blocks of generated tokens are not counted. What the engines really served from their
-caches is `cached_tokens` in each response and atoll_prefix_cache_hit_rate in /metrics.
+The cache-aware router keeps, for every replica, the prefix blocks it holds: names
+(engine.kv.blocks.prefix_names, the engines' own block hashes). Where the engines report their
+cache events (`observe`: each block their pools name or evict, as `atoll serve`'s replicas do),
+those are the record: a block is held from the event that names it to the one that evicts it,
+generated tokens' blocks included, and a replica with KV tiers below its pool keeps an evicted
+block there, counted at half the weight of one in its device pool (it is brought up, not
+computed). Between a request's routing and its engine naming its blocks, the router counts its
+prompt's blocks as held there already, so requests sent together with one prefix go together.
+Without events (`events=False`: the simulator, whose engines run the same pools) the record is
+the router's own model: the full prompt blocks of every request it sent, in least-recently-used
+order, at most as many as the replica's KV cache has blocks, which goes wrong when an engine
+evicts early (its running requests took the room).
 
 Rule: the replica whose model holds the most leading blocks of the prompt (the block of its
 last token excluded: the engine always computes that one); among equals the least loaded.
@@ -21,12 +25,15 @@ by load.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from atoll.engine.kv.blocks import prefix_names
 
-ROUTERS = ("cache_aware", "round_robin")
+# sent_prefix: the cache-aware rule over the router's own model of what it sent (events=False),
+# kept so that routing by the engines' events can be measured against it
+ROUTERS = ("cache_aware", "round_robin", "sent_prefix")
 
 
 @dataclass(frozen=True)
@@ -38,11 +45,20 @@ class Route:
 
 
 class CacheModel:
-    """One replica's cached prefix blocks as the router sees them: names, oldest first."""
+    """One replica's cached prefix blocks as the router sees them: names, oldest first; with
+    events, `below` holds the blocks its pool evicted into its KV tiers."""
 
-    def __init__(self, capacity: int):
-        self.capacity = max(1, capacity)
+    def __init__(self, capacity: int | None):
+        self.capacity = None if capacity is None else max(1, capacity)  # None: the engine's events trim it
         self.names: OrderedDict[bytes, None] = OrderedDict()
+        self.below: set[bytes] = set()
+
+    def deeper(self, names: list[bytes], start: int) -> int:
+        """How many names from `start` on are held below the pool, leading."""
+        n = start
+        while n < len(names) and names[n] in self.below:
+            n += 1
+        return n - start
 
     def match(self, names: list[bytes]) -> int:
         """How many leading names are held."""
@@ -57,25 +73,56 @@ class CacheModel:
         for name in names:
             self.names[name] = None
             self.names.move_to_end(name)
-        while len(self.names) > self.capacity:
+        while self.capacity is not None and len(self.names) > self.capacity:
             self.names.popitem(last=False)
 
     def clear(self) -> None:
         self.names.clear()
+        self.below.clear()
+
+
+BELOW_WEIGHT = 0.5  # a block in a replica's KV tiers against one in its device pool
 
 
 class CacheAwareRouter:
     name = "cache_aware"
 
-    def __init__(self, capacities: list[int], *, block_size: int, imbalance: int):
-        self.block_size, self.imbalance = block_size, imbalance
-        self.models = [CacheModel(c) for c in capacities]
+    def __init__(self, capacities: list[int], *, block_size: int, imbalance: int, events: bool = False,
+                 tiers: list[bool] | None = None):
+        """events: the engines report their cache events (observe), which are the record;
+        tiers: which replicas keep evicted blocks in KV tiers below their pool."""
+        self.block_size, self.imbalance, self.events = block_size, imbalance, events
+        self.name = "cache_aware" if events else "sent_prefix"
+        self.models = [CacheModel(None if events else c) for c in capacities]
+        self.tiers = tiers or [False] * len(capacities)
+        self._lock = threading.Lock()  # events come from the engines' threads
+
+    def observe(self, replica: int, events) -> None:
+        """Replica `replica`'s pools named (True, name) or evicted (False, name) these blocks."""
+        model = self.models[replica]
+        with self._lock:
+            for named, name in events:
+                if named:
+                    model.names[name] = None
+                    model.names.move_to_end(name)
+                    model.below.discard(name)
+                else:
+                    model.names.pop(name, None)
+                    if self.tiers[replica]:
+                        model.below.add(name)
 
     def choose(self, tokens: list[int], loads: list[int], alive: list[int]) -> Route:
         """loads[r]: replica r's unfinished requests; alive: the replicas that may take it."""
+        with self._lock:
+            return self._choose(tokens, loads, alive)
+
+    def _choose(self, tokens: list[int], loads: list[int], alive: list[int]) -> Route:
         full = prefix_names(tokens, self.block_size)  # every full block, for the model below
         names = full[:(len(tokens) - 1) // self.block_size]  # the last token's block is always computed
-        hits = {r: self.models[r].match(names) for r in alive}
+        hits = {}
+        for r in alive:
+            held = self.models[r].match(names)
+            hits[r] = held + BELOW_WEIGHT * self.models[r].deeper(names, held)
         # the least loaded; among equals the one whose cache holds least, so new prefixes spread
         least = min(alive, key=lambda r: (loads[r], len(self.models[r].names), r))
         best = max(hits.values())
@@ -84,15 +131,16 @@ class CacheAwareRouter:
         else:
             pick = min((r for r in alive if hits[r] == best), key=lambda r: (loads[r], r))
             if loads[pick] - loads[least] >= self.imbalance:
-                route = Route(least, "balance", hits[least] * self.block_size)
+                route = Route(least, "balance", int(hits[least] * self.block_size))
             else:
-                route = Route(pick, "prefix", best * self.block_size)
+                route = Route(pick, "prefix", int(best * self.block_size))
         self.models[route.replica].touch(full)
         return replace(route, names=tuple(full))
 
     def forget(self, replica: int) -> None:
         """The replica died: it holds nothing."""
-        self.models[replica].clear()
+        with self._lock:
+            self.models[replica].clear()
 
 
 class RoundRobinRouter:
@@ -111,9 +159,11 @@ class RoundRobinRouter:
         pass
 
 
-def make_router(kind: str, *, capacities: list[int], block_size: int, imbalance: int):
-    if kind == "cache_aware":
-        return CacheAwareRouter(capacities, block_size=block_size, imbalance=imbalance)
+def make_router(kind: str, *, capacities: list[int], block_size: int, imbalance: int, events: bool = False,
+                tiers: list[bool] | None = None):
+    if kind in ("cache_aware", "sent_prefix"):
+        return CacheAwareRouter(capacities, block_size=block_size, imbalance=imbalance,
+                                events=events and kind == "cache_aware", tiers=tiers)
     if kind == "round_robin":
         return RoundRobinRouter()
     raise ValueError(f"router {kind!r}: choose one of {', '.join(ROUTERS)}")

@@ -36,8 +36,10 @@ class EngineDead(AtollError):
 
 class OnlineEngine:
     def __init__(self, spec: RunSpec, *, world_size: int, launcher, parallel=None, ready_timeout_s: float = 900,
-                 link_stats: bool = False):
-        self.spec, self.link_stats = spec, link_stats
+                 link_stats: bool = False, on_events=None):
+        """on_events(events): the blocks the engine's pools named (True, name) or evicted
+        (False, name) since its last step report (asked of the ranks only when given)."""
+        self.spec, self.link_stats, self.on_events = spec, link_stats, on_events
         self.links = None  # with link_stats: the run's bytes by link class, once closed (parallel.links)
         self._inbox, self._outbox = launcher.channel(), launcher.channel()
         self.job = self._start(launcher, world_size, parallel)
@@ -67,7 +69,8 @@ class OnlineEngine:
 
     def _start(self, launcher, world_size: int, parallel):
         """The ranks' job (a subclass runs other workers)."""
-        job = EngineJob.colocated(self.spec, parallel, link_stats=self.link_stats)
+        job = EngineJob.colocated(self.spec, parallel, link_stats=self.link_stats,
+                                  cache_events=self.on_events is not None)
         return launcher.start(worker, world_size, job, [self._inbox], self._outbox, device=self.spec.engine.device)
 
     def _ready(self) -> None:
@@ -86,6 +89,9 @@ class OnlineEngine:
         return False
 
     def _take_stats(self, stats: dict, engine: str | None) -> None:
+        events = stats.pop("kv_events", None)
+        if events and self.on_events is not None:
+            self.on_events([(named, name) for _, named, name in events])
         self.stats = stats
 
     def _stop_ranks(self) -> None:

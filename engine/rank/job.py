@@ -19,6 +19,7 @@ class EngineJob:
     roles: tuple[str, ...]  # each engine's role: "colocated" (alone), or "prefill" engines then "decode" ones
     options: ContextOptions | None = None  # islands and nodes
     link_stats: bool = False  # count each engine's bytes by link class (parallel.links), sent as it stops
+    cache_events: bool = False  # a colocated engine's steps report the blocks its pools name and evict
 
     def __post_init__(self):
         if len(self.specs) != len(self.roles) or not self.specs:
@@ -32,8 +33,9 @@ class EngineJob:
             raise ValueError("the engines of one job take one kernel path (their configs' kernels differ)")
 
     @classmethod
-    def colocated(cls, spec: RunSpec, options: ContextOptions | None = None, *, link_stats: bool = False):
-        return cls((spec,), ("colocated",), options, link_stats)
+    def colocated(cls, spec: RunSpec, options: ContextOptions | None = None, *, link_stats: bool = False,
+                  cache_events: bool = False):
+        return cls((spec,), ("colocated",), options, link_stats, cache_events)
 
     @classmethod
     def disaggregated(cls, prefill: RunSpec, decode: RunSpec, options: ContextOptions | None = None, *,

@@ -147,7 +147,8 @@ class ServeLoop:
             spec, layout = self.runner.spec, self.ctx.layout
             self.outbox.put(("ready", {"num_blocks": self.runner.num_blocks, "block_size": spec.engine.block_size,
                                        "max_model_len": spec.max_model_len, "replicas": layout.dp,
-                                       "max_num_seqs": spec.engine.max_num_seqs, "engine": self.name}))
+                                       "max_num_seqs": spec.engine.max_num_seqs, "engine": self.name,
+                                       "kv_tiers": self.runner.kv_tiers is not None}))
 
     def run(self) -> None:
         core, last = self.core, None

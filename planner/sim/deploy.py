@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from atoll.config.engine import default_batched_tokens
 from atoll.config.speculative import SpeculativeConfig
+from atoll.engine.batch.router import ROUTERS
 from atoll.engine.kv.sizing import cpu_blocks
 from atoll.errors import ConfigError, InputError
 from atoll.parallel.layout import Layout, resolve_layout
@@ -28,7 +29,6 @@ from atoll.planner.sim.clock import StepCost
 from atoll.planner.sim.stepfit import StepFit
 from atoll.planner.workload import Workload
 
-ROUTERS = ("cache_aware", "round_robin")
 RUNTIME_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}  # the runtime's names -> the planner's
 
 

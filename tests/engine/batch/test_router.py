@@ -157,3 +157,26 @@ def test_a_dense_model_s_dp_is_replicas_and_an_moe_model_keeps_it():
     with pytest.raises(LaunchError, match="one job serves one engine"):
         check_replicas(2, "torchrun")
     check_replicas(2, "ray")
+
+
+def test_with_events_an_early_eviction_sends_the_prefix_elsewhere_and_tiers_count_half():
+    system = list(range(100, 116))  # four blocks of 4
+    names = prefix_names(system + [1], BS)
+    evented = CacheAwareRouter([100, 100], block_size=BS, imbalance=8, events=True, tiers=[False, False])
+    sent = make_router("sent_prefix", capacities=[100, 100], block_size=BS, imbalance=8)
+    assert (evented.name, sent.name) == ("cache_aware", "sent_prefix")
+    for r in (evented, sent):
+        assert r.choose(system + [1], loads=[0, 0], alive=[0, 1]).replica == 0
+    # replica 0's engine computed the prefix, then let it go under load before the next request
+    evented.observe(0, [(True, n) for n in names] + [(False, n) for n in names])
+    late = evented.choose(system + [2], loads=[1, 0], alive=[0, 1])
+    assert (late.replica, late.reason) == (1, "least_loaded")  # the engines' record: nowhere
+    assert sent.choose(system + [2], loads=[1, 0], alive=[0, 1]).reason == "prefix"  # its own model: still there
+    # a replica whose tiers keep what its pool evicts: half a hit a block
+    tiered = CacheAwareRouter([100, 100], block_size=BS, imbalance=8, events=True, tiers=[True, False])
+    tiered.observe(0, [(True, n) for n in names] + [(False, n) for n in names])
+    route = tiered.choose(system + [2], loads=[1, 0], alive=[0, 1])
+    assert (route.replica, route.reason, route.hit_tokens) == (0, "prefix", 8)  # 4 blocks x 4 x 0.5
+    # a named event brings a block back to the pool's count
+    tiered.observe(1, [(True, names[0])])
+    assert tiered.models[1].match(names) == 1
