@@ -28,11 +28,12 @@ PREFIX = "atoll_router"
 class _Placed:
     """One request's replica, and whether the client has seen a token of it."""
 
-    __slots__ = ("request", "sink", "replica", "streamed", "aborted")
+    __slots__ = ("request", "sink", "replica", "streamed", "aborted", "names")
 
     def __init__(self, request, sink, replica: int):
         self.request, self.sink, self.replica = request, sink, replica
         self.streamed = self.aborted = False
+        self.names: tuple = ()  # its prompt's block names, as the router routed it
 
 
 class Replicas:
@@ -117,7 +118,7 @@ class Replicas:
                 if not alive:
                     raise EngineDead(self._all_dead() or "no other replica is alive")
                 route = self.router.choose(placed.request.prompt_token_ids, self._load, alive)
-                placed.replica = route.replica
+                placed.replica, placed.names = route.replica, route.names
                 self._load[route.replica] += 1
                 self._placed[placed.request.index] = placed
                 self._count(route, len(placed.request.prompt_token_ids), retry=retry)
@@ -127,6 +128,7 @@ class Replicas:
             except EngineDead as e:  # it died since it was last looked at: mark it, route again
                 with self._lock:
                     self._load[route.replica] -= 1
+                    self.router.settle(route.replica, route.names)
                     self._placed.pop(placed.request.index, None)
                 self._mark_dead(route.replica, str(e))
 
@@ -138,6 +140,7 @@ class Replicas:
                 return
             with self._lock:
                 self._load[replica] -= 1
+                self.router.settle(replica, placed.names)
                 if self._placed.get(placed.request.index) is placed:
                     del self._placed[placed.request.index]
             if kind == "error":

@@ -6,8 +6,9 @@ cache events (`observe`: each block their pools name or evict, as `atoll serve`'
 those are the record: a block is held from the event that names it to the one that evicts it,
 generated tokens' blocks included, and a replica with KV tiers below its pool keeps an evicted
 block there, counted at half the weight of one in its device pool (it is brought up, not
-computed). Between a request's routing and its engine naming its blocks, the router counts its
-prompt's blocks as held there already, so requests sent together with one prefix go together.
+computed). From a request's routing until it ends (`settle`), the router counts its prompt's
+blocks as held there whatever the events say (the request computes them if they are gone), so
+requests sent together with one prefix go together.
 Without events (`events=False`: the simulator, whose engines run the same pools) the record is
 the router's own model: the full prompt blocks of every request it sent, in least-recently-used
 order, at most as many as the replica's KV cache has blocks, which goes wrong when an engine
@@ -52,18 +53,22 @@ class CacheModel:
         self.capacity = None if capacity is None else max(1, capacity)  # None: the engine's events trim it
         self.names: OrderedDict[bytes, None] = OrderedDict()
         self.below: set[bytes] = set()
+        self.pending: dict[bytes, int] = {}  # with events: names of requests routed here and not yet ended
+
+    def holds(self, name: bytes) -> bool:
+        return name in self.names or name in self.pending
 
     def deeper(self, names: list[bytes], start: int) -> int:
         """How many names from `start` on are held below the pool, leading."""
         n = start
-        while n < len(names) and names[n] in self.below:
+        while n < len(names) and names[n] in self.below and not self.holds(names[n]):
             n += 1
         return n - start
 
     def match(self, names: list[bytes]) -> int:
-        """How many leading names are held."""
+        """How many leading names are held (or on their way: a request routed here computes them)."""
         n = 0
-        while n < len(names) and names[n] in self.names:
+        while n < len(names) and self.holds(names[n]):
             n += 1
         return n
 
@@ -79,6 +84,7 @@ class CacheModel:
     def clear(self) -> None:
         self.names.clear()
         self.below.clear()
+        self.pending.clear()
 
 
 BELOW_WEIGHT = 0.5  # a block in a replica's KV tiers against one in its device pool
@@ -134,8 +140,27 @@ class CacheAwareRouter:
                 route = Route(least, "balance", int(hits[least] * self.block_size))
             else:
                 route = Route(pick, "prefix", int(best * self.block_size))
-        self.models[route.replica].touch(full)
+        model = self.models[route.replica]
+        if self.events:  # held from now until the request ends (settle), or its engine reports them
+            for name in full:
+                model.pending[name] = model.pending.get(name, 0) + 1
+        else:
+            model.touch(full)
         return replace(route, names=tuple(full))
+
+    def settle(self, replica: int, names) -> None:
+        """A request routed to `replica` ended: its prompt's blocks are held there only as its
+        engine's events say."""
+        if not self.events:
+            return
+        with self._lock:
+            pending = self.models[replica].pending
+            for name in names:
+                left = pending.get(name, 0) - 1
+                if left > 0:
+                    pending[name] = left
+                else:
+                    pending.pop(name, None)
 
     def forget(self, replica: int) -> None:
         """The replica died: it holds nothing."""
@@ -156,6 +181,9 @@ class RoundRobinRouter:
         return Route(pick, "round_robin", 0)
 
     def forget(self, replica: int) -> None:
+        pass
+
+    def settle(self, replica: int, names) -> None:
         pass
 
 

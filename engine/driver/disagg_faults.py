@@ -57,6 +57,7 @@ class EngineFaults:
                 return False
             self._dead[engine] = line = str(self._named(e))
             self._stopped_engines.add(engine)
+            self._route_around(engine)  # at once: /health says degraded now, and a request may follow
             self._engine_stats.pop(self.live.name(engine), None)
         print(f"atoll: {line}; the other engines go on without it", file=sys.stderr, flush=True)
         base = bases(self.layouts)[engine]
@@ -76,6 +77,15 @@ class EngineFaults:
             self._stop_decodes()
         return True
 
+    def _route_around(self, engine: int) -> None:
+        """No new request goes to the dead engine (under the lock): its prefill queue or its
+        decode slots read as full."""
+        if engine < self.x:
+            self._waiting[engine] = math.inf
+        for slot, (j, _) in enumerate(self._slots):
+            if self.x + j == engine:
+                self._load[slot] = math.inf
+
     def _learn_death(self, engine: int, wait_s: float = 3.0) -> None:
         """Wait briefly for the launcher to report the death the ranks saw first (a closed
         connection), so that the request's error names the rank and its cause."""
@@ -93,16 +103,12 @@ class EngineFaults:
         again, fail, held = [], [], []
         with self._lock:
             if engine < self.x:
-                self._waiting[engine] = math.inf
                 for index in [i for i, (_, p) in self._where.items() if p == engine and i in self._handed]:
                     del self._handed[index]
                     (fail if index in self._streamed else again).append(index)
                 for index in [i for i, r in self._held.items() if self._where.get(i, (0, engine))[1] == engine]:
                     held.append((index, self._held.pop(index)))
             else:
-                for slot, (j, _) in enumerate(self._slots):
-                    if self.x + j == engine:
-                        self._load[slot] = math.inf
                 for index, (slot, prefill) in list(self._where.items()):
                     if self.x + self._slots[slot][0] != engine or index in self._handed:
                         continue  # (one still in a prefill engine fails at its handoff)

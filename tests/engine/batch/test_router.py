@@ -166,7 +166,13 @@ def test_with_events_an_early_eviction_sends_the_prefix_elsewhere_and_tiers_coun
     sent = make_router("sent_prefix", capacities=[100, 100], block_size=BS, imbalance=8)
     assert (evented.name, sent.name) == ("cache_aware", "sent_prefix")
     for r in (evented, sent):
-        assert r.choose(system + [1], loads=[0, 0], alive=[0, 1]).replica == 0
+        first = r.choose(system + [1], loads=[0, 0], alive=[0, 1])
+        assert first.replica == 0
+    # while the first request runs its prompt's blocks count as replica 0's, whatever the events say
+    evented.observe(0, [(False, n) for n in names])
+    assert evented.choose(system + [3], loads=[1, 0], alive=[0, 1]).reason == "prefix"
+    evented.settle(0, first.names)
+    evented.settle(0, first.names)
     # replica 0's engine computed the prefix, then let it go under load before the next request
     evented.observe(0, [(True, n) for n in names] + [(False, n) for n in names])
     late = evented.choose(system + [2], loads=[1, 0], alive=[0, 1])
@@ -174,6 +180,7 @@ def test_with_events_an_early_eviction_sends_the_prefix_elsewhere_and_tiers_coun
     assert sent.choose(system + [2], loads=[1, 0], alive=[0, 1]).reason == "prefix"  # its own model: still there
     # a replica whose tiers keep what its pool evicts: half a hit a block
     tiered = CacheAwareRouter([100, 100], block_size=BS, imbalance=8, events=True, tiers=[True, False])
+    assert not tiered.models[0].pending
     tiered.observe(0, [(True, n) for n in names] + [(False, n) for n in names])
     route = tiered.choose(system + [2], loads=[1, 0], alive=[0, 1])
     assert (route.replica, route.reason, route.hit_tokens) == (0, "prefix", 8)  # 4 blocks x 4 x 0.5
