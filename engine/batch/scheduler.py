@@ -77,6 +77,9 @@ class Scheduled:
         return self.seq.tokens[self.start:self.start + self.count - len(self.draft)] + self.draft
 
 
+LOADING = object()  # _admit's answer for a sequence whose blocks the KV tiers are reading
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool = False, drafter=None, sliding_window: int | None = None, tiers=None):
@@ -86,8 +89,11 @@ class Scheduler:
         With a WindowedPool (engine.kv.windowed) it is the sliding layers' widest window, and
         only their blocks go back.
         tiers: the KV cache's lower tiers (engine.rank.kv_tiers.RankTiers), with prefix caching:
-        `held(names)` the leading blocks they hold (every rank the same count), `fill(block, i)`
-        the block that takes the i-th, `computed(block, name, parent)` a block named this tick."""
+        `held(seq, names)` the leading blocks they hold and have read for the sequence (every
+        rank the same count), or None while they are still reading them (the sequence waits
+        in `loading`, the others go on; `ready(seq)` says when to try it again); `fill(block,
+        i)` the block that takes the i-th; `computed(block, name, parent)` a block named this
+        tick; `cancel(seq)` a loading sequence left."""
         self.pool = pool
         self.tiers = tiers if prefix_caching else None
         self.window = sliding_window if pool.hole is not None else None
@@ -96,6 +102,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
+        self.loading: list[Sequence] = []  # waiting for their blocks from the KV tiers
         self.running: list[Sequence] = []
         self.preemptions = 0
 
@@ -105,7 +112,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def _names(self, seq: Sequence, blocks: int) -> list[bytes]:
         """The names of the sequence's first `blocks` full blocks of tokens (kept: tokens only grow)."""
@@ -135,7 +142,9 @@ class Scheduler:
             names = self._names(seq, (seq.length - 1) // pool.block_size)
             hits = pool.lookup(names)
             if self.tiers is not None and len(hits) < len(names):
-                below = self.tiers.held(names[len(hits):])  # brought up from the lower tiers
+                below = self.tiers.held(seq, names[len(hits):])  # brought up from the lower tiers
+                if below is None:
+                    return LOADING
         start = (len(hits) + below) * pool.block_size
         count = min(seq.length - start, budget)
         if not pool.fits(hits, start + count):
@@ -192,10 +201,17 @@ class Scheduler:
             budget -= count
         if self.drafter is not None:
             budget -= self.drafter.extend(out, self.pool, budget, running=len(self.running))
-        # then waiting sequences, strictly in order
+        # sequences whose blocks the tiers have read go back to the head of the line
+        for seq in [s for s in self.loading if self.tiers.ready(s)][::-1]:
+            self.loading.remove(seq)
+            self.waiting.appendleft(seq)
+        # then waiting sequences, strictly in order (one whose blocks are being read steps aside)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             chunk = self._admit(seq, budget)
+            if chunk is LOADING:
+                self.loading.append(self.waiting.popleft())
+                continue
             if chunk is None:
                 break  # head of line waits for blocks; later ones do not jump ahead
             self.waiting.popleft()
@@ -232,3 +248,6 @@ class Scheduler:
             self.finish(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.loading:
+            self.loading.remove(seq)
+            self.tiers.cancel(seq)

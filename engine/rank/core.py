@@ -95,6 +95,8 @@ class EngineCore:
                 self.sequences[seq.request.index] = seq
                 self.started[seq.request.index] = at
                 self._settle(seq)
+        if runner.kv_tiers is not None:  # the tiers' reads every rank has finished
+            runner.kv_tiers.poll()
         started = time.perf_counter()
         lane = self.lanes.at(self.tick)
         chunks = lane.schedule(self.tick) if lane is not None else []

@@ -9,10 +9,12 @@ later let the block go with nothing to write, a restarted server finds it on dis
 replica finds it in the shared store.
 
 A prompt whose leading blocks are not in the device pool asks the tiers (the scheduler's
-`tiers.held`): each rank reads the blocks its own tiers hold, checks every record, and the ranks
-agree on the count every one of them read (a collective), so every rank schedules the same
-blocks. The scheduler gives those blocks device blocks, names them, and starts the prompt's
-prefill after them; this module copies their bytes into the cache before the tick runs.
+`tiers.held`): the ranks agree on how many their tiers hold, and a reader thread on each rank
+reads and checks them while the prompt steps aside and the engine goes on (tier_reads.py).
+Once every rank has finished, the ranks agree on the count every one of them read, so every
+rank schedules the same blocks. The scheduler gives those blocks device blocks, names them, and
+starts the prompt's prefill after them; this module copies their bytes into the cache before
+the tick runs.
 
 Every rank's slice has its own namespace (the checkpoint, dtypes, block size, layout and this
 rank's place in it), so a block of another model or layout is never read as this one's.
@@ -31,6 +33,7 @@ from atoll.engine.kv.tiers.disk import DiskTier
 from atoll.engine.kv.tiers.host import HostTier
 from atoll.engine.kv.tiers.record import namespace
 from atoll.engine.kv.tiers.shared import SharedTier
+from atoll.engine.rank.tier_reads import Reads
 from atoll.errors import ConfigError
 from atoll.layers.kv_quant import QuantizedKV
 
@@ -90,6 +93,7 @@ class RankTiers:
         # the ranks that schedule together: the job, or with DP replicas this replica's tp or pp group
         ctx = runner.ctx
         self.group = ctx.world if ctx.layout.dp == 1 else ctx.tp if ctx.layout.pp == 1 else ctx.pp
+        self.reads = Reads(chain, self.group, runner.device)
         self._fetched: list[bytes] = []  # payloads of the last `held`
         self._fills: list[tuple[int, bytes]] = []  # (block, payload) to copy in before the tick
         self._new: list[tuple[int, bytes, bytes | None]] = []  # (block, name, parent) named this tick
@@ -120,16 +124,27 @@ class RankTiers:
 
     # --- the scheduler's hooks (every rank calls them in the same order) ---
 
-    def held(self, names: list[bytes]) -> int:
-        """How many leading blocks of `names` every rank read from its tiers (their payloads
-        kept for `fill`)."""
-        got = self.chain.fetch(names) if names else []
-        count = len(got)
-        if self.group.size > 1:
-            t = torch.tensor([count], dtype=torch.long, device=self.runner.device)
-            count = int(self.group.all_reduce(t, op="min")[0])
-        self._fetched = got[:count]
-        return count
+    def held(self, seq, names: list[bytes]) -> int | None:
+        """How many leading blocks of `names` every rank has read from its tiers for `seq`
+        (their payloads kept for `fill`); None while they are being read (tier_reads)."""
+        index = seq.request.index
+        if self.reads.ready(index):
+            self._fetched = self.reads.take(index, names)
+            return len(self._fetched)
+        if self.reads.reading(index) or self.reads.start(index, names):
+            return None
+        self._fetched = []
+        return 0
+
+    def ready(self, seq) -> bool:
+        return self.reads.ready(seq.request.index)
+
+    def cancel(self, seq) -> None:
+        self.reads.cancel(seq.request.index)
+
+    def poll(self) -> None:
+        """At each tick's start, every rank: the reads all ranks have finished (tier_reads)."""
+        self.reads.poll()
 
     def fill(self, block: int, i: int) -> None:
         """Block `block` takes the i-th payload of the last `held`."""
@@ -176,7 +191,8 @@ class RankTiers:
         return out
 
     def close(self) -> None:
-        """Finish the queued writes (a restart finds them) and stop the writer."""
+        """Finish the queued writes (a restart finds them) and stop the writer and the reader."""
+        self.reads.close()
         self.chain.close(timeout=60.0)
 
 

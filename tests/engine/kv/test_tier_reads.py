@@ -1,0 +1,118 @@
+"""A prompt's blocks read from the KV tiers while the engine goes on (engine/rank/tier_reads.py,
+the scheduler's `loading`): the prompt steps aside until every rank's read is done, the other
+sequences keep their ticks, and a read whose request left is dropped."""
+
+import threading
+
+from atoll.comm.group import Group
+from atoll.engine.batch.request import Request
+from atoll.engine.batch.scheduler import Scheduler, Sequence
+from atoll.engine.kv.blocks import BlockPool, prefix_names
+from atoll.engine.kv.tiers.chain import TierChain
+from atoll.engine.kv.tiers.host import HostTier
+from atoll.engine.rank.tier_reads import Reads
+from atoll.engine.sample.sampler import SamplerState, SamplingParams
+
+BS = 4
+NS = b"n" * 16
+
+
+class SlowHost(HostTier):
+    """A host tier whose reads wait for `go` (a slow disk or network, held open by the test)."""
+
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self.go = threading.Event()
+
+    def get(self, name):
+        assert self.go.wait(10)
+        return super().get(name)
+
+
+class Hooks:
+    """The scheduler's tiers hooks over a real Reads, as engine/rank/kv_tiers.RankTiers wires them."""
+
+    def __init__(self, reads):
+        self.reads, self.filled = reads, []
+
+    def held(self, seq, names):
+        i = seq.request.index
+        if self.reads.ready(i):
+            self.got = self.reads.take(i, names)
+            return len(self.got)
+        return None if self.reads.reading(i) or self.reads.start(i, names) else 0
+
+    def ready(self, seq):
+        return self.reads.ready(seq.request.index)
+
+    def fill(self, block, i):
+        self.filled.append((block, self.got[i]))
+
+    def computed(self, block, name, parent):
+        pass
+
+    def cancel(self, seq):
+        self.reads.cancel(seq.request.index)
+
+
+def _seq(i, tokens):
+    req = Request(i, tokens, SamplingParams(max_tokens=8))
+    return Sequence(req, SamplerState(req.params))
+
+
+def test_a_prompt_waits_for_its_read_while_the_others_decode():
+    tier = SlowHost(1 << 20)
+    chain = TierChain([tier], NS)
+    prompt = list(range(1, 14))  # three full blocks, the last token's block computed
+    names = prefix_names(prompt, BS)
+    for i, name in enumerate(names):
+        chain.offload(name, names[i - 1] if i else None, bytes([i]) * 8)
+    assert chain.flush(5)
+    reads = Reads(chain, Group.single(), "cpu")
+    hooks = Hooks(reads)
+    sched = Scheduler(BlockPool(32, BS), max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=True, tiers=hooks)
+    other = _seq(0, [50, 51, 52])
+    sched.add(other)
+    first = sched.schedule(0)
+    assert [c.seq for c in first] == [other]
+    other.cached = 3
+    other.output.append(9)
+    sched.add(_seq(1, prompt))
+    for step in range(1, 4):  # its read is held: it steps aside, the other decodes
+        reads.poll()
+        chunks = sched.schedule(step)
+        assert [c.seq.request.index for c in chunks] == [0] and len(sched.loading) == 1
+        other.cached += 1
+        other.output.append(9)
+    tier.go.set()
+    for step in range(4, 200):
+        reads.poll()
+        if reads.ready(1):
+            break
+    chunks = sched.schedule(step)
+    mine = next(c for c in chunks if c.seq.request.index == 1)
+    assert mine.start == 12 and mine.seq.cached_tokens == 12  # three blocks from the tier
+    assert [p for _, p in hooks.filled] == [bytes([i]) * 8 for i in range(3)]
+    reads.close()
+    chain.close()
+
+
+def test_a_read_whose_request_left_is_dropped():
+    tier = SlowHost(1 << 20)
+    chain = TierChain([tier], NS)
+    names = prefix_names(list(range(1, 10)), BS)
+    for i, name in enumerate(names):
+        chain.offload(name, names[i - 1] if i else None, b"x" * 8)
+    assert chain.flush(5)
+    reads = Reads(chain, Group.single(), "cpu")
+    assert reads.start(5, names) and reads.reading(5)
+    reads.cancel(5)
+    tier.go.set()
+    for _ in range(200):
+        reads.poll()
+        if not reads.reading(5):
+            break
+    assert not reads.reading(5) and not reads.ready(5)
+    assert not reads.start(6, [b"y" * 16])  # nothing held: no read
+    reads.close()
+    chain.close()
