@@ -228,7 +228,9 @@ class KVCache:
         self.layer_blocks = counts
         self.kv_format = kv_format
 
-    def _tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache stores, in a fixed order (each layer's k, then each layer's v;
+        a quantized one's values and scales), each [blocks, ...]."""
         out = []
         for t in self.k + self.v:
             out += t.tensors() if isinstance(t, QuantizedKV) else [] if t is None else [t]
@@ -236,7 +238,7 @@ class KVCache:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     @property
     def bytes_per_token(self) -> int:

@@ -91,8 +91,6 @@ BELOW_WEIGHT = 0.5  # a block in a replica's KV tiers against one in its device 
 
 
 class CacheAwareRouter:
-    name = "cache_aware"
-
     def __init__(self, capacities: list[int], *, block_size: int, imbalance: int, events: bool = False,
                  tiers: list[bool] | None = None):
         """events: the engines report their cache events (observe), which are the record;
@@ -109,8 +107,7 @@ class CacheAwareRouter:
         with self._lock:
             for named, name in events:
                 if named:
-                    model.names[name] = None
-                    model.names.move_to_end(name)
+                    model.touch([name])
                     model.below.discard(name)
                 else:
                     model.names.pop(name, None)

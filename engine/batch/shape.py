@@ -41,12 +41,19 @@ def seq_buckets(max_num_seqs: int, smallest: int = 1) -> list[int]:
     return out + [max(max_num_seqs, smallest)]
 
 
+def padded_keys(rows: int, longest: int, block_size: int, max_blocks: int | None = None,
+                buckets: list[int] | None = None) -> float:
+    """The keys a compiled decode step of `rows` rows reads when its longest row attends to
+    `longest` positions: the rows padded to the first of `buckets` that holds them (padding
+    rows read the same width), each its block table padded to block_bucket."""
+    height = next((b for b in buckets or () if b >= rows), rows)
+    return float(height * block_bucket(-(-longest // block_size), max_blocks) * block_size)
+
+
 def step_shape(chunks, block_size: int | None = None, max_blocks: int | None = None,
                buckets: list[int] | None = None) -> StepShape:
     """The shape of one replica's chunks (engine.batch.scheduler.Scheduled); with block_size,
-    also the keys the compiled decode step reads (ctx_padded): its rows padded to the first of
-    `buckets` that holds them (seq_buckets; padding rows read the same width), each its block
-    table padded to block_bucket of the longest row's."""
+    also the keys the compiled decode step reads (ctx_padded, padded_keys; buckets as seq_buckets gives them)."""
     rows = tokens = longest = 0
     ctx = attended = 0.0
     for c in chunks:
@@ -57,8 +64,5 @@ def step_shape(chunks, block_size: int | None = None, max_blocks: int | None = N
         else:  # a prompt chunk: each token over the positions before it
             tokens += c.count
             attended += c.count * (c.start + c.count / 2)
-    padded = ctx
-    if block_size and rows:
-        height = next((b for b in buckets or () if b >= rows), rows)
-        padded = float(height * block_bucket(-(-longest // block_size), max_blocks) * block_size)
+    padded = padded_keys(rows, longest, block_size, max_blocks, buckets) if block_size and rows else ctx
     return StepShape(rows, tokens, ctx, attended, padded)

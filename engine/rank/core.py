@@ -105,6 +105,8 @@ class EngineCore:
             runner.kv_tiers.apply()
             if mb is not None:
                 mb.tier_saves = runner.kv_tiers.take_new()
+            elif not any(b is not None for b in self.inflight):  # nothing to compute: wait for a read
+                runner.kv_tiers.idle()
         go, mb = runner.agree(more or self.busy, mb)
         if not go:
             return False

@@ -35,20 +35,8 @@ from atoll.engine.kv.tiers.record import namespace
 from atoll.engine.kv.tiers.shared import SharedTier
 from atoll.engine.rank.tier_reads import Reads
 from atoll.errors import ConfigError
-from atoll.layers.kv_quant import QuantizedKV
 
 GIB = 1 << 30
-
-
-def planes(cache) -> list[torch.Tensor]:
-    """The tensors of every layer's k and v cache, in a fixed order, each [blocks, ...]: a
-    block's bytes in the tiers are each plane's row for that block, one after another."""
-    out = []
-    for pair in zip(cache.k, cache.v):
-        for t in pair:
-            if t is not None:
-                out += t.tensors() if isinstance(t, QuantizedKV) else [t]
-    return out
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -56,23 +44,18 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def read_blocks(cache, blocks: list[int]) -> list[bytes]:
-    """Each block's bytes, every plane's row in order."""
-    ps = planes(cache)
+    """Each block's bytes: its row of every tensor the cache stores (KVCache.tensors), in order."""
+    ps = cache.tensors()
     ids = torch.tensor(blocks, dtype=torch.long, device=ps[0].device)
     rows = [_bytes_view(p.index_select(0, ids)).reshape(len(blocks), -1) for p in ps]
     whole = torch.cat(rows, dim=1).cpu().numpy()
     return [whole[i].tobytes() for i in range(len(blocks))]
 
 
-def block_bytes(cache) -> int:
-    """One block's bytes in the tiers (every plane's row)."""
-    return sum(p[0].numel() * p.element_size() for p in planes(cache))
-
-
 def write_blocks(cache, blocks: list[int], payloads: list[bytes]) -> None:
     """Copy each payload (read_blocks' bytes) into its block."""
     flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(blocks), -1)
-    ps = planes(cache)
+    ps = cache.tensors()
     ids = torch.tensor(blocks, dtype=torch.long, device=ps[0].device)
     at = 0
     for p in ps:
@@ -97,7 +80,7 @@ class RankTiers:
         self._fetched: list[bytes] = []  # payloads of the last `held`
         self._fills: list[tuple[int, bytes]] = []  # (block, payload) to copy in before the tick
         self._new: list[tuple[int, bytes, bytes | None]] = []  # (block, name, parent) named this tick
-        self.size = block_bytes(runner.cache)
+        self.size = runner.cache.bytes_per_token * runner.cache.block_size  # a block's bytes in a tier
 
     @classmethod
     def build(cls, runner) -> RankTiers | None:
@@ -145,6 +128,10 @@ class RankTiers:
     def poll(self) -> None:
         """At each tick's start, every rank: the reads all ranks have finished (tier_reads)."""
         self.reads.poll()
+
+    def idle(self) -> None:
+        """A tick without a micro-batch: wait briefly for a read rather than spin."""
+        self.reads.idle()
 
     def fill(self, block: int, i: int) -> None:
         """Block `block` takes the i-th payload of the last `held`."""
@@ -211,4 +198,4 @@ def _slice(runner) -> dict:
             "quantization": spec.engine.quantization, "block_size": spec.engine.block_size,
             # the slice a rank's cache holds: DP replicas (and an MoE's expert split) hold the same
             "tp": ctx.layout.tp, "pp": ctx.layout.pp, "tp_rank": ctx.coords.tp, "pp_stage": ctx.coords.pp,
-            "planes": [(str(p.dtype), tuple(p.shape[1:])) for p in planes(runner.cache)]}
+            "planes": [(str(p.dtype), tuple(p.shape[1:])) for p in runner.cache.tensors()]}

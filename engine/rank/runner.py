@@ -139,7 +139,7 @@ class ModelRunner:
                 self._sending = ctx.pp.isend(out, dst=stage + 1)
             elif ctx.rank == self.sampler_rank and mb.chunks:
                 out = mb.sample(out)  # each sampler reads its rows in float32
-            if self.kv_tiers is not None and getattr(mb, "tier_saves", None):
+            if self.kv_tiers is not None and mb.tier_saves:
                 self.kv_tiers.save(mb.tier_saves)  # this stage's layers of the blocks it filled
             self.stats["busy_s"] += time.perf_counter() - t0
         done = inflight[pp - 1] if len(inflight) == pp else None

@@ -11,8 +11,7 @@ same list). A finished read's prompt goes back to the head of the line and takes
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -49,7 +48,6 @@ class Reads:
         keys = sorted(self._out)
         mine = [(1, len(f.result())) if f.done() else (0, 0) for _, f in (self._out[k] for k in keys)]
         agreed = self._agree([x for pair in mine for x in pair])
-        moved = False
         for i, k in enumerate(keys):
             if agreed[2 * i]:  # finished on every rank: the fewest blocks any rank read
                 names, read = self._out.pop(k)
@@ -57,9 +55,12 @@ class Reads:
                     self._dropped.discard(k)
                     continue
                 self._done[k] = (names, read.result()[:agreed[2 * i + 1]])
-                moved = True
-        if not moved:
-            time.sleep(0.0005)  # an engine with nothing else to do waits here, not in a spin
+
+    def idle(self, timeout_s: float = 0.001) -> None:
+        """A tick with nothing to compute while reads are out: wait for one to finish (up to
+        timeout_s) rather than spin through empty ticks."""
+        if self._out:
+            wait([f for _, f in self._out.values()], timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def ready(self, index: int) -> bool:
         return index in self._done

@@ -22,6 +22,7 @@ class MicroBatch:
         self._ids: torch.Tensor | None = None
         self._meta: AttentionMetadata | None = None
         self.logprobs: torch.Tensor | None = None  # [seqs, 1 + 2k] on the sampling rank, when asked
+        self.tier_saves: list = []  # (block, name, parent) it fills, for the KV tiers (engine.rank.kv_tiers)
 
     @classmethod
     def of(cls, chunks: list[Scheduled], block_size: int, *, device="cpu") -> "MicroBatch":

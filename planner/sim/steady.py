@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from atoll.engine.batch.scheduler import Scheduled
-from atoll.engine.batch.shape import block_bucket
+from atoll.engine.batch.shape import padded_keys
 from atoll.engine.kv.blocks import BlockPool
 
 MAX_TICKS = 4096  # one run at most (its tick times are listed)
@@ -97,11 +97,10 @@ def plan(engine, chunks: list[list], start: float, first_s: float) -> Run | None
     top_rows = max(n for n, _, _ in per_replica)
     ctx0 = sum(c for _, c, _ in per_replica)
     t = run.ends[0]
-    size, cap = engine.block_size, engine.max_blocks
+    size, cap, buckets = engine.block_size, engine.max_blocks, engine.buckets
     for j in range(1, ticks):
-        # the keys a compiled step reads: each replica's rows (to their bucket) up to its longest row, padded
-        padded = sum(next((b for b in engine.buckets if b >= n), n) * block_bucket(-(-(top + j) // size), cap) * size
-                     for n, _, top in per_replica)
+        # the keys a compiled step reads: each replica's rows up to its longest row, padded
+        padded = sum(padded_keys(n, top + j, size, cap, buckets) for n, _, top in per_replica)
         pass_s, _, key = engine.cost.tick(total_rows, 0, ctx0 + j * total_rows, 0.0,
                                           dp_rows=top_rows if multi else None, dp_chunk_tokens=0 if multi else None,
                                           ctx_padded=padded)
