@@ -32,12 +32,13 @@ def payload(model: str, req: BenchRequest, *, ignore_eos: bool = True) -> dict:
 
 
 async def send(client, url: str, body: dict, *, prompt_len: int | None = None, on_chunk=None,
-               token_ids: list | None = None) -> RequestResult:
+               token_ids: list | None = None, usage: dict | None = None) -> RequestResult:
     """One streamed completion, timed (vLLM's request function): TTFT at the first chunk that
     carries choices, each later such chunk adds a gap to ITL, E2EL at the last one; the token
     counts from the final usage chunk, else the tokens sent and the token ids the chunks carried
     (or the chunks, where they carry none).
-    on_chunk(k): after the k-th chunk (1-based). token_ids: a list that takes the ids the chunks carry."""
+    on_chunk(k): after the k-th chunk (1-based). token_ids: a list that takes the ids the chunks carry;
+    usage: a dict that takes the final usage chunk's fields (cached tokens among them)."""
     r = RequestResult(prompt_tokens=prompt_len or 0)
     chunks = ids = 0
     st = last = time.perf_counter()
@@ -72,11 +73,13 @@ async def send(client, url: str, body: dict, *, prompt_len: int | None = None, o
                     chunks += 1
                     if on_chunk is not None:
                         on_chunk(chunks)
-                usage = msg.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    r.output_tokens = int(usage["completion_tokens"])
-                    r.prompt_tokens = int(usage.get("prompt_tokens") or r.prompt_tokens)
+                got_usage = msg.get("usage")
+                if got_usage and got_usage.get("completion_tokens") is not None:
+                    r.output_tokens = int(got_usage["completion_tokens"])
+                    r.prompt_tokens = int(got_usage.get("prompt_tokens") or r.prompt_tokens)
                     r.usage = True
+                    if usage is not None:
+                        usage.update(got_usage)
     except Exception as e:  # noqa: BLE001 -- a failed request is a result, named by its error
         r.error = f"{type(e).__name__}: {e}"[:300]
         return r

@@ -250,7 +250,7 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
         return lambda events: chooser[0].observe(k, events) if chooser else None
 
     def one(k: int) -> OnlineEngine:
-        return OnlineEngine(spec, world_size=llm.layout.world_size, launcher=launchers[k],
+        return OnlineEngine(spec.for_engine(f"replica{k}"), world_size=llm.layout.world_size, launcher=launchers[k],
                             parallel=parallel or llm.context_options(),
                             on_events=events_of(k) if router == "cache_aware" else None)
 

@@ -6,6 +6,8 @@ cached is at least `min_prompt_tokens` long and the prefill queue has room; othe
 decode engine prefills it itself ("decode": short or mostly cached; "queue": the prefill
 engines' queue was full). A prompt's cached part is the run of its full blocks whose names
 the replica holds, never the block of its last token, which is computed for the first token.
+With a shared KV store, blocks any engine of the decode engines' slicing wrote there count as
+held too: the decode engine reads them up instead of computing them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,37 @@ def uncached_tokens(ids: list[int], seen: set[bytes], *, block_size: int, prefix
     if remember:
         seen.update(names)
     return len(ids) - hits * block_size
+
+
+class Either:
+    """Block names held by any of several sets (a decode replica's pool, the shared KV store),
+    for `uncached_tokens`' `seen`."""
+
+    def __init__(self, *sets):
+        self.sets = sets
+
+    def __contains__(self, name) -> bool:
+        return any(name in s for s in self.sets)
+
+
+class Recent:
+    """The last `limit` names added, oldest dropped first: what the driver knows the shared KV
+    store holds (names the engines wrote there), bounded in memory."""
+
+    def __init__(self, limit: int = 1 << 20):
+        self.limit, self._names = limit, {}
+
+    def add(self, name: bytes) -> None:
+        self._names.pop(name, None)
+        self._names[name] = None
+        if len(self._names) > self.limit:
+            del self._names[next(iter(self._names))]
+
+    def __contains__(self, name) -> bool:
+        return name in self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,10 @@ def prefill_loop(runner, world, inbox, outbox, me: int, decodes: list[Layout], d
         route.pop(index, None)
         return result["finish_reason"] == "abort"
 
-    return ServeLoop(runner, inbox, outbox, on_token=on_token, command=command, forward=forward)
+    # with a shared KV store, the blocks it names are written there: the driver hears of them
+    # (its events), so a later prompt with that prefix may be prefilled on its decode engine
+    return ServeLoop(runner, inbox, outbox, on_token=on_token, command=command, forward=forward,
+                     cache_events=bool(runner.spec.engine.kv_shared))
 
 
 class Handoffs:

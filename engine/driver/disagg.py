@@ -16,6 +16,10 @@ A decode replica's cached prefix is what its engine reports: every step, the dec
 ranks send the names of the prefix blocks their pools named or evicted since the last one
 (BlockPool.events, the engines' own block hashes), and the driver keeps each replica's set;
 so a prompt whose blocks are still being computed there, or were evicted, counts as uncached.
+With a shared KV store (--kv-shared) every block an engine names is written there too: blocks
+named by a decode engine, or by a prefill engine of the same TP and PP split (the same slices),
+count as cached for every decode replica, which reads them from the store instead of asking a
+prefill engine to compute them again.
 Each result's metrics say which path it took (prefilled_on; prefill_engine, which of them,
 or None) and the KV bytes the prefill ranks sent for it (kv_bytes_sent, counted on those
 ranks); `routed` counts the decisions:
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from atoll.engine.disagg.decision import choose_path, uncached_tokens
+from atoll.engine.disagg.decision import Either, Recent, choose_path, uncached_tokens
 from atoll.engine.driver.disagg_faults import EngineFailure, EngineFaults
 from atoll.engine.rank.job import EngineJob
 from atoll.engine.worker import worker
@@ -76,6 +80,11 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         self._slots = [(j, d) for j in range(self.live.decode_replicas) for d in range(dp)]  # decode replicas
         self._load = [0] * len(self._slots)
         self._seen = [set() for _ in self._slots]  # each decode replica's cached prefix blocks (its events)
+        # with --kv-shared: blocks written to the shared store that the decode engines can read (named by
+        # a decode engine, or by a prefill engine that slices the cache as they do)
+        self._shared = Recent() if self.spec.engine.kv_shared else None
+        pre, dec = self.layouts[0], self.layouts[-1]
+        self._prefill_shares = (pre.tp, pre.pp) == (dec.tp, dec.pp)
         self._waiting = [0] * self.x  # requests each prefill engine has not handed off yet
         self._where: dict[int, tuple[int, int | None]] = {}  # index -> (its decode slot, its prefill engine or None)
         self._handed: dict[int, Request] = {}  # remote request index -> its request, until its header comes
@@ -108,7 +117,8 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         """Under the lock: the path of a request bound for decode replica `slot` (see the
         module docstring), recorded; the messages that send it there."""
         o = self.spec.engine
-        new = uncached_tokens(request.prompt_token_ids, self._seen[slot], block_size=o.block_size,
+        held = self._seen[slot] if self._shared is None else Either(self._seen[slot], self._shared)
+        new = uncached_tokens(request.prompt_token_ids, held, block_size=o.block_size,
                               prefix_caching=o.enable_prefix_caching, remember=False)
         path = choose_path(new, self._waiting, min_prompt_tokens=self.min_prompt_tokens,
                            max_prefill_queue=self.max_prefill_queue)
@@ -255,9 +265,16 @@ class DisaggEngine(EngineFaults, OnlineEngine):
 
     def _take_stats(self, stats: dict, engine: str | None) -> None:
         events = stats.pop("kv_events", None)
-        if events and engine in self._labels:  # a decode engine's pools named or evicted these prefix blocks
+        if events and engine in self._labels and self._labels[engine] < self.x:  # a prefill engine's, to the store
+            if self._prefill_shares:
+                for _, named, name in events:
+                    if named:
+                        self._shared.add(name)
+        elif events and engine in self._labels:  # a decode engine's pools named or evicted these prefix blocks
             j = self._labels[engine] - self.x
             for replica, named, name in events:
+                if named and self._shared is not None:
+                    self._shared.add(name)
                 seen = self._seen[self._slots.index((j, replica))]
                 if named:
                     seen.add(name)

@@ -40,7 +40,9 @@ class EngineJob:
     @classmethod
     def disaggregated(cls, prefill: RunSpec, decode: RunSpec, options: ContextOptions | None = None, *,
                       prefill_replicas: int = 1, decode_replicas: int = 1):
-        return cls((prefill,) * prefill_replicas + (decode,) * decode_replicas,
+        specs = tuple(prefill.for_engine(f"prefill{i}") for i in range(prefill_replicas))
+        specs += tuple(decode.for_engine(f"decode{j}") for j in range(decode_replicas))
+        return cls(specs,
                    ("prefill",) * prefill_replicas + ("decode",) * decode_replicas, options)
 
     @property

@@ -4,6 +4,7 @@ computes in."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,14 @@ class RunSpec:
     def with_engine(self, **changes) -> "RunSpec":
         """This spec with some engine options changed."""
         return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **changes))
+
+    def for_engine(self, name: str) -> "RunSpec":
+        """The spec of one of several engines started together (replicas, or a disaggregated
+        job's engines): its --kv-disk-dir is a subdirectory `name` of the one given, since a
+        disk tier's directory is one engine's alone (engine/kv/tiers/disk.py)."""
+        if not self.engine.kv_disk_dir:
+            return self
+        return self.with_engine(kv_disk_dir=os.path.join(self.engine.kv_disk_dir, name))
 
     @classmethod
     def of(cls, model_dir, layout, *, max_model_len: int, cache_seqs: int | None = None, **options) -> "RunSpec":

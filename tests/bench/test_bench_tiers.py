@@ -1,5 +1,6 @@
 """`atoll bench serve --scenario kv-tiers`: multi-turn chat on a pool too small for it, with no
-tiers, a host tier and host plus disk, each on a server of its own (bench/serve_tiers.py)."""
+tiers, a host tier, host plus disk, and a restart on that disk directory, each on a server of its
+own (bench/serve_tiers.py)."""
 
 import json
 
@@ -23,6 +24,10 @@ def test_multi_turn_chat_finds_its_history_in_the_tiers_with_the_same_answers(ca
     # is found in host memory: fewer prompt tokens computed than without tiers
     assert host["hit_rate"]["host"] > 0.3 and host["prefill_tokens_computed"] < none["prefill_tokens_computed"]
     assert disk["prefill_tokens_computed"] < none["prefill_tokens_computed"]
+    # the restarted server finds every first prompt's two full blocks on disk; the cold one none
+    again = r["sides"]["restart on disk"]
+    assert again["failed"] == 0 and disk["first_turns_cached_tokens"] == 0
+    assert again["first_turns_cached_tokens"] == 8 * 32 and again["hit_rate"]["disk"] > 0
 
 
 def test_kv_tiers_starts_its_own_servers(capsys, tiny_model):

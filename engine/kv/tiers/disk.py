@@ -6,7 +6,9 @@ A file is written under a temporary name in the same directory and renamed over 
 temporary file, removed at the next open. No fsync: a record torn by a power cut fails its
 checks (record.py) and reads as a miss. Files fan out over 256 folders by the name's last
 byte. The directory must be empty or atoll's own (a marker file says so): a cache that deletes
-files to stay under its capacity must never be pointed at someone's data.
+files to stay under its capacity must never be pointed at someone's data. A private directory
+is one engine rank's alone: it holds an exclusive lock on it (flock) while open, so a second
+engine pointed at it is refused in one line instead of evicting the first one's files.
 
 A failed write (a full disk: ENOSPC, EDQUOT, EFBIG) makes the tier let go of a record's worth
 of blocks and retry once; a second failure turns its writes off with one warning, and the
@@ -17,6 +19,7 @@ rather than this process's index, and leftover temporary files are not this proc
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import os
@@ -28,6 +31,7 @@ from atoll.engine.kv.tiers.index import Indexed, PrefixLRU
 from atoll.errors import ConfigError
 
 MARKER = ".atoll-kv-tier"
+LOCK = ".atoll-kv-tier.lock"
 TEMP = ".tmp-"
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ def claim(directory: Path) -> None:
 
 def _ours(entry: os.DirEntry) -> bool:
     """The marker, a temporary file, or a fan-out folder (two hex digits)."""
-    if entry.name == MARKER or entry.name.startswith(TEMP):
+    if entry.name in (MARKER, LOCK) or entry.name.startswith(TEMP):
         return True
     return len(entry.name) == 2 and entry.is_dir() and all(c in "0123456789abcdef" for c in entry.name)
 
@@ -88,6 +92,7 @@ class DiskTier(Indexed):
         self._index = PrefixLRU()
         self._lock = threading.Lock()  # the index: the writer thread puts while the engine thread gets
         claim(self.directory)
+        self._held = None if shared else _hold(self.directory)
         self._reindex()
 
     def path(self, name: bytes) -> Path:
@@ -191,7 +196,26 @@ class DiskTier(Indexed):
         _unlink(self.path(name))
 
     def close(self) -> None:
-        pass
+        if self._held is not None:  # the lock goes with the descriptor
+            os.close(self._held)
+            self._held = None
+
+
+def _hold(directory: Path) -> int:
+    """An exclusive lock on a private directory, held while the tier is open (its descriptor);
+    ConfigError naming the holder when another process has it."""
+    path = directory / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"KV tier directory {directory} is in use by {holder}: give each engine its own "
+                          f"--kv-disk-dir (replicas and disaggregated engines take subdirectories of one)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"atoll process {os.getpid()}".encode())
+    return fd
 
 
 def _unlink(path) -> None:

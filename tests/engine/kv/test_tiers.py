@@ -13,7 +13,7 @@ import pytest
 
 from atoll.engine.kv.blocks import prefix_names
 from atoll.engine.kv.tiers.chain import TierChain
-from atoll.engine.kv.tiers.disk import MARKER, DiskTier
+from atoll.engine.kv.tiers.disk import LOCK, MARKER, DiskTier
 from atoll.engine.kv.tiers.host import HostTier
 from atoll.engine.kv.tiers.record import HEADER, BadRecord, namespace, pack, unpack
 from atoll.engine.kv.tiers.shared import SharedTier
@@ -43,7 +43,7 @@ def offload_chain(chain: TierChain, keys: list[bytes]) -> None:
 
 
 def block_files(directory) -> dict[str, int]:
-    return {f: os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs if f != MARKER}
+    return {f: os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs if f not in (MARKER, LOCK)}
 
 
 def test_record_round_trip_and_namespace():
@@ -148,6 +148,18 @@ def test_disk_refuses_a_directory_holding_other_files(tmp_path):
     assert sorted(os.listdir(mine)) == before  # no marker, nothing
     with pytest.raises(ConfigError, match="KV tier directory"):
         DiskTier(mine / "notes.txt", 10 * RECORD)  # a file, not a directory
+
+
+def test_a_private_directory_is_one_engines_until_it_closes(tmp_path):
+    """Two engines evicting each other's files would both lose blocks: the second is refused,
+    by name, until the first closes (a restart then opens it)."""
+    first = DiskTier(tmp_path / "kv", 10 * RECORD)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'kv'} is in use by atoll process {os.getpid()}: give each"):
+        DiskTier(tmp_path / "kv", 10 * RECORD)
+    first.close()
+    DiskTier(tmp_path / "kv", 10 * RECORD).close()
+    shared = [DiskTier(tmp_path / "both", None, shared=True) for _ in range(2)]  # a shared one is everyone's
+    assert all(t.enabled for t in shared)
 
 
 def test_disk_comes_back_warm_after_a_restart(tmp_path):
