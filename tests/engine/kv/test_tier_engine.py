@@ -9,7 +9,7 @@ import pytest
 
 from atoll import LLM, SamplingParams
 from reference import reference_tokens
-from test_tiers_redis import server  # noqa: F401  (the redis-server fixture)
+from redis_server import server  # noqa: F401  (the redis-server fixture)
 
 NEW = 6
 

@@ -3,12 +3,10 @@ chains share its blocks as two replicas would, and a server killed mid-run turns
 with one warning while the local tiers go on serving."""
 
 import logging
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
+from redis_server import free_port, server  # noqa: F401  (the redis-server fixture)
 
 from atoll.engine.kv.tiers.chain import TierChain
 from atoll.engine.kv.tiers.disk import DiskTier
@@ -19,38 +17,6 @@ from atoll.engine.kv.tiers.shared import SharedTier
 from test_tiers import NS, RECORD, chain_of, offload_chain, payload, shared_by_two_replicas
 
 redis = pytest.importorskip("redis", reason="the redis package (pip install 'atoll[kv]')")
-SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def server():
-    """A throwaway redis-server on 127.0.0.1: (url, process)."""
-    if SERVER is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"redis-server on port {port} did not start")
-            time.sleep(0.05)
-    client.close()
-    yield f"redis://127.0.0.1:{port}/0", proc
-    proc.kill()
-    proc.wait(timeout=10)
 
 
 def test_two_replicas_share_blocks_through_redis(server):
