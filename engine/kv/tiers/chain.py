@@ -59,8 +59,10 @@ class TierChain:
 
     # --- the engine thread ---
 
-    def offload(self, key: bytes, parent: bytes | None, payload: bytes) -> None:
-        """Queue block `key` (child of `parent`) leaving the device; returns at once."""
+    def offload(self, key: bytes, parent: bytes | None, payload) -> None:
+        """Queue block `key` (child of `parent`) leaving the device; returns at once. payload:
+        bytes, or an object of len() bytes whose resolve() gives them (a copy from a GPU still
+        under way: engine.rank.kv_tiers.DeviceCopy), resolved by the writer."""
         self._enqueue(0, key, parent, payload, False)
 
     def lookup(self, keys: list[bytes]) -> int:
@@ -170,7 +172,8 @@ class TierChain:
                     return
                 level, key, parent, data, is_record = self._items.popleft()
             try:
-                record = data if is_record else pack(self.namespace, key, data)
+                payload = data if is_record or isinstance(data, bytes) else data.resolve()  # a DeviceCopy
+                record = payload if is_record else pack(self.namespace, key, payload)
                 name = self.namespace + key
                 parent = None if parent is None else self.namespace + parent
                 if level >= 0 and self.write_through:
