@@ -51,6 +51,8 @@ DESCRIPTIONS = {
     "kv_tier_checksum_misses": "KV cache tiers: blocks found torn, truncated, corrupt or another model's, "
                                "each read as a miss and computed again",
     "kv_tier_writes_dropped": "KV cache tiers: blocks no tier could take (a full write queue or every tier off)",
+    "kv_events_published": "KV cache events the engines sent the router, since start: a block named (stored) "
+                           "or evicted from a device pool (a replica with tiers keeps an evicted block below it)",
     "disagg_routed": "disaggregated serving: requests by the path decided at arrival (prefill: to the prefill "
                      "engines; decode: short or cached enough to stay; queue: the prefill engines were full)",
     "disagg_requests_total": "disaggregated serving: requests that ended, by the engine that computed their "
@@ -96,7 +98,7 @@ class Metrics:
             g = Gauge(f"{PREFIX}_kv_tier_{counter}", d[f"kv_tier_{counter}"], ["tier"], registry=r)
             for tier in ("host", "disk", "shared"):
                 g.labels(tier).set_function(lambda k=f"kv_tier_{tier}_{counter}": stats().get(k, 0))
-        for name in ("kv_tier_checksum_misses", "kv_tier_writes_dropped"):
+        for name in ("kv_tier_checksum_misses", "kv_tier_writes_dropped", "kv_events_published"):
             Gauge(f"{PREFIX}_{name}", d[name], registry=r).set_function(lambda k=name: stats().get(k, 0))
         Gauge(f"{PREFIX}_prefix_cache_hit_rate", d["prefix_cache_hit_rate"], registry=r).set_function(self.hit_rate)
         routed = Gauge(f"{PREFIX}_disagg_routed", d["disagg_routed"], ["decision"], registry=r)

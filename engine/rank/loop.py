@@ -135,6 +135,7 @@ class ServeLoop:
         # cache_events: each step's stats carry "kv_events", [(replica, named?, block name)], the
         # prefix blocks this engine's pools named or evicted (the driver's routing reads them)
         self.cache_events = cache_events
+        self.events_published = 0  # this replica's, since start (summed over replicas by the driver)
         if cache_events:
             for lane in self.core.lanes.schedulers:
                 lane.pool.events = []
@@ -200,6 +201,8 @@ class ServeLoop:
                 events += [(replica, named, name) for named, name in lane.pool.events]
                 lane.pool.events.clear()
             stats["kv_events"] = events
+            self.events_published += len(events)
+            stats["kv_events_published"] = self.events_published
         return stats
 
     def _apply(self, commands: list) -> bool:

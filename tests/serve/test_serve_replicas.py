@@ -84,6 +84,7 @@ def test_cache_aware_replicas_route_by_prefix_with_transformers_tokens(tiny_mode
                           'atoll_router_requests_total{reason="prefix",replica="0"}': 1.0,
                           'atoll_router_requests_total{reason="prefix",replica="1"}': 1.0}, routed
         assert m["atoll_router_prefix_hit_tokens_total"] == 64 and m["atoll_prompt_tokens_cached_total"] == 64
+        assert m["atoll_kv_events_published"] >= 4  # each replica named its system prompt's two blocks
         assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
         os.kill(server.pid, signal.SIGTERM)
         assert server.wait(60) == 0
