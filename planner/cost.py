@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 from atoll.planner import efficiency as eff
-from atoll.planner.categories import KERNELS, KV, OVERHEAD, WEIGHTS
+from atoll.planner.categories import EXPERTS, KERNELS, KV, OVERHEAD, WEIGHTS
 from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, all_to_all, send_recv
 from atoll.planner.context import partial_bytes_per_token, query_bytes_per_token
 from atoll.planner.moe_cost import moe_layer, sub_links
@@ -59,6 +59,7 @@ class CostModel:
         self.c, self.s, self.t, self.w, self.l = config, shapes, topology, workload, layout
         gpu = topology.gpu
         self.hbm = gpu.hbm_tb_s * 1e12 * eff.HBM_EFFICIENCY
+        self.gemm_hbm = gpu.hbm_tb_s * 1e12 * eff.GEMM_READ_EFFICIENCY  # weights streamed through a GEMM
         self.flops = gpu.tflops(workload.dtype) * 1e12 * eff.gemm_efficiency(workload.dtype)
         self.attn_flops = gpu.bf16_tflops * 1e12 * eff.ATTENTION_EFFICIENCY
         self.cal = topology.calibration  # measured figures of this machine: they replace the above
@@ -67,6 +68,7 @@ class CostModel:
         if self.cal is not None:
             self.measured = Measured(self.cal, workload, min(ranks or layout.world_size, topology.num_gpus))
             self.hbm = self.measured.bandwidth or self.hbm
+            self.gemm_hbm = self.hbm  # calibrated: the measured GEMM rates by rows bound them instead
         # atoll's own runtime terms on a calibrated CPU are costed one step at a time
         self.vectorises = not self.runtime
         self.stages = stage_split(config, layout.pp)
@@ -95,7 +97,8 @@ class CostModel:
             measured = self.measured.gemm(rows)
             if measured is not None:
                 rate = np.where(measured != 0, measured, rate) if is_many(measured) else measured or rate
-        out.add_op(mem_kind, nbytes / self.hbm, flops / rate, when)
+        out.add_op(mem_kind, nbytes / (self.gemm_hbm if mem_kind in (WEIGHTS, EXPERTS) else self.hbm),
+                   flops / rate, when)
 
     def _comm_name(self, what: str, g: GroupLinks) -> str:
         return f"{what} over {g.kind}"
@@ -252,9 +255,9 @@ class CostModel:
         active = vmin(l.dp, m)
         ctx = w.mean_decode_context
         lane = prompts / micro  # chunks in each micro-batch
-        # spread evenly over the DP ranks, as a scheduler balancing them would on average; the
-        # step a whole chunk makes its DP rank the slowest one is not modelled
-        busiest = lane / l.dp * prompt_len
+        # a chunk is one DP rank's (each rank schedules its own requests): the busiest rank holds
+        # ceil(chunks / dp) of them, and every rank waits for it at each MoE layer's exchange
+        busiest = (vceil(lane / l.dp) if l.dp > 1 else lane) * prompt_len
         parts = self._passes(dict(seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False,
                                   prompt_tokens=busiest, prompt_rows=lane * prompt_len))
         if self.runtime:  # the sampled tokens reach every rank each tick (engine.rank.runner.tick)

@@ -37,7 +37,7 @@ def test_table_names_recommendation_and_placement(capsys):
 
 
 def test_sweep_reports_where_recommendation_changes(capsys):
-    code, out, _ = run(capsys, *DS, "--concurrency", "1,1024", "--layouts", "TP8PP2,DP16EP16")
+    code, out, _ = run(capsys, *DS, "--concurrency", "1,1024", "--osl", "4096", "--layouts", "TP8PP2,DP16EP16")
     assert code == 0 and "1: TP8PP2; 1024: DP16EP16 (changes)" in out
 
 
