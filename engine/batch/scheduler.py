@@ -248,6 +248,8 @@ class Scheduler:
             self.finish(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if self.tiers is not None:  # back from loading, its blocks read but not taken yet
+                self.tiers.cancel(seq)
         elif seq in self.loading:
             self.loading.remove(seq)
             self.tiers.cancel(seq)

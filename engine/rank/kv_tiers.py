@@ -115,6 +115,7 @@ class RankTiers:
         self.group = ctx.world if ctx.layout.dp == 1 else ctx.tp if ctx.layout.pp == 1 else ctx.pp
         self.reads = Reads(chain, self.group, runner.device)
         self._fetched: list[bytes] = []  # payloads of the last `held`
+        self._again: set[int] = set()  # requests reading a second time (held)
         self._fills: list[tuple[int, bytes]] = []  # (block, payload) to copy in before the tick
         self._new: list[tuple[int, bytes, bytes | None]] = []  # (block, name, parent) named this tick
         self.size = runner.cache.bytes_per_token * runner.cache.block_size  # a block's bytes in a tier
@@ -152,9 +153,18 @@ class RankTiers:
         index = seq.request.index
         if self.reads.ready(index):
             self._fetched = self.reads.take(index, names)
-            return len(self._fetched)
-        if self.reads.reading(index) or self.reads.start(index, names):
+            if self._fetched or index in self._again:
+                self._again.discard(index)
+                return len(self._fetched)
+            # none of the read continues the pool's blocks: while the prompt stood aside, others
+            # ran and the pool let go of blocks before the read's first. Read again from the
+            # first block it lacks now (once: every rank decides the same, from the same pool)
+            self._again.add(index)
+        elif self.reads.reading(index):
             return None
+        if self.reads.start(index, names):
+            return None
+        self._again.discard(index)
         self._fetched = []
         return 0
 
@@ -162,6 +172,7 @@ class RankTiers:
         return self.reads.ready(seq.request.index)
 
     def cancel(self, seq) -> None:
+        self._again.discard(seq.request.index)
         self.reads.cancel(seq.request.index)
 
     def poll(self) -> None:

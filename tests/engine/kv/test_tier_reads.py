@@ -118,3 +118,33 @@ def test_a_read_whose_request_left_is_dropped():
     assert not reads.start(6, [b"y" * 16])  # nothing held: no read
     reads.close()
     chain.close()
+
+
+def test_a_request_that_leaves_after_its_read_lets_go_of_the_blocks_read():
+    """A prompt whose read finished waits at the head of the line while max_num_seqs is full (the
+    next prompt ran while it read); if it leaves then (an abort), the payloads read for it go."""
+    chain = TierChain([HostTier(1 << 20)], NS)
+    prompt = list(range(1, 14))
+    names = prefix_names(prompt, BS)
+    for i, name in enumerate(names):
+        chain.offload(name, names[i - 1] if i else None, bytes([i]) * 8)
+    assert chain.flush(5)
+    reads = Reads(chain, Group.single(), "cpu")
+    sched = Scheduler(BlockPool(32, BS), max_num_seqs=1, max_num_batched_tokens=64, prefix_caching=True,
+                      tiers=Hooks(reads))
+    mine, other = _seq(1, prompt), _seq(2, [50, 51, 52])
+    sched.add(mine)
+    sched.add(other)
+    assert [c.seq for c in sched.schedule(0)] == [other] and sched.loading == [mine]  # it steps aside
+    other.cached = 3
+    other.output.append(9)
+    for _ in range(200):
+        reads.idle()
+        reads.poll()
+        if reads.ready(1):
+            break
+    assert [c.seq for c in sched.schedule(1)] == [other] and list(sched.waiting) == [mine]
+    sched.end(mine)
+    assert list(sched.waiting) == [] and not reads.ready(1)  # its payloads are not kept
+    reads.close()
+    chain.close()
