@@ -33,7 +33,8 @@ def model_name(entry: dict) -> str:
 
 
 def workload_of(entry: dict, model) -> Workload:
-    """The entry's operating point; the engine features its source names (eplb, two-batch overlap)."""
+    """The entry's operating point; the engine features its source names (eplb, two-batch
+    overlap, speculative decoding)."""
     engine = entry.get("engine") or {}
     w = Workload(isl=entry["isl"], osl=entry["osl"], concurrency=entry.get("concurrency", 1),
                  request_rate=entry.get("request_rate"), kv_dtype=entry.get("kv_dtype", "auto"),
@@ -42,7 +43,36 @@ def workload_of(entry: dict, model) -> Workload:
     config = model if isinstance(model, ModelConfig) else None
     if config is None:
         config = resolve_model(model)[1]
-    return w.resolved(config)
+    w = w.resolved(config)
+    spec = engine.get("speculative")
+    if spec:
+        w = dataclasses.replace(w, spec_tokens=spec["tokens"], spec_method=spec["method"],
+                                acceptance=acceptance_of(config, w, spec))
+    return w
+
+
+def acceptance_of(config, w: Workload, spec: dict) -> float:
+    """A drafted token's chance to be kept: given, or solved so that the planner's speedup of
+    speculation over none, at the operating point where the source measured one
+    (`speedup_measured`: topology, nodes, layout, speedup), equals the measured one. Acceptance
+    is the model's and the text's, not the hardware's: measured on one machine, it carries to
+    another."""
+    if "acceptance" in spec:
+        return float(spec["acceptance"])
+    m = spec["speedup_measured"]
+    topo = load_topology(m["topology"], nodes=m.get("nodes", 1))
+
+    def speedup(a: float) -> float:
+        on = dataclasses.replace(w, spec_tokens=spec["tokens"], spec_method=spec["method"], acceptance=a)
+        fast, slow = (plan_layouts(config, topo, x, layouts=[m["layout"]]).predictions[0].tokens_per_s_per_user
+                      for x in (on, w))
+        return fast / slow
+
+    lo, hi = 0.0, 1.0  # the speedup grows with the acceptance
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if speedup(mid) < m["speedup"] else (lo, mid)
+    return (lo + hi) / 2
 
 
 def topology_of(entry: dict):

@@ -34,6 +34,7 @@ from atoll.planner.runtime_terms import Measured
 from atoll.planner.shapes import Shapes, stage_split
 
 PIPELINE_WAIT = "pipeline: waiting for the slowest stage"
+MTP_DRAFT = "speculative drafting (MTP layer)"
 
 
 def layer_kernels(config, dense: bool) -> int:
@@ -202,7 +203,8 @@ class CostModel:
             out.add(self._comm_name("TP all-reduce", self.g_tp), all_reduce(act, self.g_tp))
         if stage == l.pp - 1:  # LM head (bf16 under fp8 weights), logits of the last token of each sequence
             head = s.head / tp
-            rows = vmax(seqs_per_dp, 1)
+            # (a speculative verify step takes the logits of every token it checks)
+            rows = vmax(seqs_per_dp * (1 if prefill else new_tokens), 1)
             self._op(out, head * w.embed_bytes, 2 * rows * head, WEIGHTS, rows=rows)
             # each rank's vocab shard of the logits gathered over tp (layers.embedding.ParallelLMHead)
             logits = rows * s.vocab * w.act_bytes
@@ -258,14 +260,18 @@ class CostModel:
         # a chunk is one DP rank's (each rank schedules its own requests): the busiest rank holds
         # ceil(chunks / dp) of them, and every rank waits for it at each MoE layer's exchange
         busiest = (vceil(lane / l.dp) if l.dp > 1 else lane) * prompt_len
-        parts = self._passes(dict(seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False,
+        verify = 1 + w.spec_tokens  # tokens of a sequence a step checks (1: no speculation)
+        parts = self._passes(dict(seqs_per_dp=per_dp, active_dp=active, new_tokens=verify, ctx=ctx, prefill=False,
                                   prompt_tokens=busiest, prompt_rows=lane * prompt_len))
         if self.runtime:  # the sampled tokens reach every rank each tick (engine.rank.runner.tick)
             for p in parts:
                 for k, v in self.measured.tick_exchange(self, per_dp).items():
                     p[k] += v
         # every cp rank hands on the whole decode batch and its share of the chunks' tokens
-        total = self._through_stages(parts, (per_dp * active * self.cp + lane * prompt_len) * self.s.hidden * w.act_bytes)
+        total = self._through_stages(parts, (per_dp * active * verify * self.cp + lane * prompt_len)
+                                     * self.s.hidden * w.act_bytes)
+        if w.spec_tokens and w.spec_method == "mtp":
+            total.add(MTP_DRAFT, w.spec_tokens * self._mtp_draft(per_dp, active, ctx), when=per_dp != 0)
         chain = total.total()
         if l.pp == 1:
             slowest = chain  # the one stage is the whole pass
@@ -275,6 +281,17 @@ class CostModel:
         tpot = vmax(chain, micro * slowest)
         total.add(PIPELINE_WAIT, tpot - chain, when=tpot > chain)
         return tpot, total, micro
+
+    def _mtp_draft(self, per_dp, active, ctx):
+        """Seconds of one drafted token of every sequence by the checkpoint's next-token layer
+        (DeepSeek-V3's MTP module): one decoder layer of the model's kind (an MoE one where the
+        model has them) and the LM head, on the last stage."""
+        moe = any(not d for d in self.s.dense_layers)
+        one = self.layer(not moe, seqs_per_dp=per_dp, active_dp=active, new_tokens=1, ctx=ctx, prefill=False)
+        head = self.s.head / self.l.tp
+        rows = vmax(per_dp, 1)
+        self._op(one, head * self.w.embed_bytes, 2 * rows * head, WEIGHTS, rows=rows)
+        return one.total()
 
     def decode(self, batch: int, prompts: float = 0.0, prompt_len: float = 0.0) -> tuple[float, dict[str, float], int]:
         """(step seconds, breakdown, micro-batches) of one decode step of `batch` sequences on

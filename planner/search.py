@@ -131,7 +131,7 @@ def _evaluate_group(config, shapes, topology, workloads, cands, placements, prog
     _, chunk, cap = chunking(w0.isl, budget)
     tables = Tables(costs, most, chunk=chunk, cap=cap, lay=[ci for _, ci in lanes], progress=progress)
     replicas = Replicas(tables, isl=w0.isl, osl=w0.osl, concurrency=batch, budget=budget,
-                        open_loop=[r is not None for r in offered])
+                        open_loop=[r is not None for r in offered], tokens_per_step=w0.tokens_per_step)
     # steady serving: prompt chunks beside decode (TPOT), queueing for the prefill (TTFT)
     solved = replicas.solve(rates)
     steady = [solved.lane(i) for i in range(len(lanes))]

@@ -161,8 +161,12 @@ class Replicas:
     of a function), concurrency (requests a replica holds) and open_loop are arrays over the
     lanes."""
 
-    def __init__(self, steps, *, isl: int, osl: int, concurrency, budget: int, open_loop):
+    def __init__(self, steps, *, isl: int, osl: int, concurrency, budget: int, open_loop, tokens_per_step: float = 1.0):
+        """tokens_per_step: tokens a sequence gains a step (Workload.tokens_per_step: above 1
+        with speculative decoding, whose steps verify several tokens)."""
         self.isl, self.osl, self.steps = isl, osl, steps
+        self.per_step = tokens_per_step
+        self.steps_per_request = osl / tokens_per_step  # decode steps a request takes
         self.b = np.asarray(concurrency, dtype=float)
         if self.b.size and self.b.max() >= ROWS[-2]:
             raise ConfigError(f"{self.b.max():.0f} requests on one replica: past the largest batch the planner "
@@ -225,7 +229,7 @@ class Replicas:
 
     def at(self, idx, rate) -> Lanes:
         """The lanes' steady states at `rate` requests/s each."""
-        b, osl, open_ = self.b[idx], self.osl, self.open[idx]
+        b, osl, open_ = self.b[idx], self.steps_per_request, self.open[idx]  # (osl: a request's steps)
         others_rate = np.where(open_, rate, rate * (b - 1) / b)
         # the lanes still iterating, and their terms: requests decoding beside this one (Little)
         # are min(b - 1, others_rate * osl * t), chunks arriving during a step of t others_rate * t * chunks
@@ -265,7 +269,7 @@ class Replicas:
                       f"{busy[i]:.0f} requests would be decoding at once per replica, more than "
                       f"the {int(b[i])} the KV cache is planned for")
             ttft[i] = math.inf
-        return Lanes(tpot_s=tpot, ttft_s=ttft, rate=np.asarray(rate, dtype=float), decode_batch=1 + others,
+        return Lanes(tpot_s=tpot / self.per_step, ttft_s=ttft, rate=np.asarray(rate, dtype=float), decode_batch=1 + others,
                      chunks_per_step=others_rate * tpot * self.chunks, load=load, why=why,
                      chunk_tokens=self.chunk, chunk_cap=self.cap)
 
@@ -285,7 +289,7 @@ class Replicas:
             hi[i[~up]] = np.minimum(hi[i[~up]], r[~up])
             return v, st
 
-        rate = b / (osl * self.step(idx, b, 0) + self.chunks * self.step(idx, b - 1, 1))
+        rate = b / (self.steps_per_request * self.step(idx, b, 0) + self.chunks * self.step(idx, b - 1, 1))
         live = np.arange(idx.size)
         for _ in range(60):
             if not live.size:
@@ -368,12 +372,13 @@ class Calls:
         return a, b - a
 
 
-def steady_state(step, *, isl: int, osl: int, concurrency: int, budget: int, rate: float | None = None) -> Steady:
+def steady_state(step, *, isl: int, osl: int, concurrency: int, budget: int, rate: float | None = None,
+                 tokens_per_step: float = 1.0) -> Steady:
     """Steady state of one replica holding up to `concurrency` requests: closed loop, or open
     loop at `rate` requests/s (Poisson). An open-loop rate it cannot sustain comes back with
     sustainable False, its reason, TTFT inf, and TPOT and rate of the saturated replica (the
     closed loop at `concurrency`). step(n, k, length): a step of n whole sequences and k chunks
-    of `length` tokens."""
+    of `length` tokens; tokens_per_step: what a sequence gains a step (speculation: above 1)."""
     r = Replicas(Calls(step, chunking(isl, budget)[1]), isl=isl, osl=osl, concurrency=[concurrency], budget=budget,
-                 open_loop=[rate is not None])
+                 open_loop=[rate is not None], tokens_per_step=tokens_per_step)
     return r.solve(None if rate is None else [rate]).lane(0)

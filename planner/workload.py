@@ -16,6 +16,8 @@ MAX_RATE = 1e9  # requests per second
 _BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
 # the KV cache also takes the runtime's --kv-cache-dtype names (fp8 = fp8_e4m3; int8 adds a scale)
 KV_DTYPES = DTYPES + ("fp8_e4m3", "fp8_e5m2", "int8")
+SPEC_METHODS = ("ngram", "mtp")
+MAX_SPEC_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,13 @@ class Workload:
     # the engine runs each step as two micro-batches, one's MoE exchange under the other's compute
     # (SGLang's and DeepSeek's "two-batch overlap"); atoll's runtime does not (False)
     two_batch_overlap: bool = False
+    # speculative decoding (the engine's --speculative-config): tokens drafted a step, the chance
+    # each drafted token is kept given the one before it was, and what drafts them: "ngram"
+    # (prompt lookup, no model) or "mtp" (the checkpoint's next-token layer: a decoder layer and
+    # the LM head a drafted token). A step verifies spec_tokens + 1 tokens of every sequence.
+    spec_tokens: int = 0
+    acceptance: float = 0.0
+    spec_method: str = "ngram"
 
     def __post_init__(self):
         for name in ("isl", "osl", "concurrency"):
@@ -56,6 +65,15 @@ class Workload:
                               "(the busiest EP rank's tokens over the mean)")
         if not isinstance(self.two_batch_overlap, bool):
             raise ConfigError(f"two_batch_overlap={self.two_batch_overlap!r} must be true or false")
+        if isinstance(self.spec_tokens, bool) or not isinstance(self.spec_tokens, int) or \
+                not 0 <= self.spec_tokens <= MAX_SPEC_TOKENS:
+            raise ConfigError(f"spec_tokens={self.spec_tokens!r} must be a whole number of drafted tokens, "
+                              f"0 to {MAX_SPEC_TOKENS}")
+        if isinstance(self.acceptance, bool) or not isinstance(self.acceptance, (int, float)) or \
+                not 0 <= self.acceptance <= 1:
+            raise ConfigError(f"acceptance={self.acceptance!r} must be a chance between 0 and 1")
+        if self.spec_method not in SPEC_METHODS:
+            raise ConfigError(f"spec_method={self.spec_method!r} must be one of {', '.join(SPEC_METHODS)}")
         if self.quantization not in (None, "int8", "fp8"):
             raise ConfigError(f"quantization={self.quantization!r} must be int8 or fp8")
         for name, names in (("dtype", DTYPES), ("kv_dtype", KV_DTYPES)):
@@ -110,6 +128,12 @@ class Workload:
     def context(self) -> int:
         """Tokens each request holds in the KV cache at its end."""
         return self.isl + self.osl
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a sequence gains a decode step: the verified one, then each drafted token kept
+        while every one before it was (1 + a + a^2 + ... + a^k)."""
+        return sum(self.acceptance ** i for i in range(self.spec_tokens + 1))
 
     @property
     def mean_decode_context(self) -> float:
