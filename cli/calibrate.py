@@ -39,6 +39,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--step-layouts", default="TP1",
                    help="--steps: layouts, comma-separated; 'N x TP1' serves N TP1 replicas together; a layout a "
                         "model cannot take (its heads) is skipped for that model (default TP1)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="time the KV cache's disk tier in a temporary directory here (the disk `atoll serve "
+                        "--kv-disk-dir` will use; default the system's temporary directory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -57,8 +60,11 @@ def run(args) -> int:
     command = "atoll calibrate" + (" --quick" if args.quick else "") + \
         (f" --max-ranks {args.max_ranks}" if args.max_ranks else "") + \
         (f" --device {args.device}" if args.device != "auto" else "")
+    if args.kv_disk_dir is not None and not Path(args.kv_disk_dir).expanduser().is_dir():
+        raise ConfigError(f"--kv-disk-dir {args.kv_disk_dir}: not a directory")
     data = calibrate(quick=args.quick, max_ranks=args.max_ranks, progress=not args.no_progress, command=command,
-                     device=args.device)
+                     device=args.device,
+                     disk_dir=None if args.kv_disk_dir is None else str(Path(args.kv_disk_dir).expanduser()))
     if args.steps:
         data["calibration"]["steps"] = steps_of(args)
     write_yaml(data, out)
@@ -78,6 +84,9 @@ def run(args) -> int:
     for op, sizes in cal.collectives.items():
         print(f"  {op}: " + ", ".join(f"{n} ranks {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
                                       for n, (lat, bw) in sizes.items()))
+    t = topo.kv_tiers
+    print(f"  KV tiers: host read {t.host.read_gb_s:.3g} GB/s, write {t.host.write_gb_s:.3g} GB/s; disk read "
+          f"{t.disk.read_gb_s:.3g} GB/s, write {t.disk.write_gb_s:.3g} GB/s (blocks of SmolLM2-135M's size)")
     for model, layouts in cal.steps.items():
         for layout, f in layouts.items():
             rows = ", ".join(f"{r}: {us / 1e3:.1f}" for r, us in f["rows_us"].items())

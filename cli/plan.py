@@ -12,14 +12,19 @@ import sys
 from pathlib import Path
 
 from atoll.cli.plan_goodput import add_goodput_options, run_goodput
+from atoll.config.engine import EngineConfig
 from atoll.errors import ConfigError
 from atoll.models.presets import resolve_model
 from atoll.planner import Workload, plan_sweep
+from atoll.planner.memory import device_kv_blocks, kv_capacity, memory_fit
 from atoll.planner.planfile import check_save_path, from_plan, save_plan
 from atoll.planner.plot import plot_plans
 from atoll.planner.progress import SearchProgress
+from atoll.planner.shapes import shapes as model_shapes
 from atoll.planner.table import print_plans
 from atoll.topologies import load_topology
+
+ENGINE = EngineConfig()  # the engine's defaults: block size and gpu_memory_utilization
 
 
 def add_parser(subparsers) -> None:
@@ -51,6 +56,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--expert-imbalance", type=float, default=None,
                    help="MoE: busiest EP rank's routed tokens over the mean, >= 1 (default: TensorRT-LLM's "
                         "no-EPLB measurement, 2.56 at 8 experts per rank, scaled to the layout's experts per rank)")
+    p.add_argument("--kv-offload-gb", type=float, default=0.0, metavar="GB",
+                   help="KV cache tiers (as `atoll serve` takes them): GiB of host memory per rank; the plan says how "
+                        "many tokens of prefix each replica keeps there, beside its device pool (with --goodput "
+                        "the search simulates them)")
+    p.add_argument("--kv-disk-gb", type=float, default=0.0, metavar="GB",
+                   help="KV cache tiers: a disk tier of this many GiB per rank (as --kv-offload-gb)")
+    p.add_argument("--kv-shared", action="store_true",
+                   help="KV cache tiers: a store every replica shares, of unbounded size (as --kv-offload-gb)")
     p.add_argument("--ttft-ms", type=float, default=None, help="SLO: time to first token")
     p.add_argument("--tpot-ms", type=float, default=None, help="SLO: time per output token")
     p.add_argument("--layouts", default=None, help="only these, comma-separated: TP8PP2,EP16,'2 x TP8'")
@@ -112,7 +125,33 @@ def check_plot_path(path: str) -> None:
         raise ConfigError("--plot needs matplotlib: pip install 'atoll[plot]'")
 
 
+def check_tiers(args) -> None:
+    for flag, v in (("--kv-offload-gb", args.kv_offload_gb), ("--kv-disk-gb", args.kv_disk_gb)):
+        if not 0 <= v < float("inf"):
+            raise ConfigError(f"{flag} {v}: must be a number of GiB of at least 0")
+
+
+def kv_capacities(plans, config, topology, args) -> list:
+    """Each concurrency's recommended layout's KV capacity per replica (per DP replica inside it:
+    one scheduler's pool and its ranks' tiers; planner/memory.py), at the engine's default block
+    size and gpu_memory_utilization; None where none was recommended."""
+    out, sh = [], model_shapes(config)
+    for plan in plans:
+        best = plan.recommended
+        if best is None:
+            out.append(None)
+            continue
+        w = plan.workload.resolved(config)
+        one = memory_fit(config, sh, topology, w, best.layout, 1)
+        blocks = device_kv_blocks(one, topology, w, utilization=ENGINE.gpu_memory_utilization,
+                                  block_size=ENGINE.block_size)
+        out.append(kv_capacity(one, w, device_blocks=blocks, block_size=ENGINE.block_size, host_gib=args.kv_offload_gb,
+                               disk_gib=args.kv_disk_gb, shared=args.kv_shared))
+    return out
+
+
 def run(args) -> int:
+    check_tiers(args)
     if args.check:
         # lazy: --check runs models (torch); a plan without it never imports torch
         from atoll.bench.plan_check import run_check
@@ -156,14 +195,21 @@ def run(args) -> int:
         plans = plan_sweep(config, topology, workloads, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, layouts=layouts,
                            allow_cross_island=args.allow_cross_island, max_cp=args.max_cp, progress=progress)
     plans = [_renamed(p, name) for p in plans]
+    tiered = bool(args.kv_offload_gb or args.kv_disk_gb or args.kv_shared)
+    capacities = kv_capacities(plans, config, topology, args) if tiered else [None] * len(plans)
     if args.format == "json":
-        out = [p.to_dict() for p in plans]
+        out = [p.to_dict() | ({"kv_capacity_tokens": c.tokens()} if c is not None else {})
+               for p, c in zip(plans, capacities)]
         json.dump(out[0] if len(out) == 1 else out, sys.stdout, indent=1)
         print()
     elif args.format == "csv":
         _csv(plans)
     else:
         print_plans(plans, top=args.top)
+        for p, c in zip(plans, capacities):
+            if c is not None:
+                print(f"KV capacity per replica of {p.recommended.name} at concurrency {p.workload.concurrency}: "
+                      f"{c.describe()}")
     if args.plot:
         plot_plans(plans, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)

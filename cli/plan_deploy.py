@@ -34,6 +34,8 @@ def apply_deployment(args, deployment: dict) -> list[str]:
         put("kv_cache_dtype", "--kv-cache-dtype", KV_NAMES[d["kv_dtype"]])
     if d.get("num_blocks"):
         put("num_blocks", "--num-blocks", d["num_blocks"])
+    if d.get("kv_offload_gb"):  # the other tiers need a directory or a URL: the plan cannot name them
+        put("kv_offload_gb", "--kv-offload-gb", d["kv_offload_gb"])
     if d.get("spec_tokens"):
         put("speculative_config", "--speculative-config",
             json.dumps({"method": "ngram", "num_speculative_tokens": d["spec_tokens"]}))

@@ -145,8 +145,11 @@ def run_goodput(args) -> int:
         raise ConfigError(f"--isl {isl} + --osl {osl} exceeds {name}'s {config.max_position_embeddings} positions")
     cpu = on_cpu(topology)
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if cpu else "auto")
+    tiers = dict(kv_offload_gb=args.kv_offload_gb, kv_disk_gb=args.kv_disk_gb, kv_shared=args.kv_shared)
+    if any(tiers.values()) and not args.enable_prefix_caching:
+        raise ConfigError("KV cache tiers hold prefix blocks: give --enable-prefix-caching with them")
     base = Deployment(max_num_seqs=args.max_num_seqs, prefix_caching=args.enable_prefix_caching, dtype=dtype,
-                      kv_dtype=args.kv_dtype if args.kv_dtype != "auto" else dtype)
+                      kv_dtype=args.kv_dtype if args.kv_dtype != "auto" else dtype, **tiers)
     note = None
     if args.from_metrics:
         f, note = correction(args, config, topology, base, name)

@@ -3,7 +3,13 @@ block pools, router and disaggregation decision, each step timed by the cost mod
 --topology. It takes `atoll bench serve`'s load flags and the engine flags alike, so one command
 line can be simulated here and run there, and prints the bench's table: throughput, mean and
 percentiles of TTFT, TPOT, ITL and E2EL, SLO attainment and goodput, then each engine's busy
-share and what its steps spent their time on."""
+share and what its steps spent their time on.
+
+KV cache tiers take the engine's flags: --kv-offload-gb GiB of host memory per rank, a disk tier
+of --kv-disk-gb GiB per rank (a simulation has no directory: --kv-disk-dir alone is a disk as
+large as it needs), and --kv-shared (a flag; the engine's URL is taken and ignored) a store of
+unbounded size every replica shares. Their bandwidths are the topology's (`atoll calibrate`
+measures them). --multi-turn sends bench serve --scenario kv-tiers's conversations."""
 
 from __future__ import annotations
 
@@ -21,8 +27,8 @@ from atoll.models.gguf import demo_model_dir
 from atoll.models.presets import resolve_model
 from atoll.planner.sim.api import simulate
 from atoll.planner.sim.deploy import from_engine_flags
-from atoll.planner.sim.load import tokenized
-from atoll.planner.sim.report import report_lines
+from atoll.planner.sim.load import multi_turn_requests, tokenized
+from atoll.planner.sim.report import num, report_lines, tier_lines
 from atoll.topologies import load_topology
 
 
@@ -45,9 +51,23 @@ def add_parser(sub) -> None:
                    help="with --speculative-config: the share of decode steps that get a draft (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="--num-prompts conversations of --turns turns (bench serve --scenario kv-tiers's): a first "
+                        "prompt of --input-len ids, then each turn the whole history (the last prompt, its answer, "
+                        "--user-len new ids), sent when the turn before it ends; --max-concurrency 8 unless given")
     add_load_options(p)
-    engine = p.add_argument_group("engine flags, as `atoll serve` takes them")
+    # "resolve": the tier flags below replace the engine's own for a simulation
+    engine = p.add_argument_group("engine flags, as `atoll serve` takes them", conflict_handler="resolve")
     add_model_options(engine, defaults=resolve())
+    engine.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                        help="KV cache tiers: a disk tier (simulated: the directory is not used; without "
+                             "--kv-disk-gb as large as it needs)")
+    engine.add_argument("--kv-disk-gb", type=float, default=None, metavar="GB",
+                        help="KV cache tiers: a disk tier of this many GiB per rank (simulated: no --kv-disk-dir "
+                             "needed)")
+    engine.add_argument("--kv-shared", nargs="?", const=True, default=False, metavar="URL",
+                        help="KV cache tiers: a store every replica shares, of unbounded size (simulated: a flag; "
+                             "the engine's file:// or redis:// URL is taken and not used)")
     p.set_defaults(run=run)
 
 
@@ -60,6 +80,12 @@ def run(args) -> int:
     name, config = resolve_model(str(model))
     deployment = from_engine_flags(args, config, topology, replicas=args.replicas, router=args.router,
                                    acceptance=args.acceptance, draft_rate=args.draft_rate)
+    if args.multi_turn:
+        if not 1 <= args.turns <= 1000:
+            raise ConfigError(f"--turns {args.turns}: must be a whole number from 1 to 1000")
+        if args.dataset:
+            raise ConfigError("--multi-turn makes its own prompts: drop --dataset")
+        args.max_concurrency = args.max_concurrency or 8  # bench serve --scenario kv-tiers's default
     requests = build(args, config, model)
     shown = not args.no_progress and sys.stderr.isatty()
     with tqdm(total=len(requests), desc="simulating", unit="req", file=sys.stderr, disable=not shown, delay=1.0,
@@ -76,6 +102,10 @@ def run(args) -> int:
 def build(args, config, model) -> list:
     """The load's requests, as `atoll bench serve` builds them for the same flags; text prompts
     counted in the model's tokens."""
+    if args.multi_turn:
+        return multi_turn_requests(args.num_prompts, turns=args.turns, input_len=args.input_len,
+                                   user_len=args.user_len, output_len=args.output_len or 32,
+                                   vocab_size=config.vocab_size, seed=args.seed)
     return tokenized(build_requests(args, config, seed=args.seed), model)
 
 
@@ -97,5 +127,13 @@ def render(r: dict) -> str:
                      f"{e['preemptions']} preemptions, {e['num_blocks']} KV blocks; steps: {bound}{spec}")
     if r["routed"]:
         lines.append("  routed: " + ", ".join(f"{k} {v}" for k, v in r["routed"].items()))
+    for k in r.get("kv_capacity", []):
+        lines.append(f"  KV capacity per replica of {k['layout']}: {k['describe']}")
+    if "kv_tiers" in r:
+        lines += tier_lines(r["kv_tiers"])
+    if "turns_ttft_ms" in r:
+        t = r["turns_ttft_ms"]
+        lines.append(f"  TTFT ms of first turns p50 {num(t['first'].get('p50'))}, of later turns p50 "
+                     f"{num(t['later'].get('p50'))}")
     lines.append(f"  simulated in {r['sim_wall_s']:.2f} s")
     return "\n".join(lines)

@@ -6,6 +6,12 @@ first the embedding). Every term is arithmetic a reader can redo from the config
 weights = parameters x bytes / shards; KV = requests x (isl + osl) x layers x bytes per token.
 With context parallelism (context.py) each of the cp ranks of a sequence holds 1/cp of its KV
 and of a prompt chunk's activations, beside a whole copy of its stage's weights.
+
+KV capacity (kv_capacity): the tokens of prefix a replica keeps, in its device pool (what
+gpu_memory_utilization leaves after the rest) and in the KV cache tiers below it (engine/kv/tiers:
+--kv-offload-gb GiB of host memory per rank, --kv-disk-gb GiB of disk per rank, a shared store).
+Every rank holds its own slice of a block, so a tier's blocks are its GiB over one rank's block,
+a record of the block's bytes and the engine's header (engine/kv/tiers/record.py).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from atoll.engine.kv.tiers.record import HEADER
 from atoll.planner import efficiency as eff
 from atoll.planner.context import partial_bytes_per_token, query_bytes_per_token
 from atoll.planner.shapes import stage_split
@@ -101,3 +108,64 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
         buffers += chunk * min(s.top_k, l.ep) * s.hidden * 2
     return MemoryFit(weights=worst[0], kv_cache=worst[1], activations=activations, buffers=buffers,
                      reserve=eff.RESERVE_BYTES, capacity=topology.gpu.memory_bytes)
+
+
+GIB = 2**30
+
+
+def kv_token_bytes(fit: MemoryFit, workload) -> float:
+    """One token's KV bytes on the worst GPU, from a memory_fit of one request (its KV over its context)."""
+    return fit.kv_cache / workload.context
+
+
+def device_kv_blocks(fit: MemoryFit, topology, workload, *, utilization: float, block_size: int) -> int:
+    """KV blocks per DP replica that utilization x the GPU's memory leaves on the worst GPU once
+    the weights, activations, buffers and reserve of `fit` (one request's) are counted."""
+    free = topology.gpu.memory_bytes * utilization - (fit.weights + fit.activations + fit.buffers + fit.reserve)
+    per_token = kv_token_bytes(fit, workload)
+    if per_token <= 0:
+        return 1 << 30
+    return max(0, math.floor(free / (per_token * block_size)))
+
+
+def tier_blocks(gib: float, block_bytes: float) -> int | None:
+    """Blocks a tier of `gib` GiB per rank holds, each a record of a rank's `block_bytes` and the
+    record header; None for an unbounded tier (gib inf)."""
+    if math.isinf(gib):
+        return None
+    return max(0, math.floor(gib * GIB / (block_bytes + HEADER.size)))
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """Blocks of prefix one replica keeps: its device pool and each KV cache tier below it."""
+    block_size: int
+    block_bytes: float  # one rank's bytes of a block (the worst stage's)
+    device_blocks: int
+    host_blocks: int = 0
+    disk_blocks: int | None = 0  # None: unbounded
+    shared: bool = False  # a store every replica shares, unbounded
+
+    def tokens(self) -> dict:
+        """Tokens each level holds (None: unbounded); only the tiers there are."""
+        out = {"device": self.device_blocks * self.block_size}
+        if self.host_blocks:
+            out["host"] = self.host_blocks * self.block_size
+        if self.disk_blocks != 0:
+            out["disk"] = None if self.disk_blocks is None else self.disk_blocks * self.block_size
+        if self.shared:
+            out["shared"] = None
+        return out
+
+    def describe(self) -> str:
+        words = {"device": "device pool", "host": "host tier", "disk": "disk tier", "shared": "shared store"}
+        return ", ".join(f"{words[k]} {'unbounded' if v is None else f'{v:,} tokens'}"
+                         for k, v in self.tokens().items())
+
+
+def kv_capacity(fit: MemoryFit, workload, *, device_blocks: int, block_size: int, host_gib: float = 0.0,
+                disk_gib: float = 0.0, shared: bool = False) -> KvCapacity:
+    """The capacity of a replica whose worst GPU's one-request fit is `fit` (module docstring)."""
+    block = kv_token_bytes(fit, workload) * block_size
+    return KvCapacity(block_size, block, device_blocks, tier_blocks(host_gib, block) if host_gib else 0,
+                      tier_blocks(disk_gib, block) if disk_gib else 0, shared)

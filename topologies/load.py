@@ -12,6 +12,9 @@ A file describes one node type and, optionally, how many nodes:
       nvlink:  {gb_s: 450, latency_us: 3}
       pcie:    {gb_s: 64, latency_us: 5}
       network: {kind: infiniband, gb_s: 50, latency_us: 5}     # shared: true for one port per node
+    kv_tiers:                 # optional: the KV cache tiers' bandwidths (topologies/tiers.py)
+      host: {read_gb_s: 40, write_gb_s: 40}
+      disk: {read_gb_s: 6.8, write_gb_s: 5.3, latency_us: 100}
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import yaml
 from atoll.errors import ConfigError
 from atoll.topologies.calibration import Calibration
 from atoll.topologies.schema import GpuSpec, Link, Node, Topology
+from atoll.topologies.tiers import kv_tiers_from_dict
 
 
 def read_yaml(path: Path, where: str, expected: str):
@@ -161,7 +165,8 @@ def topology_from_dict(d: dict, *, nodes: int | None = None, gpus_per_node: int 
         calibration = Calibration.from_dict(d["calibration"], where=f"{where}: calibration")
     return Topology(name=name, nodes=topo_nodes, islands=tuple(islands),
                     island_link=nvlink or pcie, node_link=pcie, network=network,
-                    notes=str(d.get("notes", "")), calibration=calibration)
+                    notes=str(d.get("notes", "")), calibration=calibration,
+                    kv_tiers=kv_tiers_from_dict(d.get("kv_tiers"), where))
 
 
 def load_topology(name_or_path: str, *, nodes: int | None = None, gpus_per_node: int | None = None,

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from atoll.errors import ConfigError
+from atoll.topologies.tiers import KvTierLinks
 
 LINK_KINDS = ("nvlink", "pcie", "infiniband", "roce", "ethernet", "shm")
 
@@ -101,6 +102,7 @@ class Topology:
     network: Link
     notes: str = field(default="", compare=False)
     calibration: object = field(default=None, compare=False)  # topologies.calibration.Calibration: measured
+    kv_tiers: KvTierLinks = field(default=KvTierLinks(), compare=False)  # the KV cache tiers' bandwidths (tiers.py)
 
     def __post_init__(self):
         if not self.nodes:

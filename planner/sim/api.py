@@ -12,7 +12,7 @@ from atoll.models.config import ModelConfig
 from atoll.models.presets import resolve_model
 from atoll.parallel.layout import Layout
 from atoll.planner.sim.deploy import Deployment, engine_kind
-from atoll.planner.sim.report import PERCENTILES, report
+from atoll.planner.sim.report import PERCENTILES, report, summarize, tier_report
 from atoll.planner.sim.run import Simulation
 from atoll.planner.shapes import shapes as model_shapes
 
@@ -62,9 +62,23 @@ class Prepared:
                          max_concurrency=max_concurrency, seed=seed, progress=progress, memos=self.memos,
                          fast=fast)
         results, duration = sim.run()
+        engines = sim.engine_figures(duration)
         out = {"deployment": self.deployment.describe(), "topology": self.topology.name, "gpus": self.gpus,
                "steps_from": self.steps_from, "serve": report(results, duration, slos=slos, percentiles=percentiles),
-               "engines": sim.engine_figures(duration), "routed": dict(sim.routed)}
+               "engines": engines, "routed": dict(sim.routed),
+               "kv_capacity": [{"layout": str(k.layout), "tokens": k.capacity.tokens(),
+                                "describe": k.capacity.describe()} for k in self.kinds if k.capacity is not None]}
+        if self.deployment.tiered:
+            sent = sum(len(c.prompt) for c in sim.clients if c.start is not None)
+            out["kv_tiers"] = tier_report(sim.tier_counts(), prompt_tokens=sent,
+                                          prompt_computed=sum(e["prompt_tokens_computed"] for e in engines),
+                                          block_size=self.deployment.block_size)
+        if any(r.after is not None for r in requests):  # conversations: their first and later turns apart
+            ttft = {"first": [], "later": []}
+            for r, q in zip(results, requests):
+                if r.success:
+                    ttft["first" if q.after is None else "later"].append(r.ttft)
+            out["turns_ttft_ms"] = {k: summarize(v, percentiles) for k, v in ttft.items()}
         if slos and out["serve"]["goodput"]["request_goodput"] is not None:
             out["goodput_per_gpu"] = out["serve"]["goodput"]["request_goodput"] / self.gpus
         out["sim_wall_s"] = time.perf_counter() - t0
@@ -78,6 +92,9 @@ def check_requests(requests: list, max_concurrency: int | None = None) -> None:
         raise ConfigError(f"{len(requests)} requests: the simulator takes at most {MAX_REQUESTS}")
     if any(not isinstance(r.prompt, list) for r in requests):
         raise ConfigError("the simulator takes token-id prompts: tokenize text prompts first")
+    for i, r in enumerate(requests):  # a later turn follows an earlier request (load.multi_turn_requests)
+        if r.after is not None and (isinstance(r.after, bool) or not isinstance(r.after, int) or not 0 <= r.after < i):
+            raise ConfigError(f"request {i}: after={r.after!r} must be the index of an earlier request")
     if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
                                         or max_concurrency < 1):
         raise ConfigError(f"max_concurrency={max_concurrency!r} must be a whole number of at least 1")

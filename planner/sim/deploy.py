@@ -8,6 +8,11 @@ max_num_seqs sequences of max_model_len per lane); on GPUs what the planner's me
 leaves of gpu_memory_utilization x the GPU's memory once the weights, activations, buffers
 and reserve are counted (planner/memory.py), in blocks of the runtime's size. --num-blocks
 overrides both.
+
+KV cache tiers (engine/kv/tiers, as `atoll serve` takes them): kv_offload_gb GiB of host memory
+per rank, kv_disk_gb GiB of disk per rank (inf: as much as the disk holds), kv_shared a store
+every replica shares, unbounded. Each engine kind's capacity in blocks (planner/memory.py) and
+its tiers' speeds (planner/tiers.py) go to the simulated tiers (tiers.py).
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from atoll.errors import ConfigError, InputError
 from atoll.parallel.layout import Layout, resolve_layout
 from atoll.parallel.placement import Placement
 from atoll.planner.cost import CostModel
-from atoll.planner.memory import memory_fit
+from atoll.planner.memory import KvCapacity, device_kv_blocks, kv_capacity, memory_fit
 from atoll.planner.shapes import shapes as model_shapes
 from atoll.planner.sim.clock import StepCost
 from atoll.planner.sim.stepfit import StepFit
+from atoll.planner.tiers import tier_speeds
 from atoll.planner.workload import Workload
 
 RUNTIME_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}  # the runtime's names -> the planner's
@@ -55,6 +61,9 @@ class Deployment:
     draft_rate: float = 1.0  # the share of decode steps that get a draft
     min_prompt_tokens: int = 0  # disaggregation: shorter uncached prompts stay on the decode engine
     max_prefill_queue: int | None = None
+    kv_offload_gb: float = 0.0  # KV cache tiers: GiB of host memory per rank (--kv-offload-gb)
+    kv_disk_gb: float = 0.0  # GiB of disk per rank (--kv-disk-gb; inf: unbounded)
+    kv_shared: bool = False  # a store every replica shares, unbounded (--kv-shared)
 
     def __post_init__(self):
         for name in ("replicas", "prefill_replicas", "decode_replicas", "max_num_seqs", "block_size"):
@@ -75,6 +84,22 @@ class Deployment:
             raise ConfigError(f"spec_tokens={self.spec_tokens!r} must be a whole number from 0 to 64")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        for name in ("kv_offload_gb", "kv_disk_gb"):  # kv_disk_gb inf: a disk as large as it needs
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ConfigError(f"{name}={v!r} must be a number of GiB of at least 0")
+        if math.isinf(self.kv_offload_gb):
+            raise ConfigError("kv_offload_gb=inf: host memory is not unbounded")
+        if not isinstance(self.kv_shared, bool):
+            raise ConfigError(f"kv_shared={self.kv_shared!r} must be true or false")
+        if self.tiered and not self.prefix_caching:
+            raise ConfigError("KV cache tiers hold prefix blocks: they need prefix caching (drop "
+                              "--no-enable-prefix-caching)")
+
+    @property
+    def tiered(self) -> bool:
+        """Whether the engines have KV cache tiers below their pools."""
+        return bool(self.kv_offload_gb or self.kv_disk_gb or self.kv_shared)
 
     @property
     def disaggregated(self) -> bool:
@@ -102,6 +127,8 @@ class EngineKind:
     max_num_batched_tokens: int
     max_model_len: int
     fit: StepFit | None = None  # the model's measured steps at this layout on this machine
+    capacity: KvCapacity | None = None  # per DP replica: the device pool's blocks and the tiers' below
+    speeds: dict | None = None  # the tiers' speeds per rank (planner/tiers.py), with tiers
 
     def step_cost(self) -> StepCost:
         return StepCost(self.cost_model, self.fit)
@@ -139,9 +166,16 @@ def engine_kind(config, topology, deployment: Deployment, layout_text: str, *, i
                             lanes=layout.pp, cp=layout.cp)
     else:
         blocks = gpu_blocks(config, sh, topology, work, layout, d)
+    one = memory_fit(config, sh, topology, work, layout, 1)
     if blocks < 1:
         raise ConfigError(f"{layout} on {topology.name}: no memory left for a KV cache after the weights "
-                          f"({memory_fit(config, sh, topology, work, layout, 1).describe()})")
+                          f"({one.describe()})")
+    if d.tiered and layout.cp > 1:
+        raise ConfigError("KV cache tiers run with TP, PP and DP replicas; not yet with context parallel stripes")
+    capacity = kv_capacity(one, work, device_blocks=blocks, block_size=d.block_size, host_gib=d.kv_offload_gb,
+                           disk_gib=d.kv_disk_gb, shared=d.kv_shared)
+    speeds = tier_speeds(topology, cpu=cpu, ranks_on_node=min(topology.gpus_per_node, ranks or layout.world_size)) \
+        if d.tiered else None
     fit = None
     cal = topology.calibration
     fits = cal.steps.get(model_name, {}) if cal is not None else {}
@@ -150,18 +184,13 @@ def engine_kind(config, topology, deployment: Deployment, layout_text: str, *, i
         if key in fits:
             fit = StepFit.from_dict(fits[key], f"calibration.steps.{model_name}.{key}")
             break
-    return EngineKind(layout, cm, blocks, budget, max_len, fit)
+    return EngineKind(layout, cm, blocks, budget, max_len, fit, capacity, speeds)
 
 
 def gpu_blocks(config, shapes, topology, workload, layout, d: Deployment) -> int:
     """KV blocks per DP replica the memory model leaves on the worst GPU."""
     fit = memory_fit(config, shapes, topology, workload, layout, 1)
-    free = topology.gpu.memory_bytes * d.gpu_memory_utilization - (fit.weights + fit.activations + fit.buffers
-                                                                     + fit.reserve)
-    per_token = fit.kv_cache / workload.context  # one sequence's bytes per token on that GPU
-    if per_token <= 0:
-        return 1 << 30
-    return max(0, math.floor(free / (per_token * d.block_size)))
+    return device_kv_blocks(fit, topology, workload, utilization=d.gpu_memory_utilization, block_size=d.block_size)
 
 
 def from_engine_flags(args, config, topology, *, replicas: int | None = None, router: str = "cache_aware",
@@ -188,6 +217,13 @@ def from_engine_flags(args, config, topology, *, replicas: int | None = None, ro
             raise ConfigError("--speculative-config needs --acceptance: the chance a drafted token is kept "
                               "(a server's /metrics give it: atoll_spec_decode_acceptance_rate)")
         spec_k = cfg.k
+    offload, disk_gb, disk_dir = args.kv_offload_gb or 0.0, args.kv_disk_gb, args.kv_disk_dir
+    for flag, v in (("--kv-offload-gb", offload), ("--kv-disk-gb", disk_gb)):
+        if v is not None and not 0 <= v < math.inf:
+            raise InputError(f"{flag} {v}: must be a number of GiB of at least 0")
+    # a simulation has no directory: --kv-disk-gb alone is a disk tier of that size, --kv-disk-dir
+    # alone one as large as the disk (unbounded); --kv-shared (a flag, or the engine's URL) a shared store
+    disk = float(disk_gb) if disk_gb else (math.inf if disk_dir else 0.0)
     return Deployment(layout=str(layout), replicas=count, prefill=args.prefill if disagg else None,
                       decode=args.decode if disagg else None, prefill_replicas=args.prefill_replicas,
                       decode_replicas=args.decode_replicas, router=router, max_num_seqs=args.max_num_seqs,
@@ -196,4 +232,5 @@ def from_engine_flags(args, config, topology, *, replicas: int | None = None, ro
                       dtype=dtype, kv_dtype=kv.get(args.kv_cache_dtype or "auto", dtype), num_blocks=args.num_blocks,
                       gpu_memory_utilization=args.gpu_memory_utilization, spec_tokens=spec_k, acceptance=acceptance or 0.0,
                       draft_rate=draft_rate, min_prompt_tokens=args.disagg_min_prompt_tokens,
-                      max_prefill_queue=args.disagg_max_prefill_queue)
+                      max_prefill_queue=args.disagg_max_prefill_queue, kv_offload_gb=float(offload), kv_disk_gb=disk,
+                      kv_shared=bool(args.kv_shared))

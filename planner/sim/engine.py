@@ -13,6 +13,10 @@ position (so no two requests share a generated block by accident); the prompt's 
 Speculative decoding uses the engine's own Drafter (engine.spec.drafter: which chunks get a
 draft, its length, its blocks); each drafted token is kept with probability `acceptance`
 until the first rejected one, as a verify step keeps the longest agreeing run.
+
+KV cache tiers (tiers.py): each DP replica's lanes share one SimTiers, which reads a prompt's
+blocks on the clock; a tick with nothing to compute while reads are out lasts until the first
+ends, or IDLE_WAIT_S at most, as the rank loop waits on its reads.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from atoll.engine.batch.scheduler import Sequence
 from atoll.engine.batch.shape import seq_buckets, step_shape
 from atoll.engine.spec.drafter import Drafter
 from atoll.planner.sim import steady
+
+IDLE_WAIT_S = 1e-3  # engine/rank/tier_reads.py: Reads.idle's wait for a read on an empty tick
 
 
 def token_at(index: int, position: int) -> int:
@@ -53,12 +59,13 @@ class SimEngine:
     pipelined), timed by `cost` (a clock.StepCost). Callbacks: on_chunk(seq, tokens, t) as a
     sequence takes tokens at time t, on_end(seq, t) as it ends, on_retime(engine, t) when the
     tick under way now ends at t instead (a run of steady ticks cut short: steady.py). fast:
-    fast-forward steady decode (steady.py; False ticks one by one, for the tests' comparison)."""
+    fast-forward steady decode (steady.py; False ticks one by one, for the tests' comparison).
+    tiers: make_tiers(clock) gives a DP replica's KV cache tiers (tiers.SimTiers), or None."""
 
     def __init__(self, name: str, cost, *, layout: str = "TP1", num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, pp: int = 1, dp: int = 1,
                  prefix_caching: bool = False, spec_k: int = 0, acceptance: float = 0.0, draft_rate: float = 1.0,
-                 seed: int = 0, on_chunk=None, on_end=None, on_retime=None, fast: bool = True):
+                 seed: int = 0, on_chunk=None, on_end=None, on_retime=None, fast: bool = True, tiers=None):
         self.name, self.layout, self.cost, self.depth, self.max_model_len = name, layout, cost, pp, max_model_len
         # the compiled decode step's shapes: rows in buckets, tables in powers of two of blocks
         self.block_size, self.max_blocks = block_size, -(-max_model_len // block_size)
@@ -66,9 +73,13 @@ class SimEngine:
         self.drafter = (SimDrafter(spec_k, draft_rate=draft_rate, max_model_len=max_model_len, seed=seed)
                         if spec_k else None)
         self.acceptance, self.rng = acceptance, random.Random(seed + 1)
+        self.now = 0.0  # the tick being scheduled (the tiers' clock)
+        self.tiers = [tiers(lambda: self.now) for _ in range(dp)] if tiers is not None else []
         self.replicas = [Lanes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, depth=pp,
-                               prefix_caching=prefix_caching, drafter=self.drafter) for _ in range(dp)]
+                               prefix_caching=prefix_caching, drafter=self.drafter,
+                               tiers=self.tiers[i] if self.tiers else None) for i in range(dp)]
+        self.prompt_computed = 0  # prompt tokens the ticks computed (recomputed ones again)
         self.inflight: list = []  # [(per-replica chunk lists, pass seconds, stage seconds)], newest first
         self.tick_no = 0
         self.busy_s = 0.0
@@ -133,6 +144,7 @@ class SimEngine:
     # -- ticks ----------------------------------------------------------------------------
     def start_tick(self, now: float) -> float:
         """Schedule this tick's micro-batch; returns when the tick ends."""
+        self.now = now
         extra = self._adopt(now)
         chunks = []
         for r in self.replicas:
@@ -141,14 +153,22 @@ class SimEngine:
         entry = None
         if any(chunks):
             entry = (chunks, *self._cost(chunks))
+            for part in chunks:
+                for c in part:
+                    self.prompt_computed += max(0, min(c.start + c.count, len(c.seq.request.prompt_token_ids))
+                                                - c.start)
         self.inflight.insert(0, entry)
         live = [e for e in self.inflight if e is not None]
         if self.depth == 1:
             dt = live[0][1] if live else 0.0
         else:
             dt = max((e[2] for e in live), default=0.0)
+        if not live and self.tiers:  # nothing to compute: wait on the reads out, if any
+            done = min((d for t in self.tiers if (d := t.next_done()) is not None), default=None)
+            if done is not None:
+                dt = min(max(0.0, done - now), IDLE_WAIT_S)
         dt += extra
-        self.busy_s += dt
+        self.busy_s += dt if live else extra
         self.running_tick = True
         self.run = steady.plan(self, chunks, now, dt) if entry is not None else None
         if self.run is not None:

@@ -1,6 +1,7 @@
 """The requests of a serving load, as `atoll bench serve` sends them and `atoll simulate` replays
 them: random token ids (lengths fixed or uniform within --range-ratio), a JSONL of prompts,
-prompts sharing a few system prefixes, or a mix with a share of long prompts; and their
+prompts sharing a few system prefixes, a mix with a share of long prompts, or conversations
+whose every turn repeats the conversation so far (multi_turn_requests); and their
 arrival times (vLLM's: gamma-distributed gaps of shape `burstiness` and mean 1/rate, so 1 is
 Poisson; rate inf sends them all at once). Pure functions of their seeds: the same command line
 gives the same requests to the server and to the simulator.
@@ -18,6 +19,7 @@ import numpy as np
 
 from atoll.engine.batch.tokenizer import Tokenizer
 from atoll.errors import ConfigError, InputError
+from atoll.planner.sim.engine import token_at
 
 
 
@@ -25,6 +27,7 @@ from atoll.errors import ConfigError, InputError
 class BenchRequest:
     prompt: list[int] | str  # token ids, or text
     output_len: int  # max_tokens (and min_tokens with ignore_eos)
+    after: int | None = None  # a conversation's later turn: sent when request `after` (its index) ends
 
     @property
     def prompt_len(self) -> int | None:
@@ -128,6 +131,30 @@ def tokenized(requests: list[BenchRequest], model_dir) -> list[BenchRequest]:
         raise InputError(f"text prompts: {model_dir} has no tokenizer.json to count their tokens (give token ids, "
                          "or a checkpoint dir)")
     tok = Tokenizer(path)
-    return [BenchRequest(tok.encode(r.prompt) if isinstance(r.prompt, str) else r.prompt, r.output_len)
+    return [BenchRequest(tok.encode(r.prompt) if isinstance(r.prompt, str) else r.prompt, r.output_len, r.after)
             for r in requests]
+
+
+def multi_turn_requests(conversations: int, *, turns: int, input_len: int, user_len: int, output_len: int,
+                        vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """bench serve --scenario kv-tiers's conversations (bench/serve_tiers.py, the same first prompts
+    and new ids from `seed`), for the simulator: a first prompt of input_len ids, then each later
+    turn the last prompt, its answer and user_len new ids, sent when the turn before it ends. The
+    answer is the one the simulator will give (engine.token_at: its stand-in tokens at the
+    request's index and positions), so every turn's prompt starts with the whole history the
+    engine computed. Turn by turn: request t x conversations + c is turn t of conversation c."""
+    if turns < 1:
+        raise ConfigError(f"--turns {turns} must be at least 1")
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(1, vocab_size - 1) for _ in range(n)]  # noqa: E731 (the bench's draw)
+    firsts = [ids(input_len) for _ in range(conversations)]
+    news = [[ids(user_len) for _ in range(turns - 1)] for _ in range(conversations)]
+    out = [BenchRequest(p, output_len) for p in firsts]
+    for t in range(1, turns):
+        for c in range(conversations):
+            before = (t - 1) * conversations + c
+            prompt = out[before].prompt
+            answer = [token_at(before, len(prompt) + j) for j in range(output_len)]
+            out.append(BenchRequest(prompt + answer + news[c][t - 1], output_len, after=before))
+    return out
 

@@ -10,6 +10,12 @@ request, pooled) and E2EL; with SLOs (`--goodput ttft:MS tpot:MS e2el:MS`) the r
 all of them (each metric <= its SLO): goodput in requests/s (vLLM's figure) and in output
 tokens/s, and the attainment, the share of the requests sent that met every SLO (a failed
 request meets none), and of each SLO alone.
+
+KV cache tiers (tier_report): per tier the blocks read from it (hits), those looked for and not
+found, its hit rate (its hits' tokens over the prompt tokens sent, as bench serve --scenario
+kv-tiers counts it from /metrics), the seconds spent bringing blocks up from it, the blocks let
+go of and held; beside them the prompt tokens sent and computed, as the engine's
+atoll_kv_tier_* and atoll_prompt_tokens_* give them.
 """
 
 from __future__ import annotations
@@ -179,3 +185,29 @@ def report_lines(s: dict) -> list[str]:
         lines.append(f"  SLOs {slo} ms: attainment {num(g['attainment'], 3)} ({each}); goodput "
                      f"{num(g['request_goodput'])} req/s, {num(g['output_token_goodput'])} output tok/s")
     return lines
+
+
+def tier_report(counts: dict, *, prompt_tokens: int, prompt_computed: int, block_size: int) -> dict:
+    """The tiers' figures (module docstring) from each tier's counters (hits, misses, evictions,
+    fetch_seconds, blocks; planner/sim/tiers.py) and the writes dropped."""
+    tiers = {}
+    for name, c in counts.items():
+        if not isinstance(c, dict):
+            continue
+        tiers[name] = {"hits": c["hits"], "misses": c["misses"],
+                       "hit_rate": c["hits"] * block_size / prompt_tokens if prompt_tokens else None,
+                       "fetch_s": c["fetch_seconds"], "evictions": c["evictions"], "blocks": c["blocks"]}
+    return {"tiers": tiers, "writes_dropped": counts.get("writes_dropped", 0), "prompt_tokens": prompt_tokens,
+            "prompt_tokens_computed": prompt_computed}
+
+
+def tier_lines(t: dict) -> list[str]:
+    """tier_report's lines, as `atoll simulate` prints them."""
+    lines = [f"  prompt tokens {t['prompt_tokens']}, computed {t['prompt_tokens_computed']}"
+             + (f"; {t['writes_dropped']} tier writes dropped (a full write queue)" if t["writes_dropped"] else "")]
+    for name, x in t["tiers"].items():
+        lines.append(f"  KV tier {name}: {x['hits']} blocks read (hit rate {num(x['hit_rate'], 3)}), "
+                     f"{x['misses']} missed, {x['fetch_s'] * 1e3:.1f} ms bringing them up, "
+                     f"{x['evictions']} let go of, {x['blocks']} held at the end")
+    return lines
+

@@ -15,6 +15,11 @@ choices send each to an engine, and every engine ticks on the cost model's clock
   sequence waits for the receive, as their ranks do.
 - A client sees a chunk per engine tick that gave its request tokens: TTFT, ITL and E2EL as
   the bench measures them (report.py).
+- Conversations (load.multi_turn_requests): a later turn is sent when the turn before it ends,
+  behind the requests already waiting for a place, as bench serve --scenario kv-tiers sends it;
+  only first turns take arrival times.
+- KV cache tiers (tiers.py): each engine's DP replicas get their own host and disk tiers; a
+  shared store is one for every engine of the same layout.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from atoll.planner.collectives import GroupLinks, send_recv
 from atoll.planner.sim.engine import SimEngine
 from atoll.planner.sim.load import arrival_times
 from atoll.planner.sim.report import RequestResult
+from atoll.planner.sim.tiers import SimTiers, Store, figures as tier_figures
 
 MAX_EVENTS_PER_REQUEST = 100_000  # a bound on the loop: a deployment that cannot progress ends with an error
 
@@ -85,8 +91,13 @@ class Simulation:
         of each kind, kept across runs of one deployment (an SLO search's rates); fast: steady
         decode fast-forwarded (steady.py: the same figures, fewer steps)."""
         self.d, self.progress = deployment, progress
-        self.clients = [Client(r.prompt, r.output_len, t) for r, t in
-                        zip(requests, arrival_times(len(requests), rate=rate, burstiness=burstiness, seed=seed))]
+        firsts = [i for i, r in enumerate(requests) if r.after is None]
+        times = dict(zip(firsts, arrival_times(len(firsts), rate=rate, burstiness=burstiness, seed=seed)))
+        self.clients = [Client(r.prompt, r.output_len, times.get(i, math.inf)) for i, r in enumerate(requests)]
+        self.next_turns: dict[int, list[int]] = {}  # request index -> the turns its end sends
+        for i, r in enumerate(requests):
+            if i not in times:
+                self.next_turns.setdefault(r.after, []).append(i)
         self.cap = max_concurrency
         self.events: list = []
         self.order = 0
@@ -95,17 +106,19 @@ class Simulation:
         self.kv_bytes_per_token = kv_bytes_per_token
         d = deployment
         memos = {} if memos is None else memos
+        self.shared: dict[str, Store] = {}  # layout -> the shared store its engines read and write
 
         def engine(name: str, kind, seed_: int, drafts: bool = True) -> SimEngine:
             cost = kind.step_cost()
             cost.memo = memos.setdefault(id(kind), cost.memo)  # engines of one layout share their steps
+            tiers = self._tiers(kind) if d.tiered else None
             return SimEngine(name, cost, layout=str(kind.layout), num_blocks=kind.num_blocks,
                              block_size=d.block_size, max_num_seqs=d.max_num_seqs,
                              max_num_batched_tokens=kind.max_num_batched_tokens, max_model_len=kind.max_model_len,
                              pp=kind.layout.pp, dp=kind.layout.dp, prefix_caching=d.prefix_caching,
                              spec_k=d.spec_tokens if drafts else 0, acceptance=d.acceptance,
                              draft_rate=d.draft_rate, seed=seed + seed_, on_chunk=self._chunk, on_end=self._ended,
-                             on_retime=self._retime, fast=fast)
+                             on_retime=self._retime, fast=fast, tiers=tiers)
 
         if d.disaggregated:
             pk, dk = kinds
@@ -131,6 +144,21 @@ class Simulation:
         self.bound: dict[int, tuple[SimEngine, int]] = {}  # remote prompt -> (its prefill engine, decode slot)
         self.stall: dict[int, float] = {}  # engine id -> when its ranks are done sending (prefill)
 
+    def _tiers(self, kind):
+        """make_tiers(clock) for an engine of `kind`: a DP replica's host and disk tiers, and the
+        shared store of its layout."""
+        cap, speeds, bb = kind.capacity, kind.speeds, kind.capacity.block_bytes
+        if self.d.kv_shared and str(kind.layout) not in self.shared:
+            self.shared[str(kind.layout)] = Store("shared", None, speeds["shared"], bb)
+        shared = self.shared.get(str(kind.layout))
+
+        def make(clock) -> SimTiers:
+            stores = [Store("host", cap.host_blocks, speeds["host"], bb)] if cap.host_blocks else []
+            if cap.disk_blocks != 0:
+                stores.append(Store("disk", cap.disk_blocks, speeds["disk"], bb))
+            return SimTiers(stores + ([shared] if shared is not None else []), clock, bb)
+        return make
+
     def _links(self, wp: int, wd: int, topology) -> list[list[GroupLinks]]:
         ranks, d = _Ranks(topology), self.d
         first_decode = d.prefill_replicas * wp
@@ -145,7 +173,8 @@ class Simulation:
     def run(self) -> tuple[list[RequestResult], float]:
         """Every request through the deployment: (results in order, seconds to the last response)."""
         for i, c in enumerate(self.clients):
-            self._push(c.arrival, "arrive", i)
+            if c.arrival < math.inf:
+                self._push(c.arrival, "arrive", i)
         budget = MAX_EVENTS_PER_REQUEST * max(1, len(self.clients))
         now = 0.0
         while self.events:
@@ -281,6 +310,20 @@ class Simulation:
             self.progress(1)
         if self.blocked:
             self._send(self.blocked.popleft(), t)
+        for j in self.next_turns.pop(i, ()):  # the conversation's next turn queues behind those waiting
+            if self.clients[i].error:
+                self._drop_turn(j, t)
+            else:
+                self.clients[j].arrival = t
+                self._push(t, "arrive", j)
+
+    def _drop_turn(self, j: int, t: float) -> None:
+        """A turn whose conversation failed before it: never sent (nor the turns after it)."""
+        self.clients[j].error = "an earlier turn of its conversation failed"
+        if self.progress is not None:
+            self.progress(1)
+        for k in self.next_turns.pop(j, ()):
+            self._drop_turn(k, t)
 
     # -- figures --------------------------------------------------------------------------
     def engine_figures(self, duration: float) -> list[dict]:
@@ -296,5 +339,14 @@ class Simulation:
                         "preemptions": sum(s.preemptions for s in lanes),
                         "num_blocks": sum(s.pool.num_blocks for s in lanes),
                         "bound_by": [{"what": k, "share": v / total} for k, v in top],
-                        "spec": dict(e.spec) if e.drafter is not None else None})
+                        "spec": dict(e.spec) if e.drafter is not None else None,
+                        "prompt_tokens_computed": e.prompt_computed})
+        return out
+
+    def tier_counts(self) -> dict[str, dict]:
+        """Each KV cache tier's counters over every engine (tiers.figures), writes dropped beside."""
+        every = [t for e in self.engines for t in e.tiers]
+        out = tier_figures(every)
+        if every:
+            out["writes_dropped"] = sum(t.dropped for t in every)
         return out

@@ -13,8 +13,8 @@ The figures are the same as ticking one by one (tests/planner/test_sim_steady.py
 Python steps: a decode token costs an append instead of a scheduler pass.
 
 Not fast-forwarded: pipelines (their lanes interleave), speculation, sliding windows, context-
-parallel pools, and a disaggregated decode engine with prefix caching (its pools' cache events
-feed the driver's choice between ticks).
+parallel pools, a disaggregated decode engine with prefix caching (its pools' cache events
+feed the driver's choice between ticks), and ticks while the KV tiers read a prompt's blocks.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def plan(engine, chunks: list[list], start: float, first_s: float) -> Run | None
         return None
     for replica, part in zip(engine.replicas, chunks):  # the cheap tests first: most ticks fail one
         (sched,) = replica.schedulers
-        if len(part) != len(sched.running) or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+        if (len(part) != len(sched.running) or (sched.waiting and len(sched.running) < sched.max_num_seqs)
+                or sched.loading):  # a prompt whose blocks the KV tiers are reading joins when they end
             return None
         pool = sched.pool
         if (type(pool) is not BlockPool or pool.stripes != 1 or sched.window is not None
@@ -131,8 +132,9 @@ def settle(engine, run: Run, apply_first) -> None:
     # block names it (with prefix caching); the other calls return at once, so they are skipped
     rows = [(sched, seq, sched.pool, sched.pool.block_size, sched.prefix_caching) for sched, seq in run.rows]
     take, count = engine.take, engine.cost.count
-    for (seconds, key), t in zip(run.costs, run.ends[1:]):
+    for (seconds, key), begun, t in zip(run.costs, run.ends, run.ends[1:]):
         count(key)
+        engine.now = begun  # the KV tiers' clock for the blocks the tick names, as at its start
         for sched, seq, pool, size, naming in rows:
             n = seq.cached + 1
             if n > len(seq.blocks) * size:

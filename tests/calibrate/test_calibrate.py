@@ -41,6 +41,11 @@ def test_calibrate_writes_a_topology_that_reads_back(calibrated):
     assert (lat, bw) == pytest.approx((written["latency_us"] * 1e-6, written["gb_s"] * 1e9), rel=1e-12, abs=1e-15)
     assert "atoll calibrate --quick" in text and "load average" in text  # how it was measured
     assert "gloo" in cal.how and "fp8" not in cal.gemm_tflops and 0 < cal.share(2) <= 1.0
+    # the KV cache tiers' bandwidths, measured through the engine's own tiers, read back
+    tiers = topo.kv_tiers
+    assert all(v > 0 for v in (tiers.host.read_gb_s, tiers.host.write_gb_s, tiers.disk.read_gb_s,
+                               tiers.disk.write_gb_s))
+    assert yaml.safe_load(text)["kv_tiers"] == tiers.to_dict() and "KV tiers" in cal.how
 
 
 def test_calibration_enters_the_cost_model(calibrated, tmp_path):
