@@ -33,7 +33,7 @@ from atoll.engine.kv.tiers.disk import DiskTier
 from atoll.engine.kv.tiers.host import HostTier
 from atoll.engine.kv.tiers.record import namespace
 from atoll.engine.kv.tiers.shared import SharedTier
-from atoll.engine.rank.tier_reads import Reads
+from atoll.engine.rank.tier_reads import Reads, continuing
 from atoll.errors import ConfigError
 
 GIB = 1 << 30
@@ -108,19 +108,20 @@ class RankTiers:
     rank loop call: `held`, `fill` and `computed` while scheduling, `apply` before the tick,
     `save` once this stage has computed a micro-batch."""
 
-    def __init__(self, runner, chain: TierChain):
-        self.runner, self.chain = runner, chain
-        # the ranks that schedule together: the job, or with DP replicas this replica's tp or pp group
-        ctx = runner.ctx
-        self.group = ctx.world if ctx.layout.dp == 1 else ctx.tp if ctx.layout.pp == 1 else ctx.pp
-        self.reads = Reads(chain, self.group, runner.device)
+    def __init__(self, chain: TierChain, reads: Reads, *, size: int, runner=None):
+        """reads: the reader of the ranks that schedule together; size: a block's bytes in a
+        tier; runner: the rank's ModelRunner (its cache takes `apply` and gives `save`)."""
+        self.runner, self.chain, self.reads, self.size = runner, chain, reads, size
         self._fetched: list[bytes] = []  # payloads of the last `held`
         self._again: set[int] = set()  # requests reading a second time (held)
+        # reads taken by a prompt the pool had no room for yet: kept until its blocks are filled
+        self._kept: dict[int, tuple[list[bytes], list[bytes]]] = {}
+        self._holder: int | None = None  # the request of the last `held`
         self._fills: list[tuple[int, bytes]] = []  # (block, payload) to copy in before the tick
         self._new: list[tuple[int, bytes, bytes | None]] = []  # (block, name, parent) named this tick
-        self.size = runner.cache.bytes_per_token * runner.cache.block_size  # a block's bytes in a tier
         # on CUDA a block's bytes leave on a side stream into pinned memory (DeviceCopy)
-        self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
+        cuda = runner is not None and runner.device.type == "cuda"
+        self.stream = torch.cuda.Stream(runner.device) if cuda else None
 
     @classmethod
     def build(cls, runner) -> RankTiers | None:
@@ -143,7 +144,12 @@ class RankTiers:
             tiers.append(DiskTier(where, int(eng.kv_disk_gb * GIB) if eng.kv_disk_gb else None))
         if eng.kv_shared:
             tiers.append(SharedTier.open(eng.kv_shared))
-        return cls(runner, TierChain(tiers, namespace(**_slice(runner)), write_through=True))
+        chain = TierChain(tiers, namespace(**_slice(runner)), write_through=True)
+        # the ranks that schedule together: the job, or with DP replicas this replica's tp or pp group
+        ctx = runner.ctx
+        group = ctx.world if lay.dp == 1 else ctx.tp if lay.pp == 1 else ctx.pp
+        size = runner.cache.bytes_per_token * runner.cache.block_size
+        return cls(chain, Reads(chain, group, runner.device), size=size, runner=runner)
 
     # --- the scheduler's hooks (every rank calls them in the same order) ---
 
@@ -151,8 +157,17 @@ class RankTiers:
         """How many leading blocks of `names` every rank has read from its tiers for `seq`
         (their payloads kept for `fill`); None while they are being read (tier_reads)."""
         index = seq.request.index
+        self._holder = index
+        if index in self._kept:  # read before, then no room in the pool: the same payloads, not a new read
+            got = continuing(*self._kept[index], names)
+            if got:
+                self._fetched = got
+                return len(got)
+            del self._kept[index]
         if self.reads.ready(index):
             self._fetched = self.reads.take(index, names)
+            if self._fetched:
+                self._kept[index] = (names[:len(self._fetched)], self._fetched)
             if self._fetched or index in self._again:
                 self._again.discard(index)
                 return len(self._fetched)
@@ -173,6 +188,7 @@ class RankTiers:
 
     def cancel(self, seq) -> None:
         self._again.discard(seq.request.index)
+        self._kept.pop(seq.request.index, None)
         self.reads.cancel(seq.request.index)
 
     def poll(self) -> None:
@@ -185,6 +201,7 @@ class RankTiers:
 
     def fill(self, block: int, i: int) -> None:
         """Block `block` takes the i-th payload of the last `held`."""
+        self._kept.pop(self._holder, None)  # admitted: its payloads go into the cache now
         payload = self._fetched[i]
         if len(payload) != self.size:  # the namespace covers the layout: this is a bug, not a miss
             raise RuntimeError(f"a tier's block holds {len(payload)} bytes where this cache's take {self.size}")
@@ -247,7 +264,7 @@ def _slice(runner) -> dict:
     sample = first.detach().reshape(-1)[:1024].float().cpu().numpy().tobytes()
     return {"config": hashlib.blake2b(config.encode(), digest_size=16).hexdigest(),
             "weights": hashlib.blake2b(sample, digest_size=16).hexdigest(),
-            "dtype": str(runner.dtype), "kv_cache_dtype": spec.engine.kv_cache_dtype,
+            "dtype": str(runner.dtype), "kv_cache_dtype": spec.engine.kv_cache_dtype, "kv_scales": runner.cache.scales_digest(),
             "quantization": spec.engine.quantization, "block_size": spec.engine.block_size,
             # the slice a rank's cache holds: DP replicas (and an MoE's expert split) hold the same
             "tp": ctx.layout.tp, "pp": ctx.layout.pp, "tp_rank": ctx.coords.tp, "pp_stage": ctx.coords.pp,

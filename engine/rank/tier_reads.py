@@ -72,15 +72,7 @@ class Reads:
         """The payloads read for request `index` that continue `names` (the blocks the prompt
         still needs, which the device pool may have changed since the read began)."""
         read_names, payloads = self._done.pop(index)
-        if not names or names[0] not in read_names[:len(payloads)]:
-            return []
-        k = read_names.index(names[0])
-        out = []
-        for payload, have, want in zip(payloads[k:], read_names[k:], names):
-            if have != want:
-                break
-            out.append(payload)
-        return out
+        return continuing(read_names, payloads, names)
 
     def cancel(self, index: int) -> None:
         """The request left: its read's result is dropped (every rank at the same tick)."""
@@ -90,3 +82,16 @@ class Reads:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def continuing(read_names: list[bytes], payloads: list[bytes], names: list[bytes]) -> list[bytes]:
+    """The payloads read (for read_names, in order) that give the leading blocks of `names`."""
+    if not names or names[0] not in read_names[:len(payloads)]:
+        return []
+    k = read_names.index(names[0])
+    out = []
+    for payload, have, want in zip(payloads[k:], read_names[k:], names):
+        if have != want:
+            break
+        out.append(payload)
+    return out

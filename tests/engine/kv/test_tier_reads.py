@@ -10,6 +10,7 @@ from atoll.engine.batch.scheduler import Scheduler, Sequence
 from atoll.engine.kv.blocks import BlockPool, prefix_names
 from atoll.engine.kv.tiers.chain import TierChain
 from atoll.engine.kv.tiers.host import HostTier
+from atoll.engine.rank.kv_tiers import RankTiers
 from atoll.engine.rank.tier_reads import Reads
 from atoll.engine.sample.sampler import SamplerState, SamplingParams
 
@@ -29,30 +30,17 @@ class SlowHost(HostTier):
         return super().get(name)
 
 
-class Hooks:
-    """The scheduler's tiers hooks over a real Reads, as engine/rank/kv_tiers.RankTiers wires them."""
+class Hooks(RankTiers):
+    """The scheduler's tiers hooks as a rank has them (engine/rank/kv_tiers.RankTiers) over a
+    real Reads, with no cache: what `fill` gives a block is recorded instead."""
 
     def __init__(self, reads):
-        self.reads, self.filled = reads, []
-
-    def held(self, seq, names):
-        i = seq.request.index
-        if self.reads.ready(i):
-            self.got = self.reads.take(i, names)
-            return len(self.got)
-        return None if self.reads.reading(i) or self.reads.start(i, names) else 0
-
-    def ready(self, seq):
-        return self.reads.ready(seq.request.index)
+        super().__init__(reads.chain, reads, size=8)
+        self.filled = []
 
     def fill(self, block, i):
-        self.filled.append((block, self.got[i]))
-
-    def computed(self, block, name, parent):
-        pass
-
-    def cancel(self, seq):
-        self.reads.cancel(seq.request.index)
+        super().fill(block, i)
+        self.filled.append(self._fills.pop())
 
 
 def _seq(i, tokens):
@@ -146,5 +134,54 @@ def test_a_request_that_leaves_after_its_read_lets_go_of_the_blocks_read():
     assert [c.seq for c in sched.schedule(1)] == [other] and list(sched.waiting) == [mine]
     sched.end(mine)
     assert list(sched.waiting) == [] and not reads.ready(1)  # its payloads are not kept
+    reads.close()
+    chain.close()
+
+
+class CountingHost(HostTier):
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self.gets = 0
+
+    def get(self, name):
+        self.gets += 1
+        return super().get(name)
+
+
+def test_a_read_the_pool_had_no_room_for_is_kept_not_read_again():
+    """The read finished but the pool cannot hold the prompt yet (another holds its blocks): the
+    prompt waits with the payloads it read, and takes them once there is room, reading nothing
+    twice."""
+    tier = CountingHost(1 << 20)
+    chain = TierChain([tier], NS)
+    prompt = list(range(1, 14))  # three full blocks below, the last token's computed
+    names = prefix_names(prompt, BS)
+    for i, name in enumerate(names):
+        chain.offload(name, names[i - 1] if i else None, bytes([i]) * 8)
+    assert chain.flush(5)
+    reads = Reads(chain, Group.single(), "cpu")
+    hooks = Hooks(reads)
+    sched = Scheduler(BlockPool(5, BS), max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=True, tiers=hooks)
+    big = _seq(0, list(range(100, 113)))  # 13 tokens: 4 of the 5 blocks
+    sched.add(big)
+    assert [c.seq for c in sched.schedule(0)] == [big]
+    mine = _seq(1, prompt)
+    sched.add(mine)
+    assert all(c.seq is big for c in sched.schedule(1))
+    for step in range(2, 200):
+        reads.idle()
+        reads.poll()
+        if reads.ready(1):
+            break
+    read = tier.gets
+    assert read == 3
+    for step in range(step, step + 3):  # no room: it waits, and reads nothing again
+        assert all(c.seq is big for c in sched.schedule(step))
+        reads.poll()
+    assert tier.gets == read and not reads.reading(1)
+    sched.end(big)
+    chunks = sched.schedule(step + 1)
+    assert [(c.seq.request.index, c.start) for c in chunks] == [(1, 12)]
+    assert [p for _, p in hooks.filled] == [bytes([i]) * 8 for i in range(3)] and tier.gets == read
     reads.close()
     chain.close()
