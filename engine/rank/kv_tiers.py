@@ -144,7 +144,10 @@ class RankTiers:
             tiers.append(DiskTier(where, int(eng.kv_disk_gb * GIB) if eng.kv_disk_gb else None))
         if eng.kv_shared:
             tiers.append(SharedTier.open(eng.kv_shared))
-        chain = TierChain(tiers, namespace(**_slice(runner)), write_through=True)
+        # the writer's queue: a quarter of the host tier (the memory the user gave the tiers), at
+        # least 256 MiB, so one long prompt of large blocks is not dropped on its way down
+        pending = max(256 << 20, int(eng.kv_offload_gb * GIB) // 4)
+        chain = TierChain(tiers, namespace(**_slice(runner)), write_through=True, max_pending_bytes=pending)
         # the ranks that schedule together: the job, or with DP replicas this replica's tp or pp group
         ctx = runner.ctx
         group = ctx.world if lay.dp == 1 else ctx.tp if lay.pp == 1 else ctx.pp

@@ -38,7 +38,7 @@ from atoll.planner.collectives import GroupLinks, send_recv
 from atoll.planner.sim.engine import SimEngine
 from atoll.planner.sim.load import arrival_times
 from atoll.planner.sim.report import RequestResult
-from atoll.planner.sim.tiers import SimTiers, Store, figures as tier_figures
+from atoll.planner.sim.tiers import SimTiers, Store, pending_bytes, figures as tier_figures
 
 MAX_EVENTS_PER_REQUEST = 100_000  # a bound on the loop: a deployment that cannot progress ends with an error
 
@@ -156,7 +156,8 @@ class Simulation:
             stores = [Store("host", cap.host_blocks, speeds["host"], bb)] if cap.host_blocks else []
             if cap.disk_blocks != 0:
                 stores.append(Store("disk", cap.disk_blocks, speeds["disk"], bb))
-            return SimTiers(stores + ([shared] if shared is not None else []), clock, bb)
+            return SimTiers(stores + ([shared] if shared is not None else []), clock, bb,
+                            max_pending=pending_bytes(self.d.kv_offload_gb * 2**30))
         return make
 
     def _links(self, wp: int, wd: int, topology) -> list[list[GroupLinks]]:

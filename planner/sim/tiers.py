@@ -6,13 +6,15 @@ Each tier keeps the names of the blocks it holds in the engine's own PrefixLRU
 block), and lets go of least-recently-used leaves as the engine's tiers do. Every block named
 as a chunk is scheduled is written through to every tier (TierChain with write_through), by one
 writer per replica at the tiers' write bandwidth; a block arriving while the writer has more
-than 256 MiB queued is dropped, as the engine's is. A prompt whose leading blocks the device
+than its queue holds (a quarter of the host tier, at least 256 MiB) is dropped, as the
+engine's is. A prompt whose leading blocks the device
 pool lacks asks `held`: the leading names some tier holds are read, each from the highest tier
 holding it (a hit there, a miss in each tier above it, and a copy up into them), in
 latency + bytes / bandwidth per tier touched (planner/tiers.py), on the replica's one reader
 thread (reads queue behind each other). Until then `held` answers None and the prompt steps
 aside; from the first tick at or after the read's end `ready` is True and `held` gives the count
-of the read blocks that still continue the prompt. A shared store is one Store for every replica
+of the read blocks that still continue the prompt; a prompt the pool has no room for yet keeps
+what it read until its blocks are filled. A shared store is one Store for every replica
 of the deployment that has the same layout (the engine's namespace holds the slicing).
 """
 
@@ -20,7 +22,13 @@ from __future__ import annotations
 
 from atoll.engine.kv.tiers.index import PrefixLRU
 
-MAX_PENDING_BYTES = 256 << 20  # engine/kv/tiers/chain.py's default
+MIN_PENDING_BYTES = 256 << 20  # engine/rank/kv_tiers.py: the writer's queue, at least this
+
+
+def pending_bytes(host_bytes: float) -> float:
+    """The writer's queue of engine/rank/kv_tiers.RankTiers.build: a quarter of the host tier,
+    at least 256 MiB."""
+    return max(MIN_PENDING_BYTES, host_bytes // 4)
 COUNTS = ("hits", "misses", "evictions", "bytes_in", "bytes_out")
 
 
@@ -51,10 +59,14 @@ class Store:
 class SimTiers:
     """One replica's tiers (every rank holds the same names, each its slice): the scheduler's hooks."""
 
-    def __init__(self, stores: list[Store], clock, block_bytes: float):
+    def __init__(self, stores: list[Store], clock, block_bytes: float, max_pending: float = MIN_PENDING_BYTES):
         """stores: top first (host, disk, then a shared store other replicas hold too); clock():
-        the simulated now (the tick being scheduled); block_bytes: one rank's bytes of a block."""
+        the simulated now (the tick being scheduled); block_bytes: one rank's bytes of a block;
+        max_pending: the writer's queue in bytes (pending_bytes)."""
         self.stores, self.clock, self.block_bytes = stores, clock, block_bytes
+        self.max_pending = max_pending
+        self.kept: dict[int, list[bytes]] = {}  # reads taken by a prompt the pool had no room for yet
+        self.holder: int | None = None  # the request of the last `held`
         self.reads: dict[int, tuple[list[bytes], float]] = {}  # request index -> (names read, when done)
         self.again: set[int] = set()
         self.reader_free = 0.0  # when the reader thread is done with the reads queued so far
@@ -67,12 +79,20 @@ class SimTiers:
     def held(self, seq, names: list[bytes]) -> int | None:
         """engine.rank.kv_tiers.RankTiers.held on the simulated clock."""
         index = seq.request.index
+        self.holder = index
+        if index in self.kept:
+            count = continues(self.kept[index], names)
+            if count:
+                return count
+            del self.kept[index]
         if index in self.reads:
             read, done = self.reads[index]
             if done > self.clock():
                 return None
             del self.reads[index]
             count = continues(read, names)
+            if count:
+                self.kept[index] = read
             if count or index in self.again:
                 self.again.discard(index)
                 return count
@@ -90,17 +110,20 @@ class SimTiers:
 
     def cancel(self, seq) -> None:
         self.again.discard(seq.request.index)
+        self.kept.pop(seq.request.index, None)
         self.reads.pop(seq.request.index, None)
 
     def fill(self, block: int, i: int) -> None:
-        """The block's bytes are copied in before the tick: nothing to simulate."""
+        """The block's bytes are copied in before the tick: nothing to simulate but the read
+        being used up."""
+        self.kept.pop(self.holder, None)
 
     def computed(self, block: int, name: bytes, parent: bytes | None) -> None:
         """Written through to every tier by the writer, unless its queue is full."""
         now = self.clock()
         start = max(now, self.writer_free)
         queued = (start - now) / self.write_s * self.block_bytes if self.write_s > 0 else 0.0
-        if queued + self.block_bytes > MAX_PENDING_BYTES:
+        if queued + self.block_bytes > self.max_pending:
             self.dropped += 1
             return
         self.writer_free = start + self.write_s

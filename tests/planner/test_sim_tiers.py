@@ -117,10 +117,14 @@ def test_b_a_read_takes_latency_plus_bytes_over_bandwidth_and_reads_queue():
     now[0] = t_b
     assert tiers.held(b, names[:2]) == 2
     assert store.counts["hits"] == 5 and store.fetch_seconds == pytest.approx(t_b)
-    # a prompt whose device pool took the first block meanwhile: the read's blocks that continue it
+    # no room in the pool yet: the next try takes what was read, reading nothing again (as the
+    # engine's RankTiers keeps it); a pool that took the first block meanwhile: the blocks that continue it
+    hits = store.counts["hits"]
+    assert tiers.held(a, names[1:]) == 2 and store.counts["hits"] == hits
+    tiers.fill(0, 0)  # admitted: the read is used up, a later prompt of the same request reads anew
     assert tiers.held(a, names[1:]) is None
     now[0] = 1.0
-    assert tiers.held(a, names[1:]) == 2
+    assert tiers.held(a, names[1:]) == 2 and store.counts["hits"] == hits + 2
 
 
 def test_b_a_full_write_queue_drops_blocks_as_the_engines_does():
