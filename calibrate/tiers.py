@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from atoll.calibrate.timing import timed
 from atoll.engine.kv.tiers.disk import DiskTier
 from atoll.engine.kv.tiers.host import HostTier
 from atoll.engine.kv.tiers.record import pack, unpack
@@ -33,16 +34,6 @@ NAMESPACE = b"atoll-calibrate!"  # 16 bytes: record.pack's namespace
 def _blocks(n: int, size: int) -> list[tuple[bytes, bytes]]:
     """n (name, payload) pairs: 16-byte names, payloads of `size` distinct bytes."""
     return [(i.to_bytes(16, "big"), os.urandom(size)) for i in range(n)]
-
-
-def _best(fn, repeats: int) -> float:
-    """The shortest of `repeats` timed calls of fn(), in seconds (the least disturbed)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def host_gb_s(*, quick: bool = False, block_bytes: int = BLOCK_BYTES) -> dict:
@@ -58,8 +49,8 @@ def host_gb_s(*, quick: bool = False, block_bytes: int = BLOCK_BYTES) -> dict:
     def read():
         b"".join(unpack(NAMESPACE, name, tier.get(name)) for name, _ in blocks)
 
-    write_s = _best(write, 2 if quick else 4)
-    read_s = _best(read, 2 if quick else 4)
+    write_s = timed(write, 0.05 if quick else 0.2)
+    read_s = timed(read, 0.05 if quick else 0.2)
     tier.close()
     return {"read_gb_s": round(total / read_s / 1e9, 3), "write_gb_s": round(total / write_s / 1e9, 3)}
 

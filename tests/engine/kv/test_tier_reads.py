@@ -43,6 +43,17 @@ class Hooks(RankTiers):
         self.filled.append(self._fills.pop())
 
 
+def _stored(chain) -> list[int]:
+    """A 13-token prompt whose three full blocks the chain holds (payload i for block i); the
+    last token's block is computed."""
+    prompt = list(range(1, 14))
+    names = prefix_names(prompt, BS)
+    for i, name in enumerate(names):
+        chain.offload(name, names[i - 1] if i else None, bytes([i]) * 8)
+    assert chain.flush(5)
+    return prompt
+
+
 def _seq(i, tokens):
     req = Request(i, tokens, SamplingParams(max_tokens=8))
     return Sequence(req, SamplerState(req.params))
@@ -51,11 +62,7 @@ def _seq(i, tokens):
 def test_a_prompt_waits_for_its_read_while_the_others_decode():
     tier = SlowHost(1 << 20)
     chain = TierChain([tier], NS)
-    prompt = list(range(1, 14))  # three full blocks, the last token's block computed
-    names = prefix_names(prompt, BS)
-    for i, name in enumerate(names):
-        chain.offload(name, names[i - 1] if i else None, bytes([i]) * 8)
-    assert chain.flush(5)
+    prompt = _stored(chain)
     reads = Reads(chain, Group.single(), "cpu")
     hooks = Hooks(reads)
     sched = Scheduler(BlockPool(32, BS), max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=True, tiers=hooks)
@@ -112,11 +119,7 @@ def test_a_request_that_leaves_after_its_read_lets_go_of_the_blocks_read():
     """A prompt whose read finished waits at the head of the line while max_num_seqs is full (the
     next prompt ran while it read); if it leaves then (an abort), the payloads read for it go."""
     chain = TierChain([HostTier(1 << 20)], NS)
-    prompt = list(range(1, 14))
-    names = prefix_names(prompt, BS)
-    for i, name in enumerate(names):
-        chain.offload(name, names[i - 1] if i else None, bytes([i]) * 8)
-    assert chain.flush(5)
+    prompt = _stored(chain)
     reads = Reads(chain, Group.single(), "cpu")
     sched = Scheduler(BlockPool(32, BS), max_num_seqs=1, max_num_batched_tokens=64, prefix_caching=True,
                       tiers=Hooks(reads))
@@ -154,11 +157,7 @@ def test_a_read_the_pool_had_no_room_for_is_kept_not_read_again():
     twice."""
     tier = CountingHost(1 << 20)
     chain = TierChain([tier], NS)
-    prompt = list(range(1, 14))  # three full blocks below, the last token's computed
-    names = prefix_names(prompt, BS)
-    for i, name in enumerate(names):
-        chain.offload(name, names[i - 1] if i else None, bytes([i]) * 8)
-    assert chain.flush(5)
+    prompt = _stored(chain)
     reads = Reads(chain, Group.single(), "cpu")
     hooks = Hooks(reads)
     sched = Scheduler(BlockPool(5, BS), max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=True, tiers=hooks)
