@@ -19,6 +19,8 @@ BENCHES = {
     "model": ("atoll.bench.model", "atoll vs transformers generate, decode vs bandwidth floor (the default)"),
     "dispatch": ("atoll.bench.dispatch", "MoE dispatch+combine time over a bare all_to_all of the same bytes"),
     "exchange": ("atoll.bench.exchange", "MoE all_to_all dispatch vs gather_combine, per rows per rank"),
+    "eplb": ("atoll.bench.eplb", "MoE expert load balancing: load, dispatch bytes and step time before and after "
+                                 "a rebalance"),
     "kernels": ("atoll.bench.kernels", "Triton kernels vs torch reference vs device floor"),
     "prefix": ("atoll.bench.prefix", "prefix caching off vs on: prefill tokens computed and TTFT"),
     "disagg": ("atoll.bench.disagg", "colocated vs disaggregated prefill/decode: wall time, TTFT, TPOT, KV sent"),

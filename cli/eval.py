@@ -6,6 +6,11 @@
     atoll eval greedy --model DIR --kv-cache-dtype int8 [--prompts 16] [--new-tokens 64]
         greedy tokens of prompts cut from the same text, under these engine options and under
         the same options with --kv-cache-dtype auto: how many tokens agree
+
+perplexity with --kv-cache-dtype fp8 --calculate-kv-scales: the scoring runs decode steps only
+(engine/driver/perplexity.py), so no first prefill would fit the scales; the text's first
+window is prefilled first through the engine's own fit (cli/calibrate_kv.fitted_scales_file),
+and the windows are scored with the scales it fitted.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+from atoll.cli.calibrate_kv import fitted_scales_file
 from atoll.cli.generate import add_model_options, make_llm
 from atoll.engine.driver import perplexity
 from atoll.engine.sample.sampler import SamplingParams
@@ -68,10 +74,21 @@ def _setup(args):
 def run_perplexity(args) -> int:
     llm, ids, name = _setup(args)
     wins = perplexity.windows(ids, args.window, args.max_tokens)
-    with llm:
-        scores = perplexity.run_scores(llm, wins)
+    fitted = None
+    if llm.options.calculate_kv_scales:  # the scoring feeds decode steps only: fit on a prefill first
+        with llm:
+            fitted = fitted_scales_file(llm, wins)
+        args.calculate_kv_scales, args.kv_scales = False, fitted
+        llm = make_llm(args, llm.model_dir)
+    try:
+        with llm:
+            scores = perplexity.run_scores(llm, wins)
+    finally:
+        if fitted is not None:
+            Path(fitted).unlink(missing_ok=True)
     row = {"model": str(llm.model_dir.name), "text": name, "layout": str(llm.layout),
            "kv_cache_dtype": llm.options.kv_cache_dtype, "quantization": llm.options.quantization,
+           "kv_scales": "first-prefill fit" if fitted else llm.options.kv_scales,
            "windows": len(wins), "window": args.window,
            "tokens": scores.tokens, "perplexity": round(scores.perplexity, 4)}
     print(json.dumps(row) if args.json else
@@ -89,9 +106,10 @@ def run_greedy(args) -> int:
     prompts = [ids[i * k:(i + 1) * k] for i in range(n)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     outs = []  # the unquantized run (KV auto, weights as stored), then the one asked for
-    setting = (llm.options.kv_cache_dtype, llm.options.quantization)
-    for kv, quant in (("auto", None), setting):
-        args.kv_cache_dtype, args.quantization = kv, quant
+    o = llm.options
+    setting = (o.kv_cache_dtype, o.quantization, o.kv_scales, o.calculate_kv_scales)
+    for kv, quant, scales, calculate in (("auto", None, None, False), setting):
+        args.kv_cache_dtype, args.quantization, args.kv_scales, args.calculate_kv_scales = kv, quant, scales, calculate
         with make_llm(args, llm.model_dir) as run:
             outs.append([o.token_ids for o in run.generate(prompts, params)])
     ref, got = outs
@@ -99,6 +117,7 @@ def run_greedy(args) -> int:
     prefix = sum(_common_prefix(r, g) for r, g in zip(ref, got))
     row = {"model": str(llm.model_dir.name), "text": name, "layout": str(llm.layout),
            "kv_cache_dtype": llm.options.kv_cache_dtype, "quantization": llm.options.quantization,
+           "kv_scales": "first-prefill fit" if o.calculate_kv_scales else o.kv_scales,
            "prompts": n, "new_tokens": args.new_tokens,
            "tokens": n * args.new_tokens, "same_position": same, "before_first_difference": prefix,
            "identical_sequences": sum(r == g for r, g in zip(ref, got))}

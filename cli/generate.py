@@ -10,6 +10,7 @@ import time
 from atoll import config
 from atoll.cli.progress import ProgressBar
 from atoll.cli.requests import Line, ResultWriter, check_output, read_prompts
+from atoll.comm.eplb import describe as expert_load_lines
 from atoll.config.sampling import SamplingParams
 from atoll.engine.spec import stats as spec_stats
 from atoll.engine.worker import worker
@@ -48,7 +49,9 @@ def add_parser(sub) -> None:
     src.add_argument("--prompt", help="one prompt text")
     src.add_argument("--prompts", metavar="FILE.jsonl",
                      help='one request a line: {"id": ..., "prompt": "..."} or "prompt_token_ids": [...], and '
-                          "optionally max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos for that request; "
+                          "optionally max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, n, logprobs, "
+                          "prompt_logprobs, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
+                          "min_tokens, stop_token_ids, bad_words for that request (vLLM's meanings); "
                           "a bad line becomes its own error line and the others run")
     p.add_argument("--output", metavar="FILE.jsonl",
                    help="write results here instead of stdout: one line per request with its id and input "
@@ -64,7 +67,8 @@ def add_parser(sub) -> None:
                         "without it the difference is one warning line")
     p.add_argument("--stats", action="store_true",
                    help="at the end, one line per link class (island, node, network): the bytes the ranks sent "
-                        "over it, for MoE dispatch and for all collectives")
+                        "over it, for MoE dispatch and for all collectives; and for an MoE model each layer's "
+                        "max/mean tokens per EP rank over the expert load window (--eplb-window-size)")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(run=run)
@@ -264,7 +268,7 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
           f"{spec_stats.describe([r['metrics'] for r in results if 'metrics' in r])}",
           file=sys.stderr)
     if sent is not None:
-        for line in link_lines(sent):
+        for line in expert_load_lines(sent.get("expert_load")) + link_lines(sent):  # MoE: tokens per EP rank
             print(f"atoll: {line}", file=sys.stderr)
     return 1 if failed else 0
 

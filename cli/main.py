@@ -29,6 +29,7 @@ COMMANDS = {
     "bench": ("atoll.cli.bench", "benchmarks (atoll bench [model options] | atoll bench dispatch ...)"),
     "serve": ("atoll.cli.serve", "serve a model over OpenAI-compatible HTTP (completions, chat)"),
     "eval": ("atoll.cli.eval", "model quality through atoll's ranks: perplexity, greedy agreement"),
+    "calibrate-kv": ("atoll.cli.calibrate_kv", "fit fp8 KV cache scales from a text and write them beside the checkpoint"),
 }
 
 

@@ -74,9 +74,16 @@ class EngineConfig:
                                                     "decoding sequences (default: 8192 on GPUs of 70 GiB or more, "
                                                     "else 2048)")
     block_size: int = _opt(16, "tokens per KV cache block")
-    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the compute dtype), fp8 (= fp8_e4m3) or fp8_e5m2 "
-                                       "(no scale), int8 (a float32 scale per token and kv head); "
-                                       "layers/kv_quant.py", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (the compute dtype), fp8 (= fp8_e4m3: a scale per "
+                                       "layer and kv head, and a sink for the first token: see --kv-scales), fp8_e5m2 (no "
+                                       "scale), int8 (a float32 scale per token and kv head); layers/kv_quant.py",
+                               choices=KV_CACHE_DTYPES)
+    kv_scales: str | None = _opt(None, "fp8 KV cache: read its scales from this file (atoll calibrate-kv's); "
+                                       "default: the checkpoint's k_scale/v_scale, else atoll-kv-scales.json beside "
+                                       "it, else 1 (vLLM's default) (models/kv_scales.py)")
+    calculate_kv_scales: bool = _opt(False, "fp8 KV cache: fit each layer's scales on the first prefill, as vLLM's "
+                                            "flag (they then depend on that prompt: atoll calibrate-kv fits them once "
+                                            "from a text)")
     quantization: str | None = _opt(None, "weights: int8 (int8 rows with a bf16 scale each, CPU; "
                                           "layers/quant_linear.py) or fp8 (e4m3 in 128 x 128 blocks with a float32 "
                                           "scale each; layers/fp8_linear.py); default: the checkpoint's",
@@ -134,6 +141,22 @@ class EngineConfig:
                              choices=MOE_EXCHANGES)
     moe_gather_rows: int = _opt(MOE_GATHER_MAX_ROWS, "rows per ep rank up to which auto gathers "
                                                      "(env ATOLL_MOE_GATHER_ROWS)")
+    # expert load balancing (EPLB), spelled as vLLM's flags; comm/eplb.py, engine/rank/eplb.py
+    enable_eplb: bool = _opt(False, "MoE: balance the experts' load over the EP ranks: every --eplb-step-interval "
+                                    "steps, place the experts and --num-redundant-experts copies of the hottest "
+                                    "from the tokens counted over the last --eplb-window-size steps, the weights "
+                                    "moved between ranks in the background, a layer a step")
+    num_redundant_experts: int = _opt(0, "MoE with --enable-eplb: physical expert slots beyond the logical experts "
+                                         "(E + R slots over the EP ranks), each a copy of a hot expert")
+    eplb_window_size: int = _opt(1000, "MoE: the steps whose expert loads are counted (a sliding window: the "
+                                       "rebalance's input and the reported load)")
+    eplb_step_interval: int = _opt(3000, "MoE with --enable-eplb: steps between two rebalances")
+    eplb_async: bool = _opt(True, "MoE with --enable-eplb: move the layers one a step, each copied in the background "
+                                  "while a step runs (--no-eplb-async: every layer at the rebalance's step boundary, "
+                                  "the engine waiting)")
+    expert_load_interval: int = _opt(100, "MoE: every this many steps, each layer's max/mean tokens per EP rank over "
+                                          "the window goes into the engine's stats (/metrics); 0: only at the end "
+                                          "of a run (atoll generate --stats)")
     kernels: str = _opt("auto", "auto: Triton kernels on CUDA, torch elsewhere; torch or triton force one "
                                 "(env ATOLL_KERNELS)", choices=KERNEL_MODES)
     mkl_pack: bool = _opt(False, "eager CPU decode: pack linear weights for MKL at the decode batch size "
@@ -167,6 +190,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name}={value!r} must be a whole number of at least 1")
+        self._check_eplb()
         for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s", "kv_disk_gb"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -182,7 +206,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InputError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("enforce_eager", "compile_freezing", "enable_prefix_caching", "mkl_pack",
-                     "disable_hybrid_kv_cache_manager"):
+                     "disable_hybrid_kv_cache_manager", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
         if (self.prefill is None) != (self.decode is None):
@@ -196,6 +220,45 @@ class EngineConfig:
                 raise InputError(f"{name}={value!r} must be a whole number of at least 1")
         if self.prefill is None and (self.prefill_replicas, self.decode_replicas) != (1, 1):
             raise InputError("--prefill-replicas/--decode-replicas need --prefill and --decode")
+        self._check_kv_scales()
+
+    def _check_kv_scales(self) -> None:
+        """The fp8 KV scales' sources (models/kv_scales.py): one at a time, fp8 e4m3 only, and a
+        fit on the first prefill only where no other engine or run reads the blocks it makes."""
+        wanted = "--kv-scales" if self.kv_scales is not None else \
+            "--calculate-kv-scales" if self.calculate_kv_scales else None
+        if wanted is None:
+            return
+        if self.kv_scales is not None:
+            object.__setattr__(self, "kv_scales", str(Path(self.kv_scales).expanduser().resolve()))
+            if not Path(self.kv_scales).is_file():
+                raise InputError(f"--kv-scales {self.kv_scales}: no such file")
+        if self.kv_scales is not None and self.calculate_kv_scales:
+            raise InputError("give --kv-scales or --calculate-kv-scales, not both")
+        if self.kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+            raise InputError(f"{wanted} sets fp8 e4m3's scales: it needs --kv-cache-dtype fp8, not "
+                             f"{self.kv_cache_dtype} (fp8_e5m2 and int8 keep no fixed scale)")
+        if self.calculate_kv_scales and self.prefill is not None:
+            raise InputError("--calculate-kv-scales with --prefill/--decode: the decode engine would read the prefill "
+                             "engine's KV under scales of its own; fit them once with atoll calibrate-kv, which "
+                             "both engines read")
+        if self.calculate_kv_scales and (self.kv_disk_dir or self.kv_shared):
+            raise InputError("--calculate-kv-scales with --kv-disk-dir/--kv-shared: another run, fitting other "
+                             "scales on its first prefill, would read these blocks; fit them once with atoll "
+                             "calibrate-kv")
+
+    def _check_eplb(self) -> None:
+        """The EPLB flags: whole numbers, and redundant experts only with --enable-eplb (as vLLM)."""
+        for name, least in (("num_redundant_experts", 0), ("eplb_window_size", 1), ("eplb_step_interval", 1),
+                            ("expert_load_interval", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InputError(f"{name}={value!r} must be a whole number of at least {least}")
+        for name in ("enable_eplb", "eplb_async"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise InputError(f"--num-redundant-experts {self.num_redundant_experts} needs --enable-eplb")
 
     def batched_tokens(self, device_memory_gib: float | None = None) -> int:
         """Tokens a step computes: max_num_batched_tokens, else default_batched_tokens."""

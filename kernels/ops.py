@@ -145,7 +145,8 @@ def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, seqs: 
     check(len(devices) == 1, f"all inputs must be on one device, got {', '.join(sorted(map(str, devices)))}")
 
 
-def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, *,
+def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale, k_sink=None,
+              v_sink=None, *,
               rows: str) -> None:
     """q [rows, heads, head_dim] against a paged (possibly quantized) cache and its scales."""
     check(q.dim() == 3 and k_cache.dim() == 4,
@@ -163,12 +164,18 @@ def _check_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_s
                               and k_scale.dtype == v_scale.dtype == torch.float32),
           f"k_scale and v_scale must be float32 {tuple(k_cache.shape[:3])}, got "
           f"{None if k_scale is None else (tuple(k_scale.shape), k_scale.dtype)}")
+    check((k_sink is None) == (v_sink is None), "give k_sink and v_sink together")
+    check(k_sink is None or (k_sink.shape == v_sink.shape == k_cache.shape[2:]
+                             and k_sink.dtype == v_sink.dtype == torch.float32),
+          f"k_sink and v_sink must be float32 {tuple(k_cache.shape[2:])}, got "
+          f"{None if k_sink is None else (tuple(k_sink.shape), k_sink.dtype)}")
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                            scale: float | None = None, sliding_window: int | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           k_sink: torch.Tensor | None = None, v_sink: torch.Tensor | None = None) -> torch.Tensor:
     """One decode query per sequence over its paged cache -> [seqs, heads, head_dim] in q's dtype.
 
     q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim] (query
@@ -179,9 +186,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     transformers' Mistral/Qwen2. Each table must cover its context: not checked (a device sync).
     A quantized cache (layers/kv_quant.py): k_cache, v_cache in int8 or fp8 (e4m3fn, e5m2), read
     as value * scale with k_scale, v_scale [blocks, block_size, kv_heads] float32 (required for
-    int8; None for unscaled fp8).
+    int8; fp8 e4m3's scale per kv head as a view of that shape, strides 0, 0, 1; None: 1), and
+    fp8 e4m3's k_sink, v_sink [kv_heads, head_dim] float32, added to each sequence's position 0
+    (None: 0).
     """
-    _check_kv(q, k_cache, v_cache, k_scale, v_scale, rows="seqs")
+    _check_kv(q, k_cache, v_cache, k_scale, v_scale, k_sink, v_sink, rows="seqs")
     seqs, _, dim = q.shape
     _check_tables(block_tables, context_lens, seqs, (q, k_cache, v_cache))
     check(sliding_window is None or sliding_window >= 0,
@@ -190,19 +199,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not use_triton(q, k_cache, v_cache, block_tables, context_lens):
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
                                                 scale=scale, sliding_window=sliding_window, k_scale=k_scale,
-                                                v_scale=v_scale)
+                                                v_scale=v_scale, k_sink=k_sink, v_sink=v_sink)
     from atoll.kernels.triton_paged_attention import paged_decode_attention as run
     q, k_cache, v_cache, block_tables = (t if t.stride(-1) == 1 else t.contiguous()
                                          for t in (q, k_cache, v_cache, block_tables))
     return run(q, k_cache, v_cache, block_tables, context_lens.contiguous(), scale=scale,
-               sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+               sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, k_sink=k_sink, v_sink=v_sink)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, starts: torch.Tensor, *,
                             max_query_len: int | None = None, scale: float | None = None,
                             sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, k_sink: torch.Tensor | None = None,
+                            v_sink: torch.Tensor | None = None) -> torch.Tensor:
     """A prefill step's new tokens over their sequences' paged cache -> [tokens, heads, head_dim]
     in q's dtype.
 
@@ -211,12 +221,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     starts[i], starts[i] + 1, ... ([seqs] integers: positions cached before the step). Their keys
     and values must already be in the cache. Each token attends causally to its sequence's keys
     up to its own position, and to the last sliding_window of them when one is given (None or 0:
-    all), as attend's prefill branch. k_cache, v_cache, block_tables, scale, k_scale, v_scale: as
+    all), as attend's prefill branch. k_cache, v_cache, block_tables, scale, k_scale, v_scale, k_sink, v_sink: as
     paged_decode_attention's (a quantized cache included). max_query_len: the longest chunk (the
     kernel's grid); None reads it from query_starts (a device sync). Not checked (a device sync
     each): query_starts ascending and ending at tokens, each table covering its positions.
     """
-    _check_kv(q, k_cache, v_cache, k_scale, v_scale, rows="tokens")
+    _check_kv(q, k_cache, v_cache, k_scale, v_scale, k_sink, v_sink, rows="tokens")
     check(starts.dim() == 1 and not starts.is_floating_point(),
           f"starts must be [seqs] integers, got {tuple(starts.shape)} {starts.dtype}")
     seqs, dim = starts.shape[0], q.shape[2]
@@ -231,7 +241,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if not use_triton(q, k_cache, v_cache, block_tables, query_starts, starts):
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_starts, starts,
                                                  scale=scale, sliding_window=sliding_window, k_scale=k_scale,
-                                                 v_scale=v_scale)
+                                                 v_scale=v_scale, k_sink=k_sink, v_sink=v_sink)
     from atoll.kernels.triton_paged_prefill import paged_prefill_attention as run
     if max_query_len is None:
         max_query_len = int(query_starts.diff().max()) if seqs else 0
@@ -239,7 +249,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                          for t in (q, k_cache, v_cache, block_tables))
     return run(q, k_cache, v_cache, block_tables, query_starts.contiguous(), starts.contiguous(),
                max_query_len=max_query_len, scale=scale, sliding_window=sliding_window, k_scale=k_scale,
-               v_scale=v_scale)
+               v_scale=v_scale, k_sink=k_sink, v_sink=v_sink)
 
 
 def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -251,7 +261,8 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     cache: [blocks, block_size, 1, D], the latent vectors [c, k_r], every head's key, whose first
     `latent` values are the value; block_tables, context_lens: as paged_decode_attention's (0
     keys give a row of zeros). A quantized cache: int8 (cache_scale [blocks, block_size, 1]
-    float32, required) or fp8 e4m3fn/e5m2 (cache_scale None).
+    float32, required), fp8 e4m3fn (its one scale as a view of that shape, or None: 1) or e5m2
+    (cache_scale None).
     """
     check(q.dim() == 3 and cache.dim() == 4,
           f"q must be [seqs, heads, D] and cache 4-D, got {q.dim()}-D and {cache.dim()}-D")
@@ -272,5 +283,7 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
                                               cache_scale=cache_scale)
     from atoll.kernels.triton_mla_decode import mla_decode_attention as run
     q, cache, block_tables = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, cache, block_tables))
+    if cache_scale is not None and cache_scale.stride(-1) != 1:  # (e4m3's scale is a view, strides 0, 0, 1: kept)
+        cache_scale = cache_scale.contiguous()
     return run(q, cache, block_tables, context_lens.contiguous(), latent=latent, scale=scale,
-               cache_scale=None if cache_scale is None else cache_scale.contiguous())
+               cache_scale=cache_scale)

@@ -157,13 +157,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                            scale: float | None = None, sliding_window: int | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           k_sink: torch.Tensor | None = None, v_sink: torch.Tensor | None = None) -> torch.Tensor:
     """q: [seqs, heads, head_dim], one query per sequence at position context_lens - 1;
     k_cache/v_cache: [blocks, block_size, kv_heads, head_dim]; block_tables: [seqs, max_blocks];
     context_lens: [seqs] keys per sequence (the query's own included). The blocks up to the
     longest context are gathered (index_select) and masked, as attend's decode branch does;
     a sequence with no keys gives zeros. A quantized cache (int8/fp8) is read as float32 value
-    times k_scale/v_scale [blocks, block_size, kv_heads] (None: 1), then cast to q's dtype."""
+    times k_scale/v_scale [blocks, block_size, kv_heads] (None: 1), plus k_sink/v_sink
+    [kv_heads, head_dim] at each sequence's position 0 (fp8 e4m3's), then cast to q's dtype."""
     seqs, _, dim = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     ctx = context_lens.to(q.device, torch.long)
@@ -173,8 +175,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     blocks = -(-longest // bs)
     ids = block_tables[:, :blocks].to(q.device, torch.long).reshape(-1)
     # [seqs*blocks, block_size, kv_heads, head_dim] -> [seqs, kv_heads, blocks*block_size, head_dim]
-    k, v = (_dequantized(c, s, ids, q.dtype).view(seqs, blocks * bs, kv_heads, dim).transpose(1, 2)
-            for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+    k, v = (_with_sink(_dequantized(c, s, ids, q.dtype).view(seqs, blocks * bs, kv_heads, dim), sink).transpose(1, 2)
+            for c, s, sink in ((k_cache, k_scale, k_sink), (v_cache, v_scale, v_sink)))
     keys = torch.arange(blocks * bs, device=q.device)
     mask = keys[None, :] < ctx[:, None]  # [seqs, keys]
     if sliding_window:
@@ -188,7 +190,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_starts: torch.Tensor, starts: torch.Tensor, *,
                             max_query_len: int | None = None, scale: float | None = None,
                             sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, k_sink: torch.Tensor | None = None,
+                            v_sink: torch.Tensor | None = None) -> torch.Tensor:
     """q: [tokens, heads, head_dim], sequence i's new tokens at rows query_starts[i] ..
     query_starts[i + 1], positions starts[i], starts[i] + 1, ... (their keys already in the
     cache); k_cache/v_cache, block_tables, k_scale/v_scale as paged_decode_attention's. Per
@@ -203,8 +206,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             continue
         length = start + hi - lo
         ids = block_tables[i, :-(-length // bs)].to(q.device, torch.long)
-        k, v = (_dequantized(c, s, ids, q.dtype).reshape(-1, kv_heads, dim)[:length].transpose(0, 1)[None]
-                for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+        k, v = (_with_sink(_dequantized(c, s, ids, q.dtype).reshape(1, -1, kv_heads, dim), sink)[0, :length]
+                .transpose(0, 1)[None] for c, s, sink in ((k_cache, k_scale, k_sink), (v_cache, v_scale, v_sink)))
         pos = torch.arange(start, length, device=q.device)[:, None]
         keys = torch.arange(length, device=q.device)[None, :]
         mask = keys <= pos
@@ -214,6 +217,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                            scale=scale, enable_gqa=q.shape[1] != kv_heads)
         out[lo:hi] = o[0].transpose(0, 1)
     return out
+
+
+def _with_sink(x: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """x: [seqs, keys, kv_heads, dim] from each sequence's position 0; the sink added there
+    (in float32, one rounding), as layers/attention.gather_blocks does."""
+    if sink is not None and x.shape[0]:
+        x[:, 0] = (x[:, 0].float() + sink.to(x.device)).to(x.dtype)
+    return x
 
 
 def _dequantized(cache: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor, dtype) -> torch.Tensor:

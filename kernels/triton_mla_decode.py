@@ -13,9 +13,10 @@ kv_lora_rank columns only ([BLOCK_N, next_pow2(kv_lora_rank)]).
 Query heads share the one latent head, so a key tile is loaded once for BLOCK_H heads: the rows
 of a [BLOCK_H >= 16, BLOCK_D] tile, the floor of tl.dot. Dots and the online softmax are float32
 ("ieee"), one rounding to q's dtype at the store. A sequence with no keys stores zeros. A
-quantized cache (layers/kv_quant.py: int8 with a float32 scale per (block, offset), fp8 e4m3/e5m2
-without) is read as stored and converted to float32 in the tile; the scale multiplies a
-position's score and its value row (HAS_SCALE).
+quantized cache (layers/kv_quant.py: int8 with a float32 scale per (block, offset), fp8 e4m3 with
+one per layer, passed as a view of strides (0, 0, 1), e5m2 without) is read as stored and
+converted to float32 in the tile; the scale multiplies a position's score and its value row
+(HAS_SCALE).
 """
 
 from __future__ import annotations

@@ -15,7 +15,11 @@ Dots and the online softmax are float32 ("ieee": exact float32, not tf32), with 
 to q's dtype at the store. head_dim need not be a power of two (the tile is padded and masked).
 A sliding window starts the walk at its first key; a sequence with no keys stores zeros.
 A quantized cache (layers/kv_quant.py: int8, fp8 e4m3/e5m2) is read as stored and converted
-to float32 in the tile, times its per-(block, offset, kv head) scale when it has one (HAS_SCALE).
+to float32 in the tile, times its per-(block, offset, kv head) scale when it has one (HAS_SCALE):
+int8's plane, or fp8 e4m3's scale per kv head as a view of strides (0, 0, 1), every position
+reading its head's one scale (a power of two: the tile holds exactly the values the torch
+paths dequantize); e4m3's sink [kv_heads, head_dim] is added back to position 0's key and
+value (HAS_SINK).
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ NO_WINDOW = 2**30  # larger than any context
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, ks_ptr, vs_ptr, qk_scale, window,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, ks_ptr, vs_ptr, kz_ptr, vz_ptr,
+                         qk_scale, window,
                          GROUP, D, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                          stride_vh, stride_sb, stride_ss, stride_sh, stride_ts, stride_os, stride_oh,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr):
+                         BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SINK: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
@@ -53,6 +58,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, ks_p
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if HAS_SINK:  # [BLOCK_D] fp8's sink of this kv head, added back at position 0
+        k_sink = tl.load(kz_ptr + kvh * D + d, mask=d_ok, other=0.0)
+        v_sink = tl.load(vz_ptr + kvh * D + d, mask=d_ok, other=0.0)
     for start in range(lo // BLOCK_N * BLOCK_N, ctx, BLOCK_N):  # every tile holds a key in [lo, ctx)
         pos = start + n
         ok = (pos >= lo) & (pos < ctx)
@@ -64,6 +72,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, ks_p
         if HAS_SCALE:  # [BLOCK_N] scales of these positions' kv head
             at = block * stride_sb + row * stride_ss + kvh * stride_sh
             k = k * tl.load(ks_ptr + at, mask=ok, other=0.0)[:, None]
+        if HAS_SINK:
+            k = k + tl.where((pos == 0)[:, None], k_sink[None, :], 0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -73,6 +83,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, ks_p
                     mask=kv_ok, other=0.0).to(tl.float32)
         if HAS_SCALE:
             v = v * tl.load(vs_ptr + at, mask=ok, other=0.0)[:, None]
+        if HAS_SINK:
+            v = v + tl.where((pos == 0)[:, None], v_sink[None, :], 0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -84,7 +96,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, ks_p
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
                            sliding_window: int | None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, k_sink: torch.Tensor | None = None,
+                           v_sink: torch.Tensor | None = None) -> torch.Tensor:
     """Inputs as the dispatcher checked them; the last axis of q, k_cache, v_cache and
     block_tables contiguous (the dispatcher's job)."""
     seqs, heads, dim = q.shape
@@ -94,13 +107,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     group = heads // kv_heads
     has_scale = k_scale is not None
-    if has_scale:
-        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # one layout: the strides are shared
+    if has_scale and k_scale.stride() != v_scale.stride():  # one layout: the strides are shared (e4m3's
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # head scales stay views, strides 0, 0, 1)
+    has_sink = k_sink is not None
+    if has_sink:
+        k_sink, v_sink = k_sink.contiguous(), v_sink.contiguous()
     _paged_decode_kernel[(seqs, kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, out, k_scale if has_scale else out,
-        v_scale if has_scale else out, scale * LOG2E, sliding_window or NO_WINDOW,
+        v_scale if has_scale else out, k_sink if has_sink else out, v_sink if has_sink else out,
+        scale * LOG2E, sliding_window or NO_WINDOW,
         group, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_scale.stride() if has_scale else (0, 0, 0)), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_SCALE=has_scale, num_warps=4)
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_SCALE=has_scale, HAS_SINK=has_sink, num_warps=4)
     return out

@@ -17,7 +17,9 @@ key > position - window, as attend's mask. Dots and the online softmax are float
 one rounding to q's dtype at the store. A row whose keys in a tile are all masked keeps its
 running max at -inf; the max used for the exponentials is then 0, so that tile adds nothing.
 A quantized cache (int8, fp8 e4m3/e5m2) is read as stored, converted to float32 and times its
-per-(block, offset, kv head) scale when it has one (HAS_SCALE).
+per-(block, offset, kv head) scale when it has one (HAS_SCALE; e4m3's per-head scale as a view
+of strides 0, 0, 1, as in the decode kernel), and e4m3's sink added back at position 0 (HAS_SINK). The step's own new tokens are read from the cache
+too: every prefill attends to the stored values (layers/attention.py).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ NO_WINDOW = 2**30  # larger than any context
 
 @triton.jit
 def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qstarts_ptr, starts_ptr, out_ptr, ks_ptr, vs_ptr,
-                          qk_scale, window, GROUP, D, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                          kz_ptr, vz_ptr, qk_scale, window, GROUP, D, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                           stride_vb, stride_vs, stride_vh, stride_sb, stride_ss, stride_sh, stride_ts,
                           stride_ot, stride_oh, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                          HAS_SCALE: tl.constexpr):
+                          HAS_SCALE: tl.constexpr, HAS_SINK: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     kvh = tl.program_id(2).to(tl.int64)
@@ -67,6 +69,9 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qstarts_ptr, starts_p
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
+    if HAS_SINK:  # [BLOCK_D] fp8's sink of this kv head, added back at position 0
+        k_sink = tl.load(kz_ptr + kvh * D + d, mask=d_ok, other=0.0)
+        v_sink = tl.load(vz_ptr + kvh * D + d, mask=d_ok, other=0.0)
     for k0 in range(lo // BLOCK_N * BLOCK_N, hi, BLOCK_N):
         key = k0 + n
         ok = (key >= lo) & (key < hi)
@@ -78,6 +83,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qstarts_ptr, starts_p
         if HAS_SCALE:
             at = block * stride_sb + row * stride_ss + kvh * stride_sh
             k = k * tl.load(ks_ptr + at, mask=ok, other=0.0)[:, None]
+        if HAS_SINK:
+            k = k + tl.where((key == 0)[:, None], k_sink[None, :], 0.0)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [ROWS, BLOCK_N], log2 units
         sees = ok[None, :] & (key[None, :] <= pos[:, None]) & (key[None, :] > pos[:, None] - window)
         s = tl.where(sees, s, float("-inf"))
@@ -89,6 +96,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qstarts_ptr, starts_p
                     mask=kv_ok, other=0.0).to(tl.float32)
         if HAS_SCALE:
             v = v * tl.load(vs_ptr + at, mask=ok, other=0.0)[:, None]
+        if HAS_SINK:
+            v = v + tl.where((key == 0)[:, None], v_sink[None, :], 0.0)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -100,8 +109,8 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qstarts_ptr, starts_p
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, starts: torch.Tensor, *,
                             max_query_len: int, scale: float, sliding_window: int | None,
-                            k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            k_sink: torch.Tensor | None = None, v_sink: torch.Tensor | None = None) -> torch.Tensor:
     """Inputs as the dispatcher checked them; the last axis of q, k_cache, v_cache and
     block_tables contiguous, query_starts and starts contiguous (the dispatcher's job)."""
     tokens, heads, dim = q.shape
@@ -114,14 +123,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_g = triton.next_power_of_2(group)
     block_m = max(1, ROWS // block_g)
     has_scale = k_scale is not None
-    if has_scale:
-        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # one layout: the strides are shared
+    if has_scale and k_scale.stride() != v_scale.stride():  # one layout: the strides are shared (e4m3's
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # head scales stay views, strides 0, 0, 1)
+    has_sink = k_sink is not None
+    if has_sink:
+        k_sink, v_sink = k_sink.contiguous(), v_sink.contiguous()
     grid = (seqs, triton.cdiv(max_query_len, block_m), kv_heads)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_starts, starts, out, k_scale if has_scale else out,
-        v_scale if has_scale else out, scale * LOG2E, sliding_window or NO_WINDOW,
+        v_scale if has_scale else out, k_sink if has_sink else out, v_sink if has_sink else out,
+        scale * LOG2E, sliding_window or NO_WINDOW,
         group, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_scale.stride() if has_scale else (0, 0, 0)), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_G=block_g,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_SCALE=has_scale, num_warps=4)
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), HAS_SCALE=has_scale, HAS_SINK=has_sink, num_warps=4)
     return out

@@ -6,6 +6,12 @@ a sequence's block table lists the blocks holding its positions 0, bs, 2*bs, ...
 A contiguous cache is the special case of one block of max_len per sequence.
 A quantized cache (--kv-cache-dtype, layers/kv_quant.py) holds a QuantizedKV per layer instead
 of a tensor: write_cache quantizes, gather_blocks dequantizes the blocks it reads.
+
+Every attention over a quantized cache reads the keys and values as stored (quantized, then
+read back), the step's own new tokens included: a prompt prefilled alone (layers/prefill.py,
+from write_cache's read-back), beside others, in chunks or over a prefix-cache hit (the
+blocks gathered here, or read in place by the Triton kernels) attends to the same values, so
+its tokens do not depend on what else the step holds.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch.nn.functional as F
 
 from atoll.kernels.backend import use_triton
 from atoll.kernels.ops import paged_decode_attention, paged_prefill_attention
-from atoll.layers.kv_quant import KVFormat, QuantizedKV
+from atoll.layers.kv_quant import KVFormat, QuantizedKV, static_digest
 
 
 @dataclass
@@ -207,26 +213,59 @@ class KVCache:
     values=False: keys only, v holds None per layer (MLA's latent cache: kv_heads 1, head_dim
     kv_lora_rank + qk_rope_head_dim, its values a slice of the same vector).
     kv_format: quantized storage (layers/kv_quant.py), each layer's k and v a QuantizedKV
-    whose reads return `dtype`; None: plain tensors of `dtype`."""
+    whose reads return `dtype`; None: plain tensors of `dtype`. fp8 e4m3's fixed scales:
+    `scales`, one (k scales, v scales or None, k sink, v sink) per layer of this rank
+    ([kv_heads], [kv_heads], [kv_heads, head_dim] each or None; None: scale 1, sink 0), or
+    fit_first: each layer fits its own on its first store (--calculate-kv-scales)."""
 
     def __init__(self, num_layers: int, num_blocks: int | list[int], kv_heads: int, block_size: int, head_dim: int,
-                 dtype, *, device="cpu", values: bool = True, kv_format: KVFormat | None = None):
+                 dtype, *, device="cpu", values: bool = True, kv_format: KVFormat | None = None,
+                 scales: list | None = None, fit_first: bool = False):
         """num_blocks: every layer's, or a list of each layer's (a sliding layer keeping fewer:
         engine.kv.windowed); self.num_blocks is the largest."""
         counts = num_blocks if isinstance(num_blocks, list) else [num_blocks] * num_layers
 
-        def one(blocks):
+        def one(blocks, role):
             shape = (blocks, block_size, kv_heads, head_dim)
             if kv_format is not None:
-                return QuantizedKV(shape, kv_format, dtype, device=device)
+                return QuantizedKV(shape, kv_format, dtype, device=device, role=role)
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.k = [one(n) for n in counts]
-        self.v = [one(n) if values else None for n in counts]
+        self.k = [one(n, "k" if values else "latent") for n in counts]
+        self.v = [one(n, "v") if values else None for n in counts]
         self.block_size = block_size
         self.num_blocks = max(counts, default=0)
         self.layer_blocks = counts
         self.kv_format = kv_format
+        static = [x for x in self.k + self.v if isinstance(x, QuantizedKV) and x.head_scale is not None]
+        if scales is not None and static:
+            for k, v, (ks, vs, k_sink, v_sink) in zip(self.k, self.v, scales, strict=True):
+                k.set_static(ks, k_sink)
+                if v is not None:
+                    v.set_static(vs, v_sink)
+        for x in static:
+            x.pending = fit_first
+        self._pending = bool(static) and fit_first
+
+    @property
+    def pending(self) -> bool:
+        """Whether a layer still waits for its first store to fit its scales (--calculate-kv-scales)."""
+        if self._pending:  # once every layer has fitted, it stays so
+            self._pending = any(isinstance(x, QuantizedKV) and x.pending for x in self.k + self.v)
+        return self._pending
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """fp8 e4m3's fixed scales and sinks, every layer's (a few bytes each)."""
+        return [t for x in self.k + self.v if isinstance(x, QuantizedKV) for t in x.static_tensors()]
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes of the fixed scales and sinks (engine.kv.sizing.static_scale_bytes charges them)."""
+        return sum(t.numel() * t.element_size() for t in self.static_tensors())
+
+    def scales_digest(self) -> str:
+        """A digest of the fixed scales and sinks ("" for a cache without)."""
+        return static_digest(self.k + self.v)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache stores, in a fixed order (each layer's k, then each layer's v;
@@ -249,15 +288,32 @@ class KVCache:
                    for t in (x.tensors() if isinstance(x, QuantizedKV) else [x]))
 
 
-def write_cache(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+def write_cache(k_cache, v_cache, k, v, meta: AttentionMetadata):
     """k, v: [tokens, kv_heads, head_dim] stored at each token's block and offset (v_cache
-    None: a keys-only cache; a QuantizedKV quantizes them)."""
+    None: a keys-only cache; a QuantizedKV quantizes them). Returns (k, v) as attention reads
+    them back: a quantized cache's stored values on a step that is not a decode (a prefill
+    attending to its own new tokens reads these), else k and v as given. Under context
+    parallelism a fit of the scales agrees over the cp group (meta.agree)."""
     block, offset = meta.token_blocks()
+    read_back = not meta.is_decode
+    agree = getattr(meta, "agree", None)
+    first = meta.positions == 0 if getattr(k_cache, "sink", None) is not None else None  # position 0: the sink's
+    out = []
     for cache, x in ((k_cache, k), (v_cache, v)):
         if isinstance(cache, QuantizedKV):
-            cache.store(block, offset, x)
-        elif cache is not None:
+            back = cache.store(block, offset, x, first=first, agree=agree, read_back=read_back)
+            out.append(x if back is None else back)
+            continue
+        if cache is not None:
             cache[block, offset] = x
+        out.append(x)
+    return out[0], out[1]
+
+
+def reads_in_place(q: torch.Tensor, cache) -> bool:
+    """Whether attention over this quantized cache runs the Triton kernels, which read the stored
+    bytes in place: then every prefill takes them (layers/prefill.py steps aside), one path."""
+    return isinstance(cache, QuantizedKV) and use_triton(q, cache)
 
 
 def read_blocks(cache, ids: torch.Tensor) -> torch.Tensor:
@@ -266,13 +322,18 @@ def read_blocks(cache, ids: torch.Tensor) -> torch.Tensor:
     return cache.select(ids) if isinstance(cache, QuantizedKV) else cache.index_select(0, ids)
 
 
-def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, *, first: bool = True) -> torch.Tensor:
     """[seqs, blocks] tables -> [seqs, kv_heads, blocks*block_size, head_dim], a view of one
-    copy (index_select: a fraction of advanced indexing's cost)."""
+    copy (index_select: a fraction of advanced indexing's cost). first: the tables start at each
+    sequence's block 0, whose position 0 takes an fp8 cache's sink back (layers/kv_quant.py;
+    context parallelism's other ranks hold later blocks: False)."""
     s, b = tables.shape
     _, bs, h, d = cache.shape
-    x = read_blocks(cache, tables.reshape(-1))  # [seqs*blocks, block_size, kv_heads, head_dim]
-    return x.view(s, b * bs, h, d).transpose(1, 2)
+    x = read_blocks(cache, tables.reshape(-1)).view(s, b * bs, h, d)  # one copy of the blocks
+    sink = getattr(cache, "sink", None)
+    if first and sink is not None and s:  # in float32, one rounding: as QuantizedKV.store's read-back
+        x[:, 0] = (x[:, 0].float() + sink).to(x.dtype)
+    return x.transpose(1, 2)
 
 
 def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int | None = None,
@@ -287,7 +348,8 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
     if use_triton(q, k_cache):  # reads the paged cache in place
         quantized = isinstance(k_cache, QuantizedKV)
         kv = (k_cache.data, v_cache.data) if quantized else (k_cache, v_cache)
-        scales = dict(k_scale=k_cache.scale, v_scale=v_cache.scale) if quantized else {}
+        scales = dict(k_scale=k_cache.kernel_scale(), v_scale=v_cache.kernel_scale(), k_sink=k_cache.sink,
+                      v_sink=v_cache.sink) if quantized else {}
         if meta.is_decode:
             return paged_decode_attention(q, *kv, meta.block_tables, meta.context_lens(),
                                           sliding_window=sliding_window, scale=scale, **scales)

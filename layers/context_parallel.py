@@ -115,14 +115,20 @@ class CpShards:
     def last_tokens(self) -> torch.Tensor:
         return self.full.last_tokens()
 
+    def agree(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """x summed (op "sum") or maxed over the cp group: a quantized cache fitting its scales on
+        the first prefill (layers/kv_quant.py) sees every cp rank's share of the tokens."""
+        return self.group.all_reduce(x, op=op)
+
     def attend(self, q: torch.Tensor, k_cache, v_cache, *, sliding_window: int | None = None,
                scale: float | None = None) -> torch.Tensor:
         """q: [own tokens, heads, head_dim] (already written to the cache) -> [own tokens, heads, head_dim]."""
         g, cp = self.group, self.group.size
         heads, dv = q.shape[1], v_cache.shape[-1]
         if self.decode:
-            k = gather_blocks(k_cache, self.tables[0])  # [seqs, kv_heads, keys, head_dim]
-            v = gather_blocks(v_cache, self.tables[0])
+            first = g.rank == 0  # block 0 (position 0, an fp8 sink's) lives on cp rank 0
+            k = gather_blocks(k_cache, self.tables[0], first=first)  # [seqs, kv_heads, keys, head_dim]
+            v = gather_blocks(v_cache, self.tables[0], first=first)
             mask = visible(self.query_pos[:, None], self.key_pos[0], sliding_window)  # [seqs, keys]
             out, lse = partial_attention(q[:, :, None], k, v, mask[:, None, None], scale)
             parts = g.all_gather(pack(out[:, :, 0], lse[:, :, 0])[None], dim=0)  # [cp, seqs, heads, dv + 1]
@@ -133,8 +139,8 @@ class CpShards:
         q_all = g.all_gather(padded[None], dim=0).view(cp * width, heads, q.shape[2])[self.unpad]
         bs, outs, start = self.full.block_size, [], 0
         for i, (first, n) in enumerate(zip(self.full.start_list, self.full.query_lens)):
-            k = gather_blocks(k_cache, self.tables[i][None])  # [1, kv_heads, keys here, head_dim]
-            v = gather_blocks(v_cache, self.tables[i][None])
+            k = gather_blocks(k_cache, self.tables[i][None], first=g.rank == 0)  # [1, kv_heads, keys here, head_dim]
+            v = gather_blocks(v_cache, self.tables[i][None], first=g.rank == 0)
             for a in range(0, n, _CHUNK):  # a chunk of queries reads only the keys up to its last position
                 b = min(n, a + _CHUNK)
                 keys = len(range(g.rank, (first + b - 1) // bs + 1, cp)) * bs  # this rank's keys before it

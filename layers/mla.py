@@ -122,7 +122,7 @@ class MLAttention(nn.Module):
             quantized = isinstance(cache, QuantizedKV)
             o = mla_decode_attention(q, cache.data if quantized else cache, meta.block_tables, meta.context_lens(),
                                      latent=self.latent, scale=self.scale,
-                                     cache_scale=cache.scale if quantized else None)
+                                     cache_scale=cache.kernel_scale() if quantized else None)
         else:
             def group(qs, tables, mask):
                 kv = gather_blocks(cache, tables)  # [seqs, 1, keys, kv_lora_rank + rope], one copy

@@ -28,6 +28,16 @@ capacity_factor). The default is the config's moe_exchange.
 static (inside `with moe.static_exchange():`, which the CUDA-graph decode step enters): never
 read a device value on the host, so always gather_combine and no count exchange; every DP
 rank of the stage must pass the same row count (the step pads them to one bucket).
+
+Experts, slots and load. The router picks logical experts; the layer holds physical slots:
+one per expert in contiguous blocks, or with --enable-eplb E + R slots whose experts a
+rebalance chooses (comm/eplb.py), each pair routed to one copy of its expert
+(layers/expert_map.py). Dispatch and exchange move slot ids as they moved expert ids. Each
+layer counts the pairs routed to each slot (ExpertLoad) once over the engine: direct, every
+ep rank its own rows; otherwise every ep rank routes the stage's rows (or its chunk of them)
+and counts its tensor_split chunk only; tp ranks of one ep rank count the same rows, and the
+window (engine/rank/eplb.py) sums over the ep group alone. A static step's padding rows are
+not counted: the step says which rows are real (static_exchange(real=...)).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atoll.comm.dispatch import Dispatcher
+from atoll.comm.eplb import Placement
 from atoll.comm.exchange import gather_combine
 from atoll.comm.gather import all_gather_rows, row_counts
 from atoll.comm.group import Group
@@ -48,43 +59,60 @@ from atoll.errors import ConfigError
 from atoll.kernels import fused_moe
 from atoll.kernels.backend import use_triton
 from atoll.layers import fp8_linear
+from atoll.layers.expert_map import ExpertLoad, ExpertMap
 from atoll.layers.linear import _param, copy_into, divide
 from atoll.layers.router import Router
 
 
 class Experts(nn.Module):
-    """This rank's routed experts, a contiguous block `local` of the expert ids, each sharded
-    over moe_tp along the intermediate dim. w13: [experts_local, 2*inter/moe_tp, hidden] with
-    gate rows then up rows; w2: [experts_local, hidden, inter/moe_tp]. Outputs are partial
-    sums over moe_tp."""
+    """This rank's routed expert slots, a contiguous block `local` of the physical slot ids,
+    slot j holding logical expert `logical[j]` (default: the slot ids themselves, the
+    contiguous blocks without EPLB; with it a hot expert may fill several slots, on several
+    ranks: comm/eplb.py), each sharded over moe_tp along the intermediate dim. w13:
+    [slots_local, 2*inter/moe_tp, hidden] with gate rows then up rows; w2: [slots_local,
+    hidden, inter/moe_tp]. Outputs are partial sums over moe_tp."""
 
-    def __init__(self, local: range, hidden: int, inter: int, group: Group, *, dtype=None):
+    def __init__(self, local: range, hidden: int, inter: int, group: Group, *, dtype=None, logical=None):
         super().__init__()
         self.local, self.group = local, group
+        self.logical = list(local) if logical is None else list(logical)
+        if len(self.logical) != len(local):
+            raise ValueError(f"{len(local)} slots given {len(self.logical)} logical experts")
         self.inter_local = divide(inter, group.size, "moe_intermediate_size")
         self.w13 = _param(len(local), 2 * self.inter_local, hidden, dtype=dtype)
         self.w13.weight_loader = self._load_w13
         self.w2 = _param(len(local), hidden, self.inter_local, dtype=dtype)
         self.w2.weight_loader = self._load_w2
         # the checkpoint tensors each parameter is filled from (models/strict.py checks them all)
-        self.shard_ids = {"w13": tuple((e, part) for e in local for part in (0, 1)),
-                          "w2": tuple((e, "down") for e in local)}
+        held = sorted(set(self.logical))
+        self.shard_ids = {"w13": tuple((e, part) for e in held for part in (0, 1)),
+                          "w2": tuple((e, "down") for e in held)}
         self.fp8_scales: dict[str, fp8_linear.Fp8Scales] = {}  # w13 and w2 kept in fp8 (keep_fp8)
 
     def _load_w13(self, param, src, shard):
         e, part = shard
-        if e not in self.local:
+        slots = [j for j, held in enumerate(self.logical) if held == e]
+        if not slots:
             return False  # another ep rank's expert: never read
         n, start = self.inter_local, self.group.rank * self.inter_local
-        copy_into(param.data[e - self.local.start, part * n:(part + 1) * n], src[start:start + n],
-                  self.fp8_scales.get("w13"))
+        for j in slots:
+            copy_into(param.data[j, part * n:(part + 1) * n], src[start:start + n], self.fp8_scales.get("w13"))
 
     def _load_w2(self, param, src, shard):
         e, _ = shard
-        if e not in self.local:
+        slots = [j for j, held in enumerate(self.logical) if held == e]
+        if not slots:
             return False
         start = self.group.rank * self.inter_local
-        copy_into(param.data[e - self.local.start], src[:, start:start + self.inter_local], self.fp8_scales.get("w2"))
+        for j in slots:
+            copy_into(param.data[j], src[:, start:start + self.inter_local], self.fp8_scales.get("w2"))
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a row per local slot (the weights, and their scales when kept in
+        fp8): what a rebalance moves between ranks (engine/rank/eplb.py)."""
+        names = ["w13", "w2"] + [f"{n}_scale" for n in self.fp8_scales]
+        return [t for t in (getattr(self, n, None) for n in names)
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == len(self.local)]
 
     def forward(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """rows: [n_recv, hidden] in any order, local_ids: [n_recv] each row's local expert ->
@@ -173,12 +201,18 @@ class SparseMoE(nn.Module):
             setattr(self, self.shared_name, shared)  # named as in the checkpoint
         self.shared_expert_gate = shared_gate
         self.gate = router
-        # arrival order: the experts take each row's expert id, so rows need no sort by expert
         engine = engine or EngineConfig()
-        self.dispatcher = make_dispatcher(ctx, router.num_experts, engine=engine, islands=islands,
+        # E logical experts on E + R physical slots (R redundant copies with --enable-eplb)
+        redundant = engine.num_redundant_experts if engine.enable_eplb else 0
+        self.placement = Placement.initial(router.num_experts, redundant, ctx.ep.size)
+        # arrival order: the experts take each row's slot, so rows need no sort by slot
+        self.dispatcher = make_dispatcher(ctx, self.placement.num_slots, engine=engine, islands=islands,
                                           hierarchical=hierarchical,
                                           capacity_factor=capacity_factor, grouped=False)
-        self.experts = Experts(self.dispatcher.local_experts, hidden, inter, ctx.moe_tp, dtype=dtype)
+        self.experts = Experts(self.dispatcher.local_experts, hidden, inter, ctx.moe_tp, dtype=dtype,
+                               logical=self.placement.local(ctx.ep.rank))
+        self.expert_map = ExpertMap(self.placement) if engine.enable_eplb else None  # None: slot = expert
+        self.expert_load = ExpertLoad(self.placement.num_slots)
         self.direct = ctx.layout.tp == ctx.layout.moe_tp
         self.exchange = engine.moe_exchange if exchange is None else exchange
         if self.exchange not in EXCHANGES:
@@ -188,16 +222,19 @@ class SparseMoE(nn.Module):
                               "needs the all-to-all")
         self.gather_max_rows = engine.moe_gather_rows
         self.static = False  # inside static_exchange(): no host reads of device values
+        self.real: torch.Tensor | None = None  # inside static_exchange(real=...): [rows] the step's real rows
         self.exchange_bytes: Counter = Counter()  # gather_combine's bytes sent, per link class
 
     @contextmanager
-    def static_exchange(self):
-        """Steps run inside take the fixed-shape exchange (see the module's docstring: static)."""
-        before, self.static = self.static, True
+    def static_exchange(self, real: torch.Tensor | None = None):
+        """Steps run inside take the fixed-shape exchange (see the module's docstring: static);
+        real: [rows] bool, the rows of the step that are not padding (counted: layers/expert_map.py)."""
+        before = self.static, self.real
+        self.static, self.real = True, real
         try:
             yield self
         finally:
-            self.static = before
+            self.static, self.real = before
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens of this DP rank, hidden], the same on its tp ranks -> same shape."""
@@ -225,41 +262,59 @@ class SparseMoE(nn.Module):
         if self.static and (self.exchange == "alltoall" or self.dispatcher.capacity_factor is not None):
             raise ConfigError("the compiled decode step needs the MoE gather exchange: it cannot run "
                               f"exchange={self.exchange} or capacity_factor={self.dispatcher.capacity_factor}")
-        if self.direct:
+        if self.direct:  # my own rows: every one counted here (padding aside)
+            first = ctx.ep.rank * len(x)  # a place for my rows among the ep group's (the copy choice)
             if self.static:  # the compiled step passes every ep rank the same row count
-                return ctx.moe_tp.all_reduce(self._gather(x, replicated=False))
+                return ctx.moe_tp.all_reduce(self._gather(x, replicated=False, first=first, keep=self.real))
             counts = row_counts(ctx.ep, len(x)) if self.may_gather else [len(x)]
             if self.gathers(max(counts)):  # every ep rank sees the same counts: they agree
-                return ctx.moe_tp.all_reduce(self._gather(x, replicated=False, rows=max(counts)))
-            return ctx.moe_tp.all_reduce(self._all_to_all(x))
+                return ctx.moe_tp.all_reduce(self._gather(x, replicated=False, rows=max(counts), first=first))
+            return ctx.moe_tp.all_reduce(self._all_to_all(x, first=first))
+        real = None
         if self.static:
             stage_x = ctx.dp.all_gather(x, dim=0)  # equal counts: no count exchange
             mine = ctx.dp.rank * len(x)
+            if self.real is not None:
+                real = self.real if ctx.dp.size == 1 else ctx.dp.all_gather(self.real.to(torch.uint8), dim=0).bool()
         else:
             counts = row_counts(ctx.dp, len(x))
             stage_x = all_gather_rows(ctx.dp, x, counts)  # [stage tokens, hidden]
             mine = sum(counts[: ctx.dp.rank])
-        if self.static or self.gathers(-(-len(stage_x) // ctx.ep.size)):
-            # the stage's tokens are on every ep rank already: no gather over ep
-            y = ctx.moe_tp.all_reduce(self._gather(stage_x, replicated=True))
-            return y[mine:mine + len(x)]
         per, extra = divmod(len(stage_x), ctx.ep.size)  # torch.tensor_split's sizes
         chunks = [per + (r < extra) for r in range(ctx.ep.size)]
         start = sum(chunks[: ctx.ep.rank])
-        y = ctx.moe_tp.all_reduce(self._all_to_all(stage_x[start:start + chunks[ctx.ep.rank]]))
+        if self.static or self.gathers(-(-len(stage_x) // ctx.ep.size)):
+            # the stage's tokens are on every ep rank already: no gather over ep. Every ep rank
+            # routes them all; each counts its tensor_split chunk, so the group counts each once
+            at = torch.arange(len(stage_x), device=x.device)
+            keep = (at >= start) & (at < start + chunks[ctx.ep.rank])
+            y = ctx.moe_tp.all_reduce(self._gather(stage_x, replicated=True, first=0,
+                                                   keep=keep if real is None else keep & real))
+            return y[mine:mine + len(x)]
+        y = ctx.moe_tp.all_reduce(self._all_to_all(stage_x[start:start + chunks[ctx.ep.rank]], first=start))
         stage_y = all_gather_rows(ctx.ep, y, chunks)
         return stage_y[mine:mine + len(x)]
 
-    def _all_to_all(self, xs: torch.Tensor) -> torch.Tensor:
-        """xs: [this ep rank's share, hidden] through the Dispatcher -> moe_tp partial sums."""
+    def _route(self, xs: torch.Tensor, first, keep: torch.Tensor | None):
+        """The router's choice for xs, each pair sent to a physical slot, the kept rows counted
+        -> (slots [n, k], weights [n, k])."""
         ids, weights = self.gate(xs)
+        if self.expert_map is not None:
+            ids = self.expert_map.route(ids, first)
+        self.expert_load.count(ids, keep)
+        return ids, weights
+
+    def _all_to_all(self, xs: torch.Tensor, *, first) -> torch.Tensor:
+        """xs: [this ep rank's share, hidden] through the Dispatcher -> moe_tp partial sums."""
+        ids, weights = self._route(xs, first, None)
         d = self.dispatcher.dispatch(xs, ids, weights)
         return self.dispatcher.combine(self.experts(d.rows, d.row_experts()), d)
 
-    def _gather(self, xs: torch.Tensor, *, replicated: bool, rows: int | None = None) -> torch.Tensor:
+    def _gather(self, xs: torch.Tensor, *, replicated: bool, rows: int | None = None, first=0,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         """xs through gather_combine -> moe_tp partial sums; rows: pad to this many first (the
-        padding routes nowhere: ids -1, weights 0) and cut back after."""
-        ids, weights = self.gate(xs)
+        padding routes nowhere: ids -1, weights 0) and cut back after; keep: the rows counted."""
+        ids, weights = self._route(xs, first, keep)
         n = len(xs)
         if rows is not None and rows > n:
             xs = torch.cat([xs, xs.new_zeros(rows - n, xs.shape[1])])

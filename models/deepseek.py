@@ -69,6 +69,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
         self.model = DeepseekModel(cfg, ctx, start, end, dtype, make_mlp)
         if ctx.is_last_stage:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.tp, dtype=dtype)
+        self.share_load()
 
     def checkpoint_targets(self, name: str) -> list[tuple[str, object]]:
         if after_last_layer(name, self.config):  # the multi-token-prediction layer

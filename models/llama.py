@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from atoll.layers.attention import AttentionMetadata, attend, write_cache
+from atoll.layers.attention import AttentionMetadata, attend, reads_in_place, write_cache
 from atoll.layers.context_parallel import CpShards
 from atoll.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atoll.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -73,10 +73,12 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary(q, k, meta.positions)
         if self.sliding_window and getattr(meta, "windowed", None) is not None:
             meta = meta.windowed  # this layer's cache is the sliding layers' own (engine.kv.windowed)
-        write_cache(k_cache, v_cache, k, v, meta)
+        # k, v as attention reads them: a quantized cache's stored values (layers/attention.py)
+        k, v = write_cache(k_cache, v_cache, k, v, meta)
         if isinstance(meta, CpShards):  # context parallel: partials over each cp rank's blocks, merged
             return self.o_proj(meta.attend(q, k_cache, v_cache, sliding_window=self.sliding_window).flatten(1))
-        out = fresh_prefill(q, k, v, meta, sliding_window=self.sliding_window)  # None: not such a step
+        out = None if reads_in_place(q, k_cache) else \
+            fresh_prefill(q, k, v, meta, sliding_window=self.sliding_window)  # None: not such a step
         if out is None:
             out = attend(q, k_cache, v_cache, meta, sliding_window=self.sliding_window)
         return self.o_proj(out.flatten(1))  # [tokens, hidden]
@@ -155,9 +157,10 @@ class LlamaForCausalLM(nn.Module):
         return [m.weight for m in self.linear_layers()]
 
     @contextmanager
-    def static_exchange(self):
+    def static_exchange(self, real=None):
         """Steps run inside take each MoE layer's fixed-shape exchange (a CUDA graph's step:
-        no host read of a device value); a dense model has none."""
+        no host read of a device value), real: [rows] bool its rows that are not padding; a
+        dense model has none."""
         yield self
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache) -> torch.Tensor:

@@ -71,18 +71,36 @@ class MoeForCausalLM(LlamaForCausalLM):
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, ctx.tp, dtype=dtype)
 
         super().__init__(cfg, ctx, dtype=dtype, make_mlp=make_mlp)
+        self.share_load()
+
+    def share_load(self) -> None:
+        """One [moe layers, slots] int64 tensor, `expert_load`, whose rows are the stage's MoE
+        layers' load counters (layers/expert_map.py): the window takes a step's counts in one
+        copy (engine/rank/eplb.py)."""
+        layers = self.moe_layers
+        slots = layers[0].placement.num_slots if layers else 0
+        device = next(self.parameters()).device
+        self.expert_load = torch.zeros(len(layers), slots, dtype=torch.long, device=device)
+        for i, m in enumerate(layers):
+            m.expert_load.counts = self.expert_load[i]
+
+    @cached_property
+    def moe_layer_ids(self) -> list[int]:
+        """The global index of each of moe_layers, in order."""
+        return [int(i) for i, layer in self.model.layers.items() if isinstance(layer.mlp, SparseMoE)]
 
     @cached_property
     def moe_layers(self) -> list[SparseMoE]:
         """The stage's MoE layers, listed once (a step enters each: static_exchange)."""
-        return [m for m in self.modules() if isinstance(m, SparseMoE)]
+        return [layer.mlp for layer in self.model.layers.values() if isinstance(layer.mlp, SparseMoE)]
 
     @contextmanager
-    def static_exchange(self):
-        """Steps run inside take each MoE layer's fixed-shape exchange (SparseMoE.static_exchange)."""
+    def static_exchange(self, real: torch.Tensor | None = None):
+        """Steps run inside take each MoE layer's fixed-shape exchange (SparseMoE.static_exchange);
+        real: [rows] bool, the step's rows that are not padding (the load counters skip padding)."""
         with ExitStack() as stack:
             for m in self.moe_layers:
-                stack.enter_context(m.static_exchange())
+                stack.enter_context(m.static_exchange(real))
             yield self
 
     def checkpoint_targets(self, name: str):

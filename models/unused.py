@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from atoll.models.kv_scales import is_checkpoint_scale
+
 # rotary frequencies saved as buffers by older checkpoints; atoll computes its own
 ROTARY = r"(.+\.)?rotary_emb\.inv_freq"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -37,7 +39,10 @@ UNUSED = {
 
 
 def known_unused(name: str, config) -> bool:
-    """Whether checkpoint tensor `name` is one its family's model never reads."""
+    """Whether checkpoint tensor `name` is one its family's model never reads (a KV cache scale,
+    k_scale/v_scale: the cache reads those, models/kv_scales.py, no parameter does)."""
+    if is_checkpoint_scale(name):
+        return True
     for rule in UNUSED.get(config.model_type, ()):
         if rule(name, config) if callable(rule) else re.fullmatch(rule, name):
             return True

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from atoll.engine.kv.sizing import static_scale_bytes
 from atoll.engine.kv.tiers.record import HEADER
 from atoll.planner import efficiency as eff
 from atoll.planner.context import partial_bytes_per_token, query_bytes_per_token
@@ -90,6 +91,7 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
         kv = per_dp * w.context * (end - start) * s.kv_bytes_per_token_layer(l.tp, w.kv_bytes, w.kv_scale_bytes)
         if cp > 1:
             kv = kv / cp  # the runtime splits a sequence's blocks evenly (context.py)
+        kv += static_scale_bytes(config, l.tp, end - start, w.kv_dtype)  # fp8's fixed scales, a few KiB
         if worst is None or weights + kv > worst[0] + worst[1]:
             worst = (weights, kv)
     chunk = min(eff.prefill_chunk_tokens(topology.gpu), per_dp * w.isl)

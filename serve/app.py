@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI's /v1/models, /v1/completions and /v1/chat/completions over a
-Backend, plus /health and /metrics. `create_app(backend, ...)` takes the Backend (an LLM and
+Backend, vLLM's /tokenize and /detokenize, plus /health and /metrics. `create_app(backend, ...)` takes the Backend (an LLM and
 its living engine), so tests can run it in-process over a fake engine (httpx.ASGITransport).
 
 Every refusal is OpenAI's error body {"error": {message, type, param, code}}: 400 for a bad
@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException
 from atoll.errors import CheckpointError
 from atoll.serve.backend import Backend
 from atoll.serve.handlers import Handler
-from atoll.serve.protocol import ApiError, ChatRequest, CompletionRequest, error_body, validation_error
+from atoll.serve.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                  error_body, validation_error)
 
 
 class EngineStream(StreamingResponse):
@@ -126,6 +127,44 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
         except CheckpointError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         return await respond(request, body, [tok.encode(text, add_special_tokens=False)], chat=True)
+
+    def tokenizer():
+        tok = backend.llm.tokenizer
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer.json", param="model")
+        return tok
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: a prompt's token ids (or chat messages' through the template), their count
+        and the context."""
+        check_model(body.model)
+        tok = tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give prompt (text) or messages, not both", param="prompt")
+        if body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            try:
+                text = tok.apply_chat_template([m.template_dict() for m in body.messages],
+                                               add_generation_prompt=body.add_generation_prompt,
+                                               continue_final_message=body.continue_final_message)
+            except CheckpointError as e:
+                raise ApiError(400, f"messages: {e}", param="messages") from None
+            ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": backend.llm.max_model_len, "tokens": ids,
+                "token_strs": tok.token_strings(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's: token ids' text."""
+        check_model(body.model)
+        tok, vocab = tokenizer(), backend.llm.config.vocab_size
+        bad = next((j for j, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens[{bad}]={body.tokens[bad]} is outside the vocabulary: token ids are "
+                                f"0..{vocab - 1}", param="tokens")
+        return {"prompt": tok.decode(body.tokens)}
 
     async def respond(request: Request, body, prompts: list, *, chat: bool):
         call, renderer = handler.start(body, prompts, chat=chat)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
+from atoll.engine.batch.copies import copies_of
 from atoll.errors import AtollError, InputError
 from atoll.serve.metrics import Metrics
 from atoll.serve.protocol import ApiError
@@ -28,6 +29,7 @@ class Call:
     first: dict = field(default_factory=dict)  # choice -> time of its first token
     last: dict = field(default_factory=dict)  # choice -> time of its latest token
     logprobs: bool = False  # the request asked for them
+    n: int = 1  # choices per prompt: choice k is copy k % n of prompt k // n (engine.batch.copies)
 
 
 class Backend:
@@ -74,24 +76,39 @@ class Backend:
         return requests
 
     def start(self, requests: list, *, arrived: float | None = None) -> Call:
-        """Submit the requests (choices, in order) to the engine; `arrived` (time.monotonic()),
-        when the HTTP request came, is where its latencies start (default: now)."""
-        self.check_admission(len(requests))
+        """Submit the requests to the engine, each as its params.n copies (the choices, in
+        order: a prompt's copies side by side, each after the first forking from it, except
+        in a disaggregated job whose engines may run them apart); `arrived`
+        (time.monotonic()), when the HTTP request came, is where its latencies start
+        (default: now)."""
+        n = requests[0].params.n if requests else 1
+        self.check_admission(len(requests) * n)
         loop = asyncio.get_running_loop()
-        call = Call([], None, time.monotonic() if arrived is None else arrived)
+        call = Call([], None, time.monotonic() if arrived is None else arrived, n=n)
         call.events = EventQueue(loop, lambda choice, kind, payload, t: self._count(call, choice, kind, payload, t))
         self.calls.add(call)
+        share = getattr(self.llm, "prefill_layout", None) is None
         try:
-            for choice, req in enumerate(requests):
-                req = replace(req, index=self.engine.new_id())
-                self.engine.submit(req, call.events.sink_for(choice))
-                call.requests.append(req)
-                call.open.add(req.index)
-                self.waiting += 1
+            for req in requests:
+                copies = copies_of(req, [self.engine.new_id() for _ in range(req.params.n)], share=share)
+                pairs = [(c, call.events.sink_for(len(call.requests) + j)) for j, c in enumerate(copies)]
+                if len(pairs) > 1 and hasattr(self.engine, "submit_all"):
+                    self.engine.submit_all(pairs)  # one tick: the copies wait for the first one's prompt
+                    self._opened(call, copies)
+                else:
+                    for pair in pairs:
+                        self.engine.submit(*pair)
+                        self._opened(call, [pair[0]])
         except AtollError as e:  # the engine died or closed between the check and the submit
             self.end(call)
             raise ApiError(503, str(e), type="server_error", code="engine_dead") from None
         return call
+
+    def _opened(self, call: Call, requests: list) -> None:
+        for req in requests:
+            call.requests.append(req)
+            call.open.add(req.index)
+            self.waiting += 1
 
     def end(self, call: Call) -> None:
         """The reader is done with the call: abort whatever still runs (its blocks are freed)."""

@@ -1,5 +1,7 @@
 """A completion or chat request from its validated body to the engine and back: sampling
-params and token budget, then the whole response (collect) or its stream of chunks."""
+params and token budget, then the whole response (collect) or its stream of chunks. A prompt
+of n > 1 is n choices side by side (Backend.start); `echo` puts the prompt before a completion's
+text (and its logprobs before the output's); prompt logprobs come with a choice's first token."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import json
 import time
 from dataclasses import replace
 
+from atoll.engine.driver.token_params import token_params
+from atoll.errors import InputError
 from atoll.serve.backend import Backend, Call
 from atoll.serve.protocol import ApiError, sampling_params
 from atoll.serve.render import Renderer, usage
@@ -31,16 +35,29 @@ class Handler:
         logprobs = body.num_logprobs if chat else body.logprobs
         if body.stop and self.llm.tokenizer is None:
             raise ApiError(400, "stop strings need the model's tokenizer.json, which it lacks", param="stop")
-        self.backend.check_admission(len(prompts))  # before tokenizing: a full queue answers at once
-        params = sampling_params(body, max_tokens=limit or 1, logprobs=logprobs)
+        self.backend.check_admission(len(prompts) * body.n)  # before tokenizing: a full queue answers at once
+        params = self._checked(sampling_params(body, max_tokens=limit or max(1, body.min_tokens), logprobs=logprobs))
         limit_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
         requests = [self._budget(r, limit, chat=chat, param=param, limit_param=limit_param)
                     for r in self.backend.prepare(prompts, params, param=param)]
         call = self.backend.start(requests, arrived=arrived)
         call.logprobs = logprobs is not None
+        echo = None
+        if not chat and getattr(body, "echo", False):
+            tok = self.llm.tokenizer
+            echo = [p if isinstance(p, str) else tok.decode(p) if tok is not None else "" for p in prompts]
         renderer = Renderer(chat=chat, model=body.model or self.model, tokenizer=self.llm.tokenizer,
-                            token_ids=body.return_token_ids)
+                            token_ids=body.return_token_ids, echo=echo, top=logprobs,
+                            prompt_logprobs=body.prompt_logprobs)
         return call, renderer
+
+    def _checked(self, params):
+        """Token ids against the vocabulary, bad words tokenized: a 400 naming the field."""
+        try:
+            return token_params(params, vocab_size=self.llm.config.vocab_size, tokenizer=self.llm.tokenizer,
+                                model_dir=self.llm.model_dir)
+        except InputError as e:  # its messages start with `field:`
+            raise ApiError(400, str(e), param=str(e).partition(":")[0]) from None
 
     def _budget(self, req, limit: int | None, *, chat: bool, param: str, limit_param: str):
         """max_tokens within the context: given and too many, a 400; not given, chat gets the
@@ -51,25 +68,33 @@ class Handler:
                                 f"context is {self.llm.max_model_len} (max_model_len), room for {room} new tokens",
                            param=limit_param, code="context_length_exceeded")
         tokens = limit if limit is not None else room if chat else min(COMPLETION_MAX_TOKENS, room)
+        if req.params.min_tokens > tokens:
+            raise ApiError(400, f"min_tokens={req.params.min_tokens} is more than the {tokens} tokens this request "
+                                "may generate", param="min_tokens")
         return replace(req, params=replace(req.params, max_tokens=tokens))
 
     def _finish(self, call: Call, choice: int, result: dict):
         return self.llm.finish([None], [call.requests[choice]], [result])[0]
 
     def _usage(self, call: Call, results: dict) -> dict:
-        return usage(sum(len(r.prompt_token_ids) for r in call.requests),
+        """Prompt and cached tokens once per prompt (its first copy's), as OpenAI counts them."""
+        firsts = range(0, len(call.requests), call.n)
+        return usage(sum(len(call.requests[k].prompt_token_ids) for k in firsts),
                      sum(len(res["token_ids"]) for res in results.values()),
-                     sum(res["metrics"].get("cached_tokens", 0) or 0 for res in results.values()))
+                     sum(results[k]["metrics"].get("cached_tokens", 0) or 0 for k in firsts if k in results))
 
     async def collect(self, call: Call, renderer: Renderer) -> dict:
         """Wait for every choice; the whole response."""
         n = len(call.requests)
         results: dict[int, dict] = {}
         payloads: dict[int, list] = {k: [] for k in range(n)}
+        prompts: dict[int, list] = {}
         while len(results) < n:
             for choice, kind, payload, _ in await call.events.batch():
                 if kind == "token":
                     payloads[choice].append(payload[1])
+                    if len(payload) > 2 and payload[2] is not None:
+                        prompts[choice] = payload[2]
                 elif kind == "finish":
                     results[choice] = payload
                 else:
@@ -79,15 +104,18 @@ class Handler:
             out = self._finish(call, k, results[k])
             choices.append(renderer.choice(k, out.text or "", out.finish_reason, ids=out.token_ids,
                                            logprobs=payloads[k] if call.logprobs else None,
-                                           prompt_ids=call.requests[k].prompt_token_ids))
+                                           prompt_ids=call.requests[k].prompt_token_ids, prompt=k // call.n,
+                                           prompt_logprobs=prompts.get(k, results[k].get("prompt_logprobs"))))
         return renderer.response(choices, self._usage(call, results))
 
     async def stream(self, call: Call, renderer: Renderer, *, include_usage: bool):
         """Server-sent events: chunks as tokens come, [DONE] at the end. However it ends (a
         client gone included), the call's unfinished engine requests are aborted."""
         n = len(call.requests)
-        texts = [TextStream(self.llm.tokenizer, r.params.stop) for r in call.requests]
+        texts = [TextStream(self.llm.tokenizer, r.params.stop, min_tokens=r.params.min_tokens)
+                 for r in call.requests]
         results: dict[int, dict] = {}
+        prompts: dict[int, list] = {}
         started: set[int] = set()
         try:
             while len(results) < n:
@@ -99,6 +127,8 @@ class Handler:
                     if kind == "token":
                         ids.setdefault(choice, []).append(payload[0])
                         lps.setdefault(choice, []).append(payload[1])
+                        if len(payload) > 2 and payload[2] is not None:
+                            prompts[choice] = payload[2]
                     elif kind == "finish":
                         results[choice] = payload
                         ended.append(choice)
@@ -120,7 +150,8 @@ class Handler:
                     started.add(choice)
                     yield sse(dumps(renderer.chunk(choice, text, finish_reason=reason, ids=new,
                                                    logprobs=lps.get(choice, []) if call.logprobs else None,
-                                                   first=first, prompt_ids=call.requests[choice].prompt_token_ids)))
+                                                   first=first, prompt_ids=call.requests[choice].prompt_token_ids,
+                                                   prompt=choice // call.n, prompt_logprobs=prompts.get(choice))))
             if include_usage:
                 yield sse(dumps(renderer.usage_chunk(self._usage(call, results))))
             yield sse("[DONE]")

@@ -8,6 +8,7 @@ thread handed over each token. Running, waiting and KV blocks are the engine's o
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 PREFIX = "atoll"
 # seconds: from a millisecond (a GPU decode step) to minutes (a long prompt behind a queue)
@@ -53,11 +54,30 @@ DESCRIPTIONS = {
     "kv_tier_writes_dropped": "KV cache tiers: blocks no tier could take (a full write queue or every tier off)",
     "kv_events_published": "KV cache events the engines sent the router, since start: a block named (stored) "
                            "or evicted from a device pool (a replica with tiers keeps an evicted block below it)",
+    "expert_load_max_mean": "MoE: each layer's max/mean tokens per EP rank over the expert load window "
+                            "(--eplb-window-size steps; 1.0 is even), by layer, as of the last report "
+                            "(every --expert-load-interval steps)",
+    "expert_load_max_mean_worst": "MoE: the worst layer's max/mean tokens per EP rank over the window",
+    "eplb_rebalances": "MoE with --enable-eplb: rebalances of the experts' placement since start",
     "disagg_routed": "disaggregated serving: requests by the path decided at arrival (prefill: to the prefill "
                      "engines; decode: short or cached enough to stay; queue: the prefill engines were full)",
     "disagg_requests_total": "disaggregated serving: requests that ended, by the engine that computed their "
                              "prompt (prefill: the prefill engine, its KV sent; decode: the decode engine itself)",
 }
+
+
+class _LayerLoad:
+    """atoll_expert_load_max_mean{layer}: a gauge per MoE layer, the layers read at each scrape."""
+
+    def __init__(self, load):
+        self.load = load
+
+    def collect(self):
+        g = GaugeMetricFamily(f"{PREFIX}_expert_load_max_mean", DESCRIPTIONS["expert_load_max_mean"],
+                              labels=["layer"])
+        for layer, entry in self.load().get("layers", {}).items():
+            g.add_metric([str(layer)], entry["max_mean"])
+        yield g
 
 
 class Metrics:
@@ -101,6 +121,12 @@ class Metrics:
         for name in ("kv_tier_checksum_misses", "kv_tier_writes_dropped", "kv_events_published"):
             Gauge(f"{PREFIX}_{name}", d[name], registry=r).set_function(lambda k=name: stats().get(k, 0))
         Gauge(f"{PREFIX}_prefix_cache_hit_rate", d["prefix_cache_hit_rate"], registry=r).set_function(self.hit_rate)
+        load = lambda: stats().get("expert_load") or {}  # noqa: E731  (engine/rank/eplb.py's report)
+        Gauge(f"{PREFIX}_expert_load_max_mean_worst", d["expert_load_max_mean_worst"],
+              registry=r).set_function(lambda: load().get("max_mean", 0.0))
+        Gauge(f"{PREFIX}_eplb_rebalances", d["eplb_rebalances"], registry=r).set_function(
+            lambda: load().get("rebalances", 0))
+        r.register(_LayerLoad(load))
         routed = Gauge(f"{PREFIX}_disagg_routed", d["disagg_routed"], ["decision"], registry=r)
         for decision in ("prefill", "decode", "queue"):
             routed.labels(decision).set_function(lambda k=decision: stats().get("routed", {}).get(k, 0))

@@ -1,10 +1,13 @@
 """The OpenAI request bodies atoll serves (pydantic, strict: `"5"` is not a number, `true`
-is not 1), the error every refusal becomes, and a request's SamplingParams.
+is not 1), vLLM's /tokenize and /detokenize bodies, the error every refusal becomes, and a
+request's SamplingParams.
 
-Fields OpenAI defines and atoll cannot honour yet (n > 1, echo, suffix, penalties, logit_bias,
-tools) are refused by name with a 400; unknown fields are ignored, as OpenAI's other servers
-do. Extensions (vLLM's names): `top_k`, `ignore_eos`, `return_token_ids` (the choice carries
-`token_ids` and `prompt_token_ids`)."""
+Fields OpenAI defines and atoll cannot honour yet (suffix, best_of > 1, tools and tool_choice,
+functions, a response_format other than text, audio, prediction, web search) are refused by
+name with a 400 (UNSUPPORTED); unknown fields are ignored, as OpenAI's other servers do.
+Extensions (vLLM's names and meanings): `top_k`, `min_tokens`, `repetition_penalty`,
+`stop_token_ids`, `bad_words`, `prompt_logprobs`, `ignore_eos`, `return_token_ids` (the
+choice carries `token_ids` and `prompt_token_ids`)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from atoll.errors import AtollError, InputError
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_N = 128  # OpenAI's limit
 
 
 class ApiError(AtollError):
@@ -59,10 +63,15 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
-    n: int = Field(1, ge=1, le=1)  # one choice per prompt
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt: copies of it, each its own seed stream
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (as text, JSON's keys) -> bias
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     user: str | None = None
 
     @field_validator("stop")
@@ -76,16 +85,28 @@ class _Common(BaseModel):
         return v
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name}={getattr(self, name)}: penalties are not supported (give 0 or leave "
-                                    "it out)", param=name, code="unsupported")
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias", code="unsupported")
+        for name, given in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if given(value):
+                raise ApiError(400, f"{name} is not supported by atoll yet", param=name, code="unsupported")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# OpenAI's fields atoll does not honour yet, and when a value asks for them: each a 400 naming it
+UNSUPPORTED = {
+    "suffix": bool,
+    "tools": bool,
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": bool,
+    "function_call": lambda v: v not in (None, "none"),
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "prediction": lambda v: v is not None,
+    "web_search_options": lambda v: v is not None,
+}
 
 
 class CompletionRequest(_Common):
@@ -94,13 +115,6 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=1)
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo", code="unsupported")
-        if self.suffix:
-            raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported")
 
     def prompts(self) -> list:
         """The prompts: text or token-id lists (one choice each)."""
@@ -145,12 +159,17 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
     response_format: dict | None = None
+    audio: Any = None
+    modalities: list | None = None
+    prediction: Any = None
+    web_search_options: Any = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise ApiError(400, "tools are not supported", param="tools", code="unsupported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format",
                            code="unsupported")
@@ -166,6 +185,27 @@ class ChatRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or chat messages through the template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize body."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 # SamplingParams knows logprobs once the engine computes them (engine/driver/online.py's payload)
 ENGINE_LOGPROBS = "logprobs" in {f.name for f in fields(SamplingParams)}
 
@@ -173,10 +213,18 @@ ENGINE_LOGPROBS = "logprobs" in {f.name for f in fields(SamplingParams)}
 def sampling_params(req: _Common, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams, OpenAI's defaults where it gives none (temperature 1,
     top_p 1). A value SamplingParams refuses is a 400 naming its field."""
+    prompt_logprobs = req.prompt_logprobs
+    echo = getattr(req, "echo", False) and logprobs is not None  # echo with logprobs gives the prompt's (vLLM)
+    if echo and (prompt_logprobs is None or prompt_logprobs >= 0):  # a negative one is refused below
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     kwargs = dict(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                   top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0), seed=req.seed,
                   stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
-                  ignore_eos=req.ignore_eos)
+                  ignore_eos=req.ignore_eos, n=req.n, min_tokens=req.min_tokens,
+                  presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                  repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                  logit_bias=req.logit_bias, stop_token_ids=tuple(req.stop_token_ids or ()),
+                  bad_words=tuple(req.bad_words or ()), prompt_logprobs=prompt_logprobs)
     if logprobs is not None and ENGINE_LOGPROBS:
         kwargs["logprobs"] = logprobs
     try:

@@ -20,7 +20,7 @@ from prometheus_client import Counter, Gauge
 from atoll.engine.driver.living import engine_spec
 from atoll.engine.driver.online import EngineDead, OnlineEngine
 from atoll.launch.api import LocalLauncher
-from atoll.engine.batch.router import make_router
+from atoll.engine.batch.router import Route, make_router
 
 PREFIX = "atoll_router"
 
@@ -109,28 +109,59 @@ class Replicas:
             engine = self.engines[placed.replica]
         engine.abort(index)
 
+    def submit_all(self, pairs: list) -> None:
+        """Route every (request, sink) and queue each replica's share as one message, so a
+        request's copies (n > 1) join their replica at one tick and fork there; a replica found
+        dead meanwhile has its share routed again, one by one."""
+        groups: dict[int, list] = {}
+        for request, sink in pairs:
+            placed = _Placed(request, sink, -1)
+            groups.setdefault(self._route(placed, retry=False).replica, []).append(placed)
+        for replica, group in groups.items():
+            try:
+                self.engines[replica].submit_all([(p.request, self._sink(p, replica)) for p in group])
+            except EngineDead as e:
+                for placed in group:
+                    self._unroute(placed)
+                self._mark_dead(replica, str(e))
+                for placed in group:
+                    self._place(placed, retry=False)
+
     def _place(self, placed: _Placed, *, retry: bool, exclude: int | None = None) -> None:
         while True:
-            with self._lock:
-                if self._closing:
-                    raise EngineDead("the server is shutting down")
-                alive = [r for r in range(len(self.engines)) if r not in self._dead and r != exclude]
-                if not alive:
-                    raise EngineDead(self._all_dead() or "no other replica is alive")
-                route = self.router.choose(placed.request.prompt_token_ids, self._load, alive)
-                placed.replica, placed.names = route.replica, route.names
-                self._load[route.replica] += 1
-                self._placed[placed.request.index] = placed
-                self._count(route, len(placed.request.prompt_token_ids), retry=retry)
+            route = self._route(placed, retry=retry, exclude=exclude)
             try:
                 self.engines[route.replica].submit(placed.request, self._sink(placed, route.replica))
                 return
             except EngineDead as e:  # it died since it was last looked at: mark it, route again
-                with self._lock:
-                    self._load[route.replica] -= 1
-                    self.router.settle(route.replica, route.names)
-                    self._placed.pop(placed.request.index, None)
+                self._unroute(placed)
                 self._mark_dead(route.replica, str(e))
+
+    def _route(self, placed: _Placed, *, retry: bool, exclude: int | None = None):
+        """Choose the request's replica (a copy of a request, n > 1, its first copy's) and count it."""
+        with self._lock:
+            if self._closing:
+                raise EngineDead("the server is shutting down")
+            alive = [r for r in range(len(self.engines)) if r not in self._dead and r != exclude]
+            if not alive:
+                raise EngineDead(self._all_dead() or "no other replica is alive")
+            lead = self._placed.get(placed.request.fork_of)
+            if lead is not None and lead.replica in alive:  # a copy forks where its first copy runs
+                route = Route(lead.replica, "copy", len(placed.request.prompt_token_ids))
+            else:
+                route = self.router.choose(placed.request.prompt_token_ids, self._load, alive)
+            placed.replica, placed.names = route.replica, route.names
+            self._load[route.replica] += 1
+            self._placed[placed.request.index] = placed
+            self._count(route, len(placed.request.prompt_token_ids), retry=retry)
+            return route
+
+    def _unroute(self, placed: _Placed) -> None:
+        """Take back a routing whose replica turned out dead."""
+        with self._lock:
+            self._load[placed.replica] -= 1
+            self.router.settle(placed.replica, placed.names)
+            self._placed.pop(placed.request.index, None)
 
     def _sink(self, placed: _Placed, replica: int):
         def sink(kind: str, payload) -> None:  # the replica's pump thread
@@ -179,7 +210,8 @@ class Replicas:
         m = self.metrics = {
             "routed": Counter(f"{PREFIX}_requests", "requests sent to a replica, by replica and reason (prefix: "
                               "the longest cached prefix; least_loaded: no replica held one; balance: the best "
-                              "one was a batch busier than the least loaded; round_robin; a retry counts again)",
+                              "one was a batch busier than the least loaded; round_robin; copy: a copy of a request, n > 1, "
+                              "to its first copy's replica; a retry counts again)",
                               ["replica", "reason"], registry=registry),
             "retried": Counter(f"{PREFIX}_retries", "requests sent again to another replica because theirs died "
                                "before their first token", registry=registry),

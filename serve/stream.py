@@ -50,8 +50,9 @@ class EventQueue:
 class TextStream:
     """Incremental detokenization of one choice, with stop strings held back."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, min_tokens: int = 0):
+        """min_tokens: a stop string counts only past the text of the first min_tokens tokens (vLLM)."""
+        self.tokenizer, self.stop, self.min_tokens = tokenizer, stop, min_tokens
         self.ids: list[int] = []
         self.sent = ""  # text already sent
         self.stopped = False  # a stop string was reached: nothing more is sent
@@ -63,7 +64,10 @@ class TextStream:
             return ""
         text = self.tokenizer.decode(self.ids)
         end = len(text.rstrip(REPLACEMENT))  # an incomplete character waits for its next byte
-        cut = _stop_at(text, self.stop)
+        cut = None
+        if len(self.ids) > self.min_tokens:
+            start = len(self.tokenizer.decode(self.ids[:self.min_tokens])) if self.min_tokens else 0
+            cut = _stop_at(text, self.stop, start)
         if cut is not None:
             self.stopped = True
             end = cut
@@ -86,8 +90,8 @@ class TextStream:
         return delta
 
 
-def _stop_at(text: str, stop: tuple[str, ...]) -> int | None:
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+def _stop_at(text: str, stop: tuple[str, ...], start: int = 0) -> int | None:
+    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
     return min(found) if found else None
 
 

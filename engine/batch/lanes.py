@@ -79,6 +79,11 @@ class Lanes:
         seq.lane = loads.index(min(loads))
         return self.schedulers[seq.lane].adopt(seq, step)
 
+    def fork(self, parent: Sequence, child: Sequence, step: int) -> list[tuple[int, int]]:
+        """A copy of parent's request into parent's lane (Scheduler.fork): the blocks to copy."""
+        child.lane = parent.lane
+        return self.schedulers[parent.lane].fork(parent, child, step)
+
     def at(self, tick: int) -> Scheduler | None:
         """The lane whose micro-batch enters the pipeline at this tick, if any."""
         slot = tick % self.depth

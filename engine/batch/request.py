@@ -13,6 +13,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_step: int = 0  # the step at which it joins a fixed run (tests model late arrivals with it)
+    # a copy of request `fork_of` (n > 1, engine.batch.copies): it waits for that request's
+    # prompt to be computed and forks from it, instead of computing the prompt again
+    fork_of: int | None = None
 
 
 def finish_reason(seq, max_len: int, decode=None) -> str | None:
@@ -20,8 +23,10 @@ def finish_reason(seq, max_len: int, decode=None) -> str | None:
     p = seq.request.params
     if seq.output[-1] in p.stop_token_ids:
         return "stop"
-    if p.stop and decode is not None:  # every rank decodes the same tokens, so all agree
-        text = decode(seq.output[-64:])  # a stop string ends within the last few tokens
+    if p.stop and decode is not None and len(seq.output) > p.min_tokens:  # vLLM: not before min_tokens
+        # every rank decodes the same tokens, so all agree; a stop string ends within the last
+        # few tokens, and not within the first min_tokens
+        text = decode(seq.output[max(p.min_tokens, len(seq.output) - 64):])
         if any(stop in text for stop in p.stop):
             return "stop"
     if len(seq.output) >= p.max_tokens or seq.length >= max_len:
@@ -39,4 +44,6 @@ def result_of(seq, reason: str, started: float, now: float, step: int) -> dict:
                         "cached_tokens": seq.cached_tokens,
                         "queued_steps": (seq.first_scheduled_step - seq.arrived_step
                                          if seq.first_scheduled_step is not None else None),
-                        "finished_step": step, "preemptions": seq.preemptions}}
+                        "finished_step": step, "preemptions": seq.preemptions},
+            **({"prompt_logprobs": [None] + seq.prompt_logprobs}
+               if seq.request.params.prompt_logprobs is not None else {})}

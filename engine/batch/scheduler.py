@@ -44,6 +44,11 @@ class Sequence:
     spec_drafted: int = 0  # tokens drafted for it
     spec_accepted: int = 0  # drafted tokens the target kept
     draft_cached: int = 0  # positions a draft model's own cache computed for it (engine.spec.registry)
+    # n > 1 (engine.batch.copies): the copies parked on this sequence until its prompt is
+    # computed, each then forked from it (Scheduler.fork); a parked copy's `leader`
+    followers: list = field(default_factory=list)
+    leader: "Sequence | None" = None
+    prompt_logprobs: list = field(default_factory=list)  # entries for prompt positions 1, 2, ... as computed
 
     @property
     def tokens(self) -> list[int]:
@@ -138,7 +143,9 @@ class Scheduler:
         """A waiting sequence's first chunk, after the cached blocks that start it; None (and no
         change) if the blocks it needs are not free."""
         pool, hits, below = self.pool, [], 0
-        if self.prefix_caching:  # never the block of the last token: it is computed to sample
+        # never the block of the last token: it is computed to sample; nor for a request that asks
+        # for its prompt's logprobs, which are computed from every prompt position (as vLLM skips)
+        if self.prefix_caching and seq.request.params.prompt_logprobs is None:
             names = self._names(seq, (seq.length - 1) // pool.block_size)
             hits = pool.lookup(names)
             if self.tiers is not None and len(hits) < len(names):
@@ -237,6 +244,35 @@ class Scheduler:
         self.running.append(seq)
         self.running.sort(key=lambda s: (s.arrived_step, s.request.index))
         return True
+
+    def fork(self, parent: Sequence, child: Sequence, step: int) -> list[tuple[int, int]]:
+        """A copy of parent's request (engine.batch.copies), its first token already in its
+        output, takes parent's computed prompt and runs: parent's full prompt blocks shared,
+        the partly filled last one copied into a block of its own. Returns the (source,
+        destination) blocks every rank copies in its caches now. Where that cannot be (no
+        room in max_num_seqs or no free block, a sliding window or context parallel stripes
+        in the pool) the child waits at the head of the queue instead, and when admitted
+        finds the full blocks in the prefix cache: [] either way when nothing is copied."""
+        prompt, size = len(parent.request.prompt_token_ids), self.pool.block_size
+        full = prompt // size
+        child.blocks = self.pool.table()
+        plain = type(self.pool) is BlockPool and self.pool.stripes == 1 and self.window is None
+        if not plain or parent.cached < prompt or len(self.running) >= self.max_num_seqs \
+                or (prompt % size and not self.pool.can_grow([0] * full, prompt)):
+            self.waiting.appendleft(child)
+            return []
+        self.pool.share(child.blocks, parent.blocks[:full])
+        copies = []
+        if prompt % size:
+            self.pool.grow(child.blocks, prompt)
+            copies.append((parent.blocks[full], child.blocks[full]))
+        child.cached = child.cached_tokens = prompt
+        child.named = min(parent.named, full)
+        child.names = list(parent.names[:child.named])
+        child.first_scheduled_step = step
+        self.running.append(child)
+        self.running.sort(key=lambda s: (s.arrived_step, s.request.index))
+        return copies
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -58,10 +58,29 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level BPE's "Ġ" and all), as
+        transformers' convert_ids_to_tokens gives them."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """The template's text; continue_final_message: the last message left open (the text
+        ends with its content, as transformers cuts it), for the model to go on with."""
+        text = self._render(messages, add_generation_prompt=add_generation_prompt and not continue_final_message)
+        if continue_final_message:
+            last = (messages[-1].get("content") or "").strip() if messages else ""
+            at = text.rfind(last) if last else -1
+            if at < 0:
+                raise CheckpointError("continue_final_message: the last message's content is not in the "
+                                      "template's text")
+            text = text[:at + len(last)]
+        return text
+
+    def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat template")
 

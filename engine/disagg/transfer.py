@@ -19,6 +19,12 @@ A quantized cache (--kv-cache-dtype fp8/int8, layers/kv_quant.py; both engines s
 run's one setting) is sent as it is stored: each message carries the 8-bit values and, for
 int8, their float32 scales (one per token, head and k/v), and the decode side writes both
 into its cache unchanged, so it reads exactly the bytes the prefill engine's cache holds.
+fp8 e4m3's fixed scales and sinks (a few bytes per layer and head) are not sent: every
+rank of both engines reads them at load from the one source the run names (--kv-scales, the
+checkpoint's k_scale/v_scale, or atoll-kv-scales.json beside it: models/kv_scales.py), so the
+decode engine reads the bytes under the scales they were written with. --calculate-kv-scales,
+where each engine would fit its own on its own first prefill, is refused with --prefill/
+--decode (config/engine.py).
 A message is one buffer of bytes: the values [layers, 2, T, heads, head_dim] then the scales
 [layers, 2, T, heads]; per token and head, dtype bytes becomes head_dim x 1 byte + 4 (int8)
 or head_dim x 1 byte (fp8) in the figure above. MLA's latent cache is one "head" of kv_lora_rank +

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
 from atoll.engine.kv.sizing import available_memory
 from atoll.engine.kv.sizing import cpu_blocks
 from atoll.engine.driver.online import EngineDead
+from atoll.engine.batch.copies import expand, gather
 from atoll.engine.batch.request import Request
 from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.errors import LaunchError
@@ -50,37 +50,52 @@ def engine_spec(llm, requests: list[Request] | None = None) -> RunSpec:
 
 
 def run_through(engine, requests: list[Request], *, timeout_s: float | None = None, on_result=None,
-                on_step=None, errors: dict | None = None) -> list[dict]:
-    """Every request through a living engine; one result per request, in order.
-    on_result(k, result) as request k ends; on_step(done, tokens) as tokens arrive. A request
-    that fails raises EngineDead with its line once every request has ended; given `errors`,
-    a request that fails while the engine serves on (a disaggregated job's dead engine) puts
-    its line in errors[k] instead and its result is None (the whole engine dying still raises)."""
+                on_step=None, errors: dict | None = None, share: bool = True) -> list[dict]:
+    """Every request through a living engine; one result per request, in order (a request of
+    n > 1 runs as n copies, engine.batch.copies, and its result is their gather; `share`: the
+    copies fork from the first one's prompt). on_result(k, result) as request k ends;
+    on_step(done, tokens) as tokens arrive. A request that fails raises EngineDead with its
+    line once every request has ended; given `errors`, a request that fails while the engine
+    serves on (a disaggregated job's dead engine) puts its line in errors[k] instead and its
+    result is None (the whole engine dying still raises)."""
     results: dict[int, dict] = {}
-    logprobs: dict[int, list] = {}
-    position: dict[int, int] = {}
+    parts: dict[int, dict[int, dict]] = {}  # request -> copy -> its result
+    logprobs: dict[tuple, list] = {}
+    prompt_logprobs: dict[tuple, list] = {}
+    ended: set[int] = set()  # requests finished or failed
     failure: list[str] = []
     all_done = threading.Event()
     counts = {"tokens": 0}
     lock = threading.Lock()
+    engine_requests, groups = expand(requests, engine.new_id, share=share)
 
-    def sink_for(k: int):
+    def sink_for(k: int, j: int):
         def sink(kind: str, payload) -> None:
+            result = None
             with lock:
                 if kind == "token":
                     counts["tokens"] += 1
                     if payload[1] is not None:
-                        logprobs.setdefault(k, []).append(payload[1])
+                        logprobs.setdefault((k, j), []).append(payload[1])
+                    if len(payload) > 2 and payload[2] is not None:
+                        prompt_logprobs[k, j] = payload[2]
                 elif kind == "finish":
-                    results[k] = payload | ({"logprobs": logprobs.pop(k)} if k in logprobs else {})
-                    payload = results[k]
-                elif kind == "error" and errors is not None:
-                    errors[k] = payload
-                elif kind == "error":
-                    failure.append(payload)
-                done = len(results) + len(failure) + len(errors or ()) >= len(requests)
-            if kind == "finish" and on_result is not None:
-                on_result(k, payload)
+                    extra = {"logprobs": logprobs.pop((k, j))} if (k, j) in logprobs else {}
+                    if (k, j) in prompt_logprobs:
+                        extra["prompt_logprobs"] = prompt_logprobs.pop((k, j))
+                    parts.setdefault(k, {})[j] = payload | extra
+                    if len(parts[k]) == len(groups[k]) and k not in ended:
+                        result = results[k] = gather([parts[k][c] for c in range(len(groups[k]))])
+                        ended.add(k)
+                elif k not in ended:
+                    ended.add(k)
+                    if errors is not None:
+                        errors[k] = payload
+                    else:
+                        failure.append(payload)
+                done = len(ended) >= len(requests)
+            if result is not None and on_result is not None:
+                on_result(k, result)
             if on_step is not None and kind != "error":
                 on_step(len(results), counts["tokens"])
             if done:
@@ -88,16 +103,15 @@ def run_through(engine, requests: list[Request], *, timeout_s: float | None = No
         return sink
 
     pairs = []
-    for k, req in enumerate(requests):
-        index = engine.new_id()
-        position[index] = k
-        pairs.append((replace(req, index=index), sink_for(k)))
+    for k, group in enumerate(groups):
+        for j, position in enumerate(group):
+            pairs.append((engine_requests[position], sink_for(k, j)))
     engine.submit_all(pairs)  # all at once: they join at one tick
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not all_done.wait(0.2):
         if deadline is not None and time.monotonic() > deadline:
-            for index in position:
-                engine.abort(index)
+            for req in engine_requests:
+                engine.abort(req.index)
             raise LaunchError(f"timed out after {timeout_s:.0f}s with {len(requests) - len(results)} requests "
                               "unfinished")
     if failure:

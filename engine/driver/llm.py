@@ -3,6 +3,7 @@ then runs the ranks and returns one RequestOutput per prompt, in order."""
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import warnings
 import weakref
@@ -15,9 +16,11 @@ from atoll import config
 from atoll.engine.spec import registry as drafters
 from atoll.engine.driver.disagg import DisaggEngine, disagg_job
 from atoll.engine.kv.sizing import check_fits, explicit_blocks
+from atoll.engine.batch.copies import expand, gather
 from atoll.engine.batch.lanes import lane_count
 from atoll.engine.driver.living import engine_spec, lane_load, run_through
 from atoll.engine.driver.online import OnlineEngine
+from atoll.engine.driver.token_params import token_params
 from atoll.engine.batch.request import Request
 from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.sample.sampler import SamplingParams
@@ -44,6 +47,10 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
     logprobs: list[dict] | None = None  # per output token, when asked: {"logprob", "top": [(id, lp), ...]}
+    # per prompt token, when asked: None for the first, then {"token", "logprob", "rank", "top"}
+    prompt_logprobs: list | None = None
+    # n > 1: every copy's output, in order (the fields above are the first copy's)
+    outputs: list["RequestOutput"] | None = None
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None or k == "text"}
@@ -229,6 +236,8 @@ class LLM:
         requests = []
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
             try:
+                p = token_params(p, vocab_size=self.config.vocab_size, tokenizer=self.tokenizer,
+                                 model_dir=self.model_dir)
                 ids = self._prompt_ids(prompt, chat)
                 if len(ids) + 1 > self.max_model_len:
                     raise InputError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} "
@@ -270,14 +279,22 @@ class LLM:
             if res is None:
                 outs.append(RequestOutput(rid, None, [], None, error=(errors or {}).get(k, "no result")))
                 continue
-            tokens, reason = res["token_ids"], res["finish_reason"]
-            text = self.tokenizer.decode(tokens) if self.tokenizer else None
-            if text is not None and req.params.stop:
-                cut = [text.find(s) for s in req.params.stop if s in text]
-                if cut:
-                    text, reason = text[: min(cut)], "stop"
-            outs.append(RequestOutput(rid, text, tokens, reason, res["metrics"], logprobs=res.get("logprobs")))
+            copies = [self._output(rid, req.params, r) for r in res.get("copies", [res])]
+            out = copies[0]
+            outs.append(replace(out, outputs=copies) if len(copies) > 1 else out)
         return outs
+
+    def _output(self, rid, params: SamplingParams, res: dict) -> RequestOutput:
+        """One copy's output: its text cut at the first stop string past min_tokens."""
+        tokens, reason = res["token_ids"], res["finish_reason"]
+        text = self.tokenizer.decode(tokens) if self.tokenizer else None
+        if text is not None and params.stop:
+            start = len(self.tokenizer.decode(tokens[:params.min_tokens])) if params.min_tokens else 0
+            cut = [at for at in (text.find(s, start) for s in params.stop) if at >= 0]
+            if cut:
+                text, reason = text[: min(cut)], "stop"
+        return RequestOutput(rid, text, tokens, reason, res["metrics"], logprobs=res.get("logprobs"),
+                             prompt_logprobs=res.get("prompt_logprobs"))
 
     def run(self, fn, world_size: int, *args, timeout_s: float | None = None, **kwargs) -> list:
         """fn on every rank through this LLM's launcher; every rank's value."""
@@ -349,13 +366,16 @@ class LLM:
         if self.living:
             engine = self.start(requests, parallel=parallel, link_stats=link_stats)
             return run_through(engine, requests, timeout_s=timeout_s, on_result=on_result, on_step=on_step,
-                               errors=errors)
-        # a launcher that runs one job per call: the same rank loop, fed every request at once
-        job = EngineJob.colocated(self.spec(requests), parallel or self.context_options(), link_stats=link_stats)
-        out = self.run(worker, self.layout.world_size, job, requests=requests, timeout_s=timeout_s)[0]
+                               errors=errors, share=self.prefill_layout is None)
+        # a launcher that runs one job per call: the same rank loop, fed every request (copy) at once
+        ids = itertools.count()
+        engine_requests, groups = expand(requests, lambda: next(ids))
+        job = EngineJob.colocated(self.spec(engine_requests), parallel or self.context_options(),
+                                  link_stats=link_stats)
+        out = self.run(worker, self.layout.world_size, job, requests=engine_requests, timeout_s=timeout_s)[0]
         if link_stats:
             out, self.links = out
-        return out
+        return [gather([out[i] for i in group]) for group in groups]
 
 
 def _device_memory_gib(device: str) -> float | None:

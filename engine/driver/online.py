@@ -4,16 +4,19 @@ any time and stream their tokens back as the ranks take them.
 
     engine = OnlineEngine(spec, world_size=2, launcher=LocalLauncher())
     engine.submit(Request(engine.new_id(), ids, params), sink)   # sink(kind, payload), kind:
-    engine.abort(index)                                          #   "token": (token id, logprobs),
-    engine.close()                                               #   "finish": the result dict,
+    engine.abort(index)                                          #   "token": (token id, logprobs,
+    engine.close()                                               #     prompt logprobs),
+                                                                 #   "finish": the result dict,
                                                                  #   "error": a line naming the cause
 logprobs is None unless the request asked for them (SamplingParams.logprobs): then
-{"logprob": float, "top": [(token id, logprob), ...]}.
+{"logprob": float, "top": [(token id, logprob), ...]}; prompt logprobs come with a request's
+first token when it asked for them (SamplingParams.prompt_logprobs), else None.
 
 A pump thread reads what rank 0 sends and calls each request's sink from that thread, and
 watches the job: a rank that raises or dies ends every request still running with an error
 naming it, and `error` says so from then on (the engine is dead; `healthy` is False).
-Requests go to the DP replica with the fewest unfinished requests.
+Requests go to the DP replica with the fewest unfinished requests (a request's copies, n > 1, to
+its first copy's).
 """
 
 from __future__ import annotations
@@ -123,6 +126,8 @@ class OnlineEngine:
         if self._closing:
             raise EngineDead("the engine is shutting down")
         replica = self._load.index(min(self._load))
+        if request.fork_of in self._replica:  # a copy (n > 1) goes where its leader went, to fork from it
+            replica = self._replica[request.fork_of]
         self._load[replica] += 1
         self._sinks[request.index], self._replica[request.index] = sink, replica
         return replica
@@ -233,7 +238,7 @@ class OnlineEngine:
         for index, token, *logprobs in tokens:
             sink = sinks.get(index)
             if sink is not None:
-                sink("token", (token, logprobs[0] if logprobs else None))
+                sink("token", (token, *logprobs[:2], *[None] * (2 - len(logprobs))))
         for index, result in finished:
             sink = sinks.get(index)
             if sink is not None:

@@ -6,7 +6,8 @@ GQA: k and v, kv heads split over tp, at least one per rank (tp > kv_heads repli
 MLA: one latent vector of kv_lora_rank + qk_rope_head_dim, no head axis to split and no
 separate v; every TP rank holds it whole (576 values a token for DeepSeek-V3). A quantized
 cache (--kv-cache-dtype, layers/kv_quant.py) stores each value in its format's bytes plus, for
-int8, a float32 scale per token and head (config.engine.KV_STORAGE).
+int8, a float32 scale per token and head (config.engine.KV_STORAGE); fp8 e4m3's fixed scales are
+a few bytes per layer whatever the cache's size (static_scale_bytes), which the planner adds.
 
 How many blocks:
 
@@ -72,6 +73,18 @@ def storage_bytes(itemsize: float, kv_cache_dtype: str | None = "auto") -> tuple
     """(bytes per value, scale bytes per token and head) of a cache in `kv_cache_dtype`
     (auto: the compute dtype's itemsize, no scale)."""
     return (itemsize, 0) if kv_cache_dtype in (None, "auto") else KV_STORAGE[kv_cache_dtype]
+
+
+def static_scale_bytes(config, tp: int, layers: int, kv_cache_dtype: str | None = "auto") -> int:
+    """Bytes of fp8 e4m3's fixed scales on one rank holding `layers` layers (layers/kv_quant.py):
+    a float32 scale per kv head and a float32 sink per kv head and channel, for k and for v
+    (MLA's latent: one scale a layer). Whatever the cache's size: SmolLM2-135M's 30 layers of 3
+    kv heads of 64 hold 30 x 3 x 2 x (4 + 256) = 46,800 bytes, DeepSeek-V3's 61 latent layers 244."""
+    if kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+        return 0
+    s = token_shape(config, tp)
+    per_head = 4 * 2 * (1 + s.dim) if s.values else 4  # k and v: a scale and a sink each; MLA: one scale
+    return layers * s.heads * per_head
 
 
 def kv_bytes_per_block(config, layout, itemsize: int, block_size: int, *, kv_cache_dtype: str = "auto") -> int:

@@ -18,9 +18,9 @@ from collections import deque
 
 from atoll.engine.spec.registry import make_drafter
 from atoll.engine.batch.lanes import Lanes
-from atoll.engine.sample.micro_batch import MicroBatch
+from atoll.engine.sample.micro_batch import MicroBatch, prompt_positions
 from atoll.engine.batch.request import Request, finish_reason, result_of
-from atoll.engine.sample.sampler import SamplerState, logprob_entry
+from atoll.engine.sample.sampler import SamplerState, logprob_entry, prompt_logprob_entry
 from atoll.engine.batch.scheduler import Sequence
 from atoll.engine.batch.shape import step_shape
 from atoll.engine.batch.tokenizer import Tokenizer
@@ -64,10 +64,24 @@ class EngineCore:
         """The request joins this tick (every rank adds it at the same tick)."""
         if req.params.stop and self._decode is None:  # the first request with stop strings
             self._decode = Tokenizer(self.spec.model_dir).decode
-        seq = Sequence(req, SamplerState(req.params, self.runner.device), arrived_step=self.tick)
+        seq = Sequence(req, SamplerState(req.params, self.runner.device, prompt=req.prompt_token_ids),
+                       arrived_step=self.tick)
         self.sequences[req.index] = seq
-        self.lanes.add(seq)
         self.started[req.index] = time.perf_counter()
+        leader = self.sequences.get(req.fork_of) if req.fork_of is not None else None
+        if leader is not None and self._parks(leader):  # a copy: forked once the leader's prompt is computed
+            seq.leader = leader
+            leader.followers.append(seq)
+            return
+        self.lanes.add(seq)
+
+    def _parks(self, leader: Sequence) -> bool:
+        """Whether a copy can still wait on `leader`: it leads (is not itself parked), has no
+        token yet, and no chunk that draws its first token is in flight (that chunk's width
+        was fixed as it entered)."""
+        return (leader.leader is None and not leader.output
+                and not any(mb is not None and any(c.seq is leader and c.samples for c in mb.chunks)
+                            for mb in self.inflight))
 
     def abort(self, index: int) -> bool:
         """End request `index` as "abort": its blocks go back now, or when the micro-batch
@@ -75,7 +89,11 @@ class EngineCore:
         seq = self.sequences.get(index)
         if seq is None:
             return False
-        if any(mb is not None and any(c.seq is seq for c in mb.chunks) for mb in self.inflight):
+        if seq.leader is not None:  # a parked copy: it leaves its leader's list
+            seq.leader.followers.remove(seq)
+            seq.leader = None
+            self._end(seq, "abort")
+        elif any(mb is not None and any(c.seq is seq for c in mb.chunks) for mb in self.inflight):
             self._aborting.add(index)
         else:
             self._end(seq, "abort")
@@ -119,22 +137,30 @@ class EngineCore:
             heaviest = max(shapes, key=lambda x: (x.chunk_tokens, x.rows), default=None)
         tokens = runner.tick(self.inflight)
         if len(self.inflight) == self.depth and (done := self.inflight.pop()) is not None:
-            rows = runner.logprobs
-            self._apply(done, tokens.tolist(), rows.tolist() if rows is not None else None)
+            rows, prompt_rows = runner.logprobs, runner.prompt_logprobs
+            self._apply(done, tokens.tolist(), rows.tolist() if rows is not None else None,
+                        prompt_rows.tolist() if prompt_rows is not None else None)
         if self.trace is not None and heaviest is not None:
             self.trace.append((heaviest, time.perf_counter() - started, runner.last_graphed))
         self.tick += 1
         return True
 
     def drain(self) -> list[tuple]:
-        """The (index, token, logprobs) taken since the last drain, in order; logprobs is None
-        unless the request asked (and this rank is its replica's leader): {"logprob", "top"}."""
+        """The (index, token, logprobs, prompt logprobs) taken since the last drain, in order;
+        logprobs is None unless the request asked (and this rank is its replica's leader):
+        {"logprob", "top"}; prompt logprobs likewise, with a request's first token only:
+        [None, {"token", "logprob", "rank", "top"}, ...] (engine.sample.sampler)."""
         out, self.tokens = self.tokens, []
         return out
 
-    def _apply(self, mb: MicroBatch, tokens: list[int], logprobs: list | None = None) -> None:
-        """The micro-batch's chunks are in the cache; sampling ones take their token."""
+    def _apply(self, mb: MicroBatch, tokens: list, logprobs: list | None = None,
+               prompt_rows: list | None = None) -> None:
+        """The micro-batch's chunks are in the cache; sampling ones take their token (a chunk
+        that drew for parked copies forks them first: engine.batch.scheduler's fork)."""
         now = time.perf_counter()
+        if prompt_rows is not None:
+            self._take_prompt_logprobs(mb, prompt_rows)
+        widest = mb.logprobs_k
         for i, (c, row) in enumerate(zip(mb.chunks, tokens)):
             seq = c.seq
             taken = [t for t in row if t >= 0] if isinstance(row, list) else [row]
@@ -156,17 +182,53 @@ class EngineCore:
             if not c.samples:
                 continue  # a prefill chunk short of the last prompt token
             k = seq.request.params.logprobs
+            copies = []
+            if seq.followers:  # n > 1: one token drawn for each parked copy, which forks now
+                copies, seq.followers, taken = seq.followers, [], taken[:1]
+                blocks = []
+                for j, copy in enumerate(copies):
+                    copy.leader = None
+                    copy.prompt_logprobs = list(seq.prompt_logprobs)
+                    blocks += self.lanes.fork(seq, copy, self.tick)
+                self.runner.copy_blocks(blocks, self.drafter)
             for token in taken:  # one token, or a verify step's accepted drafts and the target's own
-                seq.output.append(token)
-                self.produced += 1
-                self.tokens.append((index, token, logprob_entry(logprobs[i], k) if logprobs and k is not None else None))
-                if len(seq.output) == 1:
-                    seq.first_token_at = now
-                if self.on_token is not None:
-                    self.on_token(seq, self.started[index])
-                self._settle(seq)
-                if index not in self.sequences:
+                lp = logprob_entry(logprobs[i], k, widest) if logprobs and k is not None else None
+                if not self._take(seq, token, lp, now):
                     break  # it ended: the tokens after its last are dropped
+            for j, copy in enumerate(copies):
+                lp = logprob_entry(logprobs[i], k, widest, 1 + j) if logprobs and k is not None else None
+                self._take(copy, row[1 + j], lp, now)
+
+    def _take(self, seq: Sequence, token: int, logprobs, now: float) -> bool:
+        """The sequence takes one token; False once it has ended."""
+        index = seq.request.index
+        if index not in self.sequences:
+            return False
+        seq.output.append(token)
+        self.produced += 1
+        prompt = None
+        if len(seq.output) == 1 and seq.request.params.prompt_logprobs is not None:
+            prompt = [None] + seq.prompt_logprobs
+        self.tokens.append((index, token, logprobs, prompt))
+        if len(seq.output) == 1:
+            seq.first_token_at = now
+        if self.on_token is not None:
+            self.on_token(seq, self.started[index])
+        self._settle(seq)
+        return index in self.sequences
+
+    def _take_prompt_logprobs(self, mb: MicroBatch, rows: list) -> None:
+        """Each prompt chunk's rows, in order (MicroBatch.sample): the entry of prompt token q + 1
+        for each position q, kept once (a recomputed prompt gives the same rows again)."""
+        widest, at = mb.prompt_logprobs_k, 0
+        for c in mb.chunks:
+            seq = c.seq
+            for q in prompt_positions(c):
+                if q == len(seq.prompt_logprobs):
+                    token = seq.request.prompt_token_ids[q + 1]
+                    seq.prompt_logprobs.append(prompt_logprob_entry(rows[at], token, seq.request.params.prompt_logprobs,
+                                                                    widest))
+                at += 1
 
     def _settle(self, seq: Sequence) -> None:
         """End the sequence if its last token finishes it."""
@@ -176,6 +238,12 @@ class EngineCore:
 
     def _end(self, seq: Sequence, reason: str) -> None:
         index = seq.request.index
+        if seq.followers:  # it leaves before its first token: its first copy leads the rest
+            first, *rest = seq.followers
+            seq.followers, first.leader, first.followers = [], None, rest
+            for copy in rest:
+                copy.leader = first
+            self.lanes.add(first)
         self.lanes.end(seq)
         self.sequences.pop(index, None)
         self.results[index] = result_of(seq, reason, self.started[index], time.perf_counter(), self.tick)

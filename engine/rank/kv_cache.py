@@ -1,24 +1,51 @@
 """A rank's KV cache: how many blocks it gets (every rank the same count), the activation peak
-profiled on CUDA before the cache takes the rest, and the paged cache itself."""
+profiled on CUDA before the cache takes the rest, the paged cache itself and its fp8 scales."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 from atoll.engine.kv import sizing as kv
 from atoll.layers.attention import AttentionMetadata, KVCache
 from atoll.layers.kv_quant import kv_format
+from atoll.models import kv_scales
+from atoll.parallel.pipeline import stage_layers
 
 
 def make_cache(config, tp: int, *, layers: int, blocks: int | list[int], block_size: int, dtype, device,
-               kv_cache_dtype: str = "auto"):
+               kv_cache_dtype: str = "auto", scales: list | None = None, fit_first: bool = False):
     """The paged cache of `layers` layers on one rank (layers.attention.KVCache; keys only for MLA),
-    quantized when kv_cache_dtype is not auto; blocks: every layer's count, or each layer's."""
+    quantized when kv_cache_dtype is not auto; blocks: every layer's count, or each layer's.
+    scales, fit_first: fp8 e4m3's fixed scales for these layers and heads (scales_for), or a fit
+    on the first store; neither: scale 1, sink 0."""
     s = kv.token_shape(config, tp)
     return KVCache(layers, blocks, s.heads, block_size, s.dim, dtype, device=device, values=s.values,
-                   kv_format=kv_format(kv_cache_dtype))
+                   kv_format=kv_format(kv_cache_dtype), scales=scales, fit_first=fit_first)
+
+
+def scales_for(runner) -> tuple[list | None, bool, str]:
+    """(this rank's fixed fp8 scales, one tuple a layer of its stage, or None; whether to fit them
+    on the first prefill; a line saying which), from the sources models/kv_scales.py lists."""
+    eng, config, ctx = runner.spec.engine, runner.config, runner.ctx
+    fmt = kv_format(eng.kv_cache_dtype)
+    if fmt is None or not fmt.static:
+        return None, False, ""
+    if eng.calculate_kv_scales:
+        return None, True, "fitted on the first prefill (--calculate-kv-scales: they depend on that prompt)"
+    found = kv_scales.read_file(eng.kv_scales, config) if eng.kv_scales else \
+        kv_scales.from_checkpoint(runner.checkpoint, config)
+    beside = Path(runner.spec.model_dir) / kv_scales.FILE_NAME
+    if found is None and beside.is_file():
+        found = kv_scales.read_file(beside, config)
+    if found is None:
+        return None, False, ("1 and no sink (vLLM's default): none in the checkpoint or beside it; "
+                             "atoll calibrate-kv or --calculate-kv-scales fits them")
+    start, end = stage_layers(config, ctx.layout.pp)[ctx.coords.pp]
+    heads = kv_scales.rank_heads(config, ctx.layout.tp, ctx.coords.tp)
+    return found.for_rank(range(start, end), heads), False, f"from {found.source}"
 
 
 def hybrid_width(runner) -> int | None:

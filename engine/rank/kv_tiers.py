@@ -267,7 +267,7 @@ def _slice(runner) -> dict:
     sample = first.detach().reshape(-1)[:1024].float().cpu().numpy().tobytes()
     return {"config": hashlib.blake2b(config.encode(), digest_size=16).hexdigest(),
             "weights": hashlib.blake2b(sample, digest_size=16).hexdigest(),
-            "dtype": str(runner.dtype), "kv_cache_dtype": spec.engine.kv_cache_dtype,
+            "dtype": str(runner.dtype), "kv_cache_dtype": spec.engine.kv_cache_dtype, "kv_scales": runner.cache.scales_digest(),
             "quantization": spec.engine.quantization, "block_size": spec.engine.block_size,
             # the slice a rank's cache holds: DP replicas (and an MoE's expert split) hold the same
             "tp": ctx.layout.tp, "pp": ctx.layout.pp, "tp_rank": ctx.coords.tp, "pp_stage": ctx.coords.pp,

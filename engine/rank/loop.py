@@ -65,7 +65,10 @@ class Batch:
 
     def __init__(self, requests: list[Request], replica=lambda k: 0, on_finish=None):
         order = sorted(range(len(requests)), key=lambda k: (requests[k].arrival_step, requests[k].index))
-        self.waiting = deque((requests[k], replica(k)) for k in order)
+        placed = {requests[k].index: replica(k) for k in order}
+        # a copy (n > 1) joins its first copy's replica, to fork from it there
+        self.waiting = deque((requests[k], placed.get(requests[k].fork_of, placed[requests[k].index]))
+                             for k in order)
         self.open = len(requests)
         self.results: dict[int, dict] = {}
         self.on_finish = on_finish
@@ -161,7 +164,9 @@ class ServeLoop:
             commands = self._broadcast(commands)
             if self._apply(commands):
                 break
-            core.step(more=any(c[0] == "tick" for c in commands))
+            ran = core.step(more=any(c[0] == "tick" for c in commands))
+            if ran and self.runner.balancer is not None:  # between two steps: the expert load window, rebalances
+                self.runner.balancer.after_step()
             finished = [(i, r) for i, r in self.finished if self.forward is None or self.forward(i, r)]
             self.finished.clear()
             mine = (core.drain(), finished, self._stats()) if self.leader else ([], [], None)
@@ -170,10 +175,14 @@ class ServeLoop:
                 tokens = [t for p in parts for t in p[0]]
                 done = [f for p in parts for f in p[1]]
                 stats = _sum([p[2] for p in parts if p[2] is not None])
+                if stats is not None and self.runner.balancer is not None and self.runner.balancer.report:
+                    stats["expert_load"] = self.runner.balancer.report  # MoE: max/mean tokens per EP rank
                 if tokens or done or stats != last:
                     self.outbox.put(("step", tokens, done, stats, self.name))
                     last = stats
         self.runner.end_run()
+        if self.runner.balancer is not None:  # the expert weights in flight land (the placement stays)
+            self.runner.balancer.close()
         if self.runner.kv_tiers is not None:  # the queued writes land (a restart finds them)
             self.runner.kv_tiers.close()
         # every block is back once every request ended; named ones stay cached (evictable)
@@ -184,13 +193,18 @@ class ServeLoop:
     def _send_links(self) -> None:
         """Every rank's bytes by link class, summed on rank 0 and sent to the outbox."""
         counted = links.rank_bytes(self.ctx, self.runner.model, compiled=self.runner.decode_step is not None)
+        # MoE: the run's expert load by EP rank, beside the bytes (every rank measures: collectives)
+        load = self.runner.balancer.measure() if self.runner.balancer is not None else None
         g = self.group
         parts = [counted]
         if g.size > 1:
             parts = [None] * g.size if self.first else None
             dist.gather_object(counted, parts, dst=g.ranks[0], group=g.pg)
         if self.first:
-            self.outbox.put(("links", links.total(parts)))
+            totals = links.total(parts)
+            if load is not None:
+                totals["expert_load"] = load
+            self.outbox.put(("links", totals))
 
     def _stats(self) -> dict:
         """This replica's counters, and its cache events since the last step when asked for."""

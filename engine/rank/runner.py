@@ -3,17 +3,20 @@ micro-batches in flight one stage on and hands sampled tokens to every rank."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 
 from atoll.engine.kv.sizing import kv_bytes_per_block
-from atoll.engine.rank.kv_cache import make_cache, size_cache
+from atoll.engine.rank.eplb import ExpertBalancer
+from atoll.engine.rank.kv_cache import make_cache, scales_for, size_cache
 from atoll.engine.rank.kv_tiers import RankTiers
 from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.rank.tuning import packer_for, tune_eager
 from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.engine.step import policy as step_policy
+from atoll.layers.attention import KVCache
 from atoll.layers.context_parallel import CpShards
 from atoll.models import ModelConfig, build_model
 from atoll.models import quantize
@@ -39,14 +42,19 @@ class ModelRunner:
         # (widest window, blocks) when the sliding layers keep their own cache (engine.kv.windowed)
         self.window_pool: tuple[int, int] | None = None
         self.num_blocks = size_cache(self)
+        # fp8's fixed scales for this rank's layers and heads (models/kv_scales.py), or a fit on the first prefill
+        self.kv_scales, self.fit_kv_scales, how = scales_for(self)
+        if how and ctx.rank == 0:
+            print(f"atoll: fp8 KV cache scales {how}", file=sys.stderr, flush=True)
         # one block more than the schedulers hand out: the compiled step's padding rows write there
-        self.cache = self.new_cache(self.num_blocks + 1,
+        self.cache = self.new_cache(self.num_blocks + 1, main=True,
                                     window_blocks=self.window_pool[1] + 1 if self.window_pool else None)
         lay = ctx.layout
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
         self._sending = None  # the isend of the last activations, until it completes
         self.logprobs: torch.Tensor | None = None  # the last tick's logprob rows, on a replica's leader
+        self.prompt_logprobs: torch.Tensor | None = None  # ... and its prompt-logprob rows
         self.ranks_here = ranks_here or ctx.layout.world_size
         # None: every step eager (always under context parallelism, whose steps are eager only)
         # and with a sliding layers' cache of their own, whose tables the compiled steps do not take
@@ -57,6 +65,8 @@ class ModelRunner:
         self.stats: dict = {}
         self.kv_tiers = RankTiers.build(self)  # --kv-offload-gb, --kv-disk-dir, --kv-shared (None: none)
         self.last_graphed = False  # whether the last tick ran the compiled decode step (the step trace says)
+        # MoE: the expert load window, and --enable-eplb's rebalances (engine/rank/eplb.py); None: dense
+        self.balancer = ExpertBalancer.build(self)
 
     @property
     def spec_k(self) -> int | None:
@@ -65,32 +75,58 @@ class ModelRunner:
         return speculative.num_speculative_tokens if speculative is not None else None
 
     def new_cache(self, blocks: int, *, config: ModelConfig | None = None, layers: int | None = None,
-                  window_blocks: int | None = None):
+                  window_blocks: int | None = None, main: bool = False):
         """A paged cache of `blocks` blocks for this rank's layers, of the model's attention kind
         (or another model's: a draft model's, engine.spec.registry); window_blocks: the sliding layers'
-        own count (engine.kv.windowed)."""
+        own count (engine.kv.windowed). main: the model's own cache, which takes the fp8 scales read
+        for its layers (another cache: a drafter's, or a profiling scratch, scale 1 or its own fit)."""
         if window_blocks is not None:
             blocks = [window_blocks if w else blocks for w in self.local_windows()]
         return make_cache(config or self.config, self.ctx.tp.size, layers=layers or self.model.num_local_layers,
                           blocks=blocks,
                           block_size=self.spec.engine.block_size, dtype=self.dtype, device=self.device,
-                          kv_cache_dtype=self.spec.engine.kv_cache_dtype)
+                          kv_cache_dtype=self.spec.engine.kv_cache_dtype,
+                          scales=self.kv_scales if main else None, fit_first=self.spec.engine.calculate_kv_scales)
 
     def local_windows(self) -> list[int | None]:
         """Each of this rank's layers' sliding window (None: full attention)."""
         start, end = stage_layers(self.config, self.ctx.layout.pp)[self.ctx.coords.pp]
         return [self.config.window_of(i) for i in range(start, end)]
 
+    def out_width(self, mb) -> int:
+        """Tokens a micro-batch hands round per sequence: 1, 1 + K with speculation, or more
+        where a request draws for its copies (n > 1); under DP every replica the same."""
+        return mb.out_width if mb.out_width is not None else max(1 + (self.spec_k or 0), mb.draws)
+
     def agree(self, busy: bool, mb):
         """With DP every replica ticks while any is busy and runs a micro-batch slot when any
-        has one (the MoE layers need every replica): an empty one stands in. Returns (go, mb)."""
+        has one (the MoE layers need every replica): an empty one stands in; the replicas'
+        extra token widths (copies drawn) are added up, so all hand round one width.
+        Returns (go, mb)."""
         if self.ctx.layout.dp == 1:
             return busy, mb
-        flags = self.ctx.world.all_reduce(torch.tensor([int(busy), int(mb is not None)], device=self.device))
-        busy, some = flags.tolist()
+        base = 1 + (self.spec_k or 0)
+        extra = self.out_width(mb) - base if mb is not None else 0
+        flags = self.ctx.world.all_reduce(torch.tensor([int(busy), int(mb is not None), extra], device=self.device))
+        busy, some, extra = flags.tolist()
         if some and mb is None:
             mb = MicroBatch.of([], self.spec.engine.block_size, device=self.device)
+        if mb is not None:
+            mb.out_width = base + extra
         return bool(busy), mb
+
+    @torch.no_grad()
+    def copy_blocks(self, pairs: list[tuple[int, int]], drafter=None) -> None:
+        """Copy cache blocks (source, destination) on this rank, in every layer of its stage and
+        in a drafter's own cache: a forked copy's partly filled prompt block (engine.batch.scheduler)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        caches = [self.cache] + [c for c in (getattr(drafter, "cache", None),) if isinstance(c, KVCache)]
+        for cache in caches:
+            for t in cache.tensors():  # each [blocks, ...], quantized ones' scales too
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def start_run(self) -> None:
         self.stats = {"busy_s": 0.0, "ticks": 0, "worked": 0, "started": time.perf_counter()}
@@ -117,7 +153,8 @@ class ModelRunner:
         out = None
         self.stats["ticks"] += 1
         if mb is not None:
-            stepped = self.decode_step is not None and self.decode_step.takes(mb)  # padded to a bucket, compiled
+            # padded to a bucket, compiled; not before a fit of the fp8 scales (the first store fits them eagerly)
+            stepped = self.decode_step is not None and not self.cache.pending and self.decode_step.takes(mb)
             self.last_graphed = stepped
             meta, ids, tokens = (None, None, mb.tokens) if stepped else self._view(mb)
             if ctx.is_first_stage:
@@ -147,8 +184,11 @@ class ModelRunner:
             return None
         seqs = len(done.chunks)
         self.logprobs = self._logprobs(done, seqs)
-        # [seqs] tokens; with speculation [seqs, 1 + K] (engine.sample.verify), every replica the same width
-        shape = (seqs,) if self.spec_k is None else (seqs, 1 + self.spec_k)
+        self.prompt_logprobs = self._prompt_logprobs(done)
+        # [seqs] tokens; with speculation [seqs, 1 + K] (engine.sample.verify), or wider where a
+        # request draws for its copies: every replica the same width
+        width = self.out_width(done)
+        shape = (seqs,) if width == 1 and self.spec_k is None else (seqs, width)
         if ctx.rank == self.sampler_rank and seqs and tuple(out.shape) != shape:
             out = _widen(out, shape)
         if ctx.layout.dp == 1:
@@ -181,8 +221,21 @@ class ModelRunner:
             return None
         if ctx.layout.pp == 1:
             return done.logprobs  # this rank sampled them
-        rows = done.logprobs if ctx.is_last_stage else torch.empty(seqs, 1 + 2 * k, dtype=torch.float64,
+        rows = done.logprobs if ctx.is_last_stage else torch.empty(seqs, done.draws + 2 * k, dtype=torch.float64,
                                                                     device=self.device)
+        return ctx.pp.broadcast(rows, src=ctx.layout.pp - 1)
+
+    def _prompt_logprobs(self, done) -> torch.Tensor | None:
+        """The prompt-logprob rows of a micro-batch leaving the pipeline, on its replica's
+        leader, as _logprobs hands them: [prompt rows, 2 + 2k] (engine.sample.sampler)."""
+        ctx = self.ctx
+        k = done.prompt_logprobs_k
+        if k is None or ctx.coords.tp != 0 or ctx.coords.cp != 0:
+            return None
+        if ctx.layout.pp == 1:
+            return done.prompt_logprobs
+        rows = done.prompt_logprobs if ctx.is_last_stage else torch.empty(done.prompt_rows, 2 + 2 * k,
+                                                                          dtype=torch.float64, device=self.device)
         return ctx.pp.broadcast(rows, src=ctx.layout.pp - 1)
 
     def _wait_send(self) -> None:

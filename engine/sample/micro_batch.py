@@ -1,15 +1,39 @@
 """MicroBatch: the chunks one tick feeds to the first stage, as the device sees them: their
 token ids and attention metadata, made on first use, and the draw of each chunk's next token
-(or a verify step's accepted drafts) from the logits."""
+(or a verify step's accepted drafts) from the logits, after the requests' logits processors
+(engine.sample.processors).
+
+Rows of the model's logits: one per chunk (its last position), 1 + its draft for a verified
+chunk, and every position of a prompt chunk whose request asks for prompt_logprobs. A chunk
+whose sequence leads parked copies (engine.batch.copies: n > 1) draws one token for itself
+and one for each copy from its last row, each with its own generator, so the prompt is
+computed once."""
 
 from __future__ import annotations
+
+from functools import cached_property
 
 import torch
 
 from atoll.engine.batch.scheduler import Scheduled
-from atoll.engine.sample.sampler import logprob_rows, sample
+from atoll.engine.sample.processors import process_row, processed
+from atoll.engine.sample.sampler import logprob_rows, prompt_logprob_rows, sample, sample_one
 from atoll.engine.sample.verify import verify_greedy, verify_sampled
 from atoll.layers.attention import AttentionMetadata
+
+
+def draws(c: Scheduled) -> int:
+    """Tokens drawn from the chunk's last row: 1, or with parked copies 1 + their number."""
+    return 1 + len(c.seq.followers) if c.samples and c.seq.followers else 1
+
+
+def prompt_positions(c: Scheduled) -> range:
+    """The chunk's positions whose logits give a prompt token's logprobs (the next token is a
+    prompt token), when its request asks for them; else none."""
+    if c.seq.request.params.prompt_logprobs is None:
+        return range(0)
+    prompt = len(c.seq.request.prompt_token_ids)
+    return range(c.start, min(c.start + c.count, prompt - 1))
 
 
 class MicroBatch:
@@ -21,8 +45,11 @@ class MicroBatch:
         self.chunks, self.block_size, self.device = chunks, block_size, device
         self._ids: torch.Tensor | None = None
         self._meta: AttentionMetadata | None = None
-        self.logprobs: torch.Tensor | None = None  # [seqs, 1 + 2k] on the sampling rank, when asked
+        self.logprobs: torch.Tensor | None = None  # [seqs, draws + 2k] on the sampling rank, when asked
+        self.prompt_logprobs: torch.Tensor | None = None  # [prompt rows, 2 + 2k], when asked
         self.tier_saves: list = []  # (block, name, parent) it fills, for the KV tiers (engine.rank.kv_tiers)
+        self.out_width: int | None = None  # width of the tokens handed round, once agreed (engine.rank.runner)
+        self.draws = max((draws(c) for c in chunks), default=1)
 
     @classmethod
     def of(cls, chunks: list[Scheduled], block_size: int, *, device="cpu") -> "MicroBatch":
@@ -43,6 +70,11 @@ class MicroBatch:
         decode step, or a verify step): `meta` then holds one decode row per token."""
         return all(c.count == 1 + len(c.draft) for c in self.chunks)
 
+    def logit_rows(self, c: Scheduled) -> int:
+        """Rows of the model's logits for chunk c: its last 1 + len(draft) positions, or every
+        position of a prompt chunk that asks for prompt logprobs."""
+        return c.count if prompt_positions(c) else 1 + len(c.draft)
+
     @property
     def ids(self) -> torch.Tensor:
         """[tokens] every chunk's new tokens, concatenated."""
@@ -60,11 +92,11 @@ class MicroBatch:
                 return self._meta
             self._meta = AttentionMetadata.build([c.seq.blocks for c in chunks], [c.start for c in chunks],
                                                  [c.count for c in chunks], self.block_size, device=self.device)
-            if self.width > 1:  # the model's logits rows: every position of a verified chunk, not just its last
+            if any(n > 1 for n in self.rows):  # the model's logits rows: more than the last
                 rows, end = [], 0
-                for c in chunks:
+                for c, n in zip(chunks, self.rows):
                     end += c.count
-                    rows.extend(range(end - 1 - len(c.draft), end))
+                    rows.extend(range(end - n, end))
                 self._meta._memo["last"] = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self._meta
 
@@ -85,52 +117,110 @@ class MicroBatch:
         """Tokens a chunk may take this step: 1, or 1 + the longest draft (speculative verify)."""
         return 1 + max((len(c.draft) for c in self.chunks), default=0)
 
-    @property
+    @cached_property
+    def rows(self) -> list[int]:
+        """Each chunk's rows of the model's logits (logit_rows), computed once."""
+        return [self.logit_rows(c) for c in self.chunks]
+
+    @cached_property
     def logprobs_k(self) -> int | None:
         """The most alternatives any chunk asks logprobs of; None: no chunk asks (every rank
         knows, from the same schedule, whether a tick hands logprobs round)."""
         asks = [c.seq.request.params.logprobs for c in self.chunks if c.seq.request.params.logprobs is not None]
         return max(asks) if asks else None
 
+    @cached_property
+    def prompt_logprobs_k(self) -> int | None:
+        """The most alternatives any chunk with prompt-logprob rows asks for; None: none has them."""
+        asks = [c.seq.request.params.prompt_logprobs for c in self.chunks if prompt_positions(c)]
+        return max(asks) if asks else None
+
+    @property
+    def prompt_rows(self) -> int:
+        return sum(len(prompt_positions(c)) for c in self.chunks)
+
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: [seqs, vocab] -> [seqs] tokens; -1 for a prefill chunk short of its last
-        prompt token, which draws nothing (a seeded sampler's stream does not depend on how
-        the prompt was chunked). When a chunk asks for logprobs, self.logprobs holds their
-        rows (engine.sample.sampler.logprob_rows)."""
+        """logits: [rows, vocab] -> [seqs] tokens, or [seqs, w] when a chunk draws for its
+        copies or drafts were verified; -1 for a prefill chunk short of its last prompt token,
+        which draws nothing (a seeded sampler's stream does not depend on how the prompt was
+        chunked). self.logprobs and self.prompt_logprobs hold the rows asked for."""
+        if any(n != 1 + len(c.draft) for n, c in zip(self.rows, self.chunks)):
+            logits = self._take_prompt_rows(logits, self.rows)
         if self.width > 1:
             return self._verify(logits)
-        rows = [i for i, c in enumerate(self.chunks) if c.samples]
-        if len(rows) == len(self.chunks):  # every chunk samples (all of a decode step): no scatter
-            out = sample(logits, [c.seq.state for c in self.chunks])
+        n, w = len(self.chunks), self.draws
+        at = [i for i, c in enumerate(self.chunks) if c.samples]
+        if len(at) == n and w == 1 and not any(c.seq.request.params.processed for c in self.chunks):
+            out = sample(logits, [c.seq.state for c in self.chunks])  # every chunk samples (all of a decode step)
         else:
-            out = torch.full((len(self.chunks),), -1, dtype=torch.long, device=logits.device)
-            if rows:
-                at = torch.tensor(rows, dtype=torch.long, device=logits.device)
-                out[at] = sample(logits[at], [self.chunks[i].seq.state for i in rows])
+            out = torch.full((n, w), -1, dtype=torch.long, device=logits.device)
+            if at:
+                index = torch.tensor(at, dtype=torch.long, device=logits.device)
+                chosen = self._processed(logits[index], [self.chunks[i] for i in at])
+                out[index, 0] = sample(chosen, [self.chunks[i].seq.state for i in at])
+                for r, i in enumerate(at):
+                    for j, copy in enumerate(self.chunks[i].seq.followers):
+                        out[i, 1 + j] = sample_one(chosen[r], copy.state)
+            out = out[:, 0] if w == 1 else out
         k = self.logprobs_k
         if k is not None:
             self.logprobs = logprob_rows(logits, out, k)
         return out
 
+    def _processed(self, logits: torch.Tensor, chunks: list[Scheduled]) -> torch.Tensor:
+        """One sampling row per chunk, with its request's processors applied (a copy)."""
+        if not any(c.seq.request.params.processed for c in chunks):
+            return logits
+        return processed(logits, [(c.seq.state.processors, c.seq.output, ()) for c in chunks])
+
+    def _take_prompt_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Computes the prompt-logprob rows (self.prompt_logprobs) from the raw logits, and
+        returns the rows the chunks sample from (the last 1 + len(draft) of each)."""
+        keep, lp_rows, targets, end = [], [], [], 0
+        for c, n in zip(self.chunks, rows):
+            keep.extend(range(end + n - 1 - len(c.draft), end + n))
+            positions = prompt_positions(c)
+            if positions:  # a prompt chunk's rows are its positions, from c.start
+                lp_rows.extend(end + q - c.start for q in positions)
+                targets.extend(c.seq.request.prompt_token_ids[q + 1] for q in positions)
+            end += n
+        if lp_rows:
+            at = torch.tensor(lp_rows, dtype=torch.long, device=logits.device)
+            self.prompt_logprobs = prompt_logprob_rows(
+                logits[at], torch.tensor(targets, dtype=torch.long, device=logits.device), self.prompt_logprobs_k)
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
     def _verify(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [rows, vocab], a verified chunk's 1 + len(draft) rows, one for any other
-        chunk -> [seqs, width] tokens each sequence takes, -1 padded (engine.sample.verify)."""
+        chunk -> [seqs, width] tokens each sequence takes, -1 padded (engine.sample.verify).
+        A drafted row is processed as if the drafts before it had been generated."""
         width, n = self.width, len(self.chunks)
         at = torch.tensor([[min(j, len(c.draft)) for j in range(width)] for c in self.chunks], dtype=torch.long,
                           device=logits.device)
         at += torch.tensor([0] + [1 + len(c.draft) for c in self.chunks[:-1]], device=logits.device).cumsum(0)[:, None]
-        grid = logits[at.view(-1)].view(n, width, -1)  # [seqs, width, vocab]; short drafts repeat their last row
+        raw = logits[at.view(-1)].view(n, width, -1)  # [seqs, width, vocab]; short drafts repeat their last row
+        grid = raw
+        if any(c.seq.request.params.processed for c in self.chunks):
+            grid = raw.float().clone()
+            for i, c in enumerate(self.chunks):
+                if c.samples and c.seq.request.params.processed:
+                    for j in range(1 + len(c.draft)):
+                        process_row(grid[i, j], c.seq.state.processors, c.seq.output, c.draft[:j])
         drafts = torch.tensor([c.draft + [-1] * (width - 1 - len(c.draft)) for c in self.chunks], dtype=torch.long,
                               device=logits.device)
         out = verify_greedy(grid, drafts)
+        if self.draws > width:
+            out = torch.cat([out, torch.full((n, self.draws - width), -1, dtype=torch.long, device=out.device)], 1)
         for i, c in enumerate(self.chunks):
             if not c.samples:
                 out[i] = -1  # a prefill chunk short of its last prompt token
-            elif not c.seq.request.params.greedy:
+                continue
+            if not c.seq.request.params.greedy:
                 out[i] = -1
                 out[i, :1 + len(c.draft)] = verify_sampled(grid[i, :1 + len(c.draft)], c.draft, c.seq.state)
+            for j, copy in enumerate(c.seq.followers):  # a prompt's chunk: no draft, its row 0
+                out[i, 1 + j] = sample_one(grid[i, 0], copy.state)
         k = self.logprobs_k
         if k is not None:  # a chunk that asks for logprobs drafts nothing: its one row is row 0
-            self.logprobs = logprob_rows(grid[:, 0], out[:, 0], k)
+            self.logprobs = logprob_rows(raw[:, 0], out[:, :self.draws], k)
         return out

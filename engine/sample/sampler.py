@@ -1,4 +1,6 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, seeded per request."""
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, seeded per request,
+after the request's logits processors (engine.sample.processors); logprob rows of sampled
+tokens and of prompt tokens."""
 
 from __future__ import annotations
 
@@ -7,16 +9,21 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.config.sampling import SamplingParams
+from atoll.engine.sample.processors import ProcessorState
 
 
 @dataclass
 class SamplerState:
     """Per-request generator on the sampling rank's device, so a seed gives the same tokens
-    whatever else is batched (on a given device: CPU and CUDA streams differ)."""
+    whatever else is batched (on a given device: CPU and CUDA streams differ). `prompt`: the
+    request's prompt ids, which repetition_penalty reads (its processors' tensors are made
+    on first use, `processors`)."""
 
     params: SamplingParams
     device: str | torch.device = "cpu"
     generator: torch.Generator | None = field(default=None)
+    prompt: list[int] = field(default_factory=list)
+    _processors: ProcessorState | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.params.greedy:
@@ -24,9 +31,16 @@ class SamplerState:
             seed = self.params.seed
             self.generator.manual_seed(seed if seed is not None else torch.seed())
 
+    @property
+    def processors(self) -> ProcessorState | None:
+        """The request's processors' state, or None when nothing processes its logits."""
+        if self._processors is None and self.params.processed:
+            self._processors = ProcessorState(self.params, self.prompt, self.device)
+        return self._processors
+
 
 def sample_one(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
-    """logits: [vocab] -> token id, a 0-d tensor on logits' device (no host sync)."""
+    """logits: [vocab] (already processed) -> token id, a 0-d tensor on logits' device (no host sync)."""
     p = state.params
     if p.greedy:
         return logits.argmax()
@@ -51,25 +65,46 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
-    """logits: [seqs, vocab] -> [seqs] token ids."""
+    """logits: [seqs, vocab] (already processed) -> [seqs] token ids."""
     if all(s.params.greedy for s in states):
         return logits.argmax(-1)
     return torch.stack([sample_one(row, s) for row, s in zip(logits, states)])
 
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-    """logits: [seqs, vocab], tokens: [seqs] -> [seqs, 1 + 2k] float64: each row's sampled
-    token's log-probability, then its k likeliest tokens' log-probabilities and ids (ids are
+    """logits: [seqs, vocab], tokens: [seqs] or [seqs, w] (tokens drawn from each row: a
+    request's copies draw w from one) -> [seqs, w + 2k] float64: each drawn token's
+    log-probability, then the row's k likeliest tokens' log-probabilities and ids (ids are
     exact in float64), from the model's own distribution (log_softmax of the raw logits)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, tokens.clamp(min=0).view(-1, 1)).double()
+    tokens = tokens.view(len(lp), -1)
+    chosen = lp.gather(1, tokens.clamp(min=0)).double()
     top = torch.topk(lp, k, dim=-1) if k else None
     parts = [chosen] + ([top.values.double(), top.indices.double()] if k else [])
     return torch.cat(parts, dim=1)
 
 
-def logprob_entry(row: list[float], k: int) -> dict:
-    """One token's logprobs from its logprob_rows row (of the micro-batch's widest k): its
-    own and its k likeliest alternatives', {"logprob": lp, "top": [(id, lp), ...]}."""
-    width = (len(row) - 1) // 2
-    return {"logprob": row[0], "top": [(int(row[1 + width + j]), row[1 + j]) for j in range(k)]}
+def logprob_entry(row: list[float], k: int, widest: int, j: int = 0) -> dict:
+    """Token j's logprobs from its logprob_rows row (made with the micro-batch's widest k):
+    its own and its k likeliest alternatives', {"logprob": lp, "top": [(id, lp), ...]}."""
+    w = len(row) - 2 * widest
+    return {"logprob": row[j], "top": [(int(row[w + widest + i]), row[w + i]) for i in range(k)]}
+
+
+def prompt_logprob_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """logits: [n, vocab] at prompt positions, targets: [n] the prompt token after each ->
+    [n, 2 + 2k] float64: the target's log-probability and rank (1 for the likeliest, as vLLM
+    counts), then the k likeliest tokens' log-probabilities and ids."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    own = lp.gather(1, targets.view(-1, 1))
+    rank = 1 + (lp > own).sum(1, keepdim=True)
+    top = torch.topk(lp, k, dim=-1) if k else None
+    parts = [own.double(), rank.double()] + ([top.values.double(), top.indices.double()] if k else [])
+    return torch.cat(parts, dim=1)
+
+
+def prompt_logprob_entry(row: list[float], token: int, k: int, widest: int) -> dict:
+    """One prompt token's entry from its prompt_logprob_rows row: {"token", "logprob", "rank",
+    "top": [(id, lp), ...]}."""
+    return {"token": token, "logprob": row[0], "rank": int(row[1]),
+            "top": [(int(row[2 + widest + i]), row[2 + i]) for i in range(k)]}

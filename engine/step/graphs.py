@@ -111,7 +111,9 @@ class GraphedDecode(DecodeStep):
         self.error: str | None = None  # why capture failed, if it did (every bucket then runs eagerly)
 
     def _forward(self, inp: Packed) -> torch.Tensor:
-        with self.model.static_exchange():  # MoE layers' fixed-shape exchange: no host read of a device value
+        # MoE layers' fixed-shape exchange: no host read of a device value; a padding row writes
+        # the scratch block, so the others are the real rows (the MoE load counters skip padding)
+        with self.model.static_exchange(real=inp.block != self.scratch):
             return self.run_model(inp.ids if inp.x is None else inp.x, inp.positions, inp.block, inp.offset,
                                   inp.tables, inp.lengths)
 

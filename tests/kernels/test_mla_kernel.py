@@ -24,15 +24,21 @@ from atoll.layers.mla import MLAttention
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext
 
-CACHES = ["float32", "int8", "fp8_e4m3", "fp8_e5m2"]
+CACHES = ["float32", "int8", "fp8_e4m3", "fp8_e4m3-scaled", "fp8_e5m2"]
+LATENT_SCALE = 2.0**-5  # "fp8_e4m3-scaled": e4m3 with the latent's one scale per layer
 
 
 def latent_batch(ctx, heads, latent, rope, block_size, cache_dtype="float32", *, seed=0):
     """q [seqs, heads, D], a latent cache [blocks, block_size, 1, D] (a tensor, or quantized as
-    data + scale), its scale (or None), and the padded block tables; D = latent + rope."""
+    data + scale), its scale (or None; e4m3's one scale as a view of strides 0, 0, 1), and the
+    padded block tables; D = latent + rope."""
     q, cache, _, tables = paged_batch(ctx, heads, 1, latent + rope, block_size, seed=seed)
     scale = None
-    if cache_dtype != "float32":
+    if cache_dtype.endswith("-scaled"):
+        head = torch.tensor([LATENT_SCALE])
+        cache, _ = quantize(cache * LATENT_SCALE, kv_format(cache_dtype.removesuffix("-scaled")), head)
+        scale = head.expand(cache.shape[:3])
+    elif cache_dtype != "float32":
         cache, scale = quantize(cache, kv_format(cache_dtype))
     return q, cache, scale, padded([t or [0] for t in tables])
 
@@ -61,14 +67,17 @@ def _layer_inputs(layer, ctx, block_size, cache_dtype):
     q_rope = torch.randn(len(ctx), layer.heads, layer.rope, generator=g)
     _, cache, _, tables = paged_batch(ctx, 1, 1, layer.latent + layer.rope, block_size)
     if cache_dtype != "float32":
-        quantized = QuantizedKV(tuple(cache.shape), kv_format(cache_dtype), torch.float32)
-        quantized.data, quantized.scale = quantize(cache, quantized.format)
+        quantized = QuantizedKV(tuple(cache.shape), kv_format(cache_dtype.removesuffix("-scaled")), torch.float32,
+                                role="latent")
+        if cache_dtype.endswith("-scaled"):
+            quantized.set_static([LATENT_SCALE])
+        quantized.data, quantized.scale = quantize(cache, quantized.format, quantized.head_scale)
         cache = quantized
     meta = AttentionMetadata.build(tables, [n - 1 for n in ctx], [1] * len(ctx), block_size)
     return q_nope, q_rope, cache, meta
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "fp8_e4m3-scaled"])
 def test_reference_is_the_layers_decode(cache_dtype):
     """The reference, fed the absorbed query, then W_uv, gives what _decode's gather + SDPA gives."""
     layer = _mla_layer()
@@ -78,7 +87,7 @@ def test_reference_is_the_layers_decode(cache_dtype):
         want = layer._decode(q_nope, q_rope, cache, meta)  # CPU: the torch path
         w_uk, w_uv = layer._absorbed()
         q = torch.cat([torch.einsum("shn,hnl->shl", q_nope, w_uk), q_rope], dim=-1)
-        data, scale = (cache.data, cache.scale) if isinstance(cache, QuantizedKV) else (cache, None)
+        data, scale = (cache.data, cache.kernel_scale()) if isinstance(cache, QuantizedKV) else (cache, None)
         o = reference.mla_decode_attention(q, data, meta.block_tables, torch.tensor(ctx), latent=layer.latent,
                                            scale=layer.scale, cache_scale=scale)
         out = torch.einsum("shl,hvl->shv", o, w_uv)
@@ -137,7 +146,7 @@ def test_kernel_at_deepseek_v3_widths(triton_path, cache_dtype):
     assert_close(out, want)
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8", "fp8_e4m3", "fp8_e4m3-scaled"])
 def test_layer_decode_takes_the_kernel(triton_path, cache_dtype):
     """MLAttention._decode on the Triton path (a QuantizedKV passes its data and scale) gives
     what its torch path gives; the fixture fails any call of the reference."""

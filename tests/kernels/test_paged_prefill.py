@@ -108,17 +108,30 @@ def test_kernel_matches_reference(triton_path, dtype, heads, kv_heads, block_siz
     assert_close(out, want, TOL[dtype])
 
 
-@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3", "fp8_e4m3-scaled"])
 def test_kernel_reads_a_quantized_cache(triton_path, cache_dtype):
+    """e4m3 "-scaled": a scale per kv head (2**-2, 2**-6), passed as a view of strides (0, 0, 1), and
+    sinks added back at each sequence's position 0."""
     q, k_cache, v_cache, tables, bounds, starts = prefill_batch([4, 0], [6, 17], 4, 2, 64, 16)
-    fmt = kv_format(cache_dtype)
+    fmt = kv_format(cache_dtype.removesuffix("-scaled"))
     (kq, ks), (vq, vs) = quantize(k_cache, fmt), quantize(v_cache, fmt)
+    if cache_dtype.endswith("-scaled"):
+        head = torch.tensor([2.0**-2, 2.0**-6])
+        (kq, _), (vq, _) = quantize(k_cache * head[:, None], fmt, head), quantize(v_cache * head[:, None], fmt, head)
+        ks = vs = head.to(DEVICE).expand(kq.shape[:3])
+    sinks = {}
+    if cache_dtype.endswith("-scaled"):
+        g = torch.Generator().manual_seed(7)
+        sinks = dict(k_sink=torch.randn(2, 64, generator=g).to(DEVICE), v_sink=torch.randn(2, 64, generator=g).to(DEVICE))
     q, kq, vq, tables, bounds, starts = _on_device(q, kq, vq, tables, bounds, starts)
     ks, vs = (None, None) if ks is None else _on_device(ks, vs)
-    out = ops.paged_prefill_attention(q, kq, vq, tables, bounds, starts, k_scale=ks, v_scale=vs)
+    out = ops.paged_prefill_attention(q, kq, vq, tables, bounds, starts, k_scale=ks, v_scale=vs, **sinks)
     want = reference.paged_prefill_attention(q, kq, vq, tables, bounds, starts, scale=64**-0.5, k_scale=ks,
-                                             v_scale=vs)
+                                             v_scale=vs, **sinks)
     assert_close(out, want)
+    if sinks:  # the sinks are read (the sequence starting at 0 sees its own position 0)
+        assert not torch.allclose(ops.paged_prefill_attention(q, kq, vq, tables, bounds, starts, k_scale=ks,
+                                                              v_scale=vs), want, atol=1e-3)
 
 
 def test_attend_prefill_takes_the_kernel(triton_path):

@@ -106,8 +106,8 @@ def test_dsv3_fp8_checkpoint_kept_in_fp8(dsv3_fp8, layout):
 def test_online_fp8_llama_and_the_planner_agree(tiny_model):
     """A float checkpoint quantized as read (--quantization fp8) at TP2: the column-parallel
     linears in fp8 on each rank, the ranks' bytes equal to `atoll plan --quantization fp8`'s,
-    and the tokens within fp8's error of transformers' (at least 24 of 64 before the first
-    difference, the fp8 KV cache's bound)."""
+    and the tokens within fp8's error of transformers' (measured 49 of 64 before the first
+    difference, 48 at TP1: at least 44)."""
     from test_int8_weights import PROMPTS, _prefix, planner_weight_bytes
     from reference import reference_tokens
 
@@ -121,7 +121,7 @@ def test_online_fp8_llama_and_the_planner_agree(tiny_model):
     assert all(len(r["fp8_names"]) == 3 * 2 and r["fp8_bytes"] > 0 for r in reports), reports
     assert planner_weight_bytes(model_dir, "TP2", "fp8") == max(r["bytes"] for r in reports)
     expected = reference_tokens(model_dir, PROMPTS, 16)
-    assert sum(_prefix(o.token_ids, e) for o, e in zip(outs, expected)) >= 24
+    assert sum(_prefix(o.token_ids, e) for o, e in zip(outs, expected)) >= 44
 
 
 def test_refusals():

@@ -164,6 +164,27 @@ def test_stop_string_is_held_back_and_cut(llm):
     assert choice.text == text_of(range(20, 28)) and "".join(deltas) == choice.text
 
 
+def test_a_stop_string_counts_only_past_min_tokens(llm):
+    """vLLM's rule: the text of the first min_tokens tokens is not searched for stop strings."""
+    async def go(stream):
+        _, client, _ = serve(llm, FakeEngine())
+        body = dict(model=NAME, prompt="w9", max_tokens=6, stop=["w21"], extra_body={"min_tokens": 3})
+        if not stream:
+            return (await client.completions.create(**body)).choices[0].text
+        return "".join([c.choices[0].text async for c in await client.completions.create(stream=True, **body)])
+
+    assert run(go(False)) == run(go(True)) == text_of(range(20, 26))
+    # and past them it stops as ever
+    async def past():
+        _, client, _ = serve(llm, FakeEngine())
+        r = await client.completions.create(model=NAME, prompt="w9", max_tokens=6, stop=["w24"],
+                                            extra_body={"min_tokens": 3})
+        return r.choices[0]
+
+    choice = run(past())
+    assert choice.text == text_of(range(20, 24)) + " " and choice.finish_reason == "stop"
+
+
 def test_text_stream_holds_back_incomplete_utf8(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -219,13 +240,25 @@ BAD = [
     ({"prompt": "w9", "top_p": 1.5}, "top_p", "top_p=1.5"),
     ({"prompt": "w9", "logprobs": 21}, "logprobs", "logprobs=21"),
     ({"prompt": "w9", "max_tokens": "5"}, "max_tokens", "valid integer"),
-    ({"prompt": "w9", "n": 2}, "n", "n=2"),
+    ({"prompt": "w9", "n": 0}, "n", "n=0"),
+    ({"prompt": "w9", "n": 2, "temperature": 0}, "n", "n=2 needs temperature > 0"),
+    ({"prompt": "w9", "presence_penalty": -3}, "presence_penalty", "presence_penalty=-3.0 must be in [-2, 2]"),
+    ({"prompt": "w9", "frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty=2.5 must be in [-2, 2]"),
+    ({"prompt": "w9", "repetition_penalty": -1}, "repetition_penalty", "repetition_penalty=-1.0 must be greater"),
+    ({"prompt": "w9", "logit_bias": {"abc": 1}}, "logit_bias", "key 'abc' is not a token id"),
+    ({"prompt": "w9", "logit_bias": {"5": 150}}, "logit_bias", "the bias of token 5 is 150"),
+    ({"prompt": "w9", "logit_bias": {"301": 1}}, "logit_bias", "token 301 is outside the vocabulary"),
+    ({"prompt": "w9", "bad_words": ["w8", ""]}, "bad_words", "bad_words[1]='' must be a non-empty string"),
+    ({"prompt": "w9", "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs=21"),
+    ({"prompt": "w9", "max_tokens": 4, "min_tokens": 5}, "min_tokens", "min_tokens=5 must be at most max_tokens=4"),
+    ({"prompt": "w9", "min_tokens": 20}, "min_tokens", "min_tokens=20 is more than the 16 tokens"),
+    ({"prompt": "w9", "suffix": "w8"}, "suffix", "suffix is not supported"),
+    ({"prompt": "w9", "best_of": 2}, "best_of", "best_of=2"),
     ({"prompt": "w9", "model": "gpt-4"}, "model", "'gpt-4' is not served here"),
     ({"prompt": [5, 301]}, "prompt", "prompt[1]=301 is outside the vocabulary"),
     ({"prompt": "w9 " * 300}, "prompt", "prompt has 300 tokens; the context is 256"),
     ({"prompt": "w9", "max_tokens": 300}, "max_tokens", "room for 255 new tokens"),
     ({"prompt": {"a": 1}}, "prompt", "must be text"),
-    ({"prompt": "w9", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": "w9", "stop": ["", "x"]}, "stop", "must not be empty"),
     ({}, "prompt", "prompt is required"),
 ]
@@ -250,6 +283,14 @@ def test_bad_completion_bodies_are_400_naming_the_field(llm, body, param, text):
     (json.dumps({"messages": [{"role": "robot", "content": "hi"}]}).encode(), "messages.0.role", "robot"),
     (json.dumps({"messages": [{"role": "user", "content": "w9"}], "top_logprobs": 2}).encode(), "top_logprobs",
      "needs logprobs"),
+    (json.dumps({"messages": [{"role": "user", "content": "w9"}], "tools": [{"type": "function"}]}).encode(),
+     "tools", "tools is not supported"),
+    (json.dumps({"messages": [{"role": "user", "content": "w9"}], "tool_choice": "required"}).encode(),
+     "tool_choice", "tool_choice is not supported"),
+    (json.dumps({"messages": [{"role": "user", "content": "w9"}], "modalities": ["text", "audio"]}).encode(),
+     "modalities", "modalities is not supported"),
+    (json.dumps({"messages": [{"role": "user", "content": "w9"}], "n": 2, "temperature": 0}).encode(),
+     "n", "n=2 needs temperature > 0"),
 ])
 def test_bad_chat_bodies(llm, content, param, text):
     async def go():

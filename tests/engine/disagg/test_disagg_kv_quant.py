@@ -4,14 +4,15 @@ engine writes them into its own cache unchanged. Greedy tokens equal the colocat
 with the same --kv-cache-dtype (whose prefill layout is the prefill engine's, so both decode
 from the same cached bytes), and each request's kv_bytes_sent is the analytic figure for the
 quantized cache: 1 byte a value (a quarter of the float32 cache), plus 4 bytes per token, head
-and k/v for int8's scale.
+and k/v for int8's scale; fp8 e4m3's fixed scales are not sent (both engines read the same
+file at load: engine/disagg/transfer.py).
 
-Both runs take one sequence at a time (max_num_seqs 1): a step that prefills prompts of
-different lengths together attends over the quantized cache (layers.attention.attend), one
-that prefills a single prompt over its own unquantized keys (layers.prefill), so with a
-quantized cache a run's tokens depend on how its prompts happened to be batched."""
+The runs batch their prompts as they come (the colocated engine prefills them together, the
+prefill engine as its queue holds them): every prefill attends to the cache as stored
+(layers/attention.py), so how the prompts were batched does not change their tokens."""
 
 import pytest
+from test_kv_scales import fit_scales
 
 from atoll import LLM, SamplingParams
 from atoll.engine.disagg.transfer import analytic_bytes
@@ -28,13 +29,17 @@ FAMILIES = {"llama": ("llama", {}),
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("family,kv,decode", [("llama", "fp8", "TP1"), ("llama", "int8", "TP2"),
-                                              ("deepseek_v3", "int8", "TP1")])
-def test_disaggregated_tokens_and_bytes_with_a_quantized_cache(tiny_model, family, kv, decode):
+                                              ("llama", "fp8 calibrated", "TP2"), ("deepseek_v3", "int8", "TP1")])
+def test_disaggregated_tokens_and_bytes_with_a_quantized_cache(tiny_model, tmp_path, family, kv, decode):
     kind, overrides = FAMILIES[family]
     model_dir = tiny_model(kind, **overrides)
-    with LLM(model_dir, layout="TP1", kv_cache_dtype=kv, block_size=4, max_num_seqs=1) as llm:
+    scales = {}
+    if kv == "fp8 calibrated":  # scales and sinks both engines read from one file
+        kv, scales = "fp8", dict(kv_scales=str(tmp_path / "scales.json"))
+        fit_scales(model_dir, 6, scales["kv_scales"])
+    with LLM(model_dir, layout="TP1", kv_cache_dtype=kv, block_size=4, **scales) as llm:
         colocated = llm.generate(PROMPTS, GREEDY, timeout_s=240)
-    with LLM(model_dir, prefill="TP1", decode=decode, kv_cache_dtype=kv, block_size=8, max_num_seqs=1) as llm:
+    with LLM(model_dir, prefill="TP1", decode=decode, kv_cache_dtype=kv, block_size=8, **scales) as llm:
         outs = llm.generate(PROMPTS, GREEDY, timeout_s=240)
     assert [o.metrics["prefilled_on"] for o in outs] == ["prefill"] * len(PROMPTS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in colocated]
