@@ -160,7 +160,8 @@ def test_triton_kernel_reads_the_quantized_cache(triton_path, name, block_size):
         scales.update(k_sink=kc.sink.to(DEVICE), v_sink=vc.sink.to(DEVICE))
     out = ops.paged_decode_attention(*args, lens, **scales)
     want = reference.paged_decode_attention(*args, lens, **scales)
-    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    tol = 2e-5 if DEVICE == "cpu" else 2e-4  # compiled on a GPU: another order of sums (H200: 9e-5 seen)
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     if name.endswith("-scaled"):  # the scales and sinks are read: without either the output is another
         no_sink = {k: v for k, v in scales.items() if "sink" not in k}
         for partial in ({}, no_sink):
