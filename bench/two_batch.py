@@ -81,7 +81,7 @@ def run(args) -> int:
     with Run(model, needs_model=False) as bench:
         llm = LLM(model, layout=args.layout, enable_two_batch_overlap=True, tbo_token_threshold=2,
                   enable_prefix_caching=False, moe_exchange=args.moe_exchange, max_num_seqs=max(ns),
-                  max_num_batched_tokens=max(ns), compile="never")
+                  max_num_batched_tokens=4 * max(ns), compile="never")
         gen = torch.Generator().manual_seed(0)
         vocab = llm.config.vocab_size
         cases = []
@@ -117,7 +117,9 @@ def sides(rank: int, world: int, spec, cases, repeat: int) -> dict:
                     trace: list = []
                     split = runner.stats.get("two_batch", 0)
                     results = run_batch(runner, requests, trace=trace)
-                    steps = [s for shape, s, *_ in trace if bool(shape.chunk_tokens) == (kind == "prefill")]
+                    steps = [s for shape, s, *_ in trace if whole(shape, kind, n // runner.ctx.layout.dp)]
+                    if not steps:
+                        raise RuntimeError(f"no {kind} step of {n} tokens in the run: raise the cache or the batch limits")
                     if side == "on" and runner.stats.get("two_batch", 0) == split:
                         raise RuntimeError(f"TBO on: no step of {n} tokens split")
                     got = [r["token_ids"] for r in results] if results and results[0] is not None else None
@@ -129,6 +131,12 @@ def sides(rank: int, world: int, spec, cases, repeat: int) -> dict:
         rows.append(row)
     loads.append(load_avg())
     return {"rows": rows, "same_tokens": same, "loads": loads}
+
+
+def whole(shape, kind: str, n: int) -> bool:
+    """Whether a traced step is the case's: a prefill of n prompt tokens alone, or a decode of
+    n rows alone (a replica's share under DP)."""
+    return (shape.chunk_tokens, shape.rows) == ((n, 0) if kind == "prefill" else (0, n))
 
 
 def crossover(rows: list[dict], kind: str) -> int | None:
