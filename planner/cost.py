@@ -116,14 +116,15 @@ class CostModel:
         """Seconds per category of one decoder layer (dense or MoE) in one pass; the arguments
         are stage()'s. With two-batch overlap an MoE layer's pass is also costed as two halves,
         taken where it is faster (planner/two_batch.py)."""
-        one, moved = self._layer(dense, **kw)
+        one, room = self._layer(dense, **kw)
         if not dense and self.w.two_batch_overlap and self.l.ep > 1 and not self.runtime:
-            two_batch.apply(one, self._layer(dense, **two_batch.halves(kw)), kw["seqs_per_dp"])
+            two_batch.apply(one, room, self._layer(dense, **two_batch.halves(kw)), kw["seqs_per_dp"])
         return one
 
     def _layer(self, dense: bool, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
                prompt_tokens=0.0, prompt_rows=0.0, chunk_ctx=None):
-        """layer() as one batch -> (seconds per category, the seconds of its ep exchange)."""
+        """layer() as one batch -> (seconds per category, (the seconds of its ep exchange, the
+        most of them its other work can hide: planner/two_batch.py))."""
         s, l, w = self.s, self.l, self.w
         wb, h, tp, cp = w.weight_bytes, s.hidden, l.tp, self.cp
         # with cp (context.py) a prompt's tokens are split over the cp ranks; decode tokens are not
@@ -169,11 +170,12 @@ class CostModel:
             self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
         else:
             moved = moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
+        room = (moved, vmin(moved, one.total() - moved))  # hidden at most under the work so far (floors aside)
         if self.runtime:
             one[OVERHEAD] += self.measured.layer_overhead(dense, seqs_per_dp)
         elif not prefill:  # a prefill-only pass is costed as prefill: no floors
             one.add(KERNELS, layer_kernels(self.c, dense) * eff.KERNEL_OVERHEAD_S, when=seqs_per_dp != 0)
-        return one, moved
+        return one, room
 
     def _cp_prefill(self, out, tokens, when=True) -> None:
         """One layer's cp exchange for `tokens` prompt tokens of a step (all cp ranks'): their

@@ -23,8 +23,8 @@ from atoll.planner.categories import OVERLAP
 from atoll.planner.parts import vmax, vmin
 
 # SGLang's published two-batch overlap figures (DeepSeek-V3, large-scale EP on H100s;
-# https://lmsys.org/blog/2025-05-05-large-scale-ep/, "Two-batch Overlap"): decode throughput
-# at these tokens per GPU, TBO on over off
+# https://lmsys.org/blog/2025-05-05-large-scale-ep, "Two-batch Overlap", as issue 38 quotes it):
+# decode throughput at these tokens per GPU, TBO on over off
 SGLANG_DECODE = {32: 0.73, 256: 1.25}
 SGLANG_PREFILL = (1.27, 1.35)  # prefill throughput, on over off, across its measured sizes
 
@@ -36,13 +36,15 @@ def halves(kw: dict) -> dict:
                  "prompt_rows": kw.get("prompt_rows", 0.0) / 2}
 
 
-def apply(one, half, seqs) -> None:
+def apply(one, room, half, seqs) -> None:
     """Adds to `one` (a layer's seconds as one batch) what two halves take off, where they are
-    faster; half: (one half's seconds, its exchange's seconds); seqs: sequences a DP rank (the
-    runtime splits whole sequences: one cannot be split)."""
-    parts, moved = half
+    faster: at most `room`'s second, the exchange the layer's own work can hide (the longer of
+    the two, as DeepSeek's profile describes it); half: one half's (seconds, room); seqs:
+    sequences a DP rank (the runtime splits whole sequences: one cannot be split)."""
+    parts, (moved, _) = half
     split = vmax(2.0 * (parts.total() - moved), 2.0 * moved)
-    one.add(OVERLAP, vmin(split - one.total(), 0.0), when=seqs >= 2)
+    gain = vmin(one.total() - split, room[1])
+    one.add(OVERLAP, -vmax(gain, 0.0), when=seqs >= 2)
 
 
 def step_ratio(plain_cm, tbo_cm, tokens_per_gpu: int, *, prefill: bool = False) -> float:
@@ -60,13 +62,14 @@ def step_ratio(plain_cm, tbo_cm, tokens_per_gpu: int, *, prefill: bool = False) 
 
 
 def forced_ratio(plain_cm, tokens_per_gpu: int) -> float:
-    """The decode step without TBO over with it taken at every size (as a fixed switch would
-    run it): the halves' cost where they lose, which `apply` leaves out."""
+    """An MoE layer's decode step as one batch over as two halves, taken at any size (as a fixed
+    switch would run it): below 1 where the halves lose, which `apply` leaves out."""
     kw = dict(seqs_per_dp=float(tokens_per_gpu), active_dp=plain_cm.l.dp, new_tokens=1,
               ctx=float(plain_cm.w.isl + plain_cm.w.osl / 2), prefill=False)
-    one, _ = plain_cm._layer(False, **kw)
-    half, moved = plain_cm._layer(False, **halves(kw))
-    return one.total() / float(vmax(2.0 * (half.total() - moved), 2.0 * moved))
+    one, room = plain_cm._layer(False, **kw)
+    half, (moved, _) = plain_cm._layer(False, **halves(kw))
+    split = float(vmax(2.0 * (half.total() - moved), 2.0 * moved))
+    return one.total() / (one.total() - min(one.total() - split, float(room[1])))
 
 
 def crossover(plain_cm, sizes) -> int | None:

@@ -159,7 +159,8 @@ class ModelRunner:
             stepped = self.decode_step is not None and not self.cache.pending and self.decode_step.takes(mb)
             self.last_graphed = stepped
             # --enable-two-batch-overlap: two micro-batches, each one's exchanges under the other's work
-            split = self.two_batch is not None and self.two_batch.takes(mb, eligible=not stepped)
+            split = self.two_batch is not None and self.two_batch.takes(mb, eligible=not stepped
+                                                                        and not self.cache.pending)
             meta, ids, tokens = (None, None, mb.tokens) if stepped else \
                 (None, mb.ids if ctx.is_first_stage else None, mb.tokens) if split else self._view(mb)
             if ctx.is_first_stage:

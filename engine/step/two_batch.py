@@ -76,6 +76,8 @@ class TwoBatchOverlap:
             return None
         if runner.ctx.layout.cp > 1:  # context parallel steps shard their own metadata: one batch
             return None
+        if engine.speculative_config is not None:  # a drafter reading the target's hidden rows (MTP's hook
+            return None                            # on the last layer) sees one forward: not split yet
         return cls(runner.model, runner.ctx, engine.tbo_token_threshold, engine.block_size)
 
     def takes(self, mb, eligible: bool = True) -> bool:
