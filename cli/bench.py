@@ -21,6 +21,7 @@ BENCHES = {
     "exchange": ("atoll.bench.exchange", "MoE all_to_all dispatch vs gather_combine, per rows per rank"),
     "eplb": ("atoll.bench.eplb", "MoE expert load balancing: load, dispatch bytes and step time before and after "
                                  "a rebalance"),
+    "tbo": ("atoll.bench.two_batch", "MoE two-batch overlap off vs on: step time by tokens per step, the crossover"),
     "kernels": ("atoll.bench.kernels", "Triton kernels vs torch reference vs device floor"),
     "prefix": ("atoll.bench.prefix", "prefix caching off vs on: prefill tokens computed and TTFT"),
     "disagg": ("atoll.bench.disagg", "colocated vs disaggregated prefill/decode: wall time, TTFT, TPOT, KV sent"),

@@ -33,6 +33,11 @@ Dropless by default. With capacity_factor the rule of routing.capacity_keep appl
 keeps the first ceil(capacity_factor * pairs / num_experts) (token, expert) pairs of the step in
 (source rank, token, slot) order; dropped pairs contribute 0. Negative expert ids are ignored.
 
+async_op=True (dispatch and combine): the flat path's row exchange starts and a
+comm.pending.Pending comes back (the count exchange before it stays blocking: its sizes are
+read on the host); the island-first path runs its two legs in turn and returns a Pending
+already done. Two-batch overlap computes the other micro-batch meanwhile.
+
 `bytes` counts every byte this rank sent per link class ("intra": inside its island, "cross":
 across islands; islands=None is one island), `row_bytes` only the hidden-state rows of it.
 """
@@ -46,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from atoll.comm.group import Group
+from atoll.comm.pending import Pending
 from atoll.comm.routing import (capacity_keep, capacity_of, check_islands, expert_major,
                                 expert_owner, expert_split, expert_starts, island_index,
                                 relay_rank, sort_by_key)
@@ -161,7 +167,8 @@ class Dispatcher:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                 async_op: bool = False):
         # x: [tokens, hidden]; topk_ids, topk_weights: [tokens, k]
         if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] \
                 or topk_weights.shape != topk_ids.shape:
@@ -173,7 +180,9 @@ class Dispatcher:
             ids, kept, dropped = self._drop(ids)
         if not self.hierarchical:
             leg, counts = self._expert_leg(ids, w, self._island, list(range(self.group.size)), kept)
-            return Dispatched(self._forward(x, leg), counts, self.grouped, (leg,), x.shape[0], dropped)
+            rows = self._forward(x, leg, async_op=async_op)
+            made = lambda r: Dispatched(r, counts, self.grouped, (leg,), x.shape[0], dropped)  # noqa: E731
+            return rows.map(made) if async_op else made(rows)
         cross, x_r, ids_r, w_r = self._cross_leg(x, ids, w)
         mine = self.island_of[self.group.rank]
         island_ids = torch.tensor(self.island_of, device=ids.device)[self.expert_owner(ids.clamp(min=0))]
@@ -181,18 +190,21 @@ class Dispatcher:
         leg, counts = self._expert_leg(torch.cat([own, ids_r]), torch.cat([w, w_r]), self._island,
                                        self.islands[mine])
         rows = self._forward(torch.cat([x, x_r]), leg)  # relayed rows ride after my own tokens
-        return Dispatched(rows, counts, self.grouped, (cross, leg), x.shape[0], dropped)
+        d = Dispatched(rows, counts, self.grouped, (cross, leg), x.shape[0], dropped)
+        return Pending.done(d) if async_op else d
 
-    def combine(self, expert_out: torch.Tensor, d: Dispatched) -> torch.Tensor:
+    def combine(self, expert_out: torch.Tensor, d: Dispatched, *, async_op: bool = False):
         # expert_out: [n_recv, hidden] in d.rows order -> [tokens, hidden]; sums in its dtype
         if expert_out.dim() != 2 or expert_out.shape[0] != d.rows.shape[0]:
             raise ValueError(f"combine wants [{d.rows.shape[0]}, hidden] expert outputs, got "
                              f"{tuple(expert_out.shape)}")
+        if len(d.legs) == 1:
+            return self._backward(expert_out, d.legs[0], async_op=async_op)
         out = self._backward(expert_out, d.legs[-1])  # [leg.n_in, hidden] weighted sum per token
-        if len(d.legs) == 2:  # hierarchical: the relayed tokens' island sums go back across
-            part, out = out[d.n_tokens:], out[:d.n_tokens]
-            self._backward(part, d.legs[0], out)
-        return out
+        # hierarchical: the relayed tokens' island sums go back across
+        part, out = out[d.n_tokens:], out[:d.n_tokens]
+        self._backward(part, d.legs[0], out)
+        return Pending.done(out) if async_op else out
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -271,25 +283,29 @@ class Dispatcher:
                   n_in=ids.shape[0], group=group, peers=members, regroup=regroup, unregroup=unregroup, bag=bag)
         return leg, by_src
 
-    def _forward(self, x: torch.Tensor, leg: Leg) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, leg: Leg, *, async_op: bool = False):
         leg.row_bytes = x.shape[1] * x.element_size()
         send = x.index_select(0, leg.src)  # [n_send, hidden] by destination rank, then local expert
-        recv = leg.group.all_to_all(send, leg.send_splits, leg.recv_splits)
+        recv = leg.group.all_to_all(send, leg.send_splits, leg.recv_splits, async_op=async_op)
         self._count(leg.send_splits, leg.row_bytes, leg.row_bytes, peers=leg.peers)
-        return recv if leg.regroup is None else recv.index_select(0, leg.regroup)
+        regroup = (lambda r: r) if leg.regroup is None else (lambda r: r.index_select(0, leg.regroup))
+        return recv.map(regroup) if async_op else regroup(recv)
 
-    def _backward(self, y: torch.Tensor, leg: Leg, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _backward(self, y: torch.Tensor, leg: Leg, out: torch.Tensor | None = None, *, async_op: bool = False):
         """Undo leg: send y's rows back where they came from; then either the weighted sum per
         token ([leg.n_in, hidden], y's dtype) or, without a bag, add them into out's src rows."""
         if leg.unregroup is not None:
             y = y.index_select(0, leg.unregroup)
         row = y.shape[1] * y.element_size()
-        y = leg.group.all_to_all(y, leg.recv_splits, leg.send_splits)
+        got = leg.group.all_to_all(y, leg.recv_splits, leg.send_splits, async_op=async_op)
         self._count(leg.recv_splits, row, row, peers=leg.peers)
-        if leg.bag is None:
-            return out.index_add_(0, leg.src, y.to(out.dtype))
-        rows, offsets, weights = leg.bag
-        return F.embedding_bag(rows, y, offsets, mode="sum", per_sample_weights=weights.to(y.dtype))
+
+        def summed(y):
+            if leg.bag is None:
+                return out.index_add_(0, leg.src, y.to(out.dtype))
+            rows, offsets, weights = leg.bag
+            return F.embedding_bag(rows, y, offsets, mode="sum", per_sample_weights=weights.to(y.dtype))
+        return got.map(summed) if async_op else summed(got)
 
     def _cross_leg(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
         """Send each token once to the relay of every remote island holding any of its experts,

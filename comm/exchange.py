@@ -17,6 +17,10 @@ It moves rows a top-k router does not send to most ranks, so it pays at few rows
 the all_to_all's latency (a count exchange, a device sync, two uneven exchanges) dominates.
 No `.item()`, `.tolist()` or data-dependent shape on this path.
 
+gather_combine_steps is the same exchange as an overlapped step (comm/pending.py): it yields
+while its all_gather and its reduce_scatter (or all_reduce) fly, so two-batch overlap runs the
+other micro-batch's attention and experts meanwhile; gather_combine drives it to its end.
+
 expert_fn(rows [n, hidden], local_ids [n, k] (-1 where the expert is not this rank's),
 weights [n, k]) -> [n, hidden]: the weighted sum of this rank's experts' outputs per row,
 0 for a row with none, in a tensor of its own (the all_reduce runs in place). Outputs are
@@ -38,6 +42,7 @@ from collections import Counter
 import torch
 
 from atoll.comm.group import Group
+from atoll.comm.pending import ready
 from atoll.errors import ConfigError
 
 
@@ -45,22 +50,48 @@ def gather_combine(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex
                    split: list[int], *, replicated: bool, counters: Counter | None = None,
                    island_of: list[int] | None = None) -> torch.Tensor:
     # x: [rows, hidden]; ids, weights: [rows, k] global expert ids (-1: none) and their weights
+    _check(x, ids, weights, group, split, replicated, counters, island_of)
+    if replicated or group.size == 1:
+        y = expert_fn(x, _local(ids, group.rank, split), weights)  # [rows, hidden] partial sums
+        return group.all_reduce(y) if replicated else y
+    every = group.all_gather(_pack(x, ids, weights), dim=0)  # [ep * rows, hidden + meta]
+    x_all, ids_all, w_all = _unpack(every, x.shape[1], ids.shape[1])
+    y = expert_fn(x_all, _local(ids_all, group.rank, split), w_all)  # [ep * rows, hidden]
+    return group.reduce_scatter(y, dim=0)  # [rows, hidden]: my rows, summed over ranks
+
+
+def gather_combine_steps(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_fn, group: Group,
+                         split: list[int], *, replicated: bool, counters: Counter | None = None,
+                         island_of: list[int] | None = None, overlap: bool = False):
+    """gather_combine as an overlapped step (a generator; comm/pending.py). Eager steps only: a
+    compiled trace takes gather_combine (torch.compile does not trace a generator's return)."""
+    _check(x, ids, weights, group, split, replicated, counters, island_of)
+    if replicated or group.size == 1:
+        y = expert_fn(x, _local(ids, group.rank, split), weights)  # [rows, hidden] partial sums
+        if not replicated:
+            return y
+        summed = group.all_reduce(y, async_op=overlap)
+        yield
+        return ready(summed)
+    every = group.all_gather(_pack(x, ids, weights), dim=0, async_op=overlap)  # [ep * rows, hidden + meta]
+    yield
+    x_all, ids_all, w_all = _unpack(ready(every), x.shape[1], ids.shape[1])
+    y = expert_fn(x_all, _local(ids_all, group.rank, split), w_all)  # [ep * rows, hidden]
+    mine = group.reduce_scatter(y, dim=0, async_op=overlap)  # [rows, hidden]: my rows, summed over ranks
+    yield
+    return ready(mine)
+
+
+def _check(x, ids, weights, group: Group, split, replicated: bool, counters, island_of) -> None:
+    """Check the shapes, and count the bytes this call sends (see the module's docstring)."""
     if len(split) != group.size:
         raise ConfigError(f"split {split} has {len(split)} entries for an ep group of {group.size}")
     if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
         raise ConfigError(f"gather_combine wants x [rows, hidden] and ids, weights [rows, k]; got "
                           f"{tuple(x.shape)}, {tuple(ids.shape)}, {tuple(weights.shape)}")
     rows, hidden = x.shape
-    k = ids.shape[1]
     if counters is not None and group.size > 1 and not torch.compiler.is_compiling():
-        _count(counters, group, island_of, rows, hidden * x.element_size(), 8 * k, replicated)
-    if replicated or group.size == 1:
-        y = expert_fn(x, _local(ids, group.rank, split), weights)  # [rows, hidden] partial sums
-        return group.all_reduce(y) if replicated else y
-    every = group.all_gather(_pack(x, ids, weights), dim=0)  # [ep * rows, hidden + meta]
-    x_all, ids_all, w_all = _unpack(every, hidden, k)
-    y = expert_fn(x_all, _local(ids_all, group.rank, split), w_all)  # [ep * rows, hidden]
-    return group.reduce_scatter(y, dim=0)  # [rows, hidden]: my rows, summed over ranks
+        _count(counters, group, island_of, rows, hidden * x.element_size(), 8 * ids.shape[1], replicated)
 
 
 def _local(ids: torch.Tensor, rank: int, split: list[int]) -> torch.Tensor:

@@ -157,6 +157,12 @@ class EngineConfig:
     expert_load_interval: int = _opt(100, "MoE: every this many steps, each layer's max/mean tokens per EP rank over "
                                           "the window goes into the engine's stats (/metrics); 0: only at the end "
                                           "of a run (atoll generate --stats)")
+    # two-batch overlap (TBO), spelled as SGLang's flag; engine/step/two_batch.py
+    enable_two_batch_overlap: bool = _opt(False, "MoE: run a step of at least --tbo-token-threshold tokens as two "
+                                                 "micro-batches, each one's dispatch and combine all-to-all "
+                                                 "flying while the other computes")
+    tbo_token_threshold: int = _opt(256, "MoE with --enable-two-batch-overlap: the fewest tokens in a step (the "
+                                         "most any DP replica has) that split it in two; below, one batch")
     kernels: str = _opt("auto", "auto: Triton kernels on CUDA, torch elsewhere; torch or triton force one "
                                 "(env ATOLL_KERNELS)", choices=KERNEL_MODES)
     mkl_pack: bool = _opt(False, "eager CPU decode: pack linear weights for MKL at the decode batch size "
@@ -254,7 +260,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise InputError(f"{name}={value!r} must be a whole number of at least {least}")
-        for name in ("enable_eplb", "eplb_async"):
+        if isinstance(self.tbo_token_threshold, bool) or not isinstance(self.tbo_token_threshold, int) \
+                or self.tbo_token_threshold < 2:
+            raise InputError(f"tbo_token_threshold={self.tbo_token_threshold!r} must be a whole number of at least 2")
+        for name in ("enable_eplb", "eplb_async", "enable_two_batch_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.num_redundant_experts and not self.enable_eplb:

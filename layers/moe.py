@@ -38,6 +38,10 @@ ep rank its own rows; otherwise every ep rank routes the stage's rows (or its ch
 and counts its tensor_split chunk only; tp ranks of one ep rank count the same rows, and the
 window (engine/rank/eplb.py) sums over the ep group alone. A static step's padding rows are
 not counted: the step says which rows are real (static_exchange(real=...)).
+
+Overlap. forward_steps / routed_steps are the layer as an overlapped step (comm/pending.py):
+they yield while the dispatch, the combine or the gather exchange fly, which two-batch overlap
+(engine/step/two_batch.py) fills with the other micro-batch's work; forward drives them at once.
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ from torch import nn
 
 from atoll.comm.dispatch import Dispatcher
 from atoll.comm.eplb import Placement
-from atoll.comm.exchange import gather_combine
+from atoll.comm.exchange import gather_combine, gather_combine_steps
 from atoll.comm.gather import all_gather_rows, row_counts
 from atoll.comm.group import Group
+from atoll.comm.pending import ready, run
 from atoll.config import MOE_EXCHANGES, EngineConfig
 from atoll.errors import ConfigError
 from atoll.kernels import fused_moe
@@ -238,7 +243,15 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens of this DP rank, hidden], the same on its tp ranks -> same shape."""
-        y = self.routed(x)
+        return self._shared(x, self._static(x) if self.static else run(self.routed_steps(x)))
+
+    def forward_steps(self, x: torch.Tensor, overlap: bool = False):
+        """forward as an overlapped step, eager only: yields while its exchanges fly (overlap=True)."""
+        y = yield from self.routed_steps(x, overlap)
+        return self._shared(x, y)
+
+    def _shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y, the routed experts' sum, plus the shared experts' output on x."""
         shared = getattr(self, self.shared_name, None)
         if shared is None:
             return y
@@ -257,42 +270,59 @@ class SparseMoE(nn.Module):
         """Whether a step of rows_per_rank rows per ep rank takes gather_combine."""
         return self.may_gather and (self.exchange == "gather" or rows_per_rank <= self.gather_max_rows)
 
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
+    def _static(self, x: torch.Tensor) -> torch.Tensor:
+        """routed_steps inside static_exchange (a compiled or captured step): the fixed-shape
+        exchange, every DP rank the same row count, no generator (a compiled trace holds it)."""
         ctx = self.ctx
-        if self.static and (self.exchange == "alltoall" or self.dispatcher.capacity_factor is not None):
+        if self.exchange == "alltoall" or self.dispatcher.capacity_factor is not None:
             raise ConfigError("the compiled decode step needs the MoE gather exchange: it cannot run "
                               f"exchange={self.exchange} or capacity_factor={self.dispatcher.capacity_factor}")
         if self.direct:  # my own rows: every one counted here (padding aside)
+            ids, weights = self._route(x, ctx.ep.rank * len(x), self.real)
+            return ctx.moe_tp.all_reduce(self._gather_now(x, ids, weights, replicated=False))
+        stage_x = ctx.dp.all_gather(x, dim=0)  # equal counts: no count exchange
+        mine = ctx.dp.rank * len(x)
+        real = None
+        if self.real is not None:
+            real = self.real if ctx.dp.size == 1 else ctx.dp.all_gather(self.real.to(torch.uint8), dim=0).bool()
+        keep = self._counted(len(stage_x), x.device)
+        ids, weights = self._route(stage_x, 0, keep if real is None else keep & real)
+        y = ctx.moe_tp.all_reduce(self._gather_now(stage_x, ids, weights, replicated=True))
+        return y[mine:mine + len(x)]
+
+    def _counted(self, rows: int, device) -> torch.Tensor:
+        """[rows] this ep rank's tensor_split chunk of the stage's rows: the ones it counts, so the
+        group counts each once."""
+        per, extra = divmod(rows, self.ctx.ep.size)
+        start = self.ctx.ep.rank * per + min(self.ctx.ep.rank, extra)
+        at = torch.arange(rows, device=device)
+        return (at >= start) & (at < start + per + (self.ctx.ep.rank < extra))
+
+    def routed_steps(self, x: torch.Tensor, overlap: bool = False):
+        """The routed experts' sum for x, eager, as an overlapped step (comm/pending.py)."""
+        ctx = self.ctx
+        if self.direct:  # my own rows: every one counted here
             first = ctx.ep.rank * len(x)  # a place for my rows among the ep group's (the copy choice)
-            if self.static:  # the compiled step passes every ep rank the same row count
-                return ctx.moe_tp.all_reduce(self._gather(x, replicated=False, first=first, keep=self.real))
             counts = row_counts(ctx.ep, len(x)) if self.may_gather else [len(x)]
             if self.gathers(max(counts)):  # every ep rank sees the same counts: they agree
-                return ctx.moe_tp.all_reduce(self._gather(x, replicated=False, rows=max(counts), first=first))
-            return ctx.moe_tp.all_reduce(self._all_to_all(x, first=first))
-        real = None
-        if self.static:
-            stage_x = ctx.dp.all_gather(x, dim=0)  # equal counts: no count exchange
-            mine = ctx.dp.rank * len(x)
-            if self.real is not None:
-                real = self.real if ctx.dp.size == 1 else ctx.dp.all_gather(self.real.to(torch.uint8), dim=0).bool()
-        else:
-            counts = row_counts(ctx.dp, len(x))
-            stage_x = all_gather_rows(ctx.dp, x, counts)  # [stage tokens, hidden]
-            mine = sum(counts[: ctx.dp.rank])
+                y = yield from self._gather(x, replicated=False, rows=max(counts), first=first, overlap=overlap)
+            else:
+                y = yield from self._all_to_all(x, first=first, overlap=overlap)
+            return ctx.moe_tp.all_reduce(y)
+        counts = row_counts(ctx.dp, len(x))
+        stage_x = all_gather_rows(ctx.dp, x, counts)  # [stage tokens, hidden]
+        mine = sum(counts[: ctx.dp.rank])
         per, extra = divmod(len(stage_x), ctx.ep.size)  # torch.tensor_split's sizes
         chunks = [per + (r < extra) for r in range(ctx.ep.size)]
         start = sum(chunks[: ctx.ep.rank])
-        if self.static or self.gathers(-(-len(stage_x) // ctx.ep.size)):
+        if self.gathers(-(-len(stage_x) // ctx.ep.size)):
             # the stage's tokens are on every ep rank already: no gather over ep. Every ep rank
             # routes them all; each counts its tensor_split chunk, so the group counts each once
-            at = torch.arange(len(stage_x), device=x.device)
-            keep = (at >= start) & (at < start + chunks[ctx.ep.rank])
-            y = ctx.moe_tp.all_reduce(self._gather(stage_x, replicated=True, first=0,
-                                                   keep=keep if real is None else keep & real))
-            return y[mine:mine + len(x)]
-        y = ctx.moe_tp.all_reduce(self._all_to_all(stage_x[start:start + chunks[ctx.ep.rank]], first=start))
-        stage_y = all_gather_rows(ctx.ep, y, chunks)
+            y = yield from self._gather(stage_x, replicated=True, first=0,
+                                        keep=self._counted(len(stage_x), x.device), overlap=overlap)
+            return ctx.moe_tp.all_reduce(y)[mine:mine + len(x)]
+        y = yield from self._all_to_all(stage_x[start:start + chunks[ctx.ep.rank]], first=start, overlap=overlap)
+        stage_y = all_gather_rows(ctx.ep, ctx.moe_tp.all_reduce(y), chunks)
         return stage_y[mine:mine + len(x)]
 
     def _route(self, xs: torch.Tensor, first, keep: torch.Tensor | None):
@@ -304,14 +334,19 @@ class SparseMoE(nn.Module):
         self.expert_load.count(ids, keep)
         return ids, weights
 
-    def _all_to_all(self, xs: torch.Tensor, *, first) -> torch.Tensor:
-        """xs: [this ep rank's share, hidden] through the Dispatcher -> moe_tp partial sums."""
+    def _all_to_all(self, xs: torch.Tensor, *, first, overlap: bool):
+        """xs: [this ep rank's share, hidden] through the Dispatcher -> moe_tp partial sums
+        (an overlapped step: yields while the dispatch, then the combine, fly)."""
         ids, weights = self._route(xs, first, None)
-        d = self.dispatcher.dispatch(xs, ids, weights)
-        return self.dispatcher.combine(self.experts(d.rows, d.row_experts()), d)
+        d = self.dispatcher.dispatch(xs, ids, weights, async_op=overlap)
+        yield
+        d = ready(d)
+        y = self.dispatcher.combine(self.experts(d.rows, d.row_experts()), d, async_op=overlap)
+        yield
+        return ready(y)
 
     def _gather(self, xs: torch.Tensor, *, replicated: bool, rows: int | None = None, first=0,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, overlap: bool = False):
         """xs through gather_combine -> moe_tp partial sums; rows: pad to this many first (the
         padding routes nowhere: ids -1, weights 0) and cut back after; keep: the rows counted."""
         ids, weights = self._route(xs, first, keep)
@@ -321,6 +356,13 @@ class SparseMoE(nn.Module):
             ids = torch.cat([ids, ids.new_full((rows - n, ids.shape[1]), -1)])
             weights = torch.cat([weights, weights.new_zeros(rows - n, weights.shape[1])])
         d = self.dispatcher
-        y = gather_combine(xs, ids, weights, self.experts.weighted, self.ctx.ep, d.split,
-                           replicated=replicated, counters=self.exchange_bytes, island_of=d.island_of)
+        y = yield from gather_combine_steps(xs, ids, weights, self.experts.weighted, self.ctx.ep, d.split,
+                                            replicated=replicated, counters=self.exchange_bytes,
+                                            island_of=d.island_of, overlap=overlap)
         return y[:n]
+
+    def _gather_now(self, xs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, replicated: bool):
+        """xs routed to (ids, weights) through gather_combine, blocking -> moe_tp partial sums."""
+        d = self.dispatcher
+        return gather_combine(xs, ids, weights, self.experts.weighted, self.ctx.ep, d.split,
+                              replicated=replicated, counters=self.exchange_bytes, island_of=d.island_of)

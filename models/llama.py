@@ -97,13 +97,25 @@ class LlamaDecoderLayer(nn.Module):
         stage); returns the next layer's (x, residual). Each add is fused into the norm after
         it (kernels.rms_norm with residual: the sum is rounded to the stream's dtype as an add
         would, and written into residual in place), one kernel fewer per add."""
+        h, residual = self._attention(x, residual, meta, k_cache, v_cache)
+        return self.mlp(h), residual
+
+    def forward_steps(self, x, residual, meta, k_cache, v_cache, overlap: bool = False):
+        """forward as an overlapped step (comm/pending.py): an MoE MLP yields while its
+        exchanges fly (two-batch overlap, engine/step/two_batch.py)."""
+        h, residual = self._attention(x, residual, meta, k_cache, v_cache)
+        steps = getattr(self.mlp, "forward_steps", None)
+        h = (yield from steps(h, overlap)) if steps is not None else self.mlp(h)
+        return h, residual
+
+    def _attention(self, x, residual, meta, k_cache, v_cache):
+        """The residual block's first half: (the MLP's input, the residual stream)."""
         if residual is None:
             residual = x.clone()  # the stage's input stays as it came (a CUDA graph's buffer)
             h = self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual=residual)
-        h = self.post_attention_layernorm(self.self_attn(h, meta, k_cache, v_cache), residual=residual)
-        return self.mlp(h), residual
+        return self.post_attention_layernorm(self.self_attn(h, meta, k_cache, v_cache), residual=residual), residual
 
 
 class LlamaModel(nn.Module):
@@ -171,6 +183,19 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for j, layer in enumerate(self.model.layers.values()):
             h, residual = layer(h, residual, meta, cache.k[j], cache.v[j])
+        return self._out(h, residual, meta)
+
+    def forward_steps(self, x: torch.Tensor, meta: AttentionMetadata, cache, overlap: bool = False):
+        """forward as an overlapped step, eager (comm/pending.py): its MoE layers yield while
+        their exchanges fly; two-batch overlap drives two micro-batches' steps in turns."""
+        h = self.model.embed_tokens(x) if self.ctx.is_first_stage else x
+        residual = None
+        for j, layer in enumerate(self.model.layers.values()):
+            h, residual = yield from layer.forward_steps(h, residual, meta, cache.k[j], cache.v[j], overlap)
+        return self._out(h, residual, meta)
+
+    def _out(self, h, residual, meta) -> torch.Tensor:
+        """The stage's output from the last layer's (h, residual): the hidden stream, or logits."""
         if not self.ctx.is_last_stage:
             return h if residual is None else residual + h
         if isinstance(meta, CpShards) and not meta.is_decode:  # each cp rank's rows -> the step's

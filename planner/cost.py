@@ -28,6 +28,7 @@ from atoll.planner import efficiency as eff
 from atoll.planner.categories import EXPERTS, KERNELS, KV, OVERHEAD, WEIGHTS
 from atoll.planner.collectives import GroupLinks, all_gather, all_reduce, all_to_all, send_recv
 from atoll.planner.context import partial_bytes_per_token, query_bytes_per_token
+from atoll.planner import two_batch
 from atoll.planner.moe_cost import moe_layer, sub_links
 from atoll.planner.parts import Many, Parts, is_many, parts_for, vceil, vmax, vmin
 from atoll.planner.runtime_terms import Measured
@@ -111,10 +112,19 @@ class CostModel:
         return self._sub[(size, stride)]
 
     # -- one decoder layer and one pipeline stage ------------------------------------------
-    def layer(self, dense: bool, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
-              prompt_tokens=0.0, prompt_rows=0.0, chunk_ctx=None):
+    def layer(self, dense: bool, **kw):
         """Seconds per category of one decoder layer (dense or MoE) in one pass; the arguments
-        are stage()'s."""
+        are stage()'s. With two-batch overlap an MoE layer's pass is also costed as two halves,
+        taken where it is faster (planner/two_batch.py)."""
+        one, room = self._layer(dense, **kw)
+        if not dense and self.w.two_batch_overlap and self.l.ep > 1 and not self.runtime:
+            two_batch.apply(one, room, self._layer(dense, **two_batch.halves(kw)), kw["seqs_per_dp"])
+        return one
+
+    def _layer(self, dense: bool, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
+               prompt_tokens=0.0, prompt_rows=0.0, chunk_ctx=None):
+        """layer() as one batch -> (seconds per category, (the seconds of its ep exchange, the
+        most of them its other work can hide: planner/two_batch.py))."""
         s, l, w = self.s, self.l, self.w
         wb, h, tp, cp = w.weight_bytes, s.hidden, l.tp, self.cp
         # with cp (context.py) a prompt's tokens are split over the cp ranks; decode tokens are not
@@ -151,6 +161,7 @@ class CostModel:
             self._cp_prefill(one, chunks, when=prompt_tokens != 0)
         tp_all_reduce = self._comm_name("TP all-reduce", self.g_tp)
         one.add(tp_all_reduce, all_reduce(act, self.g_tp))
+        moved = 0.0  # seconds of the ep exchange (two-batch overlap can hide them)
         if dense:
             mlp = s.dense_mlp / tp
             self._op(one, mlp * wb, 2 * n * mlp, WEIGHTS, rows=n)
@@ -158,12 +169,13 @@ class CostModel:
         elif self.runtime:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
             self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
         else:
-            moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
+            moved = moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
+        room = (moved, vmin(moved, one.total() - moved))  # hidden at most under the work so far (floors aside)
         if self.runtime:
             one[OVERHEAD] += self.measured.layer_overhead(dense, seqs_per_dp)
         elif not prefill:  # a prefill-only pass is costed as prefill: no floors
             one.add(KERNELS, layer_kernels(self.c, dense) * eff.KERNEL_OVERHEAD_S, when=seqs_per_dp != 0)
-        return one
+        return one, room
 
     def _cp_prefill(self, out, tokens, when=True) -> None:
         """One layer's cp exchange for `tokens` prompt tokens of a step (all cp ranks'): their

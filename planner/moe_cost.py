@@ -20,7 +20,7 @@ import functools
 import numpy as np
 
 from atoll.planner.workload import gather_max_rows  # the runtime's threshold (the config's moe_gather_rows)
-from atoll.planner.categories import EXPERTS, OVERLAP, WEIGHTS
+from atoll.planner.categories import EXPERTS, WEIGHTS
 from atoll.planner.collectives import all_gather, all_reduce, all_to_all, island_first_all_to_all
 # the expert imbalance and the layout it was measured on: sourced in efficiency.py
 from atoll.planner.efficiency import EXPERT_IMBALANCE, MEASURED_EXPERTS_PER_RANK
@@ -116,7 +116,8 @@ def sub_links(stage, size: int, stride: int):
 def moe_layer(cm, out, *, n, n_all, act, wb: int):
     """Adds one MoE layer's expert reads, shared expert and exchange to `out` (seconds by
     category). n: tokens on one DP rank; n_all: tokens entering the layer over the stage
-    (numbers, or arrays of them: parts.py)."""
+    (numbers, or arrays of them: parts.py). Returns the seconds of its ep exchange, which
+    two-batch overlap can hide (planner/two_batch.py)."""
     s, l, w = cm.s, cm.l, cm.w
     ep, mt, k = l.ep, l.moe_tp, s.top_k
     # routed experts on the busiest EP rank: its distinct experts, each 1/moe_tp of its weights,
@@ -159,13 +160,7 @@ def moe_layer(cm, out, *, n, n_all, act, wb: int):
     if mt > 1:  # moe_tp partial sums, added over the moe_tp group
         name = cm._comm_name("TP all-reduce" if mt == l.tp else "MoE all-reduce", g_mt)
         out.add(name, all_reduce(reduced * row, g_mt))
-    if w.two_batch_overlap and ep > 1:
-        # two micro-batches: one's dispatch and combine run under the other's attention and
-        # experts, so the layer takes about the longer of the two (DeepSeek's profile-data
-        # README, "two micro-batches" overlapping all-to-all with computation; SGLang's
-        # large-scale EP blog, two-batch overlap). The layer's other work is what it held so far.
-        rest = out.total() - moved
-        out.add(OVERLAP, -vmin(moved, rest), when=n >= 2)  # a single token cannot be split
+    return moved
 
 
 def _dispatch_combine(cm, g, per_rank, n_all, pairs):

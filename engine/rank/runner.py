@@ -16,6 +16,7 @@ from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.rank.tuning import packer_for, tune_eager
 from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.engine.step import policy as step_policy
+from atoll.engine.step.two_batch import TwoBatchOverlap
 from atoll.layers.attention import KVCache
 from atoll.layers.context_parallel import CpShards
 from atoll.models import ModelConfig, build_model
@@ -67,6 +68,7 @@ class ModelRunner:
         self.last_graphed = False  # whether the last tick ran the compiled decode step (the step trace says)
         # MoE: the expert load window, and --enable-eplb's rebalances (engine/rank/eplb.py); None: dense
         self.balancer = ExpertBalancer.build(self)
+        self.two_batch = TwoBatchOverlap.build(self)  # --enable-two-batch-overlap (None: off, or dense)
 
     @property
     def spec_k(self) -> int | None:
@@ -129,7 +131,7 @@ class ModelRunner:
                 t.index_copy_(0, dst, t.index_select(0, src))
 
     def start_run(self) -> None:
-        self.stats = {"busy_s": 0.0, "ticks": 0, "worked": 0, "started": time.perf_counter()}
+        self.stats = {"busy_s": 0.0, "ticks": 0, "worked": 0, "two_batch": 0, "started": time.perf_counter()}
         self._eager_decode_s: list[float] = []  # eager decode steps' seconds, for engine.step.policy
 
     def end_run(self) -> None:
@@ -156,7 +158,11 @@ class ModelRunner:
             # padded to a bucket, compiled; not before a fit of the fp8 scales (the first store fits them eagerly)
             stepped = self.decode_step is not None and not self.cache.pending and self.decode_step.takes(mb)
             self.last_graphed = stepped
-            meta, ids, tokens = (None, None, mb.tokens) if stepped else self._view(mb)
+            # --enable-two-batch-overlap: two micro-batches, each one's exchanges under the other's work
+            split = self.two_batch is not None and self.two_batch.takes(mb, eligible=not stepped
+                                                                        and not self.cache.pending)
+            meta, ids, tokens = (None, None, mb.tokens) if stepped else \
+                (None, mb.ids if ctx.is_first_stage else None, mb.tokens) if split else self._view(mb)
             if ctx.is_first_stage:
                 x = None if stepped else ids  # the decode step reads the ids from the chunks
             else:
@@ -167,6 +173,9 @@ class ModelRunner:
                 self.packer.observe(mb.tokens)
             if stepped:
                 out = self.decode_step(x, mb)
+            elif split:
+                out = self.two_batch(None if ctx.is_first_stage else x, mb, self.cache)
+                self.stats["two_batch"] += 1
             else:
                 out = self.model(x, meta, self.cache)
                 if mb.is_decode:

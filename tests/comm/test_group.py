@@ -43,11 +43,34 @@ def test_collectives(world):
     assert nbytes["all_to_all"] == sum(range(2, world + 1)) * 2 * 4
 
 
+def _async_collectives(rank, world):
+    """async_op=True: every collective started, all in flight together, then waited for in
+    another order than started; the results are the blocking calls' (two-batch overlap)."""
+    g = Group.from_torch(name="world")
+    x = torch.full((2, 3), float(rank + 1))
+    send = [j + 1 for j in range(world)]
+    rows = torch.cat([torch.full((j + 1, 2), 10.0 * rank + j) for j in range(world)])
+    started = [g.all_reduce(x.clone(), async_op=True), g.all_gather(torch.tensor([[rank]]), dim=1, async_op=True),
+               g.reduce_scatter(torch.arange(world * 2, dtype=torch.float32), dim=0, async_op=True),
+               g.all_to_all(rows, send, [rank + 1] * world, async_op=True).map(lambda r: r * 2)]
+    got = [p.wait() for p in reversed(started)][::-1]
+    blocking = [g.all_reduce(x.clone()), g.all_gather(torch.tensor([[rank]]), dim=1),
+                g.reduce_scatter(torch.arange(world * 2, dtype=torch.float32), dim=0),
+                g.all_to_all(rows, send, [rank + 1] * world) * 2]
+    return all(torch.equal(a, b) for a, b in zip(got, blocking)), len(got)
+
+
+@pytest.mark.timeout(120)
+def test_async_collectives_give_the_blocking_results():
+    assert run_local(_async_collectives, 2, timeout_s=90) == [(True, 4), (True, 4)]
+
+
 def test_size_one_is_noop():
     g = Group.single()
     x = torch.ones(3)
     assert g.all_reduce(x) is x and g.all_gather(x) is x
     assert g.all_to_all(x, [3], [3]) is x
+    assert g.all_to_all(x, [3], [3], async_op=True).wait() is x
     assert not g.calls
 
 

@@ -82,10 +82,10 @@ def _counting_worker(rank, world_size, spec, requests, parallel):
         if d is None:
             continue
 
-        def counted(x, ids, w, d=d, inner=d.dispatch):
+        def counted(x, ids, w, d=d, inner=d.dispatch, **options):
             fewest = min_rows(ids, d.split, d.island_of, d.group.rank)["cross"]
             minimum["cross"] += fewest * x.shape[1] * x.element_size()
-            return inner(x, ids, w)
+            return inner(x, ids, w, **options)
 
         d.dispatch = counted
     links.reset(ctx, runner.model)
