@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from atoll.config.sampling import SamplingParams
 
@@ -16,6 +16,9 @@ class Request:
     # a copy of request `fork_of` (n > 1, engine.batch.copies): it waits for that request's
     # prompt to be computed and forks from it, instead of computing the prompt again
     fork_of: int | None = None
+    # tokens it already generated on another engine (a migration, serve.replicas): they are
+    # computed after the prompt, as its output so far, and it goes on from there
+    generated: list[int] = field(default_factory=list)
 
 
 def finish_reason(seq, max_len: int, decode=None) -> str | None:
