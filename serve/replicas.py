@@ -316,7 +316,7 @@ class Replicas:
                               "to its first copy's replica; a retry counts again)",
                               ["replica", "reason"], registry=registry),
             "retried": Counter(f"{PREFIX}_retries", "requests sent again to another replica because theirs died "
-                               "before their first token", registry=registry),
+                               "(migrations counts those of them that had streamed tokens)", registry=registry),
             "prompt": Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of the requests routed", registry=registry),
             "hit": Counter(f"{PREFIX}_prefix_hit_tokens", "of those, the tokens the router expected the chosen "
                            "replica to hold in its prefix cache", registry=registry),
