@@ -149,7 +149,11 @@ class Replicas:
             try:
                 route = self._route(placed, retry=retry, exclude=exclude)
             except EngineDead:
-                if retry and self._hold(placed):
+                held = self._hold(placed) if retry else False
+                if held is None:  # a replica came back meanwhile: route again (the excluded one is new now)
+                    exclude = None
+                    continue
+                if held:
                     return
                 raise
             request = placed.continuation() if placed.tokens else placed.request
@@ -160,10 +164,15 @@ class Replicas:
                 self._unroute(placed)
                 self._mark_dead(route.replica, str(e))
 
-    def _hold(self, placed: _Placed) -> bool:
-        """Keep a request whose replica died for a replica that is restarting; False if none is."""
+    def _hold(self, placed: _Placed) -> bool | None:
+        """Keep a request whose replica died for a replica that is restarting (True); False if
+        none is; None if one is alive again (route it)."""
         with self._lock:
-            if not self._restarting or self._closing:
+            if self._closing:
+                return False
+            if len(self._dead) < len(self.engines):
+                return None
+            if not self._restarting:
                 return False
             self._held.append(placed)
             return True
