@@ -19,7 +19,7 @@ import sys
 from atoll.cli.generate import _living_launcher, _plan, add_model_options, make_llm
 from atoll.cli.main import Terminated
 from atoll.cli.requests import Line
-from atoll.cli.serve_replicas import add_replica_options, check_replicas, take_replicas
+from atoll.cli.serve_replicas import add_replica_options, check_replicas, restart_policy, take_replicas
 from atoll.engine.worker import worker
 from atoll.errors import InputError, LaunchError
 from atoll.launch.launchers import check_launcher, detect, is_first_rank
@@ -102,6 +102,7 @@ def run(args) -> int:
     plan = args.saved_plan = _layout(args, launcher)
     replicas = plan.replicas if plan else replicas
     check_replicas(replicas, launcher)
+    policy = restart_policy(args)  # its flags checked before any rank starts
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
     if llm.prefill_layout is not None and launcher not in ("local", "ray"):
         raise LaunchError(f"--prefill/--decode: disaggregated serving runs under the local or Ray launcher, "
@@ -121,9 +122,10 @@ def run(args) -> int:
     try:
         try:
             if replicas > 1:
-                from atoll.serve.replicas import start_replicas  # lazy: prometheus_client (atoll[serve])
+                from atoll.serve.replica_start import start_replicas  # lazy: prometheus_client (atoll[serve])
 
-                engine = start_replicas(llm, replicas, parallel=args.context, router=args.router)
+                engine = start_replicas(llm, replicas, parallel=args.context, router=args.router,
+                                        policy=policy)
             else:
                 llm.start(parallel=args.context)
         except Terminated:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from atoll.engine.batch.router import ROUTERS
 from atoll.errors import InputError, LaunchError
 from atoll.parallel.layout import Layout
+from atoll.serve.restarts import RESTART_POLICIES, RestartPolicy
 
 ROUTER_HELP = ("which replica takes a request: cache_aware (the one holding the longest cached prefix of its "
                "prompt, as the engines report the blocks they name and evict, else the least loaded), "
@@ -19,6 +20,18 @@ ROUTER_HELP = ("which replica takes a request: cache_aware (the one holding the 
 
 def add_replica_options(p) -> None:
     p.add_argument("--router", default="cache_aware", choices=ROUTERS, help=ROUTER_HELP)
+    p.add_argument("--restart-policy", default="on-failure", choices=RESTART_POLICIES,
+                   help="replicas (-dp 2 and more): one whose ranks die is started again on the same resources "
+                        "(on-failure, the default) or left down (never); its requests continue on the live "
+                        "replicas either way, with the tokens they streamed")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="restarts of one replica within --restart-window-s before it stays down (default 3)")
+    p.add_argument("--restart-window-s", type=float, default=600.0, metavar="S",
+                   help="the window --max-restarts counts over (default 600)")
+
+
+def restart_policy(args) -> RestartPolicy:
+    return RestartPolicy(args.restart_policy, args.max_restarts, args.restart_window_s)
 
 
 def take_replicas(args, config) -> int:

@@ -1,50 +1,67 @@
 """Replicas: N living engines of one layout behind a router, seen by the server as one engine
 (the same submit / abort / new_id / error / stats as engine.driver.online.OnlineEngine).
 
-Each request goes to the replica the router picks (engine.batch.router). A replica whose ranks die
-fails only the requests it holds, each error naming the replica and the rank; a request that
-has streamed no token yet is sent again to another live replica instead (the client sees a
-longer first-token time, no error). The others keep serving: `degraded` names the dead ones
-(/health says so), and `error` is set only once every replica is dead, so the server then
+Each request goes to the replica the router picks (engine.batch.router). When a replica's ranks
+die, its requests continue on another live replica: one that has streamed no token yet is sent
+again; one that has streams on, the other replica computing its prompt and the tokens it had
+(engine.batch.request's `generated`) and decoding from there, so its client sees a longer gap,
+no error, nothing repeated or missing (a seeded sampled request draws the same tokens:
+engine.sample.sampler's stream_seed). With no replica alive, requests wait for one that is
+restarting (serve.restarts), and end with the cause once none will come back.
+
+A dead replica is started again on the same resources under the RestartPolicy, rejoins the
+router once ready, and /health is ok again. `degraded` names the replicas that are down (/health
+says so), and `error` is set only once every replica is down for good, so the server then
 stops as it does for a single engine.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from prometheus_client import Counter, Gauge
 
-from atoll.engine.driver.living import engine_spec
 from atoll.engine.driver.online import EngineDead, OnlineEngine
-from atoll.launch.api import LocalLauncher
-from atoll.engine.batch.router import Route, make_router
+from atoll.engine.batch.router import Route
+from atoll.serve.restarts import RestartPolicy, Restarts
 
 PREFIX = "atoll_router"
 
 
 class _Placed:
-    """One request's replica, and whether the client has seen a token of it."""
+    """One request's replica, the tokens its client has seen, and its migrations."""
 
-    __slots__ = ("request", "sink", "replica", "streamed", "aborted", "names")
+    __slots__ = ("request", "sink", "replica", "streamed", "aborted", "names", "tokens", "migrations")
 
     def __init__(self, request, sink, replica: int):
         self.request, self.sink, self.replica = request, sink, replica
         self.streamed = self.aborted = False
         self.names: tuple = ()  # its prompt's block names, as the router routed it
+        self.tokens: list[int] = []  # the tokens streamed to the client, over every replica it ran on
+        self.migrations = 0
+
+    def continuation(self):
+        """The request to send on: with the tokens streamed so far as its output (no fork: its
+        first copy's blocks may be gone with the dead replica)."""
+        return replace(self.request, generated=list(self.tokens), fork_of=None)
 
 
 class Replicas:
-    def __init__(self, engines: list[OnlineEngine], router):
+    def __init__(self, engines: list[OnlineEngine], router, *, start=None, policy: RestartPolicy | None = None):
+        """start(k): a new engine for replica k on its resources (a restart); None: never restart."""
         self.engines, self.router = engines, router
         self._lock = threading.RLock()
         self._ids = iter(range(1 << 62))
         self._placed: dict[int, _Placed] = {}
         self._load = [0] * len(engines)
         self._dead: dict[int, str] = {}
+        self._restarting: set[int] = set()
+        self._held: list[_Placed] = []  # waiting for a restarting replica: none was alive
+        self._start, self.restarts = start, Restarts(policy or RestartPolicy(), len(engines))
         self._closing = False
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
         self.metrics = None
         self._routed_prompt = self._routed_hit = 0  # tokens, for the router's hit rate
 
@@ -57,7 +74,7 @@ class Replicas:
         return self._all_dead()
 
     def _all_dead(self) -> str | None:
-        if len(self._dead) < len(self.engines):
+        if len(self._dead) < len(self.engines) or self._restarting:
             return None
         return "every replica failed: " + "; ".join(f"replica {r}: {line}" for r, line in sorted(self._dead.items()))
 
@@ -129,13 +146,36 @@ class Replicas:
 
     def _place(self, placed: _Placed, *, retry: bool, exclude: int | None = None) -> None:
         while True:
-            route = self._route(placed, retry=retry, exclude=exclude)
             try:
-                self.engines[route.replica].submit(placed.request, self._sink(placed, route.replica))
+                route = self._route(placed, retry=retry, exclude=exclude)
+            except EngineDead:
+                held = self._hold(placed) if retry else False
+                if held is None:  # a replica came back meanwhile: route again (the excluded one is new now)
+                    exclude = None
+                    continue
+                if held:
+                    return
+                raise
+            request = placed.continuation() if placed.tokens else placed.request
+            try:
+                self.engines[route.replica].submit(request, self._sink(placed, route.replica))
                 return
             except EngineDead as e:  # it died since it was last looked at: mark it, route again
                 self._unroute(placed)
                 self._mark_dead(route.replica, str(e))
+
+    def _hold(self, placed: _Placed) -> bool | None:
+        """Keep a request whose replica died for a replica that is restarting (True); False if
+        none is; None if one is alive again (route it)."""
+        with self._lock:
+            if self._closing:
+                return False
+            if len(self._dead) < len(self.engines):
+                return None
+            if not self._restarting:
+                return False
+            self._held.append(placed)
+            return True
 
     def _route(self, placed: _Placed, *, retry: bool, exclude: int | None = None):
         """Choose the request's replica (a copy of a request, n > 1, its first copy's) and count it."""
@@ -144,7 +184,8 @@ class Replicas:
                 raise EngineDead("the server is shutting down")
             alive = [r for r in range(len(self.engines)) if r not in self._dead and r != exclude]
             if not alive:
-                raise EngineDead(self._all_dead() or "no other replica is alive")
+                restarting = f" (replica {min(self._restarting)} is restarting)" if self._restarting else ""
+                raise EngineDead(self._all_dead() or f"no other replica is alive{restarting}")
             lead = self._placed.get(placed.request.fork_of)
             if lead is not None and lead.replica in alive:  # a copy forks where its first copy runs
                 route = Route(lead.replica, "copy", len(placed.request.prompt_token_ids))
@@ -167,6 +208,9 @@ class Replicas:
         def sink(kind: str, payload) -> None:  # the replica's pump thread
             if kind == "token":
                 placed.streamed = True
+                placed.tokens.append(payload[0])
+                if placed.migrations and len(payload) > 2 and payload[2] is not None:
+                    payload = (*payload[:2], None, *payload[3:])  # its prompt's logprobs went out already
                 placed.sink(kind, payload)
                 return
             with self._lock:
@@ -176,13 +220,18 @@ class Replicas:
                     del self._placed[placed.request.index]
             if kind == "error":
                 self._mark_dead(replica, payload)
-                if not placed.streamed and not placed.aborted and not self._closing:
+                if not placed.aborted and not self._closing:
                     try:
+                        if placed.tokens:
+                            placed.migrations += 1
+                            self._count_migration()
                         self._place(placed, retry=True, exclude=replica)
                         return
                     except EngineDead:
                         pass
                 payload = f"replica {replica}: {payload}"
+            elif kind == "finish" and placed.migrations:
+                payload = {**payload, "metrics": {**payload.get("metrics", {}), "migrations": placed.migrations}}
             placed.sink(kind, payload)
         return sink
 
@@ -202,6 +251,68 @@ class Replicas:
             self.router.forget(replica)
         if self.metrics is not None:
             self.metrics["up"].labels(str(replica)).set(0)
+        self._restart(replica, line)
+
+    def _restart(self, replica: int, line: str) -> None:
+        """Start the replica again after its backoff, in a thread, if the policy allows."""
+        if self._start is None:
+            return
+        backoff = self.restarts.next_backoff(replica)
+        with self._lock:
+            if backoff is None or self._closing:
+                if self.restarts.policy.restarts:
+                    p = self.restarts.policy
+                    self._dead[replica] = (f"{line} (crash loop: {p.max_restarts} restarts within {p.window_s:g} s; "
+                                           "it stays down)")
+                held, self._held = (self._held, []) if not (self._restarting - {replica}) else ([], self._held)
+            else:
+                self._restarting.add(replica)
+                held = []
+        for placed in held:  # nothing will come back for them
+            placed.sink("error", f"replica {replica}: {line}")
+        if backoff is None:
+            return
+        thread = threading.Thread(target=self._come_back, args=(replica, backoff), daemon=True,
+                                  name=f"atoll-restart-replica{replica}")
+        self._threads.append(thread)
+        thread.start()
+
+    def _come_back(self, replica: int, backoff: float) -> None:
+        if self._stop.wait(backoff):
+            return
+        try:
+            self.engines[replica].close(timeout_s=10.0)  # what is left of its ranks
+        except Exception:  # noqa: BLE001 - a dead engine's close may fail; the new one is what counts
+            pass
+        try:
+            engine = self._start(replica)
+        except BaseException as e:  # noqa: BLE001 - the restart failed: count it, maybe try again
+            with self._lock:
+                self._restarting.discard(replica)
+                self._dead[replica] = f"restart failed: {e}"
+            self._restart(replica, f"restart failed: {e}")
+            return
+        with self._lock:
+            if self._closing:
+                closing = True
+            else:
+                closing = False
+                self.engines[replica] = engine
+                self._load[replica] = 0
+                self._dead.pop(replica, None)
+                self._restarting.discard(replica)
+                held, self._held = self._held, []
+        if closing:
+            engine.close()
+            return
+        if self.metrics is not None:
+            self.metrics["up"].labels(str(replica)).set(1)
+            self.metrics["restarts"].labels(str(replica)).inc()
+        for placed in held:
+            try:
+                self._place(placed, retry=True)
+            except EngineDead as e:
+                placed.sink("error", str(e))
 
     # --- metrics ---------------------------------------------------------------------------
 
@@ -214,17 +325,25 @@ class Replicas:
                               "to its first copy's replica; a retry counts again)",
                               ["replica", "reason"], registry=registry),
             "retried": Counter(f"{PREFIX}_retries", "requests sent again to another replica because theirs died "
-                               "before their first token", registry=registry),
+                               "(migrations counts those of them that had streamed tokens)", registry=registry),
             "prompt": Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of the requests routed", registry=registry),
             "hit": Counter(f"{PREFIX}_prefix_hit_tokens", "of those, the tokens the router expected the chosen "
                            "replica to hold in its prefix cache", registry=registry),
             "up": Gauge(f"{PREFIX}_replica_up", "1 while the replica serves, 0 once its ranks died", ["replica"],
                         registry=registry),
+            "migrated": Counter(f"{PREFIX}_migrations", "requests that had streamed tokens when their replica died, "
+                                "continued on another with those tokens", registry=registry),
+            "restarts": Counter(f"{PREFIX}_replica_restarts", "replicas started again after their ranks died",
+                                ["replica"], registry=registry),
         }
         Gauge(f"{PREFIX}_prefix_hit_rate", "router's expected prefix hits / prompt tokens routed, since start",
               registry=registry).set_function(lambda: self._routed_hit / max(1, self._routed_prompt))
         for r in range(len(self.engines)):
             m["up"].labels(str(r)).set(0 if r in self._dead else 1)
+
+    def _count_migration(self) -> None:
+        if self.metrics is not None:
+            self.metrics["migrated"].inc()
 
     def _count(self, route, prompt_tokens: int, *, retry: bool) -> None:
         self._routed_prompt += prompt_tokens
@@ -245,67 +364,11 @@ class Replicas:
         job may own the Ray session the others joined)."""
         with self._lock:
             self._closing = True
+            held, self._held = self._held, []
+        self._stop.set()
+        for placed in held:
+            placed.sink("error", "the server is shutting down")
+        for thread in self._threads:
+            thread.join(timeout=timeout_s)
         for engine in reversed(self.engines):
             engine.close(timeout_s)
-
-
-class LocalShare:
-    """The local launcher for one replica of several on this machine: its ranks get their
-    share of the CPU's threads (not each the whole machine's) and GPUs of their own (replica
-    k's ranks start at GPU k x ranks)."""
-
-    def __init__(self, base, *, threads: int, first_gpu: int):
-        self.base, self.threads, self.first_gpu = base, threads, first_gpu
-        self.channel = base.channel
-
-    def start(self, fn, world_size: int, *args, **kwargs):
-        return self.base.start(fn, world_size, *args, threads=self.threads, first_gpu=self.first_gpu, **kwargs)
-
-
-def replica_launchers(launcher, count: int, world_size: int) -> list:
-    """One launcher per replica: shares of this machine under the local launcher; the same
-    launcher for all under Ray (each replica's job reserves its own actors)."""
-    if not isinstance(launcher, LocalLauncher):
-        return [launcher] * count
-    threads = max(1, (os.cpu_count() or 1) // (world_size * count))
-    return [LocalShare(launcher, threads=threads, first_gpu=k * world_size) for k in range(count)]
-
-
-def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware") -> Replicas:
-    """`count` living engines of llm's layout, started side by side, behind a router. A
-    replica that fails to start stops the others and its error is raised."""
-    spec = engine_spec(llm)
-    launchers = replica_launchers(llm.launcher, count, llm.layout.world_size)
-    chooser: list = []  # the router, once the engines said their sizes; their cache events go to it
-
-    def events_of(k: int):
-        return lambda events: chooser[0].observe(k, events) if chooser else None
-
-    def one(k: int) -> OnlineEngine:
-        return OnlineEngine(spec.for_engine(f"replica{k}"), world_size=llm.layout.world_size, launcher=launchers[k],
-                            parallel=parallel or llm.context_options(),
-                            on_events=events_of(k) if router == "cache_aware" else None)
-
-    # under Ray the first alone: its job may start the Ray session the others then join
-    alone = 0 if isinstance(llm.launcher, LocalLauncher) else 1
-    with ThreadPoolExecutor(count) as pool:
-        futures = [pool.submit(one, k) for k in range(alone)]
-        if alone:
-            futures[0].exception()  # wait for it
-        futures += [pool.submit(one, k) for k in range(alone, count)]
-    engines, failure = [], None
-    for f in futures:
-        try:
-            engines.append(f.result())
-        except BaseException as e:  # noqa: BLE001 - the first failure is raised once the rest are stopped
-            failure = failure or e
-    if failure is not None:
-        for engine in reversed(engines):
-            engine.close()
-        raise failure
-    info = engines[0].info
-    capacities = [e.info["num_blocks"] for e in engines]
-    chooser.append(make_router(router, capacities=capacities, block_size=info["block_size"],
-                               imbalance=max(1, info["max_num_seqs"] // 4), events=True,
-                               tiers=[bool(e.info.get("kv_tiers")) for e in engines]))
-    return Replicas(engines, chooser[0])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from atoll.config.sampling import SamplingParams
 
@@ -16,6 +16,9 @@ class Request:
     # a copy of request `fork_of` (n > 1, engine.batch.copies): it waits for that request's
     # prompt to be computed and forks from it, instead of computing the prompt again
     fork_of: int | None = None
+    # tokens it already generated on another engine (a migration, serve.replicas): they are
+    # computed after the prompt, as its output so far, and it goes on from there
+    generated: list[int] = field(default_factory=list)
 
 
 def finish_reason(seq, max_len: int, decode=None) -> str | None:
@@ -36,10 +39,11 @@ def finish_reason(seq, max_len: int, decode=None) -> str | None:
 
 def result_of(seq, reason: str, started: float, now: float, step: int) -> dict:
     n = len(seq.output)
+    here = n - len(seq.request.generated)  # tokens made on this engine (a migrated request had some)
     first = seq.first_token_at
     ttft = (first - started) if first is not None else now - started
     return {"token_ids": seq.output, "finish_reason": reason,
-            "metrics": {"ttft_s": ttft, "tpot_s": (now - first) / (n - 1) if n > 1 else 0.0,
+            "metrics": {"ttft_s": ttft, "tpot_s": (now - first) / (here - 1) if first is not None and here > 1 else 0.0,
                         "prompt_tokens": len(seq.request.prompt_token_ids), "output_tokens": n,
                         "cached_tokens": seq.cached_tokens,
                         "queued_steps": (seq.first_scheduled_step - seq.arrived_step

@@ -68,6 +68,13 @@ class EngineCore:
                        arrived_step=self.tick)
         self.sequences[req.index] = seq
         self.started[req.index] = time.perf_counter()
+        if req.generated:  # it goes on from the tokens it generated elsewhere
+            seq.output = list(req.generated)
+            reason = finish_reason(seq, self.spec.max_model_len, self._decode)
+            if reason is not None:  # it had ended there: nothing to compute
+                self.lanes.add(seq)
+                self._end(seq, reason)
+                return
         leader = self.sequences.get(req.fork_of) if req.fork_of is not None else None
         if leader is not None and self._parks(leader):  # a copy: forked once the leader's prompt is computed
             seq.leader = leader
@@ -206,11 +213,11 @@ class EngineCore:
             return False
         seq.output.append(token)
         self.produced += 1
-        prompt = None
-        if len(seq.output) == 1 and seq.request.params.prompt_logprobs is not None:
+        prompt, first = None, seq.first_token_at is None  # its first token here (after a migration: not its first)
+        if first and seq.request.params.prompt_logprobs is not None:
             prompt = [None] + seq.prompt_logprobs
         self.tokens.append((index, token, logprobs, prompt))
-        if len(seq.output) == 1:
+        if first:
             seq.first_token_at = now
         if self.on_token is not None:
             self.on_token(seq, self.started[index])

@@ -151,16 +151,18 @@ class MicroBatch:
         n, w = len(self.chunks), self.draws
         at = [i for i, c in enumerate(self.chunks) if c.samples]
         if len(at) == n and w == 1 and not any(c.seq.request.params.processed for c in self.chunks):
-            out = sample(logits, [c.seq.state for c in self.chunks])  # every chunk samples (all of a decode step)
+            out = sample(logits, [c.seq.state for c in self.chunks],  # every chunk samples (all of a decode step)
+                         [len(c.seq.output) for c in self.chunks])
         else:
             out = torch.full((n, w), -1, dtype=torch.long, device=logits.device)
             if at:
                 index = torch.tensor(at, dtype=torch.long, device=logits.device)
                 chosen = self._processed(logits[index], [self.chunks[i] for i in at])
-                out[index, 0] = sample(chosen, [self.chunks[i].seq.state for i in at])
+                out[index, 0] = sample(chosen, [self.chunks[i].seq.state for i in at],
+                                       [len(self.chunks[i].seq.output) for i in at])
                 for r, i in enumerate(at):
                     for j, copy in enumerate(self.chunks[i].seq.followers):
-                        out[i, 1 + j] = sample_one(chosen[r], copy.state)
+                        out[i, 1 + j] = sample_one(chosen[r], copy.state, 0)
             out = out[:, 0] if w == 1 else out
         k = self.logprobs_k
         if k is not None:
@@ -217,9 +219,10 @@ class MicroBatch:
                 continue
             if not c.seq.request.params.greedy:
                 out[i] = -1
-                out[i, :1 + len(c.draft)] = verify_sampled(grid[i, :1 + len(c.draft)], c.draft, c.seq.state)
+                out[i, :1 + len(c.draft)] = verify_sampled(grid[i, :1 + len(c.draft)], c.draft, c.seq.state,
+                                                           len(c.seq.output))
             for j, copy in enumerate(c.seq.followers):  # a prompt's chunk: no draft, its row 0
-                out[i, 1 + j] = sample_one(grid[i, 0], copy.state)
+                out[i, 1 + j] = sample_one(grid[i, 0], copy.state, 0)
         k = self.logprobs_k
         if k is not None:  # a chunk that asks for logprobs drafts nothing: its one row is row 0
             self.logprobs = logprob_rows(raw[:, 0], out[:, :self.draws], k)

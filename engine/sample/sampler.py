@@ -1,9 +1,15 @@
 """SamplingParams and the sampler: greedy, temperature, top-k, top-p, seeded per request,
 after the request's logits processors (engine.sample.processors); logprob rows of sampled
-tokens and of prompt tokens."""
+tokens and of prompt tokens.
+
+A seeded request's draws for output token j come from a generator seeded with
+stream_seed(seed, j): a function of the seed and the token's position only, not of the draws
+before it. So a request that continues on another engine with its tokens so far (a
+migration: serve.replicas) draws the same tokens there as it would have here."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +37,13 @@ class SamplerState:
             seed = self.params.seed
             self.generator.manual_seed(seed if seed is not None else torch.seed())
 
+    def at(self, position: int | None) -> torch.Generator | None:
+        """The generator for output token `position`: reseeded with stream_seed(seed, position)
+        when the request is seeded (None: the stream as it runs, as for an unseeded request)."""
+        if position is not None and self.params.seed is not None and self.generator is not None:
+            self.generator.manual_seed(stream_seed(self.params.seed, position))
+        return self.generator
+
     @property
     def processors(self) -> ProcessorState | None:
         """The request's processors' state, or None when nothing processes its logits."""
@@ -39,12 +52,19 @@ class SamplerState:
         return self._processors
 
 
-def sample_one(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
-    """logits: [vocab] (already processed) -> token id, a 0-d tensor on logits' device (no host sync)."""
+def stream_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draws for its output token `position` (63 bits)."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_one(logits: torch.Tensor, state: SamplerState, position: int | None = None) -> torch.Tensor:
+    """logits: [vocab] (already processed) -> token id, a 0-d tensor on logits' device (no host
+    sync); position: the output token's index (a seeded request's stream: SamplerState.at)."""
     p = state.params
     if p.greedy:
         return logits.argmax()
-    return torch.multinomial(probabilities(logits, p), 1, generator=state.generator)[0]
+    return torch.multinomial(probabilities(logits, p), 1, generator=state.at(position))[0]
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -64,11 +84,13 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
-    """logits: [seqs, vocab] (already processed) -> [seqs] token ids."""
+def sample(logits: torch.Tensor, states: list[SamplerState], positions: list[int] | None = None) -> torch.Tensor:
+    """logits: [seqs, vocab] (already processed) -> [seqs] token ids; positions: each output
+    token's index (sample_one)."""
     if all(s.params.greedy for s in states):
         return logits.argmax(-1)
-    return torch.stack([sample_one(row, s) for row, s in zip(logits, states)])
+    positions = positions or [None] * len(states)
+    return torch.stack([sample_one(row, s, q) for row, s, q in zip(logits, states, positions)])
 
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:

@@ -47,12 +47,16 @@ def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return torch.where(at <= accepted, target, torch.full_like(target, -1))
 
 
-def verify_sampled(logits: torch.Tensor, draft: list[int], state: SamplerState) -> torch.Tensor:
+def verify_sampled(logits: torch.Tensor, draft: list[int], state: SamplerState,
+                   position: int | None = None) -> torch.Tensor:
     """logits: [len(draft)+1, vocab] of one sequence, draft: its drafted tokens -> [len(draft)+1]
-    tokens taken, -1 padded. Draws from the sequence's own generator, so a seed reproduces."""
-    params, gen = state.params, state.generator
+    tokens taken, -1 padded. Draws from the sequence's own generator, so a seed reproduces;
+    position: the first drafted token's output index (each position's draws from its own
+    stream, SamplerState.at; None: the stream as it runs)."""
+    params = state.params
     out = torch.full((len(draft) + 1,), -1, dtype=torch.long, device=logits.device)
     for j, token in enumerate(draft):
+        gen = state.at(None if position is None else position + j)
         p = probabilities(logits[j], params)
         u = torch.rand((), generator=gen, device=logits.device)
         if u < accept_probability(p, token):
@@ -60,5 +64,6 @@ def verify_sampled(logits: torch.Tensor, draft: list[int], state: SamplerState) 
             continue
         out[j] = torch.multinomial(residual(p, token), 1, generator=gen)[0]
         return out
+    gen = state.at(None if position is None else position + len(draft))
     out[len(draft)] = torch.multinomial(probabilities(logits[len(draft)], params), 1, generator=gen)[0]
     return out

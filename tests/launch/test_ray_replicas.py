@@ -18,7 +18,7 @@ NEW = 6
 def test_two_tp2_replicas_one_per_ray_node(cluster, tiny_model):
     from atoll.engine.sample.sampler import SamplingParams
     from atoll.launch.api import LLM, RayLauncher
-    from atoll.serve.replicas import start_replicas
+    from atoll.serve.replica_start import start_replicas
 
     model = tiny_model("llama", num_hidden_layers=4)
     llm = LLM(model, layout="TP2", launcher=RayLauncher(tp_size=2))

@@ -3,11 +3,17 @@ engines' own block names, least-loaded and balance fallbacks, round-robin over t
 replicas; a dead replica's requests retried before their first token and failed, naming it,
 after; /health's degraded state and the error once every replica is dead."""
 
+import time
+
 import pytest
 
 from atoll.engine.kv.blocks import BlockPool, block_hash, prefix_names
 from atoll.engine.driver.online import EngineDead
+from atoll.config.sampling import SamplingParams
+from atoll.engine.batch.request import Request
+from atoll.errors import InputError
 from atoll.serve.replicas import Replicas
+from atoll.serve.restarts import RestartPolicy, Restarts
 from atoll.engine.batch.router import CacheAwareRouter, RoundRobinRouter, make_router
 
 BS = 4
@@ -77,14 +83,14 @@ class FakeEngine:
     """OnlineEngine's surface: requests are held until the test sends their events."""
 
     def __init__(self):
-        self.sinks, self.error, self.closed = {}, None, False
+        self.sinks, self.requests, self.error, self.closed = {}, {}, None, False
         self.stats = {"running": 1, "num_blocks": 10}
         self.info = {"num_blocks": 10, "block_size": BS, "max_num_seqs": 4}
 
     def submit(self, request, sink):
         if self.error is not None:
             raise EngineDead(self.error)
-        self.sinks[request.index] = sink
+        self.sinks[request.index], self.requests[request.index] = sink, request
 
     def abort(self, index):
         self.sinks.pop(index)("finish", {"finish_reason": "abort"})
@@ -99,12 +105,11 @@ class FakeEngine:
         self.closed = True
 
 
-class Req:
-    def __init__(self, index, ids):
-        self.index, self.prompt_token_ids = index, ids
+def Req(index, ids):
+    return Request(index, ids, SamplingParams(max_tokens=8))
 
 
-def test_a_dead_replica_fails_its_streaming_requests_by_name_and_retries_the_others():
+def test_a_dead_replica_s_requests_go_on_elsewhere_with_their_tokens():
     engines = [FakeEngine(), FakeEngine()]
     reps = Replicas(engines, RoundRobinRouter())
     events: dict[int, list] = {}
@@ -112,8 +117,13 @@ def test_a_dead_replica_fails_its_streaming_requests_by_name_and_retries_the_oth
         reps.submit(Req(reps.new_id(), [i]), lambda kind, payload, i=i: events.setdefault(i, []).append((kind, payload)))
     engines[0].sinks[0]("token", (5, None))  # request 0 has streamed a token, request 2 has not
     engines[0].die("rank 0 on node0 failed: killed by SIGKILL")
-    assert events[0] == [("token", (5, None)), ("error", "replica 0: rank 0 on node0 failed: killed by SIGKILL")]
-    assert 2 not in events and set(engines[1].sinks) == {1, 2, 3}  # sent again to replica 1
+    assert events[0] == [("token", (5, None))]  # no error: it goes on
+    assert 2 not in events and set(engines[1].sinks) == {0, 1, 2, 3}  # sent again to replica 1
+    assert engines[1].requests[0].generated == [5] and engines[1].requests[0].prompt_token_ids == [0]
+    assert engines[1].requests[2].generated == []
+    engines[1].sinks[0]("token", (6, None))
+    engines[1].sinks[0]("finish", {"finish_reason": "length", "metrics": {}})
+    assert events[0][1:] == [("token", (6, None)), ("finish", {"finish_reason": "length", "metrics": {"migrations": 1}})]
     assert reps.error is None and reps.degraded == {0: "rank 0 on node0 failed: killed by SIGKILL"}
     assert reps.stats == {"running": 1, "num_blocks": 10}  # the live replica's counters only
     engines[1].sinks[2]("finish", {"finish_reason": "length"})
@@ -129,6 +139,41 @@ def test_a_dead_replica_fails_its_streaming_requests_by_name_and_retries_the_oth
         reps.submit(Req(reps.new_id(), [1]), lambda *a: None)
     reps.close()
     assert all(e.closed for e in engines)
+
+
+def test_a_dead_replica_comes_back_and_its_held_requests_go_on_there():
+    made = []
+
+    def start(k):
+        made.append(FakeEngine())
+        return made[-1]
+
+    first = FakeEngine()
+    engines = [first]
+    reps = Replicas(engines, RoundRobinRouter(), start=start, policy=RestartPolicy(max_restarts=1, backoff_s=0))
+    events: list = []
+    reps.submit(Req(reps.new_id(), [7]), lambda kind, payload: events.append((kind, payload)))
+    first.sinks[0]("token", (3, None))
+    first.die("rank 0 on node0 failed: killed by SIGKILL")  # no other replica: held for the restart
+    deadline = time.monotonic() + 10
+    while reps.degraded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not reps.degraded and reps.engines[0] is made[0] and first.closed
+    assert made[0].requests[0].generated == [3] and events == [("token", (3, None))]
+    made[0].die("rank 0 on node0 failed: exit code 1")  # a second failure: max_restarts 1 within the window
+    assert events[-1] == ("error", "replica 0: rank 0 on node0 failed: exit code 1")
+    assert "crash loop: 1 restarts within 600 s" in reps.degraded[0] and reps.error.startswith("every replica failed")
+    reps.close()
+
+
+def test_restart_policy_refuses_bad_values():
+    with pytest.raises(InputError, match="--max-restarts -1 must be a whole number"):
+        RestartPolicy(max_restarts=-1)
+    with pytest.raises(InputError, match="--restart-policy 'always'"):
+        RestartPolicy("always")
+    r = Restarts(RestartPolicy(max_restarts=3, backoff_s=1, max_backoff_s=3, window_s=60), 1)
+    assert [r.next_backoff(0, now=t) for t in (0, 1, 2, 3)] == [1, 2, 3, None]  # doubling, capped, then none
+    assert r.next_backoff(0, now=61.5) == 2  # the first two left the window: this is the second within it
 
 
 def test_a_replica_found_dead_at_submit_is_skipped():

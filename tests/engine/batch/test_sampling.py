@@ -48,3 +48,20 @@ def test_stop_string_ends_generation(smollm2_dir):
     assert "Paris" not in cut.text and full.text.startswith(cut.text)
     assert len(cut.token_ids) < len(full.token_ids)
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+def test_a_seeded_draw_depends_on_the_position_not_on_the_draws_before():
+    """engine.sample.sampler.stream_seed: a request that goes on elsewhere (a migration) draws
+    the same token at position j whatever was drawn before; another position or seed, another
+    stream."""
+    logits = torch.randn(301, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=5)
+    a, b = SamplerState(params), SamplerState(params)
+    for q in range(7):  # a's stream runs through positions 0..6 first
+        sample_one(logits, a, q)
+    draws_a = [int(sample_one(logits, a, q)) for q in range(7, 40)]
+    draws_b = [int(sample_one(logits, b, q)) for q in range(7, 40)]  # b starts at 7, as after a migration
+    assert draws_a == draws_b
+    other = SamplerState(SamplingParams(temperature=1.0, seed=6))
+    assert [int(sample_one(logits, other, q)) for q in range(7, 40)] != draws_a
+    assert len(set(draws_a)) > 5  # positions draw from streams of their own, not one value

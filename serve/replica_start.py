@@ -1,0 +1,78 @@
+"""Starting atoll serve's replicas: each its share of this machine (local) or its own Ray job,
+side by side, behind one router (serve.replicas.Replicas), and again after a failure."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from atoll.engine.batch.router import make_router
+from atoll.engine.driver.living import engine_spec
+from atoll.engine.driver.online import OnlineEngine
+from atoll.launch.api import LocalLauncher
+from atoll.serve.replicas import Replicas
+from atoll.serve.restarts import RestartPolicy
+
+
+class LocalShare:
+    """The local launcher for one replica of several on this machine: its ranks get their
+    share of the CPU's threads (not each the whole machine's) and GPUs of their own (replica
+    k's ranks start at GPU k x ranks)."""
+
+    def __init__(self, base, *, threads: int, first_gpu: int):
+        self.base, self.threads, self.first_gpu = base, threads, first_gpu
+        self.channel = base.channel
+
+    def start(self, fn, world_size: int, *args, **kwargs):
+        return self.base.start(fn, world_size, *args, threads=self.threads, first_gpu=self.first_gpu, **kwargs)
+
+
+def replica_launchers(launcher, count: int, world_size: int) -> list:
+    """One launcher per replica: shares of this machine under the local launcher; the same
+    launcher for all under Ray (each replica's job reserves its own actors)."""
+    if not isinstance(launcher, LocalLauncher):
+        return [launcher] * count
+    threads = max(1, (os.cpu_count() or 1) // (world_size * count))
+    return [LocalShare(launcher, threads=threads, first_gpu=k * world_size) for k in range(count)]
+
+
+def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware",
+                   policy: RestartPolicy | None = None) -> Replicas:
+    """`count` living engines of llm's layout, started side by side, behind a router. A
+    replica that fails to start stops the others and its error is raised; one that dies
+    later is started again under `policy` (serve.restarts)."""
+    spec = engine_spec(llm)
+    launchers = replica_launchers(llm.launcher, count, llm.layout.world_size)
+    chooser: list = []  # the router, once the engines said their sizes; their cache events go to it
+
+    def events_of(k: int):
+        return lambda events: chooser[0].observe(k, events) if chooser else None
+
+    def one(k: int) -> OnlineEngine:
+        return OnlineEngine(spec.for_engine(f"replica{k}"), world_size=llm.layout.world_size, launcher=launchers[k],
+                            parallel=parallel or llm.context_options(),
+                            on_events=events_of(k) if router == "cache_aware" else None)
+
+    # under Ray the first alone: its job may start the Ray session the others then join
+    alone = 0 if isinstance(llm.launcher, LocalLauncher) else 1
+    with ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(one, k) for k in range(alone)]
+        if alone:
+            futures[0].exception()  # wait for it
+        futures += [pool.submit(one, k) for k in range(alone, count)]
+    engines, failure = [], None
+    for f in futures:
+        try:
+            engines.append(f.result())
+        except BaseException as e:  # noqa: BLE001 - the first failure is raised once the rest are stopped
+            failure = failure or e
+    if failure is not None:
+        for engine in reversed(engines):
+            engine.close()
+        raise failure
+    info = engines[0].info
+    capacities = [e.info["num_blocks"] for e in engines]
+    chooser.append(make_router(router, capacities=capacities, block_size=info["block_size"],
+                               imbalance=max(1, info["max_num_seqs"] // 4), events=True,
+                               tiers=[bool(e.info.get("kv_tiers")) for e in engines]))
+    return Replicas(engines, chooser[0], start=one, policy=policy)
