@@ -144,7 +144,8 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
     sides = {"off": spec.with_engine(speculative_config=None), "on": spec}
     # untimed: every prompt and a few decode steps on each side, so the first timed run does
     # not pay for the batch's first allocations
-    warm = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=4)) for r in requests]
+    warm = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=4, min_tokens=min(r.params.min_tokens, 4)))
+            for r in requests]
     for side in sides.values():
         runner.spec = side
         run_batch(runner, warm)

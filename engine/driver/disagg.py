@@ -130,7 +130,9 @@ class DisaggEngine(EngineFaults, OnlineEngine):
             return [(self.x + j, ("add", request, d))]
         self._handed[request.index] = request
         self._waiting[prefill] += 1
-        first = replace(request, params=replace(request.params, max_tokens=1))
+        # the prefill engine draws the first token only (min_tokens kept for that token: its stops masked)
+        first = replace(request, params=replace(request.params, max_tokens=1,
+                                                min_tokens=min(request.params.min_tokens, 1)))
         return [(prefill, ("route", request.index, j, d)), (prefill, ("add", first, 0))]
 
     def _post(self, sends: list) -> None:
