@@ -60,26 +60,28 @@ def slow_group(group, island_of, gb_s: float | None, latency_us: float | None):
         def across(self, splits, row: int) -> int:
             return row * sum(n for n, far in zip(splits, self.remote) if far)
 
-        def all_to_all(self, x, send_splits, recv_splits):
-            out = super().all_to_all(x, send_splits, recv_splits)
+        # async_op (two-batch overlap): the simulated link time is slept at the start, so it
+        # does not overlap; the benches here run one batch a step
+        def all_to_all(self, x, send_splits, recv_splits, *, async_op=False):
+            out = super().all_to_all(x, send_splits, recv_splits, async_op=async_op)
             row = math.prod(x.shape[1:]) * x.element_size()
             self.pause(self.across(send_splits, row), self.across(recv_splits, row))
             return out
 
-        def all_gather(self, x, dim=-1):
-            out = super().all_gather(x, dim)
+        def all_gather(self, x, dim=-1, *, async_op=False):
+            out = super().all_gather(x, dim, async_op=async_op)
             n = x.numel() * x.element_size() * sum(self.remote)
             self.pause(n, n)
             return out
 
-        def reduce_scatter(self, x, dim=0):
-            out = super().reduce_scatter(x, dim)
+        def reduce_scatter(self, x, dim=0, *, async_op=False):
+            out = super().reduce_scatter(x, dim, async_op=async_op)
             n = x.numel() * x.element_size() * sum(self.remote) // self.size
             self.pause(n, n)
             return out
 
-        def all_reduce(self, x, op="sum"):
-            out = super().all_reduce(x, op)
+        def all_reduce(self, x, op="sum", *, async_op=False):
+            out = super().all_reduce(x, op, async_op=async_op)
             n = 2 * x.numel() * x.element_size() * sum(self.remote) // self.size
             self.pause(n, n)
             return out
