@@ -301,7 +301,11 @@ def write_cache(k_cache, v_cache, k, v, meta: AttentionMetadata):
     out = []
     for cache, x in ((k_cache, k), (v_cache, v)):
         if isinstance(cache, QuantizedKV):
-            back = cache.store(block, offset, x, first=first, agree=agree, read_back=read_back)
+            # --calculate-kv-scales fits on the first eager step, never inside the static decode step
+            # the CPU compiles and CUDA captures (its warm-up's scratch rows must not fit them; the
+            # runner takes that step only once every layer has fitted)
+            back = cache.store(block, offset, x, first=first, agree=agree, read_back=read_back,
+                               fit=not isinstance(meta, StaticDecode))
             out.append(x if back is None else back)
             continue
         if cache is not None:

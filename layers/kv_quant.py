@@ -173,13 +173,14 @@ class QuantizedKV:
         self.pending = False
 
     def store(self, block: torch.Tensor, offset: torch.Tensor, x: torch.Tensor, *, first: torch.Tensor | None = None,
-              agree=None, read_back: bool = False) -> torch.Tensor | None:
+              agree=None, read_back: bool = False, fit: bool = True) -> torch.Tensor | None:
         """x: [tokens, kv_heads, head_dim] written, quantized, at each token's (block, offset);
         first: [tokens] bool, the rows that are a sequence's position 0 (stored minus the sink).
         read_back: return the values attention reads for them ([tokens, kv_heads, head_dim] in
         self.dtype, the sink added back). agree(tensor, op): context parallelism's all_reduce, for
-        a fit (every cp rank computes a share of the tokens)."""
-        if self.pending and (agree is not None or len(x)):
+        a fit (every cp rank computes a share of the tokens); fit: whether this store may fit pending scales
+        (False in the static decode step: layers.attention.write_cache)."""
+        if fit and self.pending and (agree is not None or len(x)):  # fit first: a decode step (traced) never reads pending
             self.fit(x, first, agree)
         sink = None if self.sink is None or first is None else first[:, None, None] * self.sink  # [tokens, h, d]
         q, scale = quantize(x if sink is None else x.float() - sink, self.format, self.head_scale)

@@ -267,3 +267,18 @@ def test_refusals(tmp_path):
     with pytest.raises(InputError, match="--calculate-kv-scales with --kv-disk-dir/--kv-shared"):
         EngineConfig(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_disk_dir=str(tmp_path))
     assert EngineConfig(kv_cache_dtype="fp8", kv_scales=__file__, prefill="TP1", decode="TP1").kv_scales == __file__
+
+
+@pytest.mark.timeout(400)
+def test_a_first_prefill_fit_under_the_compiled_decode_step(tiny_model):
+    """--calculate-kv-scales with the CPU's compiled decode step: the step's warm-up (scratch
+    rows, before any prompt) must not fit the scales, nor trace the fit (it branches on data);
+    the prompt fits them and the compiled steps give the eager steps' tokens."""
+    d = tiny_model("llama")
+    prompts = [[5, 7, 9, 11, 13, 2, 8], [100, 3, 4]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = []
+    for compile_ in ("never", "always"):
+        with LLM(str(d), kv_cache_dtype="fp8", calculate_kv_scales=True, compile=compile_) as llm:
+            runs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
