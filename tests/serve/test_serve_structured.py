@@ -9,7 +9,7 @@ import asyncio
 import json
 import re
 from enum import Enum
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import httpx
 import jsonschema
@@ -49,7 +49,7 @@ class Paint(BaseModel):
 
 
 class Tags(BaseModel):
-    tags: list[str] = Field(min_length=1, max_length=3)
+    tags: list[Annotated[str, Field(max_length=16)]] = Field(min_length=1, max_length=3)
 
 
 class Scores(BaseModel):
@@ -58,7 +58,7 @@ class Scores(BaseModel):
 
 class Maybe(BaseModel):
     title: str = S
-    subtitle: Optional[str] = None
+    subtitle: Optional[str] = Field(None, max_length=24)
 
 
 class Cat(BaseModel):
@@ -121,12 +121,12 @@ class IdOrName(BaseModel):
 
 
 class Matrix(BaseModel):
-    rows: list[list[int]] = Field(min_length=1, max_length=2)
+    rows: list[Annotated[list[int], Field(min_length=1, max_length=3)]] = Field(min_length=1, max_length=2)
 
 
 class Recipe(BaseModel):
     dish: str = S
-    steps: list[str] = Field(min_length=1, max_length=3)
+    steps: list[Annotated[str, Field(max_length=24)]] = Field(min_length=1, max_length=3)
     vegetarian: bool
 
 
