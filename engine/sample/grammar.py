@@ -16,6 +16,7 @@ whitespace), unless the request gives its own whitespace_pattern."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -59,8 +60,13 @@ class Grammars:
         self._tokenizer = None
         self._executor = None
         self._cache: OrderedDict = OrderedDict()
+        # fill masks on llguidance's threads: only where cores are many (on a small host its
+        # spinning threads would take cores from the forward)
+        self.parallel = (os.cpu_count() or 1) >= 8
         self.compiled = 0  # grammars compiled (cache misses)
         self.compile_s = 0.0  # seconds spent compiling them
+        self.masks, self.mask_s = 0, 0.0  # micro-batches' masks filled, and the seconds the fills took
+        self.waited_s = 0.0  # seconds sampling waited for a fill (what the forward did not hide)
 
     @property
     def tokenizer(self) -> "llguidance.LLTokenizer":
@@ -76,8 +82,8 @@ class Grammars:
     @property
     def executor(self) -> "llguidance.LLExecutor":
         """llguidance's threads, which fill a micro-batch's masks in parallel without the GIL."""
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+        if self._executor is None:  # half the host's cores at most: the forward has the others
+            self._executor = llguidance.LLExecutor(num_threads=max(1, min(16, (os.cpu_count() or 2) // 2)))
         return self._executor
 
     @property

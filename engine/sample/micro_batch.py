@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 
 from atoll.engine.batch.scheduler import Scheduled
-from atoll.engine.sample.masks import GrammarMasks, apply_mask
+from atoll.engine.sample.masks import GrammarMasks, apply_masks
 from atoll.engine.sample.processors import process_row, processed
 from atoll.engine.sample.sampler import logprob_rows, prompt_logprob_rows, sample, sample_one
 from atoll.engine.sample.verify import verify_greedy, verify_sampled
@@ -188,9 +188,8 @@ class MicroBatch:
         out = processed(logits, [(c.seq.state.processors, c.seq.output, ()) for c in chunks])
         if self.masks is not None:
             rows = self.masks.result()
-            for r, i in enumerate(at):
-                if i in rows:
-                    apply_mask(out[r:r + 1], rows[i][:1])
+            masked = [(r, rows[i][:1]) for r, i in enumerate(at) if i in rows]
+            apply_masks(out, [r for r, _ in masked], [m for _, m in masked])
         return out
 
     def _take_prompt_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -227,8 +226,9 @@ class MicroBatch:
                     for j in range(1 + len(c.draft)):
                         process_row(grid[i, j], c.seq.state.processors, c.seq.output, c.draft[:j])
             rows = self.masks.result() if self.masks is not None else {}
-            for i, mask in rows.items():  # position j: the grammar after the draft's first j tokens
-                apply_mask(grid[i, :len(mask)], mask)
+            # position j: the grammar after the draft's first j tokens
+            flat = [i * width + j for i, mask in rows.items() for j in range(len(mask))]
+            apply_masks(grid.view(n * width, -1), flat, list(rows.values()))
         drafts = torch.tensor([c.draft + [-1] * (width - 1 - len(c.draft)) for c in self.chunks], dtype=torch.long,
                               device=logits.device)
         out = verify_greedy(grid, drafts)

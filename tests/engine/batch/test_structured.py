@@ -7,6 +7,8 @@ field."""
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -106,3 +108,19 @@ def test_bad_grammars_name_their_field(smollm2_dir):
         SamplingParams(structured_outputs={"json": {}, "regex": "a"})
     with pytest.raises(InputError, match="structured_outputs.pattern is not supported"):
         SamplingParams(structured_outputs={"pattern": "a"})
+
+
+@pytest.mark.timeout(300)
+def test_generate_request_lines_take_structured_outputs(smollm2_dir, tmp_path):
+    """`atoll generate`'s request lines take the same object; a bad regex is that line's error."""
+    lines = [{"id": "pick", "prompt": "The sky is", "max_tokens": 8, "structured_outputs": {"choice": ["blue", "red"]}},
+             {"id": "json", "prompt": "A person:", "max_tokens": 40, "structured_outputs": {"json": PERSON}},
+             {"id": "bad", "prompt": "x", "structured_outputs": {"regex": "a(b"}}]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = subprocess.run([sys.executable, "-m", "atoll", "generate", "--model", str(smollm2_dir), "--prompts",
+                          str(path), "--no-progress"], capture_output=True, text=True, timeout=280)
+    out = {r["id"]: r for r in map(json.loads, run.stdout.splitlines())}
+    assert out["pick"]["text"] in ("blue", "red"), run.stderr[-2000:]
+    jsonschema.validate(json.loads(out["json"]["text"]), PERSON)
+    assert out["bad"]["error"].startswith("line 3: structured_outputs.regex: invalid regex")
