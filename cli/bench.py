@@ -30,6 +30,7 @@ BENCHES = {
     "startup": ("atoll.bench.startup", "atoll generate (default, --enforce-eager) and transformers, start-up "
                                        "and compile included, first and second run"),
     "spec": ("atoll.bench.spec", "speculative decoding off vs on: tokens/s, acceptance"),
+    "structured": ("atoll.bench.structured", "a JSON schema's cost: tokens/s with and without, grammar compile time"),
 }
 
 

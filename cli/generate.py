@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
                      help='one request a line: {"id": ..., "prompt": "..."} or "prompt_token_ids": [...], and '
                           "optionally max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, n, logprobs, "
                           "prompt_logprobs, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
-                          "min_tokens, stop_token_ids, bad_words for that request (vLLM's meanings); "
+                          "min_tokens, stop_token_ids, bad_words, structured_outputs ({\"json\": schema} or "
+                          "regex, choice, grammar, json_object) for that request (vLLM's meanings); "
                           "a bad line becomes its own error line and the others run")
     p.add_argument("--output", metavar="FILE.jsonl",
                    help="write results here instead of stdout: one line per request with its id and input "

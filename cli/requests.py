@@ -26,7 +26,7 @@ from atoll.errors import InputError
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "logprobs",
                    "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "min_tokens", "stop_token_ids", "bad_words")
+                   "min_tokens", "stop_token_ids", "bad_words", "structured_outputs")
 FIELDS = ("id", "prompt", "prompt_token_ids", *SAMPLING_FIELDS)
 
 

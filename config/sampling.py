@@ -8,7 +8,8 @@ generated tokens: positive logits divided, negative ones multiplied), `logit_bia
 -> a bias added, -100..100), `min_tokens` (the stop tokens are masked until that many are
 out), `bad_words` (vLLM: a word's last token is masked where the tokens before it were just
 generated), `prompt_logprobs` and `n` (copies of the request, each its own seed stream). What
-they do to the logits is engine/sample/processors.py."""
+they do to the logits is engine/sample/processors.py. `structured_outputs` (vLLM's) constrains
+the output to a JSON schema, regex, choice or grammar (engine/sample/grammar.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from atoll.config.structured import StructuredOutputs
 from atoll.errors import InputError
 
 
@@ -48,6 +50,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # words (text) that may not be generated; tokenized by LLM.prepare
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # the same as token id sequences
     prompt_logprobs: int | None = None  # log-probabilities of each prompt token and its likeliest ones
+    # what the output must match (a JSON schema, regex, choice, grammar): config/structured.py
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         # every message starts with `field=value`, so the CLI can name its flag instead
@@ -91,6 +95,7 @@ class SamplingParams:
         if len(words) > MAX_BAD_WORDS:
             raise InputError(f"bad_words_token_ids holds {len(words)} words; at most {MAX_BAD_WORDS}")
         object.__setattr__(self, "bad_words_token_ids", words)
+        object.__setattr__(self, "structured_outputs", StructuredOutputs.of(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:

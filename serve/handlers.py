@@ -55,7 +55,7 @@ class Handler:
         """Token ids against the vocabulary, bad words tokenized: a 400 naming the field."""
         try:
             return token_params(params, vocab_size=self.llm.config.vocab_size, tokenizer=self.llm.tokenizer,
-                                model_dir=self.llm.model_dir)
+                                model_dir=self.llm.model_dir, grammars=self.llm.grammars)
         except InputError as e:  # its messages start with `field:`
             raise ApiError(400, str(e), param=str(e).partition(":")[0]) from None
 

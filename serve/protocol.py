@@ -3,8 +3,10 @@ is not 1), vLLM's /tokenize and /detokenize bodies, the error every refusal beco
 request's SamplingParams.
 
 Fields OpenAI defines and atoll cannot honour yet (suffix, best_of > 1, tools and tool_choice,
-functions, a response_format other than text, audio, prediction, web search) are refused by
-name with a 400 (UNSUPPORTED); unknown fields are ignored, as OpenAI's other servers do.
+functions, audio, prediction, web search) are refused by name with a 400 (UNSUPPORTED); unknown
+fields are ignored, as OpenAI's other servers do. `response_format` (text, json_object,
+json_schema) and vLLM's `structured_outputs` (json, regex, choice, grammar, json_object,
+whitespace_pattern; its older `guided_*` fields too) constrain the output (structured_of).
 Extensions (vLLM's names and meanings): `top_k`, `min_tokens`, `repetition_penalty`,
 `stop_token_ids`, `bad_words`, `prompt_logprobs`, `ignore_eos`, `return_token_ids` (the
 choice carries `token_ids` and `prompt_token_ids`)."""
@@ -17,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from atoll.config.sampling import SamplingParams
+from atoll.config.structured import StructuredOutputs
 from atoll.errors import AtollError, InputError
 
 MAX_LOGPROBS = 20
@@ -73,6 +76,13 @@ class _Common(BaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     user: str | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: Any = None  # vLLM's fields before v0.12: the same as structured_outputs' json, regex, ...
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -162,7 +172,6 @@ class ChatRequest(_Common):
     tool_choice: Any = None
     functions: list | None = None
     function_call: Any = None
-    response_format: dict | None = None
     audio: Any = None
     modalities: list | None = None
     prediction: Any = None
@@ -170,9 +179,6 @@ class ChatRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format",
-                           code="unsupported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -224,7 +230,8 @@ def sampling_params(req: _Common, *, max_tokens: int, logprobs: int | None) -> S
                   presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                   logit_bias=req.logit_bias, stop_token_ids=tuple(req.stop_token_ids or ()),
-                  bad_words=tuple(req.bad_words or ()), prompt_logprobs=prompt_logprobs)
+                  bad_words=tuple(req.bad_words or ()), prompt_logprobs=prompt_logprobs,
+                  structured_outputs=structured_of(req))
     if logprobs is not None and ENGINE_LOGPROBS:
         kwargs["logprobs"] = logprobs
     try:
@@ -232,6 +239,61 @@ def sampling_params(req: _Common, *, max_tokens: int, logprobs: int | None) -> S
     except InputError as e:  # its messages start with `field=value`
         field = str(e).partition("=")[0].split("[")[0]
         raise ApiError(400, str(e), param=field if field in kwargs else None) from None
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_of(req: _Common) -> StructuredOutputs | None:
+    """The request's output constraint: from response_format (OpenAI's), structured_outputs
+    (vLLM's), or vLLM's older guided_* fields; at most one of the three. A malformed one is a
+    400 naming its field."""
+    given = []
+    rf = req.response_format
+    if rf is not None and rf.get("type", "text") != "text":
+        given.append(("response_format", _response_format(rf)))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", dict(req.structured_outputs)))
+    guided = {kind: getattr(req, name) for name, kind in GUIDED.items() if getattr(req, name) is not None}
+    if guided:
+        if req.guided_whitespace_pattern is not None:
+            guided["whitespace_pattern"] = req.guided_whitespace_pattern
+        given.append((f"guided_{next(iter(guided))}", guided))
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {' and '.join(n for n, _ in given)}: both constrain the output",
+                       param=given[1][0])
+    name, fields_ = given[0]
+    try:
+        so = StructuredOutputs.of(fields_)
+    except InputError as e:
+        param = name if name != "structured_outputs" else str(e).partition("=")[0].partition(":")[0]
+        raise ApiError(400, str(e) if name == "structured_outputs" else f"{name}: {str(e).partition(': ')[2] or e}",
+                       param=param.split("{")[0]) from None
+    if name == "structured_outputs":
+        return so
+    return StructuredOutputs(**{**{k: getattr(so, k) for k in ("json", "regex", "choice", "grammar", "json_object",
+                                                                "whitespace_pattern")}, "source": name})
+
+
+def _response_format(rf: dict) -> dict:
+    """OpenAI's response_format as structured_outputs' fields."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format.type={_short(kind)} must be text, json_object or json_schema",
+                       param="response_format.type")
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object holding the schema",
+                       param="response_format.json_schema")
+    schema = spec.get("schema", {"type": "object"})  # OpenAI: no schema, any object
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"response_format.json_schema.schema={_short(schema)} must be a JSON schema (an object)",
+                       param="response_format.json_schema.schema")
+    return {"json": schema}
 
 
 def _is_id(t) -> bool:

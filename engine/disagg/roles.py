@@ -156,7 +156,7 @@ class Handoffs:
     def _sequence(self, header: Header, req, tick: int) -> Sequence:
         """The request as the prefill engine left it: its first token, and with random sampling
         its generator where the first token left it."""
-        state = SamplerState(req.params, self.runner.device)
+        state = SamplerState(req.params, self.runner.device, grammars=self.runner.grammars)
         if state.generator is not None and header.rng is not None:
             state.generator.set_state(torch.frombuffer(bytearray(header.rng), dtype=torch.uint8))
         return Sequence(req, state, output=[header.first], arrived_step=tick)

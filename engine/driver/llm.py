@@ -21,6 +21,7 @@ from atoll.engine.batch.lanes import lane_count
 from atoll.engine.driver.living import engine_spec, lane_load, run_through
 from atoll.engine.driver.online import OnlineEngine
 from atoll.engine.driver.token_params import token_params
+from atoll.engine.sample.grammar import Grammars
 from atoll.engine.batch.request import Request
 from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.sample.sampler import SamplingParams
@@ -156,6 +157,8 @@ class LLM:
         if (self.model_dir / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(self.model_dir)
         self.stop_ids = default_stop_ids(self.model_dir, self.config, self.tokenizer)
+        # structured outputs: each request's grammar compiled here first, a bad one refused by name
+        self.grammars = Grammars(self.model_dir, self.config.vocab_size, self.stop_ids[0] if self.stop_ids else None)
 
     def _prefill_layout(self, text: str) -> Layout:
         layout = Layout.parse(text).validate(self.config)
@@ -237,7 +240,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
             try:
                 p = token_params(p, vocab_size=self.config.vocab_size, tokenizer=self.tokenizer,
-                                 model_dir=self.model_dir)
+                                 model_dir=self.model_dir, grammars=self.grammars)
                 ids = self._prompt_ids(prompt, chat)
                 if len(ids) + 1 > self.max_model_len:
                     raise InputError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len} "

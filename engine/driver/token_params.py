@@ -11,11 +11,16 @@ from atoll.config.sampling import SamplingParams
 from atoll.errors import InputError
 
 
-def token_params(p: SamplingParams, *, vocab_size: int, tokenizer, model_dir) -> SamplingParams:
-    """The params with their bad words tokenized and their token ids checked; InputError
-    naming the field. Each bad word is encoded as given and with a leading space (vLLM: so a
+def token_params(p: SamplingParams, *, vocab_size: int, tokenizer, model_dir, grammars=None) -> SamplingParams:
+    """The params with their bad words tokenized, their token ids checked and their structured
+    outputs' grammar compiled (`grammars`, engine.sample.grammar: cached for the ranks' own
+    compile of the same); InputError naming the field. Each bad word is encoded as given and with a leading space (vLLM: so a
     word is masked at the start of the text and inside it), the second kept where it gives
     other tokens of the same count."""
+    if p.structured_outputs is not None:
+        if grammars is None or tokenizer is None:
+            raise InputError(f"{p.structured_outputs.field}: {model_dir} has no tokenizer.json, which grammars need")
+        grammars.check(p.structured_outputs)
     for token in p.logit_bias or {}:
         if token >= vocab_size:
             raise InputError(f"logit_bias: token {token} is outside the vocabulary: token ids are 0..{vocab_size - 1}")

@@ -64,7 +64,8 @@ class EngineCore:
         """The request joins this tick (every rank adds it at the same tick)."""
         if req.params.stop and self._decode is None:  # the first request with stop strings
             self._decode = Tokenizer(self.spec.model_dir).decode
-        seq = Sequence(req, SamplerState(req.params, self.runner.device, prompt=req.prompt_token_ids),
+        seq = Sequence(req, SamplerState(req.params, self.runner.device, prompt=req.prompt_token_ids,
+                                         grammars=self.runner.grammars),
                        arrived_step=self.tick)
         self.sequences[req.index] = seq
         self.started[req.index] = time.perf_counter()

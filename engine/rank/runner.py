@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -14,6 +15,7 @@ from atoll.engine.rank.kv_cache import make_cache, scales_for, size_cache
 from atoll.engine.rank.kv_tiers import RankTiers
 from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.rank.tuning import packer_for, tune_eager
+from atoll.engine.sample.grammar import Grammars
 from atoll.engine.sample.micro_batch import MicroBatch
 from atoll.engine.step import policy as step_policy
 from atoll.engine.step.two_batch import TwoBatchOverlap
@@ -53,6 +55,11 @@ class ModelRunner:
         lay = ctx.layout
         # the rank that samples for this rank's DP replica: last stage, same dp, tp rank 0
         self.sampler_rank = (lay.pp - 1) * lay.stage_size + ctx.coords.dp * lay.tp
+        # structured outputs' grammars and the thread that fills their masks beside the forward
+        # (engine.sample.grammar, engine.sample.masks): made on the first request that has one
+        eos = self.config.eos_token_id
+        self.grammars = Grammars(spec.model_dir, self.config.vocab_size, eos[0] if eos else None)
+        self._mask_pool: ThreadPoolExecutor | None = None
         self._sending = None  # the isend of the last activations, until it completes
         self.logprobs: torch.Tensor | None = None  # the last tick's logprob rows, on a replica's leader
         self.prompt_logprobs: torch.Tensor | None = None  # ... and its prompt-logprob rows
@@ -167,6 +174,8 @@ class ModelRunner:
                 x = None if stepped else ids  # the decode step reads the ids from the chunks
             else:
                 x = ctx.pp.recv((tokens, self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
+            if ctx.rank == self.sampler_rank and ctx.is_last_stage:
+                self._start_masks(mb)  # the grammars' masks fill while this stage computes
             t0 = time.perf_counter()
             self.stats["worked"] += 1
             if self.packer is not None and mb.is_decode:
@@ -209,6 +218,12 @@ class ModelRunner:
         if ctx.rank == self.sampler_rank and seqs:
             table[ctx.coords.dp, :seqs] = out
         return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]
+
+    def _start_masks(self, mb) -> None:
+        if any(c.samples and c.seq.request.params.structured_outputs is not None for c in mb.chunks):
+            if self._mask_pool is None:
+                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="atoll-masks")
+            mb.start_masks(self.grammars, self._mask_pool)
 
     def _view(self, mb):
         """(metadata, token ids, token count) of the micro-batch as this rank computes it: all of

@@ -7,7 +7,8 @@ Rows of the model's logits: one per chunk (its last position), 1 + its draft for
 chunk, and every position of a prompt chunk whose request asks for prompt_logprobs. A chunk
 whose sequence leads parked copies (engine.batch.copies: n > 1) draws one token for itself
 and one for each copy from its last row, each with its own generator, so the prompt is
-computed once."""
+computed once. A request with structured outputs draws from its logits with its grammar's
+mask applied (engine.sample.masks: filled beside the forward, `start_masks`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from functools import cached_property
 import torch
 
 from atoll.engine.batch.scheduler import Scheduled
+from atoll.engine.sample.masks import GrammarMasks, apply_masks
 from atoll.engine.sample.processors import process_row, processed
 from atoll.engine.sample.sampler import logprob_rows, prompt_logprob_rows, sample, sample_one
 from atoll.engine.sample.verify import verify_greedy, verify_sampled
@@ -50,6 +52,15 @@ class MicroBatch:
         self.tier_saves: list = []  # (block, name, parent) it fills, for the KV tiers (engine.rank.kv_tiers)
         self.out_width: int | None = None  # width of the tokens handed round, once agreed (engine.rank.runner)
         self.draws = max((draws(c) for c in chunks), default=1)
+        self.masks: GrammarMasks | None = None  # the grammars' masks, once started (sampling rank)
+
+    def start_masks(self, grammars, pool) -> None:
+        """Starts filling the masks of the chunks whose requests have structured outputs (on
+        the sampling rank, before the forward: engine.rank.runner)."""
+        entries = [(i, c.seq, c.draft) for i, c in enumerate(self.chunks)
+                   if c.samples and c.seq.request.params.structured_outputs is not None]
+        if entries:
+            self.masks = GrammarMasks(entries, grammars).start(pool)
 
     @classmethod
     def of(cls, chunks: list[Scheduled], block_size: int, *, device="cpu") -> "MicroBatch":
@@ -150,14 +161,15 @@ class MicroBatch:
             return self._verify(logits)
         n, w = len(self.chunks), self.draws
         at = [i for i, c in enumerate(self.chunks) if c.samples]
-        if len(at) == n and w == 1 and not any(c.seq.request.params.processed for c in self.chunks):
+        if len(at) == n and w == 1 and self.masks is None \
+                and not any(c.seq.request.params.processed for c in self.chunks):
             out = sample(logits, [c.seq.state for c in self.chunks],  # every chunk samples (all of a decode step)
                          [len(c.seq.output) for c in self.chunks])
         else:
             out = torch.full((n, w), -1, dtype=torch.long, device=logits.device)
             if at:
                 index = torch.tensor(at, dtype=torch.long, device=logits.device)
-                chosen = self._processed(logits[index], [self.chunks[i] for i in at])
+                chosen = self._processed(logits[index], at)
                 out[index, 0] = sample(chosen, [self.chunks[i].seq.state for i in at],
                                        [len(self.chunks[i].seq.output) for i in at])
                 for r, i in enumerate(at):
@@ -169,11 +181,18 @@ class MicroBatch:
             self.logprobs = logprob_rows(logits, out, k)
         return out
 
-    def _processed(self, logits: torch.Tensor, chunks: list[Scheduled]) -> torch.Tensor:
-        """One sampling row per chunk, with its request's processors applied (a copy)."""
-        if not any(c.seq.request.params.processed for c in chunks):
+    def _processed(self, logits: torch.Tensor, at: list[int]) -> torch.Tensor:
+        """One sampling row per chunk of `at` (chunk indices), with its request's processors
+        and grammar mask applied (a copy)."""
+        chunks = [self.chunks[i] for i in at]
+        if not any(c.seq.request.params.processed for c in chunks) and self.masks is None:
             return logits
-        return processed(logits, [(c.seq.state.processors, c.seq.output, ()) for c in chunks])
+        out = processed(logits, [(c.seq.state.processors, c.seq.output, ()) for c in chunks])
+        if self.masks is not None:
+            rows = self.masks.result()
+            masked = [(r, rows[i][:1]) for r, i in enumerate(at) if i in rows]
+            apply_masks(out, [r for r, _ in masked], [m for _, m in masked])
+        return out
 
     def _take_prompt_rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Computes the prompt-logprob rows (self.prompt_logprobs) from the raw logits, and
@@ -202,12 +221,16 @@ class MicroBatch:
         at += torch.tensor([0] + [1 + len(c.draft) for c in self.chunks[:-1]], device=logits.device).cumsum(0)[:, None]
         raw = logits[at.view(-1)].view(n, width, -1)  # [seqs, width, vocab]; short drafts repeat their last row
         grid = raw
-        if any(c.seq.request.params.processed for c in self.chunks):
+        if any(c.seq.request.params.processed for c in self.chunks) or self.masks is not None:
             grid = raw.float().clone()
             for i, c in enumerate(self.chunks):
                 if c.samples and c.seq.request.params.processed:
                     for j in range(1 + len(c.draft)):
                         process_row(grid[i, j], c.seq.state.processors, c.seq.output, c.draft[:j])
+            rows = self.masks.result() if self.masks is not None else {}
+            # position j: the grammar after the draft's first j tokens
+            flat = [i * width + j for i, mask in rows.items() for j in range(len(mask))]
+            apply_masks(grid.view(n * width, -1), flat, list(rows.values()))
         drafts = torch.tensor([c.draft + [-1] * (width - 1 - len(c.draft)) for c in self.chunks], dtype=torch.long,
                               device=logits.device)
         out = verify_greedy(grid, drafts)

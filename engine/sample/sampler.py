@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.config.sampling import SamplingParams
+from atoll.engine.sample.grammar import GrammarState
 from atoll.engine.sample.processors import ProcessorState
 
 
@@ -23,13 +24,17 @@ class SamplerState:
     """Per-request generator on the sampling rank's device, so a seed gives the same tokens
     whatever else is batched (on a given device: CPU and CUDA streams differ). `prompt`: the
     request's prompt ids, which repetition_penalty reads (its processors' tensors are made
-    on first use, `processors`)."""
+    on first use, `processors`). `grammars`: the rank's compiled grammars
+    (engine.sample.grammar), from which a request with structured outputs takes its matcher
+    on first use (`grammar`, on the sampling rank only)."""
 
     params: SamplingParams
     device: str | torch.device = "cpu"
     generator: torch.Generator | None = field(default=None)
     prompt: list[int] = field(default_factory=list)
     _processors: ProcessorState | None = field(default=None, repr=False)
+    grammars: object = field(default=None, repr=False)
+    _grammar: GrammarState | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.params.greedy:
@@ -50,6 +55,13 @@ class SamplerState:
         if self._processors is None and self.params.processed:
             self._processors = ProcessorState(self.params, self.prompt, self.device)
         return self._processors
+
+    @property
+    def grammar(self) -> GrammarState | None:
+        """The request's matcher (engine.sample.grammar), or None without structured outputs."""
+        if self._grammar is None and self.params.structured_outputs is not None:
+            self._grammar = self.grammars.state(self.params.structured_outputs)
+        return self._grammar
 
 
 def stream_seed(seed: int, position: int) -> int:
