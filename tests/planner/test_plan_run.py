@@ -186,9 +186,9 @@ def _counting_worker(rank, world_size, spec, requests, parallel):
     for m in layers:
         d = m.dispatcher
 
-        def counted(x, ids, w, d=d, inner=d.dispatch):
+        def counted(x, ids, w, d=d, inner=d.dispatch, **options):
             minimum["cross"] += min_rows(ids, d.split, d.island_of, d.group.rank)["cross"] * x.shape[1] * 4
-            return inner(x, ids, w)
+            return inner(x, ids, w, **options)
 
         d.dispatch = counted
     for g in ctx.groups.values():

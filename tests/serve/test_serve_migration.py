@@ -87,7 +87,10 @@ def test_a_killed_replica_loses_no_stream_and_comes_back(tiny_model, tmp_path):
         assert greedy == expected  # no token repeated, none missing, transformers' tokens
         assert results[0][0] == calm[0] and results[-1][0] == calm[0]  # seeded: the same draws
         m = server.metrics()
-        assert m["atoll_router_migrations_total"] >= 1, m  # the dead replica's streams went on with their tokens
+        died = [k for k, v in m.items() if k.startswith("atoll_router_replica_restarts_total") and v]
+        assert died or _health(server)["status"] == "degraded", (ranks, server.text()[-3000:])  # the kill hit a rank
+        # the dead replica's streams went on with their tokens
+        assert m["atoll_router_migrations_total"] >= 1, (m.get("atoll_router_retries_total"), server.text()[-3000:])
         deadline = time.monotonic() + 240
         while _health(server)["status"] != "ok" and time.monotonic() < deadline:
             time.sleep(0.5)
