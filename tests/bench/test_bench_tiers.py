@@ -8,6 +8,7 @@ import pytest
 from cli import run_cli
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_multi_turn_chat_finds_its_history_in_the_tiers_with_the_same_answers(capsys, tiny_model):
     code, out, err = run_cli(capsys, "bench", "serve", "--scenario", "kv-tiers", "--model", tiny_model("llama"),

@@ -39,6 +39,7 @@ def test_tp2_prefill_to_tp2_decode_across_two_ray_nodes(cluster, tiny_model):
     assert free_gpus_back() == 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_dead_decode_engine_under_ray_leaves_the_others_serving(cluster, tiny_model):
     """1P2D under Ray: decode engine 1's actor is killed while both decode engines hold requests.

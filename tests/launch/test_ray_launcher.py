@@ -291,6 +291,7 @@ def test_living_engine_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model
 @pytest.mark.parametrize("layout", [pytest.param(["-tp", "2", "-pp", "2"], marks=pytest.mark.slow),
                                     ["--prefill", "TP2", "--decode", "TP2", "--disagg-min-prompt-tokens", "1"]],
                          ids=["TP2PP2", "disaggregated"])
+@pytest.mark.slow
 def test_generate_cli_on_ray_writes_each_result_as_it_ends(cluster, tiny_model, tmp_path, layout):
     """`atoll generate --launcher ray` writes a request's line as it finishes: the short
     request (second in the file) is in the output alone while the long one still runs; also

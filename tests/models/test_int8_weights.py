@@ -161,6 +161,7 @@ def test_refused_on_cuda_and_unknown_names():
         EngineConfig(quantization="int4")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compiled_decode_step_runs_int8(int8_pair, monkeypatch, tmp_path):
     """The compiled CPU step over int8 weights: the one-row graph (row reductions, max_num_seqs

@@ -59,6 +59,7 @@ def test_highest_goodput_per_gpu_meets_its_slos_at_its_rate_and_not_far_above(se
     assert r.frontier and all(y > 0 for _, y, _ in r.frontier)
 
 
+@pytest.mark.slow
 def test_worker_processes_judge_as_one_process_does(setup):
     """The finalists judged on two forked workers give the same judgements, in the same order,
     as one process judging them in turn."""

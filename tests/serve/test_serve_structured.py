@@ -165,6 +165,7 @@ def schema_of(model) -> dict:
     return openai.lib._pydantic.to_strict_json_schema(model)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_parse_with_pydantic_models_validates_at_two_temperatures(server):
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=800)
@@ -183,6 +184,7 @@ def test_parse_with_pydantic_models_validates_at_two_temperatures(server):
         assert isinstance(msg.parsed, m), (t, m.__name__, msg.content)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_streamed_output_follows_the_schema_and_equals_the_whole(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=240)

@@ -94,6 +94,7 @@ PATHS = {"TP2": ("llama", "TP2", {}), "PP2": ("llama", "PP2", {}), "CP2": ("llam
          "Triton kernels": ("llama", "TP1", dict(kernels="triton"))}  # on the CPU: Triton's interpreter
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_the_same_tokens_on_every_path(tiny_model, calibrated, tmp_path, path):

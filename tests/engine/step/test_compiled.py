@@ -185,6 +185,7 @@ def test_one_sequence_graph_matches_transformers(model_and_reference, compiling)
     assert r["buckets"] == [1] and r["graphs_first"] == r["graphs_second"] == 2 and r["compiles"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_cached_graph_serves_an_engine_of_more_rows(model_and_reference, compiling):
     """Two engines sharing inductor's cache, the second with four times the rows (max_num_seqs 2
