@@ -28,6 +28,7 @@ from atoll.engine.sample.sampler import SamplingParams
 from atoll.engine.spec import stats as spec_stats
 from atoll.errors import ConfigError
 from atoll.launch.api import LLM
+from atoll.models import ModelConfig
 from atoll.launch.local import run_local
 from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext
@@ -83,7 +84,6 @@ def run(args) -> int:
 
 def compile_time(model: str) -> dict:
     """Seconds to make llguidance's tokenizer, to compile SCHEMA cold, and to take it cached."""
-    from atoll.models import ModelConfig
 
     g = Grammars(model, ModelConfig.load(model).vocab_size, None)
     so = StructuredOutputs(json=SCHEMA)

@@ -26,6 +26,7 @@ from atoll.engine.rank.kv_calibration import calibrate_worker
 from atoll.errors import InputError
 from atoll.layers.kv_quant import CALIBRATED_RANGE
 from atoll.models import kv_scales
+from atoll.models.checkpoint import Checkpoint
 from atoll.models.gguf import demo_model_dir
 
 HELP = "fit fp8 KV cache scales from a text and write them beside the checkpoint"
@@ -68,7 +69,7 @@ def run(args) -> int:
           f"{how['tokens']} tokens ({len(wins)} windows of {args.window}) of {path.name}")
     if args.out:
         print(f"runs read it with --kv-scales {out}")
-    elif kv_scales.from_checkpoint(_checkpoint(model), llm.config) is not None:
+    elif kv_scales.from_checkpoint(Checkpoint(model), llm.config) is not None:
         print("the checkpoint ships k_scale/v_scale of its own, which runs read first: pass --kv-scales "
               f"{out} to use these")
     return 0
@@ -133,11 +134,6 @@ def fitted_scales_file(llm, wins: list[list[int]]) -> str:
           f"prefill would fit them", file=sys.stderr)
     return f.name
 
-
-def _checkpoint(model):
-    from atoll.models.checkpoint import Checkpoint
-
-    return Checkpoint(model)
 
 
 def _version() -> str:

@@ -32,11 +32,11 @@ PREFIX = "atoll_router"
 class _Placed:
     """One request's replica, the tokens its client has seen, and its migrations."""
 
-    __slots__ = ("request", "sink", "replica", "streamed", "aborted", "names", "tokens", "migrations")
+    __slots__ = ("request", "sink", "replica", "aborted", "names", "tokens", "migrations")
 
     def __init__(self, request, sink, replica: int):
         self.request, self.sink, self.replica = request, sink, replica
-        self.streamed = self.aborted = False
+        self.aborted = False
         self.names: tuple = ()  # its prompt's block names, as the router routed it
         self.tokens: list[int] = []  # the tokens streamed to the client, over every replica it ran on
         self.migrations = 0
@@ -207,7 +207,6 @@ class Replicas:
     def _sink(self, placed: _Placed, replica: int):
         def sink(kind: str, payload) -> None:  # the replica's pump thread
             if kind == "token":
-                placed.streamed = True
                 placed.tokens.append(payload[0])
                 if placed.migrations and len(payload) > 2 and payload[2] is not None:
                     payload = (*payload[:2], None, *payload[3:])  # its prompt's logprobs went out already
@@ -255,19 +254,16 @@ class Replicas:
 
     def _restart(self, replica: int, line: str) -> None:
         """Start the replica again after its backoff, in a thread, if the policy allows."""
-        if self._start is None:
+        if self._start is None or self._closing:
             return
         backoff = self.restarts.next_backoff(replica)
         with self._lock:
-            if backoff is None or self._closing:
-                if self.restarts.policy.restarts:
-                    p = self.restarts.policy
-                    self._dead[replica] = (f"{line} (crash loop: {p.max_restarts} restarts within {p.window_s:g} s; "
-                                           "it stays down)")
-                held, self._held = (self._held, []) if not (self._restarting - {replica}) else ([], self._held)
-            else:
+            if backoff is not None:
                 self._restarting.add(replica)
-                held = []
+            elif self.restarts.policy.restarts:
+                p = self.restarts.policy
+                self._dead[replica] = f"{line} (crash loop: {p.max_restarts} restarts within {p.window_s:g} s; it stays down)"
+            held, self._held = (self._held, []) if not self._restarting else ([], self._held)
         for placed in held:  # nothing will come back for them
             placed.sink("error", f"replica {replica}: {line}")
         if backoff is None:

@@ -175,7 +175,7 @@ class ModelRunner:
             else:
                 x = ctx.pp.recv((tokens, self.config.hidden_size), self.dtype, src=stage - 1, device=self.device)
             if ctx.rank == self.sampler_rank and ctx.is_last_stage:
-                self._start_masks(mb)  # the grammars' masks fill while this stage computes
+                mb.start_masks(self.grammars, self._masks_pool)  # the grammars' masks fill while this stage computes
             t0 = time.perf_counter()
             self.stats["worked"] += 1
             if self.packer is not None and mb.is_decode:
@@ -219,11 +219,11 @@ class ModelRunner:
             table[ctx.coords.dp, :seqs] = out
         return ctx.world.all_reduce(table)[ctx.coords.dp, :seqs]
 
-    def _start_masks(self, mb) -> None:
-        if any(c.samples and c.seq.request.params.structured_outputs is not None for c in mb.chunks):
-            if self._mask_pool is None:
-                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="atoll-masks")
-            mb.start_masks(self.grammars, self._mask_pool)
+    def _masks_pool(self) -> ThreadPoolExecutor:
+        """The thread that fills grammar masks, made for the first micro-batch that has any."""
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="atoll-masks")
+        return self._mask_pool
 
     def _view(self, mb):
         """(metadata, token ids, token count) of the micro-batch as this rank computes it: all of

@@ -56,11 +56,11 @@ class MicroBatch:
 
     def start_masks(self, grammars, pool) -> None:
         """Starts filling the masks of the chunks whose requests have structured outputs (on
-        the sampling rank, before the forward: engine.rank.runner)."""
+        the sampling rank, before the forward: engine.rank.runner); pool() gives the thread."""
         entries = [(i, c.seq, c.draft) for i, c in enumerate(self.chunks)
                    if c.samples and c.seq.request.params.structured_outputs is not None]
         if entries:
-            self.masks = GrammarMasks(entries, grammars).start(pool)
+            self.masks = GrammarMasks(entries, grammars).start(pool())
 
     @classmethod
     def of(cls, chunks: list[Scheduled], block_size: int, *, device="cpu") -> "MicroBatch":

@@ -20,21 +20,27 @@ def references(tiny_model):
     return reference_cache(tiny_model, FAMILIES, PROMPTS, NEW)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout,redundant", [("EP2", 2), ("EP4", 4), ("DP2EP2", 2)])
-def test_tokens_match_transformers_across_rebalances(references, layout, redundant):
-    """A rebalance every 4 steps from a 4-step window: layers switch one a step while the
-    sequences decode, every switch on new weights copied from the other ranks."""
-    model_dir, expected = references("qwen3_moe")
-    llm = LLM(model_dir, layout=layout, enable_eplb=True, num_redundant_experts=redundant,
-              eplb_step_interval=4, eplb_window_size=4, expert_load_interval=2)
+def _expert_load(model_dir, expected, **options) -> dict:
+    """Generate PROMPTS with these engine options, check transformers' tokens, and return the
+    run's expert-load report."""
+    llm = LLM(model_dir, **options)
     requests = llm.prepare(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
     try:
         outs = llm.generate_requests(requests, link_stats=True)
     finally:
         llm.close()
     assert [o["token_ids"] for o in outs] == expected
-    report = llm.links["expert_load"]
+    return llm.links["expert_load"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout,redundant", [("EP2", 2), ("EP4", 4), ("DP2EP2", 2)])
+def test_tokens_match_transformers_across_rebalances(references, layout, redundant):
+    """A rebalance every 4 steps from a 4-step window: layers switch one a step while the
+    sequences decode, every switch on new weights copied from the other ranks."""
+    model_dir, expected = references("qwen3_moe")
+    report = _expert_load(model_dir, expected, layout=layout, enable_eplb=True, num_redundant_experts=redundant,
+                          eplb_step_interval=4, eplb_window_size=4, expert_load_interval=2)
     assert report["rebalances"] >= 3 and report["layers_moved"] >= 3 and report["moved_bytes"] > 0
     assert sorted(report["layers"]) == [0, 1, 2]
     ep = int(layout.split("EP")[1])
@@ -49,15 +55,8 @@ def test_every_routed_pair_is_counted_once(references, layout):
     replicated rows (EP2 = TP2EP2), with experts split over moe_tp (TP4EP2: tp ranks route the
     same rows) or under PP."""
     model_dir, expected = references("qwen3_moe")
-    llm = LLM(model_dir, layout=layout, expert_load_interval=0)
-    requests = llm.prepare(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
-    try:
-        outs = llm.generate_requests(requests, link_stats=True)
-    finally:
-        llm.close()
-    assert [o["token_ids"] for o in outs] == expected
+    report = _expert_load(model_dir, expected, layout=layout, expert_load_interval=0)
     pairs = (sum(map(len, PROMPTS)) + len(PROMPTS) * (NEW - 1)) * 2  # top-2
-    report = llm.links["expert_load"]
     assert {k: sum(v["tokens"]) for k, v in report["layers"].items()} == {0: pairs, 1: pairs, 2: pairs}
     assert report["rebalances"] == 0
 
