@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import time
+from pathlib import Path
 
 from atoll import config
 from atoll.cli.progress import ProgressBar
@@ -70,6 +72,9 @@ def add_parser(sub) -> None:
                    help="at the end, one line per link class (island, node, network): the bytes the ranks sent "
                         "over it, for MoE dispatch and for all collectives; and for an MoE model each layer's "
                         "max/mean tokens per EP rank over the expert load window (--eplb-window-size)")
+    p.add_argument("--expert-load-out", metavar="FILE", default=None,
+                   help="MoE: write the expert load window at the end (each layer's tokens per EP rank and per "
+                        "logical expert, JSON) for `atoll plan --expert-loads`; never over an existing file")
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(run=run)
@@ -107,6 +112,8 @@ def run(args) -> int:
         lines = [Line(None, 0, {"prompt": args.prompt})]
     if args.output:
         check_output(args.output, args.prompts)
+    if args.expert_load_out:
+        check_new_file(args.expert_load_out, "--expert-load-out")
     plan = args.saved_plan = _plan(args, launcher, lines)
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
     ranks = llm.layout.world_size + (llm.prefill_layout.world_size if llm.prefill_layout else 0)
@@ -237,7 +244,7 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
             bar = ProgressBar(len(requests)) if not args.no_progress else None
             try:
                 results = llm.generate_requests(requests, on_result=done, parallel=args.context,
-                                                link_stats=args.stats,
+                                                link_stats=args.stats or bool(args.expert_load_out),
                                                 on_step=(lambda d, n: bar.put((d, n))) if bar else None)
             finally:
                 if bar is not None:
@@ -268,10 +275,34 @@ def _generate(args, llm, lines, valid, launcher: str) -> int:
           f"({tokens / elapsed:.1f} tok/s){_hit_rate(results) if llm.options.enable_prefix_caching else ''}"
           f"{spec_stats.describe([r['metrics'] for r in results if 'metrics' in r])}",
           file=sys.stderr)
-    if sent is not None:
+    if sent is not None and args.stats:
         for line in expert_load_lines(sent.get("expert_load")) + link_lines(sent):  # MoE: tokens per EP rank
             print(f"atoll: {line}", file=sys.stderr)
+    if args.expert_load_out:
+        write_expert_load(args.expert_load_out, (sent or {}).get("expert_load"))
     return 1 if failed else 0
+
+
+def check_new_file(path: str, flag: str) -> None:
+    """InputError unless `path` names a file that does not exist yet in a directory that does."""
+    p = Path(path)
+    if p.exists():
+        raise InputError(f"{flag} {p} exists: atoll does not write over it; give a new path")
+    if not p.parent.is_dir():
+        raise InputError(f"{flag} {p}: the directory {p.parent} does not exist")
+
+
+def write_expert_load(path: str, report) -> None:
+    """The engine's expert load report as JSON (planner/expert_balance.read_loads reads it)."""
+    if not report or not report.get("layers"):
+        print(f"atoll: --expert-load-out {path}: nothing written, the engine counted no expert load (a dense model, "
+              "or EP 1)", file=sys.stderr)
+        return
+    with open(path, "x") as f:
+        json.dump({"layers": {str(k): v for k, v in report["layers"].items()},
+                   "window_steps": report.get("window_steps"), "rebalances": report.get("rebalances")}, f)
+    print(f"atoll: wrote {path}: expert load of {len(report['layers'])} MoE layers over "
+          f"{report.get('window_steps')} steps", file=sys.stderr)
 
 
 def _disaggregated(args, llm, requests, launcher: str, done) -> list[dict]:

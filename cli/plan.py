@@ -15,7 +15,7 @@ from atoll.cli.plan_goodput import add_goodput_options, run_goodput
 from atoll.config.engine import EngineConfig
 from atoll.errors import ConfigError
 from atoll.models.presets import resolve_model
-from atoll.planner import Workload, plan_sweep
+from atoll.planner import Workload, moe_options, plan_sweep
 from atoll.planner.memory import device_kv_blocks, kv_capacity, memory_fit
 from atoll.planner.planfile import check_save_path, from_plan, save_plan
 from atoll.planner.plot import plot_plans
@@ -54,8 +54,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--request-rate", type=float, default=None,
                    help="new requests per second, Poisson arrivals (default: closed loop at --concurrency)")
     p.add_argument("--expert-imbalance", type=float, default=None,
-                   help="MoE: busiest EP rank's routed tokens over the mean, >= 1 (default: TensorRT-LLM's "
-                        "no-EPLB measurement, 2.56 at 8 experts per rank, scaled to the layout's experts per rank)")
+                   help="MoE: busiest EP rank's routed tokens over the mean, >= 1 (default: derived from the "
+                        "placement and a gate model fitted to TensorRT-LLM's measurement, or --expert-loads)")
+    p.add_argument("--expert-loads", default=None, metavar="FILE",
+                   help="MoE: a recorded expert load (`atoll generate --expert-load-out FILE`): the imbalance of "
+                        "each layout and placement computed from it")
+    p.add_argument("--enable-eplb", choices=("auto", "on", "off"), default="auto",
+                   help="MoE: expert placement by load (the runtime's --enable-eplb); auto: the search tries it "
+                        "with one spare slot a rank on every EP layout and keeps it where it is faster")
+    p.add_argument("--num-redundant-experts", type=int, default=None, metavar="R",
+                   help="MoE: spare expert slots with EPLB (implies --enable-eplb on)")
+    p.add_argument("--two-batch-overlap", choices=("auto", "on", "off"), default="auto",
+                   help="MoE: steps as two micro-batches, one's all-to-all under the other's compute; auto: the "
+                        "search tries both on every EP layout")
     p.add_argument("--kv-offload-gb", type=float, default=0.0, metavar="GB",
                    help="KV cache tiers (as `atoll serve` takes them): GiB of host memory per rank; the plan says how "
                         "many tokens of prefix each replica keeps there, beside its device pool (with --goodput "
@@ -187,13 +198,16 @@ def run(args) -> int:
                              network=args.network)
     name, config = resolve_model(args.model)
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] if args.layouts else None
+    moe = moe_options.from_flags(args.enable_eplb, args.num_redundant_experts, args.two_batch_overlap,
+                                 args.expert_loads)
     workloads = [Workload(isl=args.isl, osl=args.osl, concurrency=c, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                          quantization=args.quantization,
-                          request_rate=args.request_rate, expert_imbalance=args.expert_imbalance)
+                          quantization=args.quantization, request_rate=args.request_rate,
+                          expert_imbalance=args.expert_imbalance, **moe.fields)
                  for c in _concurrencies(args.concurrency)]
     with SearchProgress(enabled=not args.no_progress) as progress:  # every layout costed once for all
         plans = plan_sweep(config, topology, workloads, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, layouts=layouts,
-                           allow_cross_island=args.allow_cross_island, max_cp=args.max_cp, progress=progress)
+                           allow_cross_island=args.allow_cross_island, max_cp=args.max_cp, progress=progress,
+                           eplb=moe.eplb, tbo=moe.tbo)
     plans = [_renamed(p, name) for p in plans]
     tiered = bool(args.kv_offload_gb or args.kv_disk_gb or args.kv_shared)
     capacities = kv_capacities(plans, config, topology, args) if tiered else [None] * len(plans)

@@ -11,6 +11,7 @@ from atoll.models.presets import resolve_model
 from atoll.planner import Workload, plan_layouts
 from atoll.planner import efficiency as eff
 from atoll.planner.disagg import disaggregated_gain
+from atoll.planner.moe_options import FIXED
 from atoll.planner.points import decode_point, prefill_point
 from atoll.topologies import load_topology
 from atoll.topologies.load import with_network
@@ -20,7 +21,7 @@ _LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "head_di
           "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "float16"}
 
 SERVING = ("tokens_per_s_per_user", "tokens_per_s_per_gpu", "tpot_ms", "ttft_ms", "ratio")
-METRICS = SERVING + ("prefill_tokens_per_s_per_gpu", "decode_tokens_per_s_per_gpu", "disagg_gain")
+METRICS = SERVING + ("prefill_tokens_per_s_per_gpu", "decode_tokens_per_s_per_gpu", "disagg_gain", "eplb_gain")
 
 
 def model_of(entry: dict):
@@ -38,7 +39,7 @@ def workload_of(entry: dict, model) -> Workload:
     engine = entry.get("engine") or {}
     w = Workload(isl=entry["isl"], osl=entry["osl"], concurrency=entry.get("concurrency", 1),
                  request_rate=entry.get("request_rate"), kv_dtype=entry.get("kv_dtype", "auto"),
-                 expert_imbalance=eff.EXPERT_IMBALANCE_EPLB if engine.get("eplb") else None,
+                 eplb=bool(engine.get("eplb")), redundant_experts=int(engine.get("redundant_experts", 0)),
                  two_batch_overlap=bool(engine.get("two_batch_overlap")))
     config = model if isinstance(model, ModelConfig) else None
     if config is None:
@@ -64,7 +65,8 @@ def acceptance_of(config, w: Workload, spec: dict) -> float:
 
     def speedup(a: float) -> float:
         on = dataclasses.replace(w, spec_tokens=spec["tokens"], spec_method=spec["method"], acceptance=a)
-        fast, slow = (plan_layouts(config, topo, x, layouts=[m["layout"]]).predictions[0].tokens_per_s_per_user
+        fast, slow = (plan_layouts(config, topo, x, layouts=[m["layout"]], eplb=FIXED, tbo=FIXED)
+                      .predictions[0].tokens_per_s_per_user
                       for x in (on, w))
         return fast / slow
 
@@ -88,6 +90,10 @@ def predict(entry: dict) -> tuple[float, float, str]:
     dtype = f"{work.dtype}/{work.kv_dtype}"
     band = eff.PREDICTION_BAND_TPOT
     layout = entry["layouts"][0]
+    if metric == "eplb_gain":  # the same pass with the entry's EPLB over without (its redundant slots kept static)
+        off = dataclasses.replace(work, eplb=False, redundant_experts=0)
+        on, without = (_pass_rate(entry, model, topo, layout, w) for w in (work, off))
+        return on / without, band, dtype
     if metric == "prefill_tokens_per_s_per_gpu":
         p = prefill_point(model, topo, layout, isl=entry["isl"], tokens_per_gpu=entry["tokens_per_gpu"], workload=work)
         return p.tokens_per_s_per_gpu, band, dtype
@@ -102,7 +108,7 @@ def predict(entry: dict) -> tuple[float, float, str]:
         return g, band, dtype
     if metric not in SERVING:
         raise ValueError(f"{entry['id']}: unknown metric {metric!r}")
-    plan = plan_layouts(model, topo, work, layouts=list(entry["layouts"]))
+    plan = plan_layouts(model, topo, work, layouts=list(entry["layouts"]), eplb=FIXED, tbo=FIXED)
     by_name = {p.name: p for p in plan.predictions} | {str(p.layout): p for p in plan.predictions}
     p = by_name[_name(layout)]
     if metric == "tokens_per_s_per_user":
@@ -115,6 +121,16 @@ def predict(entry: dict) -> tuple[float, float, str]:
         return p.ttft_s * 1e3, p.ttft_band, dtype
     q = by_name[_name(entry["layouts"][1])]  # ratio: tokens/s/GPU of layouts[0] over layouts[1]
     return p.tokens_per_s_per_gpu / q.tokens_per_s_per_gpu, p.band, dtype
+
+
+def _pass_rate(entry: dict, model, topo, layout: str, work: Workload) -> float:
+    """Tokens/s/GPU of the entry's prefill pass (tokens_per_gpu) or decode step (batch_per_gpu)."""
+    if "tokens_per_gpu" in entry:
+        return prefill_point(model, topo, layout, isl=entry["isl"], tokens_per_gpu=entry["tokens_per_gpu"],
+                             workload=work).tokens_per_s_per_gpu
+    w = dataclasses.replace(work, isl=max(1, entry["kv_len"] - 1), osl=1)
+    return decode_point(model, topo, layout, batch_per_gpu=entry["batch_per_gpu"], kv_len=entry["kv_len"],
+                        workload=w).tokens_per_s_per_gpu
 
 
 def _name(text: str) -> str:

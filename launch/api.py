@@ -70,8 +70,14 @@ class LLM(EngineLLM):
 
 
 def llm_from_args(args, model_dir, layout=None, **kwargs) -> LLM:
-    """The LLM that parsed flags (config.add_model_options) describe; `layout` in place of theirs."""
+    """The LLM that parsed flags (config.add_model_options) describe; `layout` in place of theirs.
+    A saved plan's (args.saved_plan) MoE options fill the engine options the flags left off."""
+    options = asdict(from_args(args))
+    plan = getattr(args, "saved_plan", None)
+    for name, value in (plan.engine_options() if plan is not None else {}).items():
+        if not options.get(name):
+            options[name] = value
     return LLM(model_dir, layout=layout or args.layout, tensor_parallel_size=args.tensor_parallel_size,
                pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
                expert_parallel_size=args.expert_parallel_size,
-               context_parallel_size=getattr(args, "context_parallel_size", None), **asdict(from_args(args)), **kwargs)
+               context_parallel_size=getattr(args, "context_parallel_size", None), **options, **kwargs)

@@ -15,10 +15,13 @@ concurrencies together rather than one plan_layouts each.
 
 from __future__ import annotations
 
+import dataclasses
+
 from atoll.errors import ConfigError
 from atoll.models.config import ModelConfig
 from atoll.models.presets import resolve_model
 from atoll.parallel.placement import Placement
+from atoll.planner import moe_options
 from atoll.planner.context import max_cp_for
 from atoll.planner.memory import memory_fit
 from atoll.planner.plan import Plan, Prediction
@@ -30,19 +33,24 @@ from atoll.planner.workload import Workload
 
 def plan_layouts(model, topology, workload: Workload, *, ttft_ms: float | None = None,
                  tpot_ms: float | None = None, layouts: list[str] | None = None,
-                 allow_cross_island: bool = False, max_cp: int | None = None, progress=None) -> Plan:
+                 allow_cross_island: bool = False, max_cp: int | None = None, progress=None,
+                 eplb=moe_options.FIXED, tbo=moe_options.FIXED) -> Plan:
     """`model`: a preset name, a config path, or a ModelConfig. `layouts`: only these
     ("TP8PP2", "2 x TP8", "TP8CP2"); otherwise every layout the search admits, context
     parallelism up to max_cp (None: context.max_cp_for's default). progress(done, total):
     called as the layouts are costed (a progress bar: planner/progress.py)."""
     return plan_sweep(model, topology, [workload], ttft_ms=ttft_ms, tpot_ms=tpot_ms, layouts=layouts,
-                      allow_cross_island=allow_cross_island, max_cp=max_cp, progress=progress)[0]
+                      allow_cross_island=allow_cross_island, max_cp=max_cp, progress=progress, eplb=eplb,
+                      tbo=tbo)[0]
 
 
 def plan_sweep(model, topology, workloads: list[Workload], *, ttft_ms: float | None = None,
                tpot_ms: float | None = None, layouts: list[str] | None = None,
-               allow_cross_island: bool = False, max_cp: int | None = None, progress=None) -> list[Plan]:
-    """plan_layouts for each workload (a --concurrency sweep), every layout costed once for all."""
+               allow_cross_island: bool = False, max_cp: int | None = None, progress=None,
+               eplb=moe_options.FIXED, tbo=moe_options.FIXED) -> list[Plan]:
+    """plan_layouts for each workload (a --concurrency sweep), every layout costed once for all.
+    eplb, tbo: moe_options.AUTO lets the search choose EPLB and two-batch overlap per EP layout
+    (`atoll plan` does); FIXED costs them as each workload has them."""
     for slo, v in (("ttft_ms", ttft_ms), ("tpot_ms", tpot_ms)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
             raise ConfigError(f"{slo}={v!r}: an SLO must be a positive number of milliseconds")
@@ -63,13 +71,76 @@ def plan_sweep(model, topology, workloads: list[Workload], *, ttft_ms: float | N
                      or memory_fit(config, sh, topology, workloads[0], lay, 1).weights_fit]
     every = evaluate_all(config, sh, topology, workloads, cands, allow_cross_island=allow_cross_island,
                          progress=progress)
+    every, whys = _with_moe_options(config, sh, topology, workloads, cands, every, allow_cross_island, eplb, tbo)
     plans = []
-    for workload, preds in zip(workloads, every):
+    for workload, preds, why in zip(workloads, every, whys):
         preds, best, reasons = recommend(preds, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+        if best is not None and why.get(best.name):
+            reasons.insert(1, f"{best.shown}: {why[best.name]}")
         placement = Placement.build(best.layout, topology, allow_cross_island=allow_cross_island) if best else None
         plans.append(Plan(model=name, topology=topology, workload=workload, predictions=tuple(preds),
                           recommended=best, placement=placement, reasons=tuple(reasons), evaluated=len(cands)))
     return plans
+
+
+def _with_moe_options(config, sh, topology, workloads, cands, every, allow_cross_island, eplb, tbo):
+    """Each EP layout's prediction replaced by its best MoE options' (moe_options.py); with
+    each workload's {name: why} for the layouts whose options were chosen."""
+    whys: list[dict] = [{} for _ in workloads]
+    open_options = eplb == moe_options.AUTO or tbo == moe_options.AUTO
+    ep_cands = [i for i, (lay, _) in enumerate(cands) if config.is_moe and lay.ep > 1]
+    if not open_options or not ep_cands:
+        return every, whys
+    by_ep: dict = {}
+    for i in ep_cands:
+        by_ep.setdefault(cands[i][0].ep, []).append(i)
+    for members in by_ep.values():
+        layout = cands[members[0]][0]
+        tried = [(wi, v) for wi, w in enumerate(workloads)
+                 for v in moe_options.variants(w, config, layout, eplb=eplb, tbo=tbo)[1:]]
+        if not tried:
+            continue
+        # every workload's variants at once: those that differ in concurrency alone share their steps
+        preds = evaluate_all(config, sh, topology, [v for _, v in tried], [cands[i] for i in members],
+                             allow_cross_island=allow_cross_island)
+        for wi in range(len(workloads)):
+            mine = [(v, p) for (wj, v), p in zip(tried, preds) if wj == wi]
+            for j, i in enumerate(members):
+                plain = moe_options.Chosen(workloads[wi], every[wi][i])
+                pick = moe_options.best([plain] + [moe_options.Chosen(v, p[j]) for v, p in mine])
+                if pick is plain:
+                    continue
+                lay = cands[i][0]
+                options = tuple((k, getattr(pick.workload, k)) for k in ("eplb", "redundant_experts",
+                                                                         "two_batch_overlap"))
+                every[wi][i] = dataclasses.replace(pick.prediction, options=options,
+                                                   moe=moe_options.label(pick.workload, config, lay))
+                whys[wi][every[wi][i].name] = moe_options.why(pick, plain.prediction, sh, lay)
+    return every, whys
+    for wi, w in enumerate(workloads):
+        by_ep: dict = {}
+        for i in ep_cands:
+            by_ep.setdefault(cands[i][0].ep, []).append(i)
+        for members in by_ep.values():
+            layout = cands[members[0]][0]
+            tried = moe_options.variants(w, config, layout, eplb=eplb, tbo=tbo)[1:]
+            if not tried:
+                continue
+            preds = evaluate_all(config, sh, topology, tried, [cands[i] for i in members],
+                                 allow_cross_island=allow_cross_island)
+            for j, i in enumerate(members):
+                plain = moe_options.Chosen(w, every[wi][i])
+                pick = moe_options.best([plain] + [moe_options.Chosen(v, p[j]) for v, p in zip(tried, preds)])
+                if pick is plain:
+                    continue
+                lay = cands[i][0]
+                options = tuple((k, getattr(pick.workload, k)) for k in ("eplb", "redundant_experts",
+                                                                         "two_batch_overlap"))
+                chosen = dataclasses.replace(pick.prediction, moe=moe_options.label(pick.workload, config, lay),
+                                             options=options)
+                every[wi][i] = chosen
+                whys[wi][chosen.name] = moe_options.why(pick, plain.prediction, sh, lay)
+    return every, whys
 
 
 __all__ = ["Plan", "Prediction", "Workload", "enumerate_layouts", "evaluate", "evaluate_all", "explain",

@@ -95,6 +95,11 @@ MEASURED_EXPERTS_PER_RANK = 8  # the layout that figure was measured on (256 exp
 # For an engine that balances experts so (SGLang's and DeepSeek's wide EP, TensorRT-LLM's EPLB), a
 # workload's expert_imbalance takes this figure; atoll's own runtime has no redundant experts.
 EXPERT_IMBALANCE_EPLB = 1.11
+# The gate model fitted to the two figures above (planner/expert_balance.py, `fit(2.56, 1.11)`):
+# each expert's share of the pairs log-normal with this spread, and the step's load drifting from
+# the placement's window by a log-normal factor with the second.
+SKEW_SIGMA = 1.05
+DRIFT_SIGMA = 0.116
 
 # Memory kept out of the KV cache on every GPU: AIConfigurator models a fixed ~3.5 GB "other"
 # (CUDA context, CUDA graphs, allocator slack) plus communication buffers (REFERENCE.md).

@@ -61,11 +61,13 @@ class MemoryFit:
         return text
 
 
-def stage_weight_params(shapes, layout, start: int, end: int, first: bool, last: bool) -> tuple[float, float]:
-    """(decoder-layer params, bf16 embedding/head params) one GPU of this stage holds."""
+def stage_weight_params(shapes, layout, start: int, end: int, first: bool, last: bool,
+                        redundant: int = 0) -> tuple[float, float]:
+    """(decoder-layer params, bf16 embedding/head params) one GPU of this stage holds, with
+    `redundant` spare expert slots (EPLB's copies) over the ep group."""
     s, l = shapes, layout
     attn = s.attn_sharded / l.tp + s.attn_replicated
-    moe = s.experts_per_rank(l.ep) * s.expert / l.moe_tp + s.shared_expert / l.tp
+    moe = s.experts_per_rank(l.ep, redundant) * s.expert / l.moe_tp + s.shared_expert / l.tp
     layers = sum(attn + (s.dense_mlp / l.tp if s.dense_layers[i] else moe) for i in range(start, end))
     # a tied head is the embedding's tensor where one stage holds both (pp 1)
     head = last and not (s.tied and first)
@@ -81,7 +83,7 @@ def memory_fit(config, shapes, topology, workload, layout, batch: int) -> Memory
     per_dp = math.ceil(batch / l.dp)
     worst = None
     for i, (start, end) in enumerate(stage_split(config, l.pp)):
-        dec, bf16 = stage_weight_params(s, l, start, end, i == 0, i == l.pp - 1)
+        dec, bf16 = stage_weight_params(s, l, start, end, i == 0, i == l.pp - 1, w.redundant_experts)
         weights = dec * w.weight_bytes + bf16 * w.embed_bytes
         if w.quantization is not None:  # what the ranks allocate, by the runtime's rule
             # lazy: torch, to build the stage on the meta device; a plan without --quantization never imports it

@@ -22,8 +22,10 @@ import numpy as np
 from atoll.planner.workload import gather_max_rows  # the runtime's threshold (the config's moe_gather_rows)
 from atoll.planner.categories import EXPERTS, WEIGHTS
 from atoll.planner.collectives import all_gather, all_reduce, all_to_all, island_first_all_to_all
-# the expert imbalance and the layout it was measured on: sourced in efficiency.py
-from atoll.planner.efficiency import EXPERT_IMBALANCE, MEASURED_EXPERTS_PER_RANK
+from atoll.errors import ConfigError
+from atoll.planner import expert_balance
+# the sourced expert imbalance (efficiency.py), which the gate model is fitted to
+from atoll.planner.efficiency import EXPERT_IMBALANCE  # noqa: F401  (re-exported for the tests)
 from atoll.planner.parts import is_many, vall, vany, vceil, vmax, vmin, vnot, vpow, vwhere
 
 
@@ -66,20 +68,33 @@ def _busiest(tokens: float, experts: int, top_k: int, ranks: int) -> float:
 
 
 def expert_imbalance(workload, shapes, ep: int) -> float:
-    """Pairs on the busiest EP rank over the mean at large batches: the workload's
-    expert_imbalance, else EXPERT_IMBALANCE carried to this layout; 1.0 without EP (every
-    rank holds a slice of every expert)."""
+    """Pairs on the busiest EP rank over the mean at large batches; 1.0 without EP (every rank
+    holds a slice of every expert). The workload's expert_imbalance where given, else derived
+    from the gate's statistics and the placement (planner/expert_balance.py): a recorded load
+    file's (workload.expert_loads) or the gate model's, with EPLB's placement and the
+    workload's redundant slots when it has eplb on, the contiguous blocks when not."""
     if ep <= 1 or not shapes.experts:
         return 1.0
     k, local = shapes.top_k, shapes.experts_per_rank(ep)
     f = workload.expert_imbalance
     if f is None:
-        # The busiest rank's excess is its hot experts' excess spread over its `local` experts:
-        # Table 1's by-expert ratio, 1 + 10.948 / 8 = 2.37 by rank, is near the 2.56 measured by
-        # rank, so the excess scales as 1 / local: 1.78 at DeepSeek-V3's EP16, 1.39 at EP8.
-        f = 1 + (EXPERT_IMBALANCE - 1) * MEASURED_EXPERTS_PER_RANK / local
+        f = balance_of(shapes.experts, k, ep, workload.redundant_experts, workload.eplb, workload.expert_loads)
     # no rank gets more than every token's pairs with its experts: min(k, local) per token
     return min(f, ep * min(k, local) / k)
+
+
+def balance_of(experts: int, top_k: int, ep: int, redundant: int, eplb: bool, loads) -> float:
+    """expert_balance's figure: from recorded loads where there are, else the gate model."""
+    if loads is None:
+        return expert_balance.modelled(experts, top_k, ep, redundant, eplb)
+    if len(loads[0]) != experts:
+        raise ConfigError(f"the expert load file counts {len(loads[0])} experts a layer; the model has {experts}")
+    return _from_loads(loads, ep, redundant, eplb)
+
+
+@functools.lru_cache(maxsize=256)
+def _from_loads(loads, ep: int, redundant: int, eplb: bool) -> float:
+    return expert_balance.from_loads(loads, ep, redundant, eplb)
 
 
 def busiest_pairs(workload, shapes, tokens, ep: int) -> tuple[float, float]:

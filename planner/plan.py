@@ -30,6 +30,8 @@ class Prediction:
     offered_rate: float | None = None  # the workload's request_rate (open loop); None: closed loop
     prefill_load: float = 0.0  # ρ of each replica's prefill: prompt work offered over what it can do
     overload: str = ""  # why the offered load is not sustainable; "" when it is
+    moe: str = ""  # the MoE engine options chosen for the layout (planner/moe_options.py): "EPLB+16, TBO"
+    options: tuple = ()  # the same as (workload field, value) pairs, for a saved plan
 
     @property
     def sustainable(self) -> bool:
@@ -40,6 +42,11 @@ class Prediction:
         return f"{self.replicas} x {self.layout}" if self.replicas > 1 else str(self.layout)
 
     @property
+    def shown(self) -> str:
+        """The name with the MoE options chosen for it: "DP16EP16 (EPLB+16, TBO)"."""
+        return f"{self.name} ({self.moe})" if self.moe else self.name
+
+    @property
     def fits(self) -> bool:
         return self.memory.fits
 
@@ -48,6 +55,7 @@ class Prediction:
         m = self.memory
         return {
             "layout": str(self.layout), "replicas": self.replicas, "name": self.name, "gpus": self.gpus,
+            "moe_options": dict(self.options),
             "concurrency": self.concurrency, "fits": self.fits,
             "memory_gib": {"used": m.used / gib, "capacity": m.capacity / gib, "weights": m.weights / gib,
                            "kv_cache": m.kv_cache / gib, "activations": m.activations / gib,

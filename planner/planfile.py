@@ -74,6 +74,13 @@ class SavedPlan:
         if diff:
             raise ConfigError(f"the plan is for {self.model}, but {where} differs: {', '.join(diff[:3])}")
 
+    def engine_options(self) -> dict:
+        """The engine options the plan chose (EngineConfig's names): EPLB, its spare slots, TBO."""
+        w = self.workload or {}
+        names = {"eplb": "enable_eplb", "redundant_experts": "num_redundant_experts",
+                 "two_batch_overlap": "enable_two_batch_overlap"}
+        return {names[k]: w[k] for k in names if w.get(k)}
+
     def summary(self) -> str:
         """One line: layout, where the ranks go, the predictions."""
         nodes = self.placement.node_names
@@ -83,7 +90,9 @@ class SavedPlan:
         if p:
             pred = (f"; predicted TTFT {p['ttft_ms']:.1f} ms, TPOT {p['tpot_ms']:.2f} ms, "
                     f"{p['tokens_per_s_per_gpu']:.1f} tok/s/GPU")
-        return (f"plan: {self.layout} on {len(used)} node(s) of {self.topology.name} "
+        flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in self.engine_options().items()]
+        chosen = f" with {' '.join(flags)}" if flags else ""
+        return (f"plan: {self.layout}{chosen} on {len(used)} node(s) of {self.topology.name} "
                 f"({', '.join(used)}; {len(set(self.placement.island))} island(s)){pred}")
 
     def to_dict(self) -> dict:
@@ -112,7 +121,7 @@ def from_plan(plan, config) -> SavedPlan:
                      topology=plan.topology, placement=plan.placement, predictions=preds,
                      workload={"isl": w.isl, "osl": w.osl, "concurrency": w.concurrency, "dtype": w.dtype,
                                "kv_dtype": w.kv_dtype} | {k: getattr(w, k) for k in ("request_rate", "expert_imbalance")
-                                                           if getattr(w, k) is not None},
+                                                           if getattr(w, k) is not None} | dict(best.options),
                      reasons=tuple(plan.reasons))
 
 

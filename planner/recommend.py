@@ -80,7 +80,7 @@ def recommend(predictions, *, ttft_ms: float | None = None, tpot_ms: float | Non
     among = f"{len(ok)} layouts that fit" + (f" and meet {slo}" if slo else "")
     if open_loop:
         among += f" and sustain {best.offered_rate:g} requests/s"
-    line = (f"recommended {best.name}: highest {what} ({score(best):.1f}) "
+    line = (f"recommended {best.shown}: highest {what} ({score(best):.1f}) "
             f"among {among}, TPOT {best.tpot_s * 1e3:.1f} ms")
     if ties:
         names = ", ".join(f"{p.name} ({score(best) / score(p):.2f}x lower)"

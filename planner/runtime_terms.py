@@ -99,7 +99,7 @@ class Measured:
         tokens of the stage (n x active DP ranks)."""
         s, l, w = cm.s, cm.l, cm.w
         g_ep, g_tp = cm.g_stage, cm.g_tp  # the ep group is the stage's ranks when moe_tp is 1
-        local, per_expert = s.experts_per_rank(l.ep), s.expert / l.moe_tp
+        local, per_expert = s.experts_per_rank(l.ep, w.redundant_experts), s.expert / l.moe_tp
         row = s.hidden * w.act_bytes
         name_ep = f"MoE exchange over {g_ep.kind}"
         cm._op(out, s.router * w.act_bytes, 2 * n * s.router, WEIGHTS, rows=n)

@@ -46,10 +46,11 @@ class Shapes:
         per_layer = sum(attn + (self.dense_mlp if d else moe) for d in self.dense_layers)
         return per_layer + self.embed + (0 if self.tied else self.head)
 
-    def experts_per_rank(self, ep: int) -> int:
-        """Routed experts on the busiest ep rank: the runtime's split (comm.routing.expert_split)
-        gives the first num_experts % ep ranks one more."""
-        return max(expert_split(self.experts, ep)) if self.experts else 0
+    def experts_per_rank(self, ep: int, redundant: int = 0) -> int:
+        """Routed expert slots on the busiest ep rank: the runtime's split of the experts and
+        their `redundant` spare copies (comm.routing.expert_split) gives the first
+        (num_experts + redundant) % ep ranks one more."""
+        return max(expert_split(self.experts + redundant, ep)) if self.experts else 0
 
     @property
     def total_params(self) -> int:

@@ -56,7 +56,7 @@ def print_plans(plans, *, top: int = 10, console=None) -> None:
             mem = f"{p.memory.used / GIB:.1f}/{p.memory.capacity / GIB:.0f}"
             style = None if p.fits else "dim"
             ttft = f"{p.ttft_s * 1e3:.0f}" if p.sustainable else "overloaded"
-            t.add_row(mark, p.name, str(p.gpus), mem, ttft, f"{p.tpot_s * 1e3:.1f}",
+            t.add_row(mark, p.shown, str(p.gpus), mem, ttft, f"{p.tpot_s * 1e3:.1f}",
                       f"{p.tokens_per_s_per_gpu:.1f}", f"{p.tokens_per_s_per_user:.1f}", _binds(p), style=style)
         console.print(t)
         for r in plan.reasons:

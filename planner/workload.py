@@ -18,6 +18,7 @@ _BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}
 KV_DTYPES = DTYPES + ("fp8_e4m3", "fp8_e5m2", "int8")
 SPEC_METHODS = ("ngram", "mtp")
 MAX_SPEC_TOKENS = 16
+MAX_REDUNDANT = 4096  # spare expert slots (a bound, so a typo fails in one line)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class Workload:
     # routing); None: planner/moe_cost.py's sourced EXPERT_IMBALANCE carried to the layout
     # (moe_cost.expert_imbalance)
     expert_imbalance: float | None = None
+    # EPLB (the runtime's --enable-eplb, --num-redundant-experts): experts placed by load over
+    # E + redundant_experts slots; without it the contiguous blocks. expert_loads: tokens per
+    # logical expert, one tuple a MoE layer, from a recorded load file (planner/expert_balance.py);
+    # None: the gate model fitted to the sourced imbalance
+    eplb: bool = False
+    redundant_experts: int = 0
+    expert_loads: tuple | None = None
     # the runtime's --quantization (int8, fp8): weights counted by its own rule (planner/quantized.py)
     quantization: str | None = None
     # the engine runs each step as two micro-batches, one's MoE exchange under the other's compute
@@ -63,6 +71,15 @@ class Workload:
         if self.expert_imbalance is not None and not (_positive(self.expert_imbalance) and self.expert_imbalance >= 1):
             raise ConfigError(f"expert_imbalance={self.expert_imbalance!r} must be a number >= 1 "
                               "(the busiest EP rank's tokens over the mean)")
+        if not isinstance(self.eplb, bool):
+            raise ConfigError(f"eplb={self.eplb!r} must be true or false")
+        if isinstance(self.redundant_experts, bool) or not isinstance(self.redundant_experts, int) or \
+                not 0 <= self.redundant_experts <= MAX_REDUNDANT:
+            raise ConfigError(f"redundant_experts={self.redundant_experts!r} must be a whole number of spare expert "
+                              f"slots, 0 to {MAX_REDUNDANT}")
+        if self.redundant_experts and not self.eplb:
+            raise ConfigError(f"redundant_experts={self.redundant_experts} needs eplb (--enable-eplb): spare slots are "
+                              "filled by load")
         if not isinstance(self.two_batch_overlap, bool):
             raise ConfigError(f"two_batch_overlap={self.two_batch_overlap!r} must be true or false")
         if isinstance(self.spec_tokens, bool) or not isinstance(self.spec_tokens, int) or \

@@ -99,7 +99,8 @@ class ExpertBalancer:
         """Each layer's tokens per ep rank over the window and their max/mean, into `report`
         on the engine's rank 0 (returned there; None elsewhere). Every rank calls it together."""
         loads = self._loads()
-        mine = {layer_id: m.placement.rank_loads(counts) for layer_id, m, counts in zip(self.ids, self.layers, loads)}
+        mine = {layer_id: (m.placement.rank_loads(counts), m.placement.logical_loads(counts))
+                for layer_id, m, counts in zip(self.ids, self.layers, loads)}
         world = self.ctx.world
         if self.ctx.layout.pp > 1:  # each stage's layers to rank 0
             parts = [None] * world.size if world.rank == 0 else None
@@ -109,7 +110,9 @@ class ExpertBalancer:
         world.all_reduce(moved)  # every ep group's copies (one per moe_tp shard) moved bytes
         if world.rank != 0:
             return None
-        layers = {k: {"tokens": v, "max_mean": round(imbalance(v), 4)} for k, v in sorted(mine.items())}
+        # tokens per ep rank (the balance) and per logical expert (what `atoll plan --expert-loads` places)
+        layers = {k: {"tokens": ranks, "experts": experts, "max_mean": round(imbalance(ranks), 4)}
+                  for k, (ranks, experts) in sorted(mine.items())}
         worst = max(layers, key=lambda k: layers[k]["max_mean"], default=None)
         self.report = LoadReport(layers=layers, worst_layer=worst,
                                  max_mean=layers[worst]["max_mean"] if worst is not None else 0.0,

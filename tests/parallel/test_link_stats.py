@@ -129,15 +129,16 @@ def test_generate_stats_prints_one_line_per_class(capsys, moe, tmp_path):
     topo.write_text(yaml.safe_dump(SIM))
     plan = tmp_path / "plan.yaml"
     code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(moe), "--topology", str(topo), "--layouts", "EP4",
-                           "--save", str(plan))
+                           "--save", str(plan), "--enable-eplb", "off", "--two-batch-overlap", "off")
     assert code == 0, err
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": t}) + "\n" for i, t in enumerate(PROMPTS)))
     code, _, err = run_cli(capsys, "generate", "--model", str(moe), "--plan", str(plan), "--prompts", str(prompts),
                            "--max-new-tokens", str(NEW), "--output", str(tmp_path / "out.jsonl"), "--no-progress",
-                           "--stats")
+                           "--stats", "--expert-load-out", str(tmp_path / "load.json"))
     assert code == 0, err
-    tail = err.strip().splitlines()[-3:]
+    _check_the_load_file(capsys, moe, topo, tmp_path / "load.json")
+    tail = [ln for ln in err.strip().splitlines() if "wrote" not in ln][-3:]
     assert [ln.split()[1] for ln in tail] == ["island", "node", "network"], err
     got = {ln.split()[1]: _numbers(ln) for ln in tail}
     minimum, summed = _counted(moe)
@@ -145,3 +146,16 @@ def test_generate_stats_prints_one_line_per_class(capsys, moe, tmp_path):
     for cls in ("island", "node", "network"):
         assert got[cls] == [summed["dispatch"][cls], summed["rows"][cls], summed["collectives"][cls],
                             summed["calls"][cls], 4], (cls, got[cls])
+
+
+def _check_the_load_file(capsys, moe, topo, path):
+    """--expert-load-out: each layer's tokens per logical expert, adding up to its tokens per
+    rank; `atoll plan --expert-loads` places from it, and the file is never written over."""
+    load = json.loads(path.read_text())["layers"]
+    assert load and all(len(v["experts"]) == 8 and sum(v["experts"]) == sum(v["tokens"]) > 0 for v in load.values())
+    code, out, err = run_cli(capsys, "plan", *FITS, "--model", str(moe), "--topology", str(topo), "--layouts", "EP4",
+                             "--expert-loads", str(path), "--enable-eplb", "on", "--format", "json")
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "plan", *FITS, "--model", str(moe), "--topology", str(topo),
+                           "--expert-loads", str(path.parent / "missing.json"))
+    assert code != 0 and "--expert-loads" in err and "cannot read it" in err

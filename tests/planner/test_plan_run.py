@@ -63,7 +63,10 @@ def test_plan_file_round_trips(capsys, moe, plan_file):
     assert saved.placement.slots == ((0, 0), (0, 1), (0, 2), (0, 3)) and saved.islands == (0, 0, 1, 1)
     assert saved.topology == topology_from_dict(SIM)
     assert set(saved.predictions) >= {"ttft_ms", "tpot_ms", "tokens_per_s_per_gpu", "binding"}
-    assert saved.predictions["binding"].startswith("TP4EP4: decode bound by")
+    assert saved.predictions["binding"].startswith("TP4EP4")  # then the MoE options the search chose, if any
+    assert saved.engine_options() == {k: v for k, v in {
+        "enable_eplb": saved.workload.get("eplb"), "num_redundant_experts": saved.workload.get("redundant_experts"),
+        "enable_two_batch_overlap": saved.workload.get("two_batch_overlap")}.items() if v}
     saved.check_model(ModelConfig.load(moe))
     assert load_plan(path) == saved and plan_yaml(saved) == path.read_text()  # written as read
     # the planner's Plan on a two-node preset: the placement and the topology come back whole
@@ -231,7 +234,8 @@ def test_generate_runs_the_plan(capsys, moe, plan_file, tmp_path):
                            str(_prompts(tmp_path)), "--max-new-tokens", str(NEW), "--output", str(out),
                            "--no-progress", "--dispatch", "hierarchical")
     assert code == 0, err
-    assert "plan: TP4EP4 on 1 node(s) of sim-2x2 (node0; 2 island(s)); predicted TTFT" in err
+    chosen = load_plan(plan).summary().split(" on 1 node(s)")[0]  # the layout, then the MoE options it chose
+    assert f"{chosen} on 1 node(s) of sim-2x2 (node0; 2 island(s)); predicted TTFT" in err
     assert "on TP4EP4 (4 ranks, local)" in err
     got = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
     assert [got[i] for i in range(len(PROMPTS))] == reference_tokens(moe, PROMPTS, NEW)

