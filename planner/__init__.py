@@ -115,7 +115,7 @@ def _with_moe_options(config, sh, topology, workloads, cands, every, allow_cross
                                                                          "two_batch_overlap"))
                 every[wi][i] = dataclasses.replace(pick.prediction, options=options,
                                                    moe=moe_options.label(pick.workload, config, lay))
-                whys[wi][every[wi][i].name] = moe_options.why(pick, plain.prediction, sh, lay)
+                whys[wi][every[wi][i].name] = moe_options.why(pick, plain.prediction, sh, lay, topology)
     return every, whys
     for wi, w in enumerate(workloads):
         by_ep: dict = {}

@@ -51,7 +51,19 @@ def label(workload, config, layout) -> str:
     return ", ".join(parts)
 
 
-def why(chosen, plain, shapes, layout) -> str:
+def rebalance_cost(shapes, workload, layout, topology) -> tuple[float, float, str]:
+    """(bytes, seconds, link) of the largest rebalance: every expert slot of a rank refilled
+    from a peer, each MoE layer's, over the slowest link of the EP group (the runtime moves one
+    layer a step beside serving: engine/rank/expert_moves.py). A real one moves fewer: the
+    placement keeps what it can."""
+    slots = shapes.experts_per_rank(layout.ep, workload.redundant_experts)
+    layers = sum(1 for dense in shapes.dense_layers if not dense)
+    moved = slots * shapes.expert / layout.moe_tp * workload.weight_bytes * layers / layout.pp
+    link = topology.network if layout.world_size > topology.gpus_per_node else topology.island_link
+    return moved, moved / (link.gb_s * 1e9), link.kind
+
+
+def why(chosen, plain, shapes, layout, topology=None) -> str:
     """What the chosen options bought over the same layout without them (the plain workload's
     prediction `plain`), in a clause; "" when nothing was chosen."""
     w, parts = chosen.workload, []
@@ -60,6 +72,10 @@ def why(chosen, plain, shapes, layout) -> str:
         after = expert_imbalance(w, shapes, layout.ep)
         parts.append(f"EPLB{f' with {w.redundant_experts} spare slots' if w.redundant_experts else ''} brings the "
                      f"busiest EP rank from {before:.2f}x to {after:.2f}x the mean")
+        if topology is not None:
+            moved, seconds, kind = rebalance_cost(shapes, w, layout, topology)
+            parts.append(f"a rebalance moves up to {moved / 2**30:.1f} GiB a rank ({seconds:.1f} s over {kind}, one "
+                         "layer a step beside serving)")
     if w.two_batch_overlap:
         parts.append("two-batch overlap hides the MoE exchange under the other micro-batch's compute")
     if not parts:
