@@ -1,6 +1,6 @@
 """Structured outputs in the engine (LLM and SamplingParams), on SmolLM2-135M-Instruct's real
 tokenizer: where the model's greedy answer already fits the grammar, the constrained answer is
-token-identical to it at TP3 (its 9 heads take no TP2) and PP2; n-gram speculation under a JSON schema gives the same
+token-identical to it at TP3 (its 9 heads take no TP2) and PP2, and at TP2 on a tiny Llama with its tokenizer; n-gram speculation under a JSON schema gives the same
 tokens as without speculation, valid under the schema, with drafts taken; the compiled
 grammars are cached by their canonical text, within a bound; a bad one is refused naming the
 field."""
@@ -124,3 +124,32 @@ def test_generate_request_lines_take_structured_outputs(smollm2_dir, tmp_path):
     assert out["pick"]["text"] in ("blue", "red"), run.stderr[-2000:]
     jsonschema.validate(json.loads(out["json"]["text"]), PERSON)
     assert out["bad"]["error"].startswith("line 3: structured_outputs.regex: invalid regex")
+
+
+@pytest.mark.timeout(600)
+def test_constrained_greedy_is_token_identical_at_tp2(tiny_model, smollm2_dir, tmp_path):
+    """TP2, which SmolLM2's 9 heads do not take: a tiny random Llama (4 heads) with SmolLM2's
+    tokenizer. Its greedy text is whatever its random weights say; grammars built to admit it
+    (its own characters, a choice holding it) leave every token as it was, over the sampling
+    rank's mask and the TP2 step."""
+    import shutil
+
+    model = tmp_path / "tiny-with-tokenizer"
+    shutil.copytree(tiny_model("llama", vocab_size=49152), model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, model / name)
+    prompts = ["The capital of France is", "Colors: red, green,", "One, two, three,"]
+    with LLM(model, layout="TP2", max_model_len=128) as llm:
+        free = llm.generate(prompts, SamplingParams(max_tokens=12))
+        fits = [SamplingParams(max_tokens=12, structured_outputs={"choice": ["No.", o.text]}) for o in free]
+        fits += [SamplingParams(max_tokens=12, structured_outputs={"regex": char_class(o.text)}) for o in free]
+        outs = llm.generate(prompts * 2, fits)
+        bent = llm.generate(prompts[:1], SamplingParams(max_tokens=12, structured_outputs={"choice": ["Paris"]}))
+    # a grammar admits the text only if it decodes whole: keep the prompts whose text does
+    kept = [i for i, o in enumerate(free) if o.text and "\ufffd" not in o.text]
+    assert len(kept) >= 2, [o.text for o in free]
+    for i in kept:
+        assert outs[i].token_ids == free[i].token_ids, (outs[i].text, free[i].text)
+        assert outs[len(prompts) + i].token_ids == free[i].token_ids, (outs[len(prompts) + i].text, free[i].text)
+    assert bent[0].text == "Paris"  # the mask acts at TP2 too
