@@ -23,7 +23,7 @@ class Required(ToolParser):
                 at += 1
             if not text.startswith("{", at):
                 return out
-            seen, end = json_object(text, at, final)
+            seen, end = json_object(text, at)
             out.calls.append(seen)
             if end < 0:
                 return out
@@ -40,5 +40,4 @@ class Named(ToolParser):
         self.function = function
 
     def scan(self, text: str, final: bool) -> Scan:
-        args = text if final else text.rstrip(WHITESPACE + "}")
-        return Scan("", [Seen(self.function, args.lstrip(WHITESPACE), final)])
+        return Scan("", [Seen(self.function, text.lstrip(WHITESPACE), final)])

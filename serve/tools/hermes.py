@@ -27,7 +27,7 @@ class Hermes(ToolParser):
             start = _skip(text, body, stop)
             if start >= stop:
                 break
-            seen, _ = json_object(text[:stop], start, final or close >= 0)
+            seen, _ = json_object(text[:stop], start)
             out.calls.append(seen)
             if close < 0:
                 break

@@ -30,7 +30,7 @@ class Llama3Json(ToolParser):
                 at += 1
             if not text.startswith("{", at):
                 return out
-            seen, end = json_object(text, at, final)
+            seen, end = json_object(text, at)
             out.calls.append(seen)
             if end < 0:
                 return out

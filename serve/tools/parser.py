@@ -72,7 +72,7 @@ def before_marker(text: str, marker: str, final: bool) -> tuple[str, int]:
     return (text if final else text[:len(text) - held(text, marker)]), -1
 
 
-def json_object(text: str, start: int, final: bool) -> tuple[Seen, int]:
+def json_object(text: str, start: int) -> tuple[Seen, int]:
     """A call written as one JSON object {"name": ..., "arguments" (or "parameters"): {...}}
     at text[start]: what is seen of it, and where the object ends (-1: not yet whole)."""
     try:
@@ -91,8 +91,8 @@ def json_object(text: str, start: int, final: bool) -> tuple[Seen, int]:
         seen.name = json.loads(f'"{named.group(1)}"')
     if key:
         whole = _value_text(body, key.end())
-        seen.args = whole if whole is not None else (body[key.end():] if final
-                                                      else body[key.end():].rstrip(WHITESPACE + "}"))
+        # not whole yet: all the text after the key is its start (the object goes on only after it)
+        seen.args = whole if whole is not None else body[key.end():]
     return seen, -1
 
 
