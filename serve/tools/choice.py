@@ -20,7 +20,7 @@ from atoll.serve.tools import PARSERS
 from atoll.serve.tools.forced import Named, Required
 from atoll.serve.tools.parser import ToolParser
 
-NO_PARAMETERS = {"type": "object", "properties": {}}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without arguments
 
 
 @dataclass(frozen=True)

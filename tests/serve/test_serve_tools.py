@@ -108,7 +108,7 @@ def collect(chunks) -> tuple[str, list, str]:
     return content, [tuple(calls[k]) for k in sorted(calls)], reason
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 4 to 31 s measured (it loads transformers for the reference)
 @pytest.mark.timeout(600)
 def test_round_trip_required_then_auto_ending_in_the_tool_result(server, client, model):
     r = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
@@ -200,5 +200,5 @@ def test_bad_tools_are_400_naming_the_field_and_the_server_serves_on(server):
         assert r.status_code == 400 and err["param"] == param and "\n" not in err["message"], (body, err)
     ok = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
                     json={"messages": ASK, "max_tokens": 40, "tools": [fn], "tool_choice": "required",
-                          "parallel_tool_calls": False})
-    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
+                          "parallel_tool_calls": False, "temperature": 1.0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f", ok.json()
