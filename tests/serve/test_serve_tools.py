@@ -108,7 +108,7 @@ def collect(chunks) -> tuple[str, list, str]:
     return content, [tuple(calls[k]) for k in sorted(calls)], reason
 
 
-@pytest.mark.slow  # 4 to 31 s measured (it loads transformers for the reference)
+@pytest.mark.slow  # 4 s on a quiet machine, 31-100 s under load (it loads transformers too)
 @pytest.mark.timeout(600)
 def test_round_trip_required_then_auto_ending_in_the_tool_result(server, client, model):
     r = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
@@ -150,6 +150,7 @@ def test_auto_reads_the_call_out_of_the_text_whole_and_streamed(client):
     assert [(name, args) for _, name, args in calls] == [("get_weather", call.function.arguments)]
 
 
+@pytest.mark.slow  # 2 s on a quiet machine, 60-80 s at load 7
 @pytest.mark.timeout(300)
 def test_required_streams_the_same_calls(client):
     body = dict(model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200)
@@ -159,6 +160,7 @@ def test_required_streams_the_same_calls(client):
     assert [(n, a) for _, n, a in calls] == [(c.function.name, c.function.arguments) for c in check_calls(whole.message)]
 
 
+@pytest.mark.slow  # 2 s on a quiet machine, 60-80 s at load 7
 @pytest.mark.timeout(300)
 def test_named_function_and_one_call_without_parallel(client):
     named = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Add 2 and 3."}],
