@@ -72,3 +72,10 @@ def test_plain_text_stays_content(llm):
     whole, chunks = run(ask(llm, scripted(llm, text), "hermes"))
     assert whole.message.content == text and not whole.message.tool_calls and whole.finish_reason == "stop"
     assert streamed(chunks) == (text, [], "stop")
+
+
+def test_tool_choice_none_reads_no_calls(llm):
+    text = FORMATS["hermes"]("", CALLS[:1])
+    whole, chunks = run(ask(llm, scripted(llm, text), "hermes", tool_choice="none"))
+    assert whole.message.content == text and not whole.message.tool_calls and whole.finish_reason == "stop"
+    assert streamed(chunks) == (text, [], "stop")
