@@ -21,7 +21,9 @@ accumulated in float32, SiLU-and-multiply in float32, rounded once to x's dtype 
 quantized the same way for the down GEMM, whose epilogue multiplies the routing weight; the
 top-k rows are summed in float32 (unpermute_reduce). On the Triton path the two GEMMs are
 kernels/triton_fp8_grouped_gemm.py over moe_align's layout; the activation quantization is
-torch ops on the device (no host sync). On the torch path every step is the torch reference
+torch ops on the device (no host sync): a Triton quantizer could not be tested here, as the
+interpreter (Triton 3.x) casts float32 to e4m3 wrongly where rounding carries into the next
+power of two (-31.53 becomes -16, not -32). On the torch path every step is the torch reference
 below (fp8_grouped_gemm_reference: the activations and weights dequantized to float32 and
 multiplied), which is what the kernel is tested against.
 """
