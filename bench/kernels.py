@@ -12,7 +12,8 @@ Decode sizes put m = 1..64 rows on each expert (tokens = m * experts / top_k); p
 --prefill-tokens tokens. Times are medians of triton.testing.do_bench, which flushes L2 between
 runs, so weights come from HBM as in a real layer stack. fused_moe's parts (moe_align, the two
 grouped_gemm launches, unpermute_reduce) are listed against their own floors; grouped_gemm has
-no reference time (its reference is the float32 definition, not a baseline).
+no reference time (its reference is the float32 definition, not a baseline). fused_moe_fp8 runs
+the same experts kept in fp8; its reference time is the dequantize-every-call path it replaced.
 
 Without a GPU it says so and exits 0. --smoke runs tiny shapes on CPU in Triton's interpreter
 (TRITON_INTERPRET=1) to check the bench itself; its times mean nothing.
@@ -31,6 +32,8 @@ import torch
 from atoll.errors import AtollError
 from atoll.kernels import backend, ops, reference
 from atoll.kernels.configs import CANDIDATES, moe_config, rows_per_expert
+from atoll.kernels.fp8 import dequantize_weight, quantize_weight
+from atoll.kernels.fp8_moe import fused_moe_fp8
 from atoll.kernels.moe import fused_moe
 from atoll.topologies.discover import gpu_spec_for
 
@@ -97,7 +100,7 @@ class Bench:
         return row
 
 
-def _moe(b: Bench, name, shape, tokens, dtype, sweep):
+def _moe(b: Bench, name, shape, tokens, dtype, sweep, fp8_ref=False):
     h, inter, e, k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
     g = torch.Generator(device=b.device).manual_seed(0)
     x = torch.randn(tokens, h, device=b.device, dtype=dtype, generator=g)
@@ -112,6 +115,8 @@ def _moe(b: Bench, name, shape, tokens, dtype, sweep):
     fused = b.add("fused_moe", case, lambda: fused_moe(x, w13, w2, ids, wts),
           ref=lambda: reference.fused_moe(x, w13, w2, ids, wts),
           bytes_=hit * 3 * inter * h * el + io, flops=6 * pairs * inter * h)
+
+    _fp8_moe(b, case, x, w13, w2, ids, wts, hit=hit, io=io, flops=6 * pairs * inter * h, with_ref=fp8_ref)
 
     cfg = moe_config(tokens, k, e)
     align = ops.moe_align(ids, e, cfg.block_m)
@@ -139,6 +144,24 @@ def _moe(b: Bench, name, shape, tokens, dtype, sweep):
         print(f"  sweep {case}: table {fused['us']:.1f} us, best {best[0]:.1f} us "
               f"({fused['us'] / best[0]:.2f}x) with {best[1]}", flush=True)
         b.rows.append(dict(kernel="sweep", case=case, table_us=fused["us"], best_us=best[0], best=repr(best[1])))
+
+
+def _fp8_moe(b: Bench, case, x, w13, w2, ids, wts, *, hit, io, flops, with_ref):
+    """The same experts kept in fp8 (per row and 128 columns): fused_moe_fp8 against what ran
+    before it, the weights dequantized for the call and then fused_moe (bf16 fused_moe is the
+    row above), timed at the first decode size only (with_ref: it is slow, and its float32 copy
+    of every expert is large). Bytes: the hit experts' fp8 weights and float32 scales, x and
+    the output."""
+    q13, s13 = (torch.stack(t) for t in zip(*(quantize_weight(w) for w in w13)))
+    q2, s2 = (torch.stack(t) for t in zip(*(quantize_weight(w) for w in w2)))
+    per_expert = q13[0].numel() + q2[0].numel() + 4 * (s13[0].numel() + s2[0].numel())
+
+    def dequantized():
+        return fused_moe(x, dequantize_weight(q13.flatten(0, 1), s13.flatten(0, 1)).view(q13.shape).to(x.dtype),
+                         dequantize_weight(q2.flatten(0, 1), s2.flatten(0, 1)).view(q2.shape).to(x.dtype), ids, wts)
+    b.add("fused_moe_fp8", case, lambda: fused_moe_fp8(x, q13, s13, q2, s2, ids, wts),
+          ref=dequantized if with_ref else None,
+          bytes_=hit * per_expert + io, flops=flops)
 
 
 def _row_kernels(b: Bench, dtype, smoke):
@@ -196,7 +219,7 @@ def run(args) -> int:
             sizes = [max(1, m * shape["experts"] // shape["top_k"]) for m in per_expert]
             prefill = [9] if args.smoke else [args.prefill_tokens] if args.prefill_tokens > 0 else []
             for tokens in (sizes[:1] if args.smoke else sizes) + prefill:
-                _moe(b, model, shape, tokens, dtype, args.sweep and not args.smoke)
+                _moe(b, model, shape, tokens, dtype, args.sweep and not args.smoke, fp8_ref=tokens == sizes[0])
                 if device == "cuda":
                     torch.cuda.empty_cache()
         _row_kernels(b, dtype, args.smoke)

@@ -181,7 +181,7 @@ else
 fi
 
 # a. kernel tests: on the GPU the kernels compile; without one they run in the interpreter
-KERNEL_TESTS=${KERNEL_TESTS:-tests/kernels/test_kernels.py tests/kernels/test_kernels_moe.py tests/kernels/test_kernels_model.py tests/kernels/test_paged_attention.py}
+KERNEL_TESTS=${KERNEL_TESTS:-tests/kernels/test_kernels.py tests/kernels/test_kernels_moe.py tests/kernels/test_kernels_fp8_moe.py tests/kernels/test_kernels_model.py tests/kernels/test_paged_attention.py}
 # shellcheck disable=SC2086  # a list of test files
 step "a. kernel tests" "${KERNEL_LIMIT:-120}" python -m pytest -q -p no:cacheprovider $KERNEL_TESTS
 

@@ -10,12 +10,13 @@ backend.interpreter()). Importing this package does not import triton.
 
 import importlib
 
-__all__ = ["KernelError", "MoeAlignment", "fused_moe", "grouped_gemm", "interpreter", "moe_align",
+__all__ = ["KernelError", "MoeAlignment", "fused_moe", "fused_moe_fp8", "grouped_gemm", "interpreter", "moe_align",
            "rms_norm", "rotary_", "unpermute_reduce", "use_triton"]
 
 # name -> submodule; lazy (PEP 562) so building the CLI (`atoll bench kernels`) never imports torch
 _WHERE = {"MoeAlignment": "alignment", "KernelError": "backend", "interpreter": "backend",
-          "use_triton": "backend", "fused_moe": "moe", "grouped_gemm": "ops", "moe_align": "ops",
+          "use_triton": "backend", "fused_moe": "moe", "fused_moe_fp8": "fp8_moe",
+          "grouped_gemm": "ops", "moe_align": "ops",
           "rms_norm": "ops", "rotary_": "ops", "unpermute_reduce": "ops"}
 
 

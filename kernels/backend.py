@@ -30,7 +30,8 @@ _mode = "auto"
 # the modules holding @triton.jit functions; each records INTERPRETED at import
 TRITON_MODULES = tuple(f"atoll.kernels.triton_{m}" for m in ("moe_align", "grouped_gemm", "unpermute",
                                                               "rms_norm", "rotary", "paged_attention",
-                                                              "mla_decode", "fp8_gemm", "paged_prefill"))
+                                                              "mla_decode", "fp8_gemm", "paged_prefill",
+                                                              "fp8_grouped_gemm"))
 
 
 class KernelError(AtollError):

@@ -98,7 +98,7 @@ def write(dst: torch.Tensor, src: torch.Tensor, fp8: Fp8Scales) -> None:
 
 
 def dequantized(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A keep_fp8 parameter of any rank as float (for paths without an fp8 kernel: experts)."""
+    """A keep_fp8 parameter of any rank as float (the experts' torch path, on the CPU)."""
     cols = w.shape[-1]
     flat = dequantize_weight(w.reshape(-1, cols), scale.reshape(-1, scale.shape[-1]))
     return flat.view(w.shape).to(dtype)

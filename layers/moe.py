@@ -62,6 +62,7 @@ from atoll.comm.pending import ready, run
 from atoll.config import MOE_EXCHANGES, EngineConfig
 from atoll.errors import ConfigError
 from atoll.kernels import fused_moe
+from atoll.kernels.fp8_moe import fused_moe_fp8
 from atoll.kernels.backend import use_triton
 from atoll.layers import fp8_linear
 from atoll.layers.expert_map import ExpertLoad, ExpertMap
@@ -123,11 +124,20 @@ class Experts(nn.Module):
         """rows: [n_recv, hidden] in any order, local_ids: [n_recv] each row's local expert ->
         [n_recv, hidden]; the routing weights are applied later, by combine."""
         ones = torch.ones(len(rows), 1, device=rows.device)
-        return fused_moe(rows, *self.weights(rows.dtype), local_ids[:, None], ones)
+        return self._fused(rows, local_ids[:, None], ones)
+
+    def _fused(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """fused_moe over ids [n, k] (local experts); weights kept in fp8 (--quantization fp8)
+        go to fused_moe_fp8 on the Triton path, multiplied in fp8 as held, and are dequantized
+        for this call on the torch path (the CPU)."""
+        if fp8_linear.is_fp8(self.w13) and use_triton(rows, self.w13, self.w2):
+            return fused_moe_fp8(rows, self.w13, self.w13_scale, self.w2, self.w2_scale, ids, weights)
+        return fused_moe(rows, *self.weights(rows.dtype), ids, weights)
 
     def weights(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) to multiply by: as held, or dequantized for this call when kept in fp8
-        (--quantization fp8: models/quantize.py; no fp8 expert kernel yet)."""
+        """(w13, w2) as floats to multiply by: as held, or dequantized for this call when kept
+        in fp8 (models/quantize.py). Only the torch path (the CPU) calls it for fp8 weights;
+        the Triton path multiplies them in fp8 (kernels/fp8_moe.py)."""
         if not fp8_linear.is_fp8(self.w13):
             return self.w13, self.w2
         return (fp8_linear.dequantized(self.w13, self.w13_scale, dtype),
@@ -138,7 +148,7 @@ class Experts(nn.Module):
         [n, hidden], each row's weighted sum over its local experts, with shapes fixed by n.
 
         At decode sizes this reads weights, not FLOPs, so the path reading fewest bytes wins.
-        Triton: fused_moe, whose buffers are sized by a bound (no host sync), reads only the
+        Triton: fused_moe (fused_moe_fp8 for fp8 weights, read as held), whose buffers are sized by a bound (no host sync), reads only the
         experts that have a pair. Torch (the reference loops over ids.unique(), a host read):
         every row through every local expert, one GEMM over the stacked w13 and one bmm over
         w2, each local expert's weights read once. Gathering each (row, slot)'s expert weights
@@ -153,9 +163,9 @@ class Experts(nn.Module):
         local = len(self.local)
         if local == 0 or n == 0:
             return rows.new_zeros(n, hidden)
+        if use_triton(rows, self.w13, self.w2):
+            return self._fused(rows, local_ids, weights)
         w13, w2 = self.weights(rows.dtype)
-        if use_triton(rows, w13, w2):
-            return fused_moe(rows, w13, w2, local_ids, weights)
         inter = self.inter_local
         experts = torch.arange(local, device=rows.device)
         coef = ((local_ids[:, :, None] == experts) * weights[:, :, None].float()).sum(1)  # [n, local] fp32

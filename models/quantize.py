@@ -15,8 +15,9 @@
   linear also keeps the checkpoint's input_scale (the Triton path quantizes by it).
   Not: the embedding, the LM head, norms, routers, MLA's kv_b_proj. Products: the block-fp8
   Triton GEMM on CUDA (activations quantized per token per 128 columns: DeepSeek-V3's
-  recipe); on the CPU each product dequantizes the weight for that call (kernels/fp8.py);
-  experts dequantize on every device (no fp8 expert kernel yet).
+  recipe) and, for the experts, the fp8 grouped GEMM (kernels/fp8_moe.py: the same recipe over
+  the routed tokens); on the CPU each product dequantizes the weight for that call
+  (kernels/fp8.py), the experts' too.
 - int8: weight-only int8 rows with a bf16 scale each, quantized from the loaded weights
   (layers/quant_linear.py); the CPU runs them through torch's int8 weight-only kernel. Refused
   on CUDA (that kernel is the CPU's). Quantized: the column, row and replicated linears and

@@ -268,5 +268,5 @@ def test_bench_smoke_runs_every_row(triton_path, tmp_path, capsys):
     assert bench.main(["--smoke", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     kinds = {r["kernel"].strip() for r in rows}
-    assert kinds == {"fused_moe", "moe_align", "gemm1 silu*up", "gemm2 *weight", "unpermute", "rms_norm+res", "rotary"}
+    assert kinds == {"fused_moe", "fused_moe_fp8", "moe_align", "gemm1 silu*up", "gemm2 *weight", "unpermute", "rms_norm+res", "rotary"}
     assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows)
