@@ -85,6 +85,13 @@ def triton_interpreted() -> bool | None:
     return type(sys.modules["triton.language"].zeros).__name__ == "InterpretedFunction"
 
 
+def fp8_dot_supported(t: torch.Tensor) -> bool:
+    """Whether the device multiplies fp8 in its tensor cores (compute capability 8.9 and up:
+    Ada, Hopper, Blackwell); the interpreter on the CPU takes it too. Older GPUs (an A100)
+    dequantize fp8 weights instead."""
+    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when this call should run the Triton kernel (see the module docstring)."""
     m = mode()

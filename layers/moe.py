@@ -63,7 +63,7 @@ from atoll.config import MOE_EXCHANGES, EngineConfig
 from atoll.errors import ConfigError
 from atoll.kernels import fused_moe
 from atoll.kernels.fp8_moe import fused_moe_fp8
-from atoll.kernels.backend import use_triton
+from atoll.kernels.backend import fp8_dot_supported, use_triton
 from atoll.layers import fp8_linear
 from atoll.layers.expert_map import ExpertLoad, ExpertMap
 from atoll.layers.linear import _param, copy_into, divide
@@ -129,8 +129,9 @@ class Experts(nn.Module):
     def _fused(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """fused_moe over ids [n, k] (local experts); weights kept in fp8 (--quantization fp8)
         go to fused_moe_fp8 on the Triton path, multiplied in fp8 as held, and are dequantized
-        for this call on the torch path (the CPU)."""
-        if fp8_linear.is_fp8(self.w13) and use_triton(rows, self.w13, self.w2):
+        for this call on the torch path (the CPU) and on GPUs without fp8 tensor cores (before
+        compute capability 8.9)."""
+        if fp8_linear.is_fp8(self.w13) and use_triton(rows, self.w13, self.w2) and fp8_dot_supported(rows):
             return fused_moe_fp8(rows, self.w13, self.w13_scale, self.w2, self.w2_scale, ids, weights)
         return fused_moe(rows, *self.weights(rows.dtype), ids, weights)
 
