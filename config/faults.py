@@ -40,6 +40,9 @@ class FaultInjection:
         """From the flag's text (a FaultInjection passes through; empty text: None)."""
         if value is None or isinstance(value, FaultInjection):
             return value
+        if isinstance(value, dict) and isinstance(value.get("faults"), (list, tuple)):  # dataclasses.asdict's
+            value = ",".join(":".join([str(f.get("kind"))] + [f"{k}={f[k]}" for k in _FIELDS.get(f.get("kind"), ())
+                                                              if k in f]) for f in value["faults"])
         if not isinstance(value, str):
             raise InputError(f"fault_injection must be text such as 'kill:rank=1:step=40', got {type(value).__name__}")
         faults = tuple(_fault(part.strip()) for part in value.split(",") if part.strip())
