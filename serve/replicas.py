@@ -107,7 +107,10 @@ class Replicas:
 
     @property
     def stats(self) -> dict:
-        """The live replicas' counters added up."""
+        """The live replicas' counters added up (one engine's as they are: an MoE engine's
+        expert load is not a count)."""
+        if len(self.engines) == 1:
+            return self.engines[0].stats
         out: dict = {}
         for r, engine in enumerate(self.engines):
             if r not in self._dead:
