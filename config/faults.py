@@ -6,7 +6,7 @@ joined by ",", each a kind and its fields joined by ":":
     delay:rank=1:ms=200:step=10  rank 1 sleeps 200 ms after each step from its 10th on
     drop:rank=1:step=5           from its 5th step rank 1's messages are lost: it stops taking part
                                  (alive, its heartbeat beating), so its peers wait on it until
-                                 --collective-timeout-s; rank 0's reports to the server stop too
+                                 the launcher's collective timeout; rank 0's reports stop too
 
 `rank` is the rank within the engine (0 .. its ranks - 1); `step` counts the steps that ran a
 forward since the ranks started, so a restarted engine meets the same fault again (a kill at
