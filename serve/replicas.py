@@ -11,8 +11,8 @@ restarting (serve.restarts), and end with the cause once none will come back.
 
 A dead replica is started again on the same resources under the RestartPolicy, rejoins the
 router once ready, and /health is ok again. `degraded` names the replicas that are down (/health
-says so), and `error` is set only once every replica is down for good, so the server then
-stops as it does for a single engine.
+says so), and `error` is set only once every replica is down for good: the server stops. A
+single engine that restarts is a set of one (`label` names it; serve.replica_start.start_single).
 """
 
 from __future__ import annotations
