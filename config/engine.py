@@ -181,6 +181,9 @@ class EngineConfig:
                                                         "benchmarks, e.g. kill:rank=1:step=40, "
                                                         "delay:rank=1:ms=200:step=10, drop:rank=1:step=5, joined "
                                                         "by commas (config/faults.py)")
+    stall_timeout_s: float | None = _opt(None, "a living engine whose ranks send no step for this many seconds "
+                                               "while requests run is marked failed (a rank slow or stopped; "
+                                               "the server restarts it); default off")
     cache_dir: str | None = _opt(None, "where atoll keeps converted models, compiled graphs (inductor/) and "
                                        "compile times (decode_steps.json) (default ~/.cache/atoll; env ATOLL_CACHE)")
 
@@ -203,7 +206,7 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name}={value!r} must be a whole number of at least 1")
         self._check_eplb()
-        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s", "kv_disk_gb"):
+        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s", "kv_disk_gb", "stall_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not value > 0):

@@ -80,3 +80,17 @@ def test_a_killed_rank_ends_the_run_naming_it(model_and_reference):
     with LLM(d, layout="TP2", fault_injection="kill:rank=1:step=4") as llm:
         with pytest.raises(EngineDead, match="rank 1 .*SIGKILL"):
             llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True), timeout_s=120)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_slower_than_the_stall_timeout_fails_the_engine(model_and_reference):
+    """--stall-timeout-s: rank 1 sleeping 4 s a step from its 3rd is marked failed within about
+    the timeout (a server then restarts it); without it the same run just finishes slowly."""
+    d, _ = model_and_reference
+    with LLM(d, layout="TP2", fault_injection="delay:rank=1:ms=4000:step=3", stall_timeout_s=1.0) as llm:
+        started = time.monotonic()
+        with pytest.raises(EngineDead, match=r"the ranks sent no step for 1 s while 2 requests ran"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True), timeout_s=120)
+        waited = time.monotonic() - started
+    print(f"\nrank 1 slowed to 4 s a step: marked failed {waited:.1f} s after the run began")
+    assert waited < 4 * (NEW - 3), waited  # long before the slowed run could have ended
