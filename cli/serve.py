@@ -4,10 +4,16 @@ The ranks start and load the weights before the port listens; /health answers 20
 on. Under torchrun or mpirun every rank runs this command: rank 0 serves, the others run
 their engine rank until rank 0 stops them. SIGTERM (or Ctrl-C) drains: no new connections
 or requests (503), requests in flight finish or, past --shutdown-timeout, end with an error;
-then the ranks stop and the process exits 0. A rank that dies fails every request in flight
-with an error naming it, /health answers 503 for DEAD_LINGER_S, and the process exits with
-that one line (code 2): it does not restart its ranks, so a supervisor sees the failure and
-restarts the whole server."""
+then the ranks stop and the process exits 0.
+
+A rank that dies, under --restart-policy on-failure (the default) and the local or Ray
+launcher: the server stays up, stops what is left of the engine's ranks and starts them again
+on the same resources (serve.replica_start.start_single); the requests in flight or waiting
+are held and continue there with the tokens they streamed, and /health answers 503
+"restarting" meanwhile. A crash loop (--max-restarts within --restart-window-s), or any death
+under --restart-policy never, torchrun or mpirun (a fixed world): every request in flight ends
+with an error naming the rank, /health answers 503 for DEAD_LINGER_S, and the process exits
+with that one line (code 2), for a supervisor or the job's launcher to restart."""
 
 from __future__ import annotations
 
@@ -131,6 +137,10 @@ def run(args) -> int:
 
                 engine = start_replicas(llm, replicas, parallel=args.context, router=args.router,
                                         policy=policy)
+            elif policy.restarts and launcher in ("local", "ray") and llm.prefill_layout is None:
+                from atoll.serve.replica_start import start_single  # lazy: as above
+
+                engine = start_single(llm, parallel=args.context, policy=policy)
             else:
                 llm.start(parallel=args.context)
         except Terminated:
@@ -162,7 +172,9 @@ def _serve(args, llm, sock, engine=None) -> int:
     names = args.served_model_name or [str(args.model)]
     port = sock.getsockname()[1]
     ranks = llm.layout.world_size
-    copies = f" x {len(engine.engines)} replicas, {args.router} router" if engine is not None else ""
+    copies = ""
+    if engine is not None:
+        copies = ", restarted on failure" if engine.label else f" x {len(engine.engines)} replicas, {args.router} router"
     print(f"atoll: serving {names[0]} on http://{args.host}:{port}/v1 ({llm.layout}, {ranks} "
           f"rank{'s' if ranks > 1 else ''}{copies})", file=sys.stderr, flush=True)
     return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,

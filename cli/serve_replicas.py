@@ -21,11 +21,12 @@ ROUTER_HELP = ("which replica takes a request: cache_aware (the one holding the 
 def add_replica_options(p) -> None:
     p.add_argument("--router", default="cache_aware", choices=ROUTERS, help=ROUTER_HELP)
     p.add_argument("--restart-policy", default="on-failure", choices=RESTART_POLICIES,
-                   help="replicas (-dp 2 and more): one whose ranks die is started again on the same resources "
-                        "(on-failure, the default) or left down (never); its requests continue on the live "
-                        "replicas either way, with the tokens they streamed")
+                   help="an engine whose ranks die is started again on the same resources (on-failure, the "
+                        "default; local and Ray launchers) or left down (never). Replicas: its requests continue "
+                        "on the live replicas either way, with the tokens they streamed. One engine: they are "
+                        "held and continue on it once restarted; under never, or a crash loop, the server exits 2")
     p.add_argument("--max-restarts", type=int, default=3, metavar="N",
-                   help="restarts of one replica within --restart-window-s before it stays down (default 3)")
+                   help="restarts of one engine within --restart-window-s before it stays down (default 3)")
     p.add_argument("--restart-window-s", type=float, default=600.0, metavar="S",
                    help="the window --max-restarts counts over (default 600)")
 

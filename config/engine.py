@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from atoll.config.faults import FaultInjection
 from atoll.config.speculative import SpeculativeConfig
 from atoll.errors import InputError
 
@@ -176,12 +177,20 @@ class EngineConfig:
     step_trace: str | None = _opt(None, "append every engine tick's shape (decode rows, prompt-chunk tokens, the "
                                         "positions they attend to) and seconds to this file, a JSON line each, from "
                                         "each engine's first rank (atoll calibrate --steps reads them)")
+    fault_injection: FaultInjection | None = _opt(None, "off unless given: faults caused on purpose, for tests and "
+                                                        "benchmarks, e.g. kill:rank=1:step=40, "
+                                                        "delay:rank=1:ms=200:step=10, drop:rank=1:step=5, joined "
+                                                        "by commas (config/faults.py)")
+    stall_timeout_s: float | None = _opt(None, "a living engine whose ranks send no step for this many seconds "
+                                               "while requests run is marked failed (a rank slow or stopped; "
+                                               "the server restarts it); default off")
     cache_dir: str | None = _opt(None, "where atoll keeps converted models, compiled graphs (inductor/) and "
                                        "compile times (decode_steps.json) (default ~/.cache/atoll; env ATOLL_CACHE)")
 
     def __post_init__(self):
         if self.speculative_config is not None:  # JSON text (the CLI's), a dict or a SpeculativeConfig
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "fault_injection", FaultInjection.parse(self.fault_injection))
         for name, choices in (("device", DEVICES), ("dispatch", DISPATCH), ("kernels", KERNEL_MODES),
                               ("moe_exchange", MOE_EXCHANGES), ("compile", COMPILE_POLICIES),
                               ("kv_cache_dtype", KV_CACHE_DTYPES)):
@@ -197,7 +206,7 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name}={value!r} must be a whole number of at least 1")
         self._check_eplb()
-        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s", "kv_disk_gb"):
+        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s", "kv_disk_gb", "stall_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not value > 0):

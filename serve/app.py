@@ -89,6 +89,10 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
 
     @app.get("/health")
     async def health():
+        restarting = getattr(backend.engine, "restarting", None)
+        if restarting and backend.healthy:  # nothing serves until the engine is back; requests are held
+            return JSONResponse({"status": "restarting", "error": restarting}, status_code=503,
+                                headers={"Retry-After": "5"})
         if backend.healthy:
             # replicas, or a disaggregated job's engines: some died, the rest serve
             dead = getattr(backend.engine, "degraded", None)

@@ -36,11 +36,19 @@ def replica_launchers(launcher, count: int, world_size: int) -> list:
     return [LocalShare(launcher, threads=threads, first_gpu=k * world_size) for k in range(count)]
 
 
+def start_single(llm, *, parallel=None, policy: RestartPolicy | None = None) -> Replicas:
+    """One engine that comes back: its ranks started again on the same resources when one
+    dies, under `policy`, its requests held meanwhile and continued there with their tokens
+    (a set of one replica, named after the engine's layout in its lines)."""
+    return start_replicas(llm, 1, parallel=parallel, router="round_robin", policy=policy,
+                          label=f"engine {llm.layout}")
+
+
 def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware",
-                   policy: RestartPolicy | None = None) -> Replicas:
+                   policy: RestartPolicy | None = None, label: str | None = None) -> Replicas:
     """`count` living engines of llm's layout, started side by side, behind a router. A
     replica that fails to start stops the others and its error is raised; one that dies
-    later is started again under `policy` (serve.restarts)."""
+    later is started again under `policy` (serve.restarts). label: see Replicas."""
     spec = engine_spec(llm)
     launchers = replica_launchers(llm.launcher, count, llm.layout.world_size)
     chooser: list = []  # the router, once the engines said their sizes; their cache events go to it
@@ -49,7 +57,7 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
         return lambda events: chooser[0].observe(k, events) if chooser else None
 
     def one(k: int) -> OnlineEngine:
-        return OnlineEngine(spec.for_engine(f"replica{k}"), world_size=llm.layout.world_size, launcher=launchers[k],
+        return OnlineEngine(spec if label else spec.for_engine(f"replica{k}"), world_size=llm.layout.world_size, launcher=launchers[k],
                             parallel=parallel or llm.context_options(),
                             on_events=events_of(k) if router == "cache_aware" else None)
 
@@ -75,4 +83,4 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
     chooser.append(make_router(router, capacities=capacities, block_size=info["block_size"],
                                imbalance=max(1, info["max_num_seqs"] // 4), events=True,
                                tiers=[bool(e.info.get("kv_tiers")) for e in engines]))
-    return Replicas(engines, chooser[0], start=one, policy=policy)
+    return Replicas(engines, chooser[0], start=one, policy=policy, label=label)

@@ -11,8 +11,8 @@ restarting (serve.restarts), and end with the cause once none will come back.
 
 A dead replica is started again on the same resources under the RestartPolicy, rejoins the
 router once ready, and /health is ok again. `degraded` names the replicas that are down (/health
-says so), and `error` is set only once every replica is down for good, so the server then
-stops as it does for a single engine.
+says so), and `error` is set only once every replica is down for good: the server stops. A
+single engine that restarts is a set of one (`label` names it; serve.replica_start.start_single).
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ class _Placed:
 
 
 class Replicas:
-    def __init__(self, engines: list[OnlineEngine], router, *, start=None, policy: RestartPolicy | None = None):
-        """start(k): a new engine for replica k on its resources (a restart); None: never restart."""
-        self.engines, self.router = engines, router
+    def __init__(self, engines: list[OnlineEngine], router, *, start=None, policy: RestartPolicy | None = None,
+                 label: str | None = None):
+        """start(k): a new engine for replica k on its resources (a restart); None: never restart.
+        label: a single engine's name in its lines, in place of "replica 0" (serve.single)."""
+        self.engines, self.router, self.label = engines, router, label
         self._lock = threading.RLock()
         self._ids = iter(range(1 << 62))
         self._placed: dict[int, _Placed] = {}
@@ -76,7 +78,22 @@ class Replicas:
     def _all_dead(self) -> str | None:
         if len(self._dead) < len(self.engines) or self._restarting:
             return None
+        if self.label is not None:
+            return f"{self.label}: {self._dead[0]}"
         return "every replica failed: " + "; ".join(f"replica {r}: {line}" for r, line in sorted(self._dead.items()))
+
+    def name(self, replica: int) -> str:
+        return self.label if self.label is not None else f"replica {replica}"
+
+    @property
+    def restarting(self) -> str | None:
+        """While no engine serves and one is being started again: why (the last cause)."""
+        with self._lock:
+            if len(self._dead) < len(self.engines) or not self._restarting:
+                return None
+            r = min(self._restarting)
+            return f"{self.name(r)} is restarting ({self.restarts.count(r)} of at most " \
+                   f"{self.restarts.policy.max_restarts} within {self.restarts.policy.window_s:g} s) after: {self._dead[r]}"
 
     @property
     def degraded(self) -> dict[int, str]:
@@ -90,7 +107,10 @@ class Replicas:
 
     @property
     def stats(self) -> dict:
-        """The live replicas' counters added up."""
+        """The live replicas' counters added up (one engine's as they are: an MoE engine's
+        expert load is not a count)."""
+        if len(self.engines) == 1:
+            return self.engines[0].stats
         out: dict = {}
         for r, engine in enumerate(self.engines):
             if r not in self._dead:
@@ -113,14 +133,16 @@ class Replicas:
     # --- requests --------------------------------------------------------------------------
 
     def submit(self, request, sink) -> None:
-        """Route the request and queue it on its replica; EngineDead when none is alive."""
+        """Route the request and queue it on its replica; while none is alive but one is
+        restarting, hold it for that one; EngineDead when none is alive or coming back."""
         placed = _Placed(request, sink, -1)
-        self._place(placed, retry=False)
+        self._place(placed, retry=False, hold=True)
 
     def abort(self, index: int) -> None:
         with self._lock:
             placed = self._placed.get(index)
-            if placed is None:
+            if placed is None:  # held for a restart, perhaps: its reader is gone, so it is too
+                self._held = [p for p in self._held if p.request.index != index]
                 return
             placed.aborted = True
             engine = self.engines[placed.replica]
@@ -133,7 +155,10 @@ class Replicas:
         groups: dict[int, list] = {}
         for request, sink in pairs:
             placed = _Placed(request, sink, -1)
-            groups.setdefault(self._route(placed, retry=False).replica, []).append(placed)
+            try:
+                groups.setdefault(self._route(placed, retry=False).replica, []).append(placed)
+            except EngineDead:  # none alive: held for one restarting (or raised)
+                self._place(placed, retry=False, hold=True)
         for replica, group in groups.items():
             try:
                 self.engines[replica].submit_all([(p.request, self._sink(p, replica)) for p in group])
@@ -144,12 +169,12 @@ class Replicas:
                 for placed in group:
                     self._place(placed, retry=False)
 
-    def _place(self, placed: _Placed, *, retry: bool, exclude: int | None = None) -> None:
+    def _place(self, placed: _Placed, *, retry: bool, exclude: int | None = None, hold: bool = False) -> None:
         while True:
             try:
                 route = self._route(placed, retry=retry, exclude=exclude)
             except EngineDead:
-                held = self._hold(placed) if retry else False
+                held = self._hold(placed) if retry or hold else False
                 if held is None:  # a replica came back meanwhile: route again (the excluded one is new now)
                     exclude = None
                     continue
@@ -228,7 +253,7 @@ class Replicas:
                         return
                     except EngineDead:
                         pass
-                payload = f"replica {replica}: {payload}"
+                payload = f"{self.name(replica)}: {self._dead.get(replica, payload)}"  # a crash loop says so
             elif kind == "finish" and placed.migrations:
                 payload = {**payload, "metrics": {**payload.get("metrics", {}), "migrations": placed.migrations}}
             placed.sink(kind, payload)
@@ -262,10 +287,12 @@ class Replicas:
                 self._restarting.add(replica)
             elif self.restarts.policy.restarts:
                 p = self.restarts.policy
-                self._dead[replica] = f"{line} (crash loop: {p.max_restarts} restarts within {p.window_s:g} s; it stays down)"
+                loop = f"crash loop: {p.max_restarts} restarts within {p.window_s:g} s"
+                self._dead[replica] = f"{line} ({loop}; it stays down)" if self.label is None else \
+                    f"{loop}; last cause: {line}"
             held, self._held = (self._held, []) if not self._restarting else ([], self._held)
         for placed in held:  # nothing will come back for them
-            placed.sink("error", f"replica {replica}: {line}")
+            placed.sink("error", f"{self.name(replica)}: {line}")
         if backoff is None:
             return
         thread = threading.Thread(target=self._come_back, args=(replica, backoff), daemon=True,

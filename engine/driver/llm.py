@@ -138,6 +138,8 @@ class LLM:
         if self.layout.cp > 1 and (self.options.speculative_config is not None or self.prefill_layout is not None):
             raise LayoutError(f"layout {self.layout}: context parallelism does not combine with speculative "
                               "decoding or disaggregated prefill yet")
+        if self.options.fault_injection is not None:
+            self.options.fault_injection.check_ranks(self.layout.world_size)
         Checkpoint(self.model_dir).check()
         check_layout_fits(self.model_dir, self.config, self.layout)  # shapes, before any rank starts
         quantize.check(self.options.quantization, self.config, self.options.device)

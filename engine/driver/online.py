@@ -199,7 +199,20 @@ class OnlineEngine:
             if time.monotonic() > deadline:
                 raise LaunchError(f"the engine's ranks were not ready within {timeout_s:.0f} s")
 
+    def _stalled(self, last: float) -> bool:
+        """Requests run but no step came for the config's stall_timeout_s (a slow or stopped rank)."""
+        limit = self.spec.engine.stall_timeout_s
+        if limit is None or time.monotonic() - last < limit:
+            return False
+        with self._lock:
+            running = len(self._sinks)
+        if running:
+            self._fail(f"the ranks sent no step for {limit:g} s while {running} requests ran (--stall-timeout-s): "
+                       "a rank is slow or stopped")
+        return bool(running)
+
     def _pump(self) -> None:
+        last = time.monotonic()  # the latest message, or the latest time nothing ran
         while True:
             try:
                 msg = self._outbox.get(timeout=0.1)
@@ -207,6 +220,10 @@ class OnlineEngine:
                 msg = None
             except (OSError, EOFError, ValueError):
                 msg = None
+            if msg is not None or not self._sinks:
+                last = time.monotonic()
+            elif not self._closing and self._stalled(last):
+                return
             if msg is not None:
                 if msg[0] == "step":
                     self._deliver(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from atoll.engine.batch.request import Request
 from atoll.engine.rank.core import EngineCore
+from atoll.engine.rank.faults import RankFaults
 from atoll.engine.rank.trace import StepTrace
 from atoll.parallel import links
 
@@ -135,6 +136,7 @@ class ServeLoop:
         self.leader = self.ctx.coords.tp == 0 and self.ctx.is_first_stage  # holds its replica's tokens
         self.group = self.ctx.world  # this engine's ranks
         self.first = self.group.rank == 0  # talks to the driver
+        self.faults = RankFaults(runner.spec.engine.fault_injection, self.group.rank)  # config.faults: off by default
         # cache_events: each step's stats carry "kv_events", [(replica, named?, block name)], the
         # prefix blocks this engine's pools named or evicted (the driver's routing reads them)
         self.cache_events = cache_events
@@ -159,12 +161,16 @@ class ServeLoop:
         if self.link_stats:
             links.reset(self.ctx, self.runner.model)  # the run's own traffic, not the warm-up's
         self.runner.start_run()
+        if self.faults:
+            self.faults.after_step(ran=False)
         while True:
             commands = self.feed.take(core.tick, core.busy) if self.first else None
             commands = self._broadcast(commands)
             if self._apply(commands):
                 break
             ran = core.step(more=any(c[0] == "tick" for c in commands))
+            if ran and self.faults:
+                self.faults.after_step()
             if ran and self.runner.balancer is not None:  # between two steps: the expert load window, rebalances
                 self.runner.balancer.after_step()
             finished = [(i, r) for i, r in self.finished if self.forward is None or self.forward(i, r)]

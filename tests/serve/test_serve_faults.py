@@ -1,5 +1,6 @@
 """`atoll serve` when things go wrong, each on a server of its own: a rank killed mid-stream
-(the streams end with an error naming it, /health says 503, the process exits with one line)
+under --restart-policy never (the streams end with an error naming it, /health says 503, the
+process exits with one line; on-failure, the default, restarts it: test_serve_restart.py)
 and SIGTERM (no new connections, a short stream finishes, one past --shutdown-timeout ends
 with an error, exit 0)."""
 
@@ -38,7 +39,8 @@ async def _stream(c, max_tokens: int, started: asyncio.Event | None = None):
 @pytest.mark.timeout(300)
 def test_a_killed_rank_fails_requests_naming_it_and_the_server_exits(tiny_model, tmp_path):
     d = with_tokenizer(tiny_model("llama"), tmp_path / "m")
-    server = Server(d, "-tp", "2", "--served-model-name", NAME, log=tmp_path / "server.log")
+    server = Server(d, "-tp", "2", "--served-model-name", NAME, "--restart-policy", "never",
+                    log=tmp_path / "server.log")
     try:
         ranks = server.rank_pids()
         assert len(ranks) == 2

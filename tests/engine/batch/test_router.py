@@ -161,7 +161,8 @@ def test_a_dead_replica_comes_back_and_its_held_requests_go_on_there():
     assert not reps.degraded and reps.engines[0] is made[0] and first.closed
     assert made[0].requests[0].generated == [3] and events == [("token", (3, None))]
     made[0].die("rank 0 on node0 failed: exit code 1")  # a second failure: max_restarts 1 within the window
-    assert events[-1] == ("error", "replica 0: rank 0 on node0 failed: exit code 1")
+    assert events[-1] == ("error", "replica 0: rank 0 on node0 failed: exit code 1 (crash loop: 1 restarts "
+                                   "within 600 s; it stays down)")
     assert "crash loop: 1 restarts within 600 s" in reps.degraded[0] and reps.error.startswith("every replica failed")
     reps.close()
 
