@@ -102,7 +102,6 @@ class Responses:
 
     def prepare(self, body: ResponsesRequest) -> tuple[list[dict], list[int]]:
         """The conversation's messages (without instructions) and the prompt's token ids."""
-        body.refuse_unsupported()
         if body.model is not None and body.model not in self.served:
             raise ApiError(400, f"model={body.model!r} is not served here; this server serves "
                                 f"{', '.join(map(repr, self.served))}", param="model", code="model_not_found")
@@ -155,6 +154,7 @@ class Responses:
         self.store.put(Stored(response, messages + [said]))
 
     async def create(self, body: ResponsesRequest, request: Request, *, on_disconnect):
+        body.refuse_unsupported()
         try:
             messages, ids = self.prepare(body)
             call, renderer = self.handler.start(body, [ids], chat=True)

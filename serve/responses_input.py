@@ -125,6 +125,7 @@ def renamed(e: ApiError) -> ApiError:
         rest = rest.removeprefix("json_schema").lstrip(".")
     param = ".".join(x for x in (ours, rest) if x)
     message = e.message.replace(e.param, param, 1) if e.message.startswith(e.param) else e.message.replace(head, ours)
+    message = message.replace("the messages", "the input")
     out = ApiError(e.status, message, param=param, type=e.type, code=e.code, retry_after=e.retry_after)
     out.counted = e.counted
     return out
@@ -143,7 +144,7 @@ def input_messages(given: str | list[dict], *, tools: bool) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             out.append(_message(item, where))
-        elif kind == "function_call_output":
+        elif kind == "function_call_output" and tools:
             out.append({"role": "tool", "tool_call_id": _text(item, "call_id", where),
                         "content": _output(item.get("output"), f"{where}.output")})
         elif kind == "function_call" and tools:
