@@ -14,6 +14,7 @@ conversation, prompt templates, truncation "auto", built-in tools, ...) is one 4
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import Field
@@ -114,18 +115,20 @@ def text_format(text: dict | None) -> dict | None:
 
 
 def renamed(e: ApiError) -> ApiError:
-    """A refusal of the chat path (naming chat's field) naming the Responses field instead."""
-    if e.param is None:
+    """A refusal of the chat path naming the Responses fields instead of chat's (in its
+    param and its message)."""
+    param = e.param
+    head, _, rest = (param or "").partition(".")
+    if head in RENAMED:
+        if head == "response_format":  # response_format.json_schema.schema: text.format.schema
+            rest = rest.removeprefix("json_schema").lstrip(".")
+        param = ".".join(x for x in (RENAMED[head], rest) if x)
+    message = e.message.replace(e.param, param, 1) if param != e.param and e.message.startswith(e.param) \
+        else e.message
+    message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", message)
+    message = message.replace("response_format", "text.format").replace("the messages", "the input")
+    if (param, message) == (e.param, e.message):
         return e
-    head, _, rest = e.param.partition(".")
-    ours = RENAMED.get(head)
-    if ours is None:
-        return e
-    if head == "response_format":  # response_format.json_schema.schema: text.format.schema
-        rest = rest.removeprefix("json_schema").lstrip(".")
-    param = ".".join(x for x in (ours, rest) if x)
-    message = e.message.replace(e.param, param, 1) if e.message.startswith(e.param) else e.message.replace(head, ours)
-    message = message.replace("the messages", "the input")
     out = ApiError(e.status, message, param=param, type=e.type, code=e.code, retry_after=e.retry_after)
     out.counted = e.counted
     return out
