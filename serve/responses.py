@@ -17,24 +17,19 @@ first out past `size` responses."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 
 from atoll.errors import CheckpointError
-from atoll.serve.handlers import Handler, dumps
+from atoll.serve.handlers import Handler
 from atoll.serve.protocol import ApiError
 from atoll.serve.responses_input import ResponsesRequest, function_tools, input_messages, renamed
+from atoll.serve.responses_stream import call_item, message_item, new_id, response_events
 
 STORE_SIZE = 1024  # responses kept for previous_response_id and GET
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 @dataclass
@@ -73,23 +68,6 @@ def usage_of(chat_usage: dict | None) -> dict | None:
     return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}
-
-
-def message_item(text: str, *, done: bool, item_id: str, incomplete: bool = False) -> dict:
-    status = "incomplete" if incomplete else "completed" if done else "in_progress"
-    content = [text_part(text)] if done else []
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
-
-
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def call_item(call: dict, *, item_id: str, done: bool = True) -> dict:
-    """A chat tool call ({id, function: {name, arguments}}) as a function_call item."""
-    fn = call.get("function") or {}
-    return {"type": "function_call", "id": item_id, "call_id": call.get("id"), "name": fn.get("name"),
-            "arguments": fn.get("arguments") or "", "status": "completed" if done else "in_progress"}
 
 
 class Responses:
@@ -181,94 +159,20 @@ class Responses:
         return out
 
     async def events(self, body: ResponsesRequest, messages: list[dict], chunks, rid: str, created: int):
-        """The chat stream's chunks as Responses' events. However it ends, the chat stream is
-        closed, and with it the engine request."""
-        seq = 0
+        """The chat stream's chunks as Responses' events; the response stored at the end."""
 
-        def event(kind: str, **fields) -> str:
-            nonlocal seq
-            seq += 1
-            return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+        def finish(output, use, status, text, calls):
+            final = self.response(body, rid, created, status=status, output=output, use=usage_of(use))
+            self.keep(body, final, messages, text, calls)
+            return final
+
+        def fail(output, message):
+            return self.response(body, rid, created, status="failed", output=output, use=None,
+                                 error={"code": "server_error", "message": message})
 
         head = self.response(body, rid, created, status="in_progress", output=[], use=None)
-        yield event("response.created", response=head)
-        yield event("response.in_progress", response=head)
-        msg_id, text, reason, use = new_id("msg"), "", None, None
-        output: list[dict] = []
-        calls: dict[int, dict] = {}  # tool call index -> chat's call, arguments growing
-        opened = False
-        try:
-            async for raw in chunks:
-                data = raw.removeprefix("data: ").strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    failed = self.response(body, rid, created, status="failed", output=output, use=None,
-                                           error={"code": "server_error", "message": chunk["error"]["message"]})
-                    yield event("response.failed", response=failed)
-                    return
-                use = usage_of(chunk.get("usage")) or use
-                for c in chunk["choices"]:
-                    delta = c.get("delta") or {}
-                    piece = delta.get("content")
-                    if piece:
-                        if not opened:
-                            opened = True
-                            for e in self._open(event, msg_id, len(output)):
-                                yield e
-                        text += piece
-                        yield event("response.output_text.delta", item_id=msg_id, output_index=len(output),
-                                    content_index=0, delta=piece, logprobs=[])
-                    for tc in delta.get("tool_calls") or ():
-                        one = calls.setdefault(tc.get("index", 0), {"id": None, "type": "function",
-                                                                   "function": {"name": None, "arguments": ""}})
-                        one["id"] = tc.get("id") or one["id"]
-                        fn = tc.get("function") or {}
-                        one["function"]["name"] = fn.get("name") or one["function"]["name"]
-                        one["function"]["arguments"] += fn.get("arguments") or ""
-                    reason = c.get("finish_reason") or reason
-            incomplete = reason == "length"
-            if opened or not calls:
-                if not opened:
-                    for e in self._open(event, msg_id, len(output)):
-                        yield e
-                for e in self._close(event, msg_id, len(output), text, incomplete):
-                    yield e
-                output.append(message_item(text, done=True, item_id=msg_id, incomplete=incomplete))
-            for _, tc in sorted(calls.items()):
-                item = call_item(tc, item_id=new_id("fc"))
-                index = len(output)
-                yield event("response.output_item.added", output_index=index, item={**item, "arguments": "",
-                                                                                   "status": "in_progress"})
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=item["arguments"])
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            arguments=item["arguments"])
-                yield event("response.output_item.done", output_index=index, item=item)
-                output.append(item)
-            final = self.response(body, rid, created, status="incomplete" if incomplete else "completed",
-                                  output=output, use=use)
-            self.keep(body, final, messages, text, [calls[k] for k in sorted(calls)])
-            yield event("response.incomplete" if incomplete else "response.completed", response=final)
-        finally:
-            await chunks.aclose()
-
-    @staticmethod
-    def _open(event, msg_id: str, index: int):
-        yield event("response.output_item.added", output_index=index,
-                    item=message_item("", done=False, item_id=msg_id))
-        yield event("response.content_part.added", item_id=msg_id, output_index=index, content_index=0,
-                    part=text_part(""))
-
-    @staticmethod
-    def _close(event, msg_id: str, index: int, text: str, incomplete: bool):
-        yield event("response.output_text.done", item_id=msg_id, output_index=index, content_index=0, text=text,
-                    logprobs=[])
-        yield event("response.content_part.done", item_id=msg_id, output_index=index, content_index=0,
-                    part=text_part(text))
-        yield event("response.output_item.done", output_index=index,
-                    item=message_item(text, done=True, item_id=msg_id, incomplete=incomplete))
+        async for e in response_events(chunks, head, finish, fail):
+            yield e
 
 
 def mount_responses(app: FastAPI, handler: Handler, served_names: list[str], *, streaming, on_disconnect,
