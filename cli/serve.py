@@ -29,6 +29,7 @@ DEAD_LINGER_S = 2.0  # /health says 503 this long after the engine died, then th
 # --layout auto plans for this serving workload: max_num_seqs requests of these lengths (at
 # most half and a quarter of the context)
 AUTO_PROMPT_TOKENS, AUTO_OUTPUT_TOKENS = 512, 256
+TOOL_CALL_PARSERS = ["hermes", "llama3_json", "deepseek_v3"]  # serve.tools.PARSERS (not imported: --help stays light)
 
 
 def add_parser(sub) -> None:
@@ -39,6 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) requests give (default: --model as given); the first is reported")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help='how tool_choice "auto" reads tool calls out of the model\'s text: hermes (Hermes, Qwen '
+                        "<tool_call>), llama3_json (Llama 3.x JSON) or deepseek_v3 (DeepSeek-V3's tokens); "
+                        '"required" and a named function need none')
     p.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
                    help="requests waiting for their first token beyond which new ones get 429 with Retry-After")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
@@ -161,5 +166,5 @@ def _serve(args, llm, sock, engine=None) -> int:
     print(f"atoll: serving {names[0]} on http://{args.host}:{port}/v1 ({llm.layout}, {ranks} "
           f"rank{'s' if ranks > 1 else ''}{copies})", file=sys.stderr, flush=True)
     return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,
-                             max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
+                             tool_call_parser=args.tool_call_parser, max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                              log_level=args.log_level, dead_linger_s=DEAD_LINGER_S, engine=engine))

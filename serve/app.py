@@ -24,6 +24,7 @@ from atoll.serve.handlers import Handler
 from atoll.serve.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                   error_body, validation_error)
 from atoll.serve.responses import mount_responses
+from atoll.serve.tools.choice import plan_of
 
 
 class EngineStream(StreamingResponse):
@@ -54,7 +55,9 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
-def create_app(backend: Backend, *, served_names: list[str], api_key: str | None = None) -> FastAPI:
+def create_app(backend: Backend, *, served_names: list[str], api_key: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
+    """tool_call_parser: how tool_choice "auto" reads calls out of the text (serve.tools.PARSERS)."""
     app = FastAPI(title="atoll", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = backend.metrics
     handler = Handler(backend, model=served_names[0])
@@ -123,11 +126,14 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
         if tok is None:
             raise ApiError(400, "this model has no tokenizer.json: chat needs one (use /v1/completions with "
                                 "token ids)", param="messages")
+        plan = plan_of(body.tools, body.tool_choice, body.parallel_tool_calls, parser=tool_call_parser,
+                       grammars=backend.llm.grammars)
         try:
-            text = tok.apply_chat_template([m.template_dict() for m in body.messages])
+            text = tok.apply_chat_template([m.template_dict() for m in body.messages],
+                                           tools=plan.tools if plan else None)
         except CheckpointError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
-        return await respond(request, body, [tok.encode(text, add_special_tokens=False)], chat=True)
+        return await respond(request, body, [tok.encode(text, add_special_tokens=False)], chat=True, tools=plan)
 
     def tokenizer():
         tok = backend.llm.tokenizer
@@ -146,10 +152,12 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
         if body.prompt is not None:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
+            plan = plan_of(body.tools, "none", None, parser=None)
             try:
                 text = tok.apply_chat_template([m.template_dict() for m in body.messages],
                                                add_generation_prompt=body.add_generation_prompt,
-                                               continue_final_message=body.continue_final_message)
+                                               continue_final_message=body.continue_final_message,
+                                               tools=plan.tools if plan else None)
             except CheckpointError as e:
                 raise ApiError(400, f"messages: {e}", param="messages") from None
             ids = tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
@@ -167,8 +175,8 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
                                 f"0..{vocab - 1}", param="tokens")
         return {"prompt": tok.decode(body.tokens)}
 
-    async def respond(request: Request, body, prompts: list, *, chat: bool):
-        call, renderer = handler.start(body, prompts, chat=chat)
+    async def respond(request: Request, body, prompts: list, *, chat: bool, tools=None):
+        call, renderer = handler.start(body, prompts, chat=chat, tools=tools, parser=tool_call_parser)
         if body.stream:
             return EngineStream(handler.stream(call, renderer, include_usage=body.include_usage),
                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

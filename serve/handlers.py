@@ -27,8 +27,10 @@ class Handler:
     def __init__(self, backend: Backend, *, model: str):
         self.backend, self.llm, self.model = backend, backend.llm, model
 
-    def start(self, body, prompts: list, *, chat: bool) -> tuple[Call, Renderer]:
-        """Validate, tokenize and submit: the call in the engine and its renderer."""
+    def start(self, body, prompts: list, *, chat: bool, tools=None, parser: str | None = None) -> tuple[Call, Renderer]:
+        """Validate, tokenize and submit: the call in the engine and its renderer. tools: the
+        request's ToolPlan (serve.tools.choice), whose grammar (if any) constrains the output;
+        parser: the server's --tool-call-parser."""
         arrived = time.monotonic()  # the latencies include tokenizing
         param = "messages" if chat else "prompt"
         limit = body.token_limit if chat else body.max_tokens
@@ -36,7 +38,14 @@ class Handler:
         if body.stop and self.llm.tokenizer is None:
             raise ApiError(400, "stop strings need the model's tokenizer.json, which it lacks", param="stop")
         self.backend.check_admission(len(prompts) * body.n)  # before tokenizing: a full queue answers at once
-        params = self._checked(sampling_params(body, max_tokens=limit or max(1, body.min_tokens), logprobs=logprobs))
+        params = sampling_params(body, max_tokens=limit or max(1, body.min_tokens), logprobs=logprobs)
+        forced = tools.structured() if tools is not None else None
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise ApiError(400, f"{params.structured_outputs.field} and tool_choice={tools.mode!r} both constrain "
+                                    "the output: give one", param=params.structured_outputs.field)
+            params = replace(params, structured_outputs=forced)
+        params = self._checked(params)
         limit_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
         requests = [self._budget(r, limit, chat=chat, param=param, limit_param=limit_param)
                     for r in self.backend.prepare(prompts, params, param=param)]
@@ -49,6 +58,9 @@ class Handler:
         renderer = Renderer(chat=chat, model=body.model or self.model, tokenizer=self.llm.tokenizer,
                             token_ids=body.return_token_ids, echo=echo, top=logprobs,
                             prompt_logprobs=body.prompt_logprobs)
+        if tools is not None and tools.mode != "none":
+            renderer.tools = lambda: tools.parser(parser)
+            renderer.parallel = tools.parallel
         return call, renderer
 
     def _checked(self, params):
@@ -102,7 +114,12 @@ class Handler:
         choices = []
         for k in range(n):
             out = self._finish(call, k, results[k])
-            choices.append(renderer.choice(k, out.text or "", out.finish_reason, ids=out.token_ids,
+            text, calls, reason = out.text or "", None, out.finish_reason
+            if renderer.tools is not None:
+                text, calls = renderer.tools().extract(text)
+                calls = [c.body() for c in calls[:None if renderer.parallel else 1]]
+                reason = "tool_calls" if calls and reason == "stop" else reason
+            choices.append(renderer.choice(k, text, reason, tool_calls=calls, ids=out.token_ids,
                                            logprobs=payloads[k] if call.logprobs else None,
                                            prompt_ids=call.requests[k].prompt_token_ids, prompt=k // call.n,
                                            prompt_logprobs=prompts.get(k, results[k].get("prompt_logprobs"))))
@@ -117,6 +134,7 @@ class Handler:
         results: dict[int, dict] = {}
         prompts: dict[int, list] = {}
         started: set[int] = set()
+        parsers = [renderer.tools() if renderer.tools is not None else None for _ in call.requests]
         try:
             while len(results) < n:
                 batch = await call.events.batch()
@@ -144,11 +162,14 @@ class Handler:
                         out = self._finish(call, choice, results[choice])
                         text += texts[choice].finish(out.text)
                         reason = out.finish_reason
+                    calls = None
+                    if parsers[choice] is not None:
+                        text, calls, reason = _tool_deltas(parsers[choice], text, reason, renderer.parallel)
                     first = choice not in started
-                    if not (text or first or reason or (call.logprobs and new) or (renderer.token_ids and new)):
+                    if not (text or first or reason or calls or (call.logprobs and new) or (renderer.token_ids and new)):
                         continue
                     started.add(choice)
-                    yield sse(dumps(renderer.chunk(choice, text, finish_reason=reason, ids=new,
+                    yield sse(dumps(renderer.chunk(choice, text, finish_reason=reason, tool_calls=calls, ids=new,
                                                    logprobs=lps.get(choice, []) if call.logprobs else None,
                                                    first=first, prompt_ids=call.requests[choice].prompt_token_ids,
                                                    prompt=choice // call.n, prompt_logprobs=prompts.get(choice))))
@@ -157,6 +178,18 @@ class Handler:
             yield sse("[DONE]")
         finally:
             self.backend.end(call)
+
+
+def _tool_deltas(parser, text: str, reason: str | None, parallel: bool) -> tuple[str, list | None, str | None]:
+    """A choice's new text through its tool parser: (content, tool-call deltas, finish_reason);
+    at the end, what the parser held back too, and "tool_calls" where it called one."""
+    content, calls = parser.feed(text)
+    if reason is not None:
+        more, last = parser.finish()
+        content, calls = content + more, calls + last
+        reason = "tool_calls" if parser.called and reason == "stop" else reason
+    calls = [c for c in calls if parallel or c["index"] == 0]
+    return content, calls or None, reason
 
 
 def _failure(choice, line: str) -> ApiError:

@@ -2,17 +2,20 @@
 is not 1), vLLM's /tokenize and /detokenize bodies, the error every refusal becomes, and a
 request's SamplingParams.
 
-Fields OpenAI defines and atoll cannot honour yet (suffix, best_of > 1, tools and tool_choice,
-functions, audio, prediction, web search) are refused by name with a 400 (UNSUPPORTED); unknown
+Fields OpenAI defines and atoll cannot honour yet (suffix, best_of > 1, the older functions and
+function_call, audio, prediction, web search) are refused by name with a 400 (UNSUPPORTED); unknown
 fields are ignored, as OpenAI's other servers do. `response_format` (text, json_object,
 json_schema) and vLLM's `structured_outputs` (json, regex, choice, grammar, json_object,
 whitespace_pattern; its older `guided_*` fields too) constrain the output (structured_of).
+Chat's `tools`, `tool_choice` and `parallel_tool_calls` are checked in serve/tools/choice.py;
+a message may carry `tool_calls` (an assistant's) or `tool_call_id` (a tool's result).
 Extensions (vLLM's names and meanings): `top_k`, `min_tokens`, `repetition_penalty`,
 `stop_token_ids`, `bad_words`, `prompt_logprobs`, `ignore_eos`, `return_token_ids` (the
 choice carries `token_ids` and `prompt_token_ids`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -108,8 +111,6 @@ class _Common(BaseModel):
 # OpenAI's fields atoll does not honour yet, and when a value asks for them: each a 400 naming it
 UNSUPPORTED = {
     "suffix": bool,
-    "tools": bool,
-    "tool_choice": lambda v: v not in (None, "none"),
     "functions": bool,
     "function_call": lambda v: v not in (None, "none"),
     "audio": lambda v: v is not None,
@@ -148,19 +149,52 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCallIn(BaseModel):
+    """An assistant message's tool call, as the response gave it."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def template_dict(self) -> dict:
-        """The message as a chat template reads it: content as one string."""
+        """The message as a chat template reads it: content as one string; a tool call's
+        arguments as an object where they are JSON (as transformers' templates take them)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
-        return {**out, "name": self.name} if self.name else out
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _args(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _args(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # the template gets the text as it came
 
 
 class ChatRequest(_Common):
@@ -170,6 +204,7 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
     functions: list | None = None
     function_call: Any = None
     audio: Any = None
@@ -201,6 +236,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list | None = None
     return_token_strs: bool = False
 
 

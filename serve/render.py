@@ -36,6 +36,8 @@ class Renderer:
         self.echo, self.top, self.prompt_logprobs = echo, top or 0, prompt_logprobs
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.tools = None  # with tools: a new tool parser per call (serve.tools.choice.ToolPlan.parser)
+        self.parallel = True  # several calls in one choice allowed (parallel_tool_calls)
 
     def _head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -49,13 +51,16 @@ class Renderer:
                 c.pop("prompt_logprobs", None)
         return out
 
-    def choice(self, index: int, text: str, finish_reason: str | None, *, ids=(), logprobs=None,
-               prompt_ids=None, prompt: int = 0, prompt_logprobs=None) -> dict:
-        """A whole choice (no streaming). logprobs: one payload per output token, or None;
-        prompt: which prompt it answers (echo); prompt_logprobs: the engine's, or None."""
+    def choice(self, index: int, text: str | None, finish_reason: str | None, *, tool_calls=None, ids=(),
+               logprobs=None, prompt_ids=None, prompt: int = 0, prompt_logprobs=None) -> dict:
+        """A whole choice (no streaming). tool_calls: the message's (OpenAI's entries), or
+        None; logprobs: one payload per output token, or None; prompt: which prompt it answers
+        (echo); prompt_logprobs: the engine's, or None."""
         out = {"index": index, "finish_reason": finish_reason}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                out["message"]["tool_calls"] = tool_calls
             out["logprobs"] = self.chat_logprobs(ids, logprobs) if logprobs is not None else None
         else:
             out["text"] = (self.echo[prompt] if self.echo else "") + text
@@ -67,15 +72,18 @@ class Renderer:
             out["prompt_token_ids"] = list(prompt_ids or [])
         return out
 
-    def chunk(self, index: int, text: str | None, *, finish_reason: str | None = None, ids=(), logprobs=None,
-              first: bool = False, prompt_ids=None, prompt: int = 0, prompt_logprobs=None) -> dict:
+    def chunk(self, index: int, text: str | None, *, finish_reason: str | None = None, tool_calls=None, ids=(),
+              logprobs=None, first: bool = False, prompt_ids=None, prompt: int = 0, prompt_logprobs=None) -> dict:
         """One stream chunk of one choice; the chat stream's first chunk names the role, and a
-        choice's first chunk carries its echo and prompt logprobs."""
+        choice's first chunk carries its echo and prompt logprobs; tool_calls: OpenAI's
+        tool-call deltas."""
         c = {"index": index, "finish_reason": finish_reason}
         if self.chat:
             delta = {"role": "assistant", "content": text or ""} if first else {}
             if text and not first:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             c["delta"] = delta
             c["logprobs"] = self.chat_logprobs(ids, logprobs) if logprobs is not None else None
         else:

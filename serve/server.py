@@ -28,7 +28,7 @@ class _Server(uvicorn.Server):
 
 async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_waiting: int | None,
                 shutdown_timeout: float, log_level: str = "warning", dead_linger_s: float = 2.0,
-                engine=None) -> int:
+                engine=None, tool_call_parser: str | None = None) -> int:
     """Serve until a signal (returns 0 once drained) or the engine's death (raises EngineDead
     with the line naming the rank). engine: what serves the requests (serve.replicas.Replicas
     for several replicas; default llm's living engine)."""
@@ -36,7 +36,7 @@ async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_
     backend = Backend(llm, engine, max_waiting=max_waiting)
     if hasattr(engine, "attach_metrics"):  # replicas: the router's counters
         engine.attach_metrics(backend.metrics.registry)
-    app = create_app(backend, served_names=served_names, api_key=api_key)
+    app = create_app(backend, served_names=served_names, api_key=api_key, tool_call_parser=tool_call_parser)
     # uvicorn's own graceful timeout is the backstop: by then every response has ended
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("info", "debug"), lifespan="off",
                             timeout_graceful_shutdown=shutdown_timeout + 5)

@@ -121,3 +121,40 @@ class Server:
         if self.proc.poll() is None:
             self.proc.wait(timeout=30)
         self._out.close()
+
+
+# A chat template in the manner of Hermes and Qwen 2.5's: the tools as JSON in the system
+# turn, an assistant's calls as <tool_call> blocks, a tool's result as <tool_response>. It
+# uses what transformers' environment adds (tojson without HTML escaping, loop controls).
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}
+
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a tool as <tool_call>{"name": <name>, "arguments": <args>}</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}{% continue %}{% endif %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{% if m.content %}{{ m.content }}{% endif %}
+{%- for c in m.tool_calls or [] %}
+<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response id="{{ m.tool_call_id }}">
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -18,6 +21,10 @@ def _token_text(tok, path: Path, key: str) -> str | None:
         raise CheckpointError(f"{path}: {key}={tok!r} must be a token string or "
                               '{"content": "..."}')
     return text
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class Tokenizer:
@@ -67,10 +74,13 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
         """The template's text; continue_final_message: the last message left open (the text
-        ends with its content, as transformers cuts it), for the model to go on with."""
-        text = self._render(messages, add_generation_prompt=add_generation_prompt and not continue_final_message)
+        ends with its content, as transformers cuts it), for the model to go on with; tools:
+        the tools' JSON schemas ({"type": "function", "function": {...}}), as transformers'
+        `tools=` hands them to the template."""
+        text = self._render(messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                            tools=tools)
         if continue_final_message:
             last = (messages[-1].get("content") or "").strip() if messages else ""
             at = text.rfind(last) if last else -1
@@ -80,18 +90,22 @@ class Tokenizer:
             text = text[:at + len(last)]
         return text
 
-    def _render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], *, add_generation_prompt: bool, tools: list[dict] | None) -> str:
         if not self.chat_template:
             raise CheckpointError("this tokenizer has no chat template")
 
         def raise_exception(message):
             raise CheckpointError(f"chat template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # the environment transformers renders templates in: its tojson (no HTML escaping, as
+        # tool schemas need), strftime_now and loop controls
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as e:
             raise CheckpointError(f"the chat template in {self.dir} is broken: {_first_line(e)}") from None
