@@ -187,7 +187,8 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
             watch.cancel()
             backend.end(call)
 
-    mount_responses(app, handler, served_names, streaming=EngineStream, on_disconnect=_on_disconnect)
+    mount_responses(app, handler, served_names, streaming=EngineStream, on_disconnect=_on_disconnect,
+                    tool_call_parser=tool_call_parser)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
     return app

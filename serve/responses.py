@@ -26,8 +26,10 @@ from fastapi import FastAPI, Request
 from atoll.errors import CheckpointError
 from atoll.serve.handlers import Handler
 from atoll.serve.protocol import ApiError
-from atoll.serve.responses_input import ResponsesRequest, function_tools, input_messages, renamed
+from atoll.serve.responses_input import (ResponsesRequest, chat_tool_choice, function_tools, input_messages, renamed,
+                                         said)
 from atoll.serve.responses_stream import call_item, message_item, new_id, response_events
+from atoll.serve.tools.choice import plan_of
 
 STORE_SIZE = 1024  # responses kept for previous_response_id and GET
 
@@ -73,22 +75,21 @@ def usage_of(chat_usage: dict | None) -> dict | None:
 class Responses:
     """One server's Responses API: its request in, the chat Handler, the store."""
 
-    def __init__(self, handler: Handler, served_names: list[str], *, size: int = STORE_SIZE):
+    def __init__(self, handler: Handler, served_names: list[str], *, size: int = STORE_SIZE,
+                 parser: str | None = None):
+        """parser: the server's --tool-call-parser (tool_choice "auto" reads calls with it)."""
         self.handler, self.backend, self.served = handler, handler.backend, served_names
         self.store = ResponseStore(size)
-        self.tools = False  # tool calling on the chat path: function tools pass through
+        self.parser = parser
 
-    def prepare(self, body: ResponsesRequest) -> tuple[list[dict], list[int]]:
-        """The conversation's messages (without instructions) and the prompt's token ids."""
+    def prepare(self, body: ResponsesRequest):
+        """The conversation's messages (without instructions), the prompt's token ids and the
+        request's ToolPlan (serve.tools.choice; None without tools)."""
         if body.model is not None and body.model not in self.served:
             raise ApiError(400, f"model={body.model!r} is not served here; this server serves "
                                 f"{', '.join(map(repr, self.served))}", param="model", code="model_not_found")
-        tools = function_tools(body.tools)
-        if tools and not self.tools:
-            raise ApiError(400, "tools are not supported by atoll yet", param="tools", code="unsupported")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, f"tool_choice={body.tool_choice!r} needs tools, which atoll does not take yet",
-                           param="tool_choice", code="unsupported")
+        plan = plan_of(function_tools(body.tools), chat_tool_choice(body.tool_choice), body.parallel_tool_calls,
+                       parser=self.parser, grammars=self.backend.llm.grammars)
         history = []
         if body.previous_response_id is not None:
             stored = self.store.get(body.previous_response_id)
@@ -97,16 +98,16 @@ class Responses:
                                     "that id (unknown, not stored, or evicted)", param="previous_response_id",
                                code="previous_response_not_found")
             history = stored.messages
-        messages = history + input_messages(body.input, tools=self.tools)
+        messages = history + input_messages(body.input)
         tok = self.backend.llm.tokenizer
         if tok is None:
             raise ApiError(400, "this model has no tokenizer.json: the Responses API needs one", param="input")
         system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
         try:
-            text = tok.apply_chat_template(system + messages)
+            text = tok.apply_chat_template(system + messages, tools=plan.tools if plan else None)
         except CheckpointError as e:
             raise ApiError(400, f"input: {e}", param="input") from None
-        return messages, tok.encode(text, add_special_tokens=False)
+        return messages, tok.encode(text, add_special_tokens=False), plan
 
     def response(self, body: ResponsesRequest, rid: str, created: int, *, status: str, output: list,
                  use: dict | None, error: dict | None = None) -> dict:
@@ -126,16 +127,16 @@ class Responses:
         """Store the response with its conversation (its output an assistant message)."""
         if not body.store:
             return
-        said = {"role": "assistant", "content": text}
-        if calls:
-            said["tool_calls"] = calls
-        self.store.put(Stored(response, messages + [said]))
+        conversation = messages + [{"role": "assistant", "content": text}] if text or not calls else list(messages)
+        for call in calls:
+            said(conversation, call)
+        self.store.put(Stored(response, conversation))
 
     async def create(self, body: ResponsesRequest, request: Request, *, on_disconnect):
         body.refuse_unsupported()
         try:
-            messages, ids = self.prepare(body)
-            call, renderer = self.handler.start(body, [ids], chat=True)
+            messages, ids, plan = self.prepare(body)
+            call, renderer = self.handler.start(body, [ids], chat=True, tools=plan, parser=self.parser)
         except ApiError as e:
             raise renamed(e) from None
         rid, created = new_id("resp"), int(time.time())
@@ -176,11 +177,11 @@ class Responses:
 
 
 def mount_responses(app: FastAPI, handler: Handler, served_names: list[str], *, streaming, on_disconnect,
-                    size: int = STORE_SIZE) -> Responses:
+                    size: int = STORE_SIZE, tool_call_parser: str | None = None) -> Responses:
     """Add the Responses endpoints to app. streaming: the StreamingResponse class that closes
     its generator however the response ends; on_disconnect(request, then): the watch that
     aborts a whole response's engine request when its client goes."""
-    api = Responses(handler, served_names, size=size)
+    api = Responses(handler, served_names, size=size, parser=tool_call_parser)
 
     @app.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):

@@ -118,13 +118,14 @@ def renamed(e: ApiError) -> ApiError:
     """A refusal of the chat path naming the Responses fields instead of chat's (in its
     param and its message)."""
     param = e.param
+    if param is not None and param.startswith(("tools[", "tool_choice.")):  # chat's tools nest under "function"
+        param = param.replace(".function", "", 1)
     head, _, rest = (param or "").partition(".")
     if head in RENAMED:
         if head == "response_format":  # response_format.json_schema.schema: text.format.schema
             rest = rest.removeprefix("json_schema").lstrip(".")
         param = ".".join(x for x in (RENAMED[head], rest) if x)
-    message = e.message.replace(e.param, param, 1) if param != e.param and e.message.startswith(e.param) \
-        else e.message
+    message = e.message.replace(e.param, param, 1) if param != e.param else e.message
     message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", message)
     message = message.replace("response_format", "text.format").replace("the messages", "the input")
     if (param, message) == (e.param, e.message):
@@ -134,9 +135,10 @@ def renamed(e: ApiError) -> ApiError:
     return out
 
 
-def input_messages(given: str | list[dict], *, tools: bool) -> list[dict]:
-    """The request's input items as chat-template messages. tools: function_call items may
-    appear (tool calling is on); without it they are a 400."""
+def input_messages(given: str | list[dict]) -> list[dict]:
+    """The request's input items as chat-template messages: a function_call item is an
+    assistant turn's tool call (its arguments an object where they are JSON, as transformers'
+    templates take them), a function_call_output item a tool message."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     if not given:
@@ -147,23 +149,47 @@ def input_messages(given: str | list[dict], *, tools: bool) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             out.append(_message(item, where))
-        elif kind == "function_call_output" and tools:
+        elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": _text(item, "call_id", where),
                         "content": _output(item.get("output"), f"{where}.output")})
-        elif kind == "function_call" and tools:
+        elif kind == "function_call":
             call = {"id": _text(item, "call_id", where), "type": "function",
                     "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where)}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
-                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind in ("function_call", "function_call_output"):
-            raise ApiError(400, f"{where}.type={kind}: function calls need tools, which this server does not "
-                                "take yet", param=f"{where}.type")
+            said(out, call)
         else:
             raise ApiError(400, f"{where}.type={_short(kind)} is not supported by atoll: input items are message, "
                                 "function_call and function_call_output", param=f"{where}.type")
     return out
+
+
+def said(messages: list[dict], call: dict) -> None:
+    """Add a tool call to the conversation: to the assistant turn just before (its text, or
+    parallel calls: one turn), else as a new one."""
+    call = {**call, "function": {**call["function"], "arguments": template_arguments(call["function"]["arguments"])}}
+    if messages and messages[-1]["role"] == "assistant":
+        messages[-1] = {**messages[-1], "tool_calls": [*(messages[-1].get("tool_calls") or ()), call]}
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def template_arguments(text: str):
+    """A call's arguments as a template takes them: an object where the text is JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def chat_tool_choice(choice):
+    """Responses' tool_choice as chat's: none, auto, required, or {"type": "function",
+    "name"} as {"type": "function", "function": {"name"}}; any other kind a 400."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise ApiError(400, f"tool_choice.type={_short(kind)} is not supported by atoll: give none, auto, required or "
+                        '{"type": "function", "name": ...}', param="tool_choice.type")
 
 
 def _message(item: dict, where: str) -> dict:
@@ -220,8 +246,3 @@ def function_tools(tools: list | None) -> list[dict] | None:
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
-
-
-def arguments_text(arguments) -> str:
-    """A call's arguments as the JSON text a function_call item carries."""
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
