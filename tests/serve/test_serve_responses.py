@@ -40,6 +40,7 @@ def chat(client, messages, max_tokens):
     return client.chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens, temperature=0)
 
 
+@pytest.mark.slow  # 64 s at load 3: the first request whose whole prompt is cached took 29 s
 @pytest.mark.timeout(300)
 def test_text_and_stream_equal_the_chat_endpoints_greedy_text(client):
     given = [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
