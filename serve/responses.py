@@ -3,8 +3,8 @@
 
 A request becomes chat messages (responses_input), goes through the chat Handler (its
 sampling params, budget, structured outputs, and its collect or stream) and comes back as a
-Response: `output` items (a `message` with `output_text`, `function_call`s where tool calling
-is on), `usage` with `input_tokens_details.cached_tokens`. Streamed, the chat chunks become
+Response: `output` items (a `message` with `output_text`, then the `function_call`s chat's
+tool calling read), `usage` with `input_tokens_details.cached_tokens`. Streamed, the chat chunks become
 Responses' typed events (`response.created` ... `response.completed`), each with its
 `sequence_number`.
 

@@ -1,9 +1,10 @@
 """OpenAI's Responses API request (`POST /v1/responses`) and its input as chat messages.
 
 `input` is text (one user message) or a list of items: messages (`role` user, system,
-developer or assistant; content text or parts `input_text` / `output_text`), and, where tool
-calling is on, `function_call` items (an earlier call of the model's) and
-`function_call_output` items (a tool's result, a `tool` message). `instructions` is a system
+developer or assistant; content text or parts `input_text` / `output_text`), `function_call`
+items (an earlier call of the model's, the assistant turn's tool_calls) and
+`function_call_output` items (a tool's result, a `tool` message). Responses' flat function
+tools and tool_choice become chat's (serve.tools.choice checks them). `instructions` is a system
 message put first; it is not carried over to a follow-up (OpenAI's rule). `text.format` (text,
 json_object, or the flat json_schema {name, schema, strict}) is chat's response_format.
 
