@@ -23,6 +23,7 @@ from atoll.serve.backend import Backend
 from atoll.serve.handlers import Handler
 from atoll.serve.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                   error_body, validation_error)
+from atoll.serve.responses import mount_responses
 from atoll.serve.tools.choice import plan_of
 
 
@@ -190,6 +191,8 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
             watch.cancel()
             backend.end(call)
 
+    mount_responses(app, handler, served_names, streaming=EngineStream, on_disconnect=_on_disconnect,
+                    tool_call_parser=tool_call_parser)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
     return app
