@@ -139,3 +139,10 @@ def test_bad_config_one_line(bad, says):
 def test_lookahead_defaults_and_k():
     cfg = EngineConfig(speculative_config={"method": "lookahead"}).speculative_config
     assert (cfg.window, cfg.ngram, cfg.guess, cfg.k) == (5, 4, 5, 5)
+
+
+def test_lookahead_on_pipeline_stages_refused(dense):  # noqa: F811
+    """Like the drafters with a model, it keeps state per sequence and runs on one stage."""
+    with pytest.raises(InputError, match="lookahead runs on one pipeline stage") as e:
+        LLM(dense[0], layout="PP2", speculative_config=LOOKAHEAD)
+    assert "\n" not in str(e.value)
