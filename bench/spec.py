@@ -1,13 +1,14 @@
 """atoll bench spec: the same requests with speculative decoding off and on, side by side in
 one run on the same ranks.
 
---speculative-config JSON is the `on` side (as `atoll generate` takes it). --prompts picks
+--speculative-config JSON is the `on` side (as `atoll generate` takes it); given more than
+once, each is a side of its own (named by its method), all run against the same off side. --prompts picks
 the load: `copy` asks the model to repeat or lightly edit a given text (what n-gram prompt
 lookup is for), `chat` asks ordinary questions. --batch requests arrive at once and run
 together (max_num_seqs = --batch); each generates --output-len tokens (greedy, ignore_eos),
-so both sides must give identical tokens. The ranks are spawned once and build the runner
-once; each round runs off and on (the order alternating between rounds) after an untimed
-warm-up of each (every prompt, 4 tokens). Reported, medians over --rounds: output tokens per second, the ratio on /
+so every side must give identical tokens. The ranks are spawned once and build the runner
+once; each round runs off and every on side (the order reversed every other round) after an
+untimed warm-up of each (every prompt, 4 tokens). Reported, medians over --rounds: output tokens per second, the ratio on /
 off, the acceptance rate and mean accepted length (engine.spec.stats), whether the tokens
 are identical, and the 1-minute load average read before each timed run. By default both
 sides decode eagerly (--compile never), with the products engine.rank.tuning.tune_eager chose for
@@ -85,8 +86,9 @@ CHAT = ["What is the capital of France?", "Give me three tips for sleeping bette
 def add_parser(sub) -> None:
     p = sub.add_parser("spec", help="speculative decoding off vs on: tokens/s, acceptance",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--speculative-config", required=True, metavar="JSON",
-                   help='the on side, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+    p.add_argument("--speculative-config", required=True, metavar="JSON", action="append",
+                   help='the on side, e.g. {"method": "ngram", "num_speculative_tokens": 4}; repeat it for '
+                        'more sides')
     p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, SmolLM2-135M)")
     p.add_argument("--layout", default="TP1", help="atoll layout (default TP1)")
     p.add_argument("--prompts", choices=("copy", "chat"), default="copy", help="the load (default copy)")
@@ -105,15 +107,16 @@ def run(args) -> int:
     for name in ("batch", "output_len", "rounds"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
-    speculative = SpeculativeConfig.parse(args.speculative_config)
+    configs = [SpeculativeConfig.parse(c) for c in args.speculative_config]
+    names = side_names(configs)
     with Run(args.model, quiet=args.json) as bench:
         args.model = bench.model
-        llm, spec, requests = prepare(args, speculative)
-        result = run_local(_rank, llm.layout.world_size, spec, requests, args.rounds, timeout_s=3600,
-                           device=spec.engine.device)[0]
+        llm, spec, requests = prepare(args, configs)
+        result = run_local(_rank, llm.layout.world_size, spec, requests, args.rounds, dict(zip(names, configs)),
+                           timeout_s=3600, device=spec.engine.device)[0]
     result |= {"model": args.model, "layout": str(llm.layout), "prompts": args.prompts, "batch": args.batch,
                "requests": len(requests), "output_len": args.output_len, "rounds": args.rounds,
-               "speculative_config": args.speculative_config}
+               "speculative_config": args.speculative_config[0], "configs": dict(zip(names, args.speculative_config))}
     bench.emit(result, as_json=args.json, render=render)
     return 0
 
@@ -124,8 +127,17 @@ def prompts(kind: str, n: int) -> list[str]:
     return [CHAT[i % len(CHAT)] for i in range(n)]
 
 
-def prepare(args, speculative):
-    """(LLM, RunSpec with speculation on, requests) for the chosen prompts."""
+def side_names(configs: list) -> list[str]:
+    """"on" for one config; else each method's name (numbered when a method repeats)."""
+    if len(configs) == 1:
+        return ["on"]
+    methods = [c.method for c in configs]
+    return [m if methods.count(m) == 1 else f"{m}{methods[:i].count(m) + 1}" for i, m in enumerate(methods)]
+
+
+def prepare(args, configs: list):
+    """(LLM, RunSpec with the widest config's speculation on, requests) for the chosen prompts."""
+    speculative = max(configs, key=lambda c: c.k)
     n = args.requests or max(args.batch, 4)
     tok = Tokenizer(args.model)
     ids = [tok.encode_chat(t) for t in prompts(args.prompts, n)]
@@ -135,13 +147,14 @@ def prepare(args, speculative):
     return llm, llm.spec(requests).with_engine(speculative_config=speculative), requests
 
 
-def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu") -> dict | None:
+def _rank(rank: int, world: int, spec, requests, rounds: int, configs: dict, device: str = "cpu") -> dict | None:
     layout = Layout.parse(spec.layout)
     ctx = ParallelContext.create(layout, rank, device) if world > 1 else ParallelContext.single(device)
     runner = ModelRunner(spec, ctx)
     if runner.decode_step is not None:  # --compile always: every graph made before any timed run
         runner.decode_step.warm_up()
-    sides = {"off": spec.with_engine(speculative_config=None), "on": spec}
+    sides = {"off": spec.with_engine(speculative_config=None)}
+    sides |= {name: spec.with_engine(speculative_config=c) for name, c in configs.items()}
     # untimed: every prompt and a few decode steps on each side, so the first timed run does
     # not pay for the batch's first allocations
     warm = [dataclasses.replace(r, params=dataclasses.replace(r.params, max_tokens=4, min_tokens=min(r.params.min_tokens, 4)))
@@ -149,18 +162,23 @@ def _rank(rank: int, world: int, spec, requests, rounds: int, device: str = "cpu
     for side in sides.values():
         runner.spec = side
         run_batch(runner, warm)
-    runs = {"off": [], "on": []}
+    runs = {name: [] for name in sides}
     for i in range(rounds):
-        for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+        for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
             runner.spec = sides[name]
             ctx.world.barrier()
             runs[name].append(measure(runner, requests))
     runner.spec = spec
     if rank != 0:
         return None
-    off, on = summarize(runs["off"]), summarize(runs["on"])
-    return {"device": str(runner.device), "off": off, "on": on, "speedup": on["tok_s"] / off["tok_s"],
-            "tokens_identical": all(r["token_ids"] == runs["off"][0]["token_ids"] for r in runs["off"] + runs["on"])}
+    out = {name: summarize(r) for name, r in runs.items()}
+    for name in configs:
+        out[name]["speedup"] = out[name]["tok_s"] / out["off"]["tok_s"]
+    first = next(iter(configs))
+    return out | {"device": str(runner.device), "sides": list(configs), "on": out[first],
+                  "speedup": out[first]["speedup"],
+                  "tokens_identical": all(r["token_ids"] == runs["off"][0]["token_ids"]
+                                          for side in runs.values() for r in side)}
 
 
 def measure(runner, requests) -> dict:
@@ -189,11 +207,15 @@ def summarize(runs: list[dict]) -> dict:
 def render(r: dict) -> str:
     lines = [f"speculative decoding on {r['model']} ({r['layout']}, {r['device']}): {r['prompts']} prompts, "
              f"batch {r['batch']}, {r['requests']} requests x {r['output_len']} tokens, {r['rounds']} round(s)",
-             f"  on: {r['speculative_config']}"]
-    for name in ("off", "on"):
+             *(f"  {name}: {c}" for name, c in r.get("configs", {"on": r["speculative_config"]}).items())]
+    sides = r.get("sides", ["on"])
+    width = max(map(len, ["off", *sides]))
+    for name in ("off", *sides):
         s = r[name]
         extra = (f", acceptance {s['acceptance_rate']:.1%}, mean accepted length {s['mean_accepted_length']:.2f}"
                  if s.get("drafted") else ", no drafts made (disable_by_batch_size)" if "drafted" in s else "")
-        lines.append(f"  {name:>3}: {s['tok_s']:8.1f} tok/s ({s['total_s']:.2f} s){extra}  load {s['load_avg_1m']}")
-    lines.append(f"  on / off: {r['speedup']:.2f}x, tokens identical: {r['tokens_identical']}")
+        ratio = f" {s.get('speedup', r['speedup']):.2f}x" if name != "off" else ""
+        lines.append(f"  {name:>{width}}: {s['tok_s']:8.1f} tok/s ({s['total_s']:.2f} s){ratio}{extra}"
+                     f"  load {s['load_avg_1m']}")
+    lines.append(f"  tokens identical: {r['tokens_identical']}")
     return "\n".join(lines)

@@ -175,6 +175,7 @@ class EngineCore:
             seq.cached = c.start + c.count
             if c.draft:  # the accepted drafts stay in the cache; the rejected ones' blocks go back
                 accepted = max(len(taken) - 1, 0)
+                self.drafter.observe(seq, c.draft, row)
                 seq.cached -= len(c.draft) - accepted
                 self.lanes.schedulers[seq.lane].pool.trim(seq.blocks, seq.cached)
                 seq.spec_steps += 1
@@ -256,6 +257,7 @@ class EngineCore:
         self.sequences.pop(index, None)
         self.results[index] = result_of(seq, reason, self.started[index], time.perf_counter(), self.tick)
         if self.drafter is not None:
+            self.drafter.forget(seq)
             self.results[index]["metrics"] |= {"spec_steps": seq.spec_steps, "spec_drafted": seq.spec_drafted,
                                                "spec_accepted": seq.spec_accepted}
         if self.on_finish is not None:

@@ -77,7 +77,7 @@ def size_cache(runner) -> int:
                                max_model_len=spec.max_model_len, lanes=runner.ctx.layout.pp, cp=cp)
     width, window, full = hybrid_width(runner), None, blocks
     if width is not None:
-        k = spec.engine.speculative_config.num_speculative_tokens if spec.engine.speculative_config else 0
+        k = spec.engine.speculative_config.k if spec.engine.speculative_config else 0
         window = kv.window_blocks(width=width, block_size=spec.engine.block_size,
                                   max_num_seqs=spec.engine.max_num_seqs,
                                   max_num_batched_tokens=spec.max_num_batched_tokens, lanes=runner.ctx.layout.pp,

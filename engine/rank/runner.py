@@ -82,7 +82,7 @@ class ModelRunner:
     def spec_k(self) -> int | None:
         """Speculative tokens per step (the width of the tokens a tick hands round is 1 + K), or None."""
         speculative = self.spec.engine.speculative_config
-        return speculative.num_speculative_tokens if speculative is not None else None
+        return speculative.k if speculative is not None else None
 
     def new_cache(self, blocks: int, *, config: ModelConfig | None = None, layers: int | None = None,
                   window_blocks: int | None = None, main: bool = False):

@@ -12,8 +12,11 @@ plain sampling from p would draw it (p after temperature, top-k and top-p: the s
 each equals the target's argmax, then take the target's argmax, the tokens plain greedy
 decoding gives.
 
-A row of the result is the tokens a sequence takes this step, padded with -1: the accepted
-drafts, then one token from the target (a correction or the bonus).
+A row of the result is the tokens a sequence takes this step: the accepted drafts, then one
+token from the target (a correction or the bonus). Past them a greedy row holds -2 - t for the
+target's argmax t at each later position (what it would take there after the rejected drafts:
+the next Jacobi iterate, which the lookahead drafter's pool reads), a sampled row -1; a reader
+keeps the entries >= 0.
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ def residual(p: torch.Tensor, token: int) -> torch.Tensor:
 
 def verify_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """logits: [seqs, K+1, vocab], drafts: [seqs, K] (-1 past a shorter draft) -> [seqs, K+1]
-    tokens taken, -1 padded; no host sync."""
+    tokens taken, then -2 - the target's argmax at each position past them; no host sync."""
     target = logits.argmax(-1)  # [seqs, K+1]
     match = (target[:, :-1] == drafts).long()
     accepted = match.cumprod(1).sum(1, keepdim=True)  # [seqs, 1]: leading drafts the target agrees with
     at = torch.arange(target.shape[1], device=target.device)[None, :]
-    return torch.where(at <= accepted, target, torch.full_like(target, -1))
+    return torch.where(at <= accepted, target, -2 - target)
 
 
 def verify_sampled(logits: torch.Tensor, draft: list[int], state: SamplerState,

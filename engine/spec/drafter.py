@@ -4,6 +4,7 @@ long it may be, and the blocks it takes."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 from atoll.config.speculative import SpeculativeConfig
 from atoll.errors import InputError
@@ -17,6 +18,10 @@ class Drafter(ABC):
 
     def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int, runner=None):
         self.cfg, self.max_model_len = cfg, max_model_len
+        # min_acceptance_rate: each sequence's last verify steps (drafted, accepted), and the
+        # decode steps it still sits out, by request index (every rank keeps the same)
+        self.recent: dict[int, deque] = {}
+        self.paused: dict[int, int] = {}
 
     @classmethod
     def check(cls, cfg: SpeculativeConfig, layout, config, model_dir) -> None:
@@ -38,6 +43,8 @@ class Drafter(ABC):
             seq, params = c.seq, c.seq.request.params
             if c.count != 1 or not c.samples or not seq.output or params.logprobs is not None:
                 continue  # a prompt's chunk, or a request that asks for logprobs (given per plain step)
+            if self._sits_out(seq.request.index):
+                continue
             k = min(cfg.k, budget, self.max_model_len - seq.length - 1, params.max_tokens - len(seq.output) - 1)
             if k < 1 or not pool.grow(seq.blocks, c.start + 1 + k):
                 continue
@@ -52,6 +59,36 @@ class Drafter(ABC):
             used += len(c.draft)
             pool.trim(c.seq.blocks, c.start + c.count)  # the blocks a shorter draft left unused
         return used
+
+    def _sits_out(self, index: int) -> bool:
+        """Whether the sequence drafts nothing this step (below min_acceptance_rate lately); a
+        step sat out counts down its pause."""
+        left = self.paused.get(index, 0)
+        if left:
+            self.paused[index] = left - 1
+        return left > 0
+
+    def observe(self, seq, draft: list[int], row: list[int]) -> None:
+        """After a verify step, before the sequence takes its tokens: its draft and the row the
+        verify gave (the tokens taken, then -2 - the target's argmax at each position past them
+        on a greedy row, else -1; engine.sample.verify). Counts the acceptance for
+        min_acceptance_rate; a drafter that learns from the target's outputs extends this."""
+        floor = self.cfg.min_acceptance_rate
+        if floor is None:
+            return
+        accepted = sum(1 for t in row if t >= 0) - 1
+        recent = self.recent.setdefault(seq.request.index, deque(maxlen=self.cfg.acceptance_window))
+        recent.append((len(draft), accepted))
+        if len(recent) == recent.maxlen:
+            drafted = sum(d for d, _ in recent)
+            if sum(a for _, a in recent) < floor * drafted:
+                self.paused[seq.request.index] = self.cfg.pause_steps
+                recent.clear()  # it tries again afresh after the pause
+
+    def forget(self, seq) -> None:
+        """The sequence has ended: its state goes."""
+        self.recent.pop(seq.request.index, None)
+        self.paused.pop(seq.request.index, None)
 
     @abstractmethod
     def propose(self, wants: list[tuple]) -> list[list[int]]:

@@ -31,3 +31,24 @@ def test_render_says_when_no_draft_was_made():
     assert "no drafts made" in render(r)
     r["on"] |= {"drafted": 12, "acceptance_rate": 0.5, "mean_accepted_length": 2.5}
     assert "acceptance 50.0%, mean accepted length 2.50" in render(r)
+
+
+def test_several_sides_named_and_rendered():
+    from atoll.bench.spec import side_names
+    from atoll.config.speculative import SpeculativeConfig
+
+    configs = [SpeculativeConfig.parse(c) for c in ('{"method": "lookahead"}', '{"method": "ngram"}',
+                                                    '{"method": "ngram", "min_acceptance_rate": 0.2}')]
+    assert side_names(configs) == ["lookahead", "ngram1", "ngram2"]
+    assert side_names(configs[:1]) == ["on"]
+    side = {"tok_s": 10.0, "total_s": 1.0, "load_avg_1m": [1.0]}
+    r = {"model": "m", "layout": "TP1", "device": "cpu", "prompts": "chat", "batch": 1, "requests": 4,
+         "output_len": 8, "rounds": 1, "speculative_config": "{}", "speedup": 1.5, "tokens_identical": True,
+         "configs": {"lookahead": "{la}", "ngram": "{ng}"}, "sides": ["lookahead", "ngram"], "off": side,
+         "lookahead": side | {"tok_s": 15.0, "speedup": 1.5, "drafted": 9, "acceptance_rate": 0.25,
+                              "mean_accepted_length": 1.75},
+         "ngram": side | {"tok_s": 8.0, "speedup": 0.8, "drafted": 4, "acceptance_rate": 0.5,
+                          "mean_accepted_length": 2.0}}
+    text = render(r)
+    assert "lookahead:     15.0 tok/s (1.00 s) 1.50x, acceptance 25.0%, mean accepted length 1.75" in text
+    assert "ngram:      8.0 tok/s (1.00 s) 0.80x, acceptance 50.0%" in text and "  ngram: {ng}" in text
