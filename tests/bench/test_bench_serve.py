@@ -326,6 +326,7 @@ def test_mixed_requests_have_the_long_share():
                           seed=3)[0].prompt == reqs[0].prompt  # seeded
 
 
+@pytest.mark.slow
 def test_bench_serve_disagg_scenario(tiny_model, tmp_path):
     """--scenario disagg runs the same requests on a colocated and a disaggregated server: both
     complete every request, and the disaggregated side's paths add up to them."""

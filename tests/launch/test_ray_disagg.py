@@ -14,6 +14,7 @@ NEW = 6
 LONG_NEW = 120  # tokens a request of the kill test decodes: long enough to be killed in flight
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tp2_prefill_to_tp2_decode_across_two_ray_nodes(cluster, tiny_model):
     from atoll.engine.sample.sampler import SamplingParams

@@ -89,6 +89,7 @@ def test_slos_no_deployment_meets_name_the_closest(setup):
     assert r.reasons[0].startswith("no deployment meets") and "closest is" in r.reasons[0]
 
 
+@pytest.mark.slow
 def test_tuning_keeps_only_options_that_win(setup):
     plain = _search(setup, Target(SLOS), disagg=False)
     tuned = _search(setup, Target(SLOS), disagg=False, tune=True)

@@ -110,6 +110,7 @@ def test_bad_grammars_name_their_field(smollm2_dir):
         SamplingParams(structured_outputs={"pattern": "a"})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_generate_request_lines_take_structured_outputs(smollm2_dir, tmp_path):
     """`atoll generate`'s request lines take the same object; a bad regex is that line's error."""

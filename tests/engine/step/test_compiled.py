@@ -81,7 +81,8 @@ def compiling(monkeypatch, tmp_path):
 # TP1 with weights packed for oneDNN, the CPU default; TP2 traces the all_reduce and
 # all_gather into the graph over gloo; PP2 compiles each stage, send/recv outside
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,freezing,buckets", [("TP1", "1", [2, 4]), ("TP2", "0", [2, 4]), ("PP2", "0", [2])])
+@pytest.mark.parametrize("layout,freezing,buckets", [("TP1", "1", [2, 4]), pytest.param("TP2", "0", [2, 4], marks=pytest.mark.slow),
+                                                    pytest.param("PP2", "0", [2], marks=pytest.mark.slow)])
 def test_compiled_tokens_match_eager_and_transformers(model_and_reference, compiling, layout, freezing, buckets):
     compiling.setenv("ATOLL_COMPILE_FREEZING", freezing)
     model_dir, expected = model_and_reference
