@@ -37,6 +37,7 @@ from atoll.kernels import reference
 from atoll.kernels.alignment import MoeAlignment
 from atoll.kernels.backend import check, use_triton
 from atoll.kernels.configs import GemmConfig, MoeConfig, gemm_config, moe_config
+from atoll.kernels.moe import check_moe_shapes
 from atoll.kernels.fp8 import FP8, GROUP, dequantize_weight, groups, quantize_activations
 
 
@@ -119,18 +120,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     """[tokens, hidden] in x's dtype (see the module docstring)."""
     check(x.dim() == 2 and x.is_floating_point() and x.dtype != FP8,
           f"x must be [tokens, hidden] in a float dtype, got {x.dtype} {tuple(x.shape)}")
-    tokens, hidden = x.shape
-    check(w13.dim() == 3 and w2.dim() == 3, f"w13 and w2 must be 3-D, got {w13.dim()}-D and {w2.dim()}-D")
-    experts, two_inter, _ = w13.shape
-    inter = two_inter // 2
-    check(tuple(w13.shape) == (experts, 2 * inter, hidden),
-          f"w13 must be [experts, 2*inter, hidden={hidden}], got {tuple(w13.shape)}")
-    check(tuple(w2.shape) == (experts, hidden, inter),
-          f"w2 must be [experts={experts}, hidden={hidden}, inter={inter}], got {tuple(w2.shape)}")
-    check(topk_ids.dim() == 2 and topk_ids.shape[0] == tokens,
-          f"topk_ids must be [tokens={tokens}, top_k], got {tuple(topk_ids.shape)}")
-    check(topk_weights.shape == topk_ids.shape,
-          f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    tokens, hidden, experts, inter = check_moe_shapes(x, w13, w2, topk_ids, topk_weights)
     if tokens == 0:
         return x.new_zeros(0, hidden)
     top_k = topk_ids.shape[1]

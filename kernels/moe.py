@@ -30,10 +30,10 @@ from atoll.kernels.backend import check, use_triton
 from atoll.kernels.configs import MoeConfig, moe_config
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, *, expert_offset: int = 0,
-              config: MoeConfig | None = None) -> torch.Tensor:
-    check(x.dim() == 2, f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+def check_moe_shapes(x, w13, w2, topk_ids, topk_weights) -> tuple[int, int, int, int]:
+    """(tokens, hidden, experts, inter) once the experts' and the routing's shapes agree (KernelError naming the
+    tensor otherwise): x [tokens, hidden], w13 [experts, 2*inter, hidden], w2 [experts, hidden,
+    inter], topk_ids and topk_weights [tokens, top_k]."""
     tokens, hidden = x.shape
     check(w13.dim() == 3 and w2.dim() == 3, f"w13 and w2 must be 3-D, got {w13.dim()}-D and {w2.dim()}-D")
     experts, two_inter, _ = w13.shape
@@ -42,11 +42,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
           f"w13 must be [experts, 2*inter, hidden={hidden}], got {tuple(w13.shape)}")
     check(tuple(w2.shape) == (experts, hidden, inter),
           f"w2 must be [experts={experts}, hidden={hidden}, inter={inter}], got {tuple(w2.shape)}")
-    check(x.dtype == w13.dtype == w2.dtype, f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == tokens,
           f"topk_ids must be [tokens={tokens}, top_k], got {tuple(topk_ids.shape)}")
     check(topk_weights.shape == topk_ids.shape,
           f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    return tokens, hidden, experts, inter
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, *, expert_offset: int = 0,
+              config: MoeConfig | None = None) -> torch.Tensor:
+    check(x.dim() == 2, f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    tokens, hidden, experts, inter = check_moe_shapes(x, w13, w2, topk_ids, topk_weights)
+    check(x.dtype == w13.dtype == w2.dtype, f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if tokens == 0:
         return x.new_zeros(0, hidden)
     if not use_triton(x, w13, w2, topk_ids, topk_weights):

@@ -158,3 +158,14 @@ Call a tool as <tool_call>{"name": <name>, "arguments": <args>}</tool_call><|im_
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+
+
+def with_tools_template(model_dir: Path, out: Path) -> Path:
+    """A copy of `model_dir` (its files linked) whose chat template renders tools."""
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name not in ("tokenizer_config.json", "chat_template.jinja"):
+            os.symlink(f, out / f.name)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    return out

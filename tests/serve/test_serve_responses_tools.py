@@ -6,10 +6,9 @@ deltas adding up; a follow-up with function_call_output items is the stored conv
 flat tools and tool_choice refused by their own names."""
 
 import json
-import os
 
 import pytest
-from serving import TOOLS_TEMPLATE
+from serving import with_tools_template
 from test_serve_app import FakeEngine, run, serve
 from test_serve_tool_parsers import CALLS, FORMATS
 
@@ -22,14 +21,7 @@ CHAT = [{"type": "function", "function": {"name": n, "description": f"the {n} to
 @pytest.fixture(scope="module")
 def llm(smollm2_dir, tmp_path_factory):
     """SmolLM2's files (linked) with a chat template that renders tools."""
-    out = tmp_path_factory.mktemp("responses-tools") / "smol-tools"
-    out.mkdir()
-    for f in smollm2_dir.iterdir():
-        if f.name not in ("tokenizer_config.json", "chat_template.jinja"):
-            os.symlink(f, out / f.name)
-    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
-    return LLM(out)
+    return LLM(with_tools_template(smollm2_dir, tmp_path_factory.mktemp("responses-tools") / "smol-tools"))
 
 
 def scripted(llm, text):

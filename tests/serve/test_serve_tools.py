@@ -7,13 +7,12 @@ server serves on."""
 
 import asyncio
 import json
-import os
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from serving import TOOLS_TEMPLATE, Server
+from serving import Server, with_tools_template
 
 from atoll.serve.tools import PARSERS
 
@@ -36,14 +35,7 @@ FORCED = ('start: "Let me check. <tool_call>\\n{\\"name\\": \\"get_weather\\", \
 @pytest.fixture(scope="module")
 def model(smollm2_dir, tmp_path_factory):
     """SmolLM2's files (linked) with a chat template that renders tools."""
-    out = tmp_path_factory.mktemp("serve-tools") / "smol-tools"
-    out.mkdir()
-    for f in smollm2_dir.iterdir():
-        if f.name not in ("tokenizer_config.json", "chat_template.jinja"):
-            os.symlink(f, out / f.name)
-    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
-    return out
+    return with_tools_template(smollm2_dir, tmp_path_factory.mktemp("serve-tools") / "smol-tools")
 
 
 @pytest.fixture(scope="module")
