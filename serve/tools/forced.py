@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from atoll.serve.tools.parser import WHITESPACE, Scan, Seen, ToolParser, json_object
+from atoll.serve.tools.parser import WHITESPACE, Scan, Seen, ToolParser, scan_objects
 
 
 class Required(ToolParser):
@@ -17,17 +17,7 @@ class Required(ToolParser):
         at = text.find("[")
         if at < 0:
             return out
-        at += 1
-        while True:
-            while at < len(text) and text[at] in WHITESPACE + ",":
-                at += 1
-            if not text.startswith("{", at):
-                return out
-            seen, end = json_object(text, at)
-            out.calls.append(seen)
-            if end < 0:
-                return out
-            at = end
+        return scan_objects(text, at + 1, out, skip=WHITESPACE + ",")
 
 
 class Named(ToolParser):

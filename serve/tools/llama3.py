@@ -5,7 +5,7 @@ the tag, an output that opens with `{` is calls and any other is content."""
 
 from __future__ import annotations
 
-from atoll.serve.tools.parser import WHITESPACE, Scan, ToolParser, before_marker, json_object
+from atoll.serve.tools.parser import WHITESPACE, Scan, ToolParser, before_marker, scan_objects
 
 TAG = "<|python_tag|>"
 
@@ -24,19 +24,4 @@ class Llama3Json(ToolParser):
             if not text.startswith("{", lead):
                 return Scan(content)
             content, at = text[:lead], lead
-        out = Scan(content)
-        while True:
-            while at < len(text) and text[at] in WHITESPACE:
-                at += 1
-            if not text.startswith("{", at):
-                return out
-            seen, end = json_object(text, at)
-            out.calls.append(seen)
-            if end < 0:
-                return out
-            at = end
-            while at < len(text) and text[at] in WHITESPACE:
-                at += 1
-            if not text.startswith(";", at):
-                return out
-            at += 1
+        return scan_objects(text, at, Scan(content), sep=";")

@@ -13,6 +13,7 @@ that a streamed call's pieces and the whole call agree to the character."""
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -105,7 +106,29 @@ def _value_text(body: str, at: int) -> str | None:
     return body[at:end]
 
 
-class ToolParser:
+def scan_objects(text: str, at: int, out: Scan, *, skip: str = WHITESPACE, sep: str | None = None) -> Scan:
+    """The JSON objects from text[at] on, each a call into out.calls: the characters in `skip`
+    come before each; with `sep`, each object after the first must follow one (whitespace
+    around it). Stops at anything else, or inside an object not yet whole."""
+    while True:
+        while at < len(text) and text[at] in skip:
+            at += 1
+        if not text.startswith("{", at):
+            return out
+        seen, end = json_object(text, at)
+        out.calls.append(seen)
+        if end < 0:
+            return out
+        at = end
+        if sep is not None:
+            while at < len(text) and text[at] in WHITESPACE:
+                at += 1
+            if not text.startswith(sep, at):
+                return out
+            at += len(sep)
+
+
+class ToolParser(abc.ABC):
     """One choice's parser (it keeps the stream's state): subclasses give scan()."""
 
     name = ""
@@ -116,8 +139,9 @@ class ToolParser:
         self.ids: list[str] = []  # per call sent: its id
         self.sent_args: list[int] = []
 
+    @abc.abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
-        raise NotImplementedError
+        """The content and the calls seen in `text` so far (final: the whole output)."""
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The whole text's content (None when empty) and calls. Calls whose name is missing or

@@ -6,7 +6,8 @@ import json
 import cli
 import pytest
 
-from atoll.bench.spec import render
+from atoll.bench.spec import render, side_names
+from atoll.config.speculative import SpeculativeConfig
 
 
 @pytest.mark.timeout(300)
@@ -34,9 +35,6 @@ def test_render_says_when_no_draft_was_made():
 
 
 def test_several_sides_named_and_rendered():
-    from atoll.bench.spec import side_names
-    from atoll.config.speculative import SpeculativeConfig
-
     configs = [SpeculativeConfig.parse(c) for c in ('{"method": "lookahead"}', '{"method": "ngram"}',
                                                     '{"method": "ngram", "min_acceptance_rate": 0.2}')]
     assert side_names(configs) == ["lookahead", "ngram1", "ngram2"]

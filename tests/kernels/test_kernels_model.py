@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from atoll import LLM, SamplingParams
+from atoll.engine.driver.perplexity import run_scores, windows
 from atoll.launch.device import visible_gpus
 from atoll.parallel.layout import Layout
 
@@ -64,8 +65,6 @@ def test_fp8_moe_model_with_the_kernels_on_scores_as_with_them_off(tiny_model, m
     355.5 off, 357.3 on (0.5%); per-position NLL 0.069 apart on average; the same top-1 on 79
     of 92 positions (a random tiny model's top-2 gaps are small). With the experts' output
     zeroed in the fp8 kernel: 2.2%, 0.48 and 10 of 92, so each bound below fails it."""
-    from atoll.engine.driver.perplexity import run_scores, windows
-
     if torch.cuda.is_available():
         pytest.skip("the CPU's interpreter run; on a GPU gpu_check.sh runs the kernel tests compiled")
     model_dir = tiny_model("mixtral", num_local_experts=5)
