@@ -113,33 +113,8 @@ def _with_moe_options(config, sh, topology, workloads, cands, every, allow_cross
                 lay = cands[i][0]
                 options = tuple((k, getattr(pick.workload, k)) for k in ("eplb", "redundant_experts",
                                                                          "two_batch_overlap"))
-                every[wi][i] = dataclasses.replace(pick.prediction, options=options,
-                                                   moe=moe_options.label(pick.workload, config, lay))
+                every[wi][i] = dataclasses.replace(pick.prediction, options=options)
                 whys[wi][every[wi][i].name] = moe_options.why(pick, plain.prediction, sh, lay, topology)
-    return every, whys
-    for wi, w in enumerate(workloads):
-        by_ep: dict = {}
-        for i in ep_cands:
-            by_ep.setdefault(cands[i][0].ep, []).append(i)
-        for members in by_ep.values():
-            layout = cands[members[0]][0]
-            tried = moe_options.variants(w, config, layout, eplb=eplb, tbo=tbo)[1:]
-            if not tried:
-                continue
-            preds = evaluate_all(config, sh, topology, tried, [cands[i] for i in members],
-                                 allow_cross_island=allow_cross_island)
-            for j, i in enumerate(members):
-                plain = moe_options.Chosen(w, every[wi][i])
-                pick = moe_options.best([plain] + [moe_options.Chosen(v, p[j]) for v, p in zip(tried, preds)])
-                if pick is plain:
-                    continue
-                lay = cands[i][0]
-                options = tuple((k, getattr(pick.workload, k)) for k in ("eplb", "redundant_experts",
-                                                                         "two_batch_overlap"))
-                chosen = dataclasses.replace(pick.prediction, moe=moe_options.label(pick.workload, config, lay),
-                                             options=options)
-                every[wi][i] = chosen
-                whys[wi][chosen.name] = moe_options.why(pick, plain.prediction, sh, lay)
     return every, whys
 
 

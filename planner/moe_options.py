@@ -39,18 +39,6 @@ def variants(workload, config, layout, *, eplb=AUTO, tbo=AUTO) -> list:
     return out
 
 
-def label(workload, config, layout) -> str:
-    """The options a layout runs with, for its name: "EPLB+16, TBO"; "" for none."""
-    if not config.is_moe or layout.ep <= 1:
-        return ""
-    parts = []
-    if workload.eplb:
-        parts.append(f"EPLB+{workload.redundant_experts}" if workload.redundant_experts else "EPLB")
-    if workload.two_batch_overlap:
-        parts.append("TBO")
-    return ", ".join(parts)
-
-
 def rebalance_cost(shapes, workload, layout, topology) -> tuple[float, float, str]:
     """(bytes, seconds, link) of the largest rebalance: every expert slot of a rank refilled
     from a peer, each MoE layer's, over the slowest link of the EP group (the runtime moves one

@@ -30,8 +30,7 @@ class Prediction:
     offered_rate: float | None = None  # the workload's request_rate (open loop); None: closed loop
     prefill_load: float = 0.0  # ρ of each replica's prefill: prompt work offered over what it can do
     overload: str = ""  # why the offered load is not sustainable; "" when it is
-    moe: str = ""  # the MoE engine options chosen for the layout (planner/moe_options.py): "EPLB+16, TBO"
-    options: tuple = ()  # the same as (workload field, value) pairs, for a saved plan
+    options: tuple = ()  # the MoE engine options chosen for it (planner/moe_options.py): (workload field, value)
 
     @property
     def sustainable(self) -> bool:
@@ -40,6 +39,13 @@ class Prediction:
     @property
     def name(self) -> str:
         return f"{self.replicas} x {self.layout}" if self.replicas > 1 else str(self.layout)
+
+    @property
+    def moe(self) -> str:
+        """The chosen MoE options in a few words: "EPLB+16, TBO"; "" for none."""
+        o = dict(self.options)
+        parts = ([f"EPLB+{o['redundant_experts']}" if o.get("redundant_experts") else "EPLB"] if o.get("eplb") else [])
+        return ", ".join(parts + (["TBO"] if o.get("two_batch_overlap") else []))
 
     @property
     def shown(self) -> str:

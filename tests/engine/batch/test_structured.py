@@ -1,9 +1,9 @@
 """Structured outputs in the engine (LLM and SamplingParams), on SmolLM2-135M-Instruct's real
 tokenizer: where the model's greedy answer already fits the grammar, the constrained answer is
 token-identical to it at TP3 (its 9 heads take no TP2) and PP2, and at TP2 on a tiny Llama with
-its tokenizer; n-gram speculation under a JSON schema gives the same tokens as without speculation, valid under the schema, with drafts taken; the compiled
-grammars are cached by their canonical text, within a bound; a bad one is refused naming the
-field."""
+its tokenizer; n-gram speculation under a JSON schema gives the same tokens as without
+speculation, valid under the schema, with drafts taken; the compiled grammars are cached by their
+canonical text, within a bound; a bad one is refused naming the field."""
 
 import json
 import re
