@@ -89,7 +89,13 @@ def fp8_dot_supported(t: torch.Tensor) -> bool:
     """Whether the device multiplies fp8 in its tensor cores (compute capability 8.9 and up:
     Ada, Hopper, Blackwell); the interpreter on the CPU takes it too. Older GPUs (an A100)
     dequantize fp8 weights instead."""
-    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (8, 9)
+    return not t.is_cuda or _capability(t.device.index) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    """A device's compute capability, asked once (the MoE layers ask every call)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
