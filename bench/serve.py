@@ -37,6 +37,7 @@ from atoll.bench.harness import Run, sig
 from atoll.bench.serve_compare import Offline, compare_plan, plan_lines, spec_counts, spec_rates
 from atoll.bench.serve_disagg import render as render_disagg, run_disagg
 from atoll.bench.serve_load import run_load as load, served_model, warm_up
+from atoll.bench.serve_probe import PROBE_SEED, Probe
 from atoll.bench.serve_routing import render as render_routing, run_routing
 from atoll.bench.serve_scenario import render as render_long, run_long_prompt
 from atoll.bench.serve_tiers import render as render_tiers, run_tiers
@@ -68,6 +69,9 @@ def add_parser(sub) -> None:
                    help="the planner's TTFT / TPOT for this model, layout, topology and load beside the measured")
     p.add_argument("--topology", default="local", help="--compare-plan: preset or YAML (default local; a "
                                                        "calibrated one from `atoll calibrate` is better)")
+    p.add_argument("--no-speed-probe", dest="speed_probe", action="store_false",
+                   help="--compare-plan: simulate with the calibration's steps as they are, without first timing "
+                        "a probe of the machine's speed now (bench/serve_probe.py)")
     p.add_argument("--compare-offline", action="store_true",
                    help="first the same requests through LLM.generate here: output tokens/s of both and the ratio")
     p.add_argument("--rounds", type=int, default=1,
@@ -209,8 +213,12 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
            "input_len": None if args.dataset else args.input_len, "output_len": args.output_len or 32,
            "dataset": args.dataset}
-    server = None if args.url else Server(bench.model, engine_argv(args), ready_timeout_s=args.server_timeout)
+    probe = Probe.start(args, bench.model, config, requests)
+    flags = probe.engine_flags if probe is not None else {}
+    server = None if args.url else Server(bench.model, engine_argv(args, **flags), ready_timeout_s=args.server_timeout)
     with contextlib.ExitStack() as stack:
+        if probe is not None:
+            stack.callback(probe.close)
         offline = None
         if args.compare_offline:
             offline = stack.enter_context(Offline(args, bench.model, warm))
@@ -222,6 +230,9 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         out |= {"url": args.url, "server_args": None if server is None else server.argv,
                 "server_start_s": None if server is None else server.started_s, "served_model": model}
         warm_up(url, model, warm, args)
+        if probe is not None:  # a second warm-up of the same shape, its ticks against the calibration's
+            again = build_requests(args, config, seed=args.seed + PROBE_SEED, n=len(warm))
+            probe.measure(lambda: warm_up(url, model, again, args))
         spec0 = None
         if args.compare_plan and args.speculative_config:
             spec0 = spec_counts(url)
@@ -234,11 +245,15 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
                     row["offline"] = offline.measure(rounds_requests[i])
                 elif side == "serve":
                     cpu0, client0 = server.cpu() if server is not None else {}, time.process_time()
+                    if i == 0 and probe is not None:
+                        probe.round_start()
                     results, duration = asyncio.run(load(
                         url, model, rounds_requests[i], rate=args.request_rate, burstiness=args.burstiness,
                         max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
                         timeout_s=args.timeout))
                     reports.append(report(results, duration, slos=slos, percentiles=percentiles))
+                    if i == 0 and probe is not None:
+                        probe.round_end()
                     if i == 0 and spec0 is not None:  # the simulator drafts as this round did
                         out["spec_measured"] = spec_rates(spec0, spec_counts(url), reports[0])
                     cpu = {"client": time.process_time() - client0}
@@ -265,7 +280,8 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
             out["offline_note"] = "the server was not at saturation (a finite --request-rate or --max-concurrency)"
     if args.compare_plan:
         out["plan"] = compare_plan(args, bench.model, config, requests, out["serve"], slos=slos,
-                                   percentiles=percentiles, spec=out.get("spec_measured"))
+                                   percentiles=percentiles, spec=out.get("spec_measured"),
+                                   speed=None if probe is None else probe.report())
     return out
 
 

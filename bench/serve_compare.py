@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 
 from atoll.bench.harness import sig
+from atoll.bench.serve_probe import scaled_topology
 from atoll.bench.serve_routing import scrape
 from atoll.bench.serve_server import cpu_seconds
 from atoll.config import from_args
@@ -153,9 +154,10 @@ def spec_rates(before: dict, after: dict, rep: dict) -> dict:
 
 
 def compare_plan(args, model_dir: str, config, requests, measured: dict, *, slos: dict, percentiles,
-                 spec: dict | None = None) -> dict:
+                 spec: dict | None = None, speed: dict | None = None) -> dict:
     """--compare-plan: the analytic prediction and the simulation of the same load beside the
-    measured figures; spec: the round's measured drafting (spec_rates), for the simulator."""
+    measured figures; spec: the round's measured drafting (spec_rates), for the simulator; speed:
+    the speed probe's report (bench/serve_probe.py), whose factor scales the calibration's steps."""
     layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
                             args.data_parallel_size, args.expert_parallel_size,
                             getattr(args, "context_parallel_size", None))
@@ -175,14 +177,25 @@ def compare_plan(args, model_dir: str, config, requests, measured: dict, *, slos
         out |= {"predicted": predicted, "measured_over_predicted": versus_plan(measured, predicted)}
     except AtollError as e:  # a deployment the analytic model does not cost (replicas of dp, xPyD)
         out["predicted_error"] = str(e)
-    out["simulated"] = simulated(args, model_dir, config, requests, slos=slos, percentiles=percentiles, spec=spec)
+    factor = (speed or {}).get("factor")
+    out["simulated"] = simulated(args, model_dir, config, requests, slos=slos, percentiles=percentiles, spec=spec,
+                                 speed=factor)
     out["measured_over_simulated"] = versus_sim(measured, out["simulated"]["serve"])
+    if speed is not None:
+        out["speed"] = speed
+    if factor is not None:  # the calibration as it is, beside
+        plain = simulated(args, model_dir, config, requests, slos=slos, percentiles=percentiles, spec=spec)
+        out["measured_over_simulated_uncorrected"] = versus_sim(measured, plain["serve"])
     return out
 
 
-def simulated(args, model_dir: str, config, requests, *, slos: dict, percentiles, spec: dict | None = None) -> dict:
-    """The simulator's run of the same requests, arrivals and engine flags (planner/sim)."""
+def simulated(args, model_dir: str, config, requests, *, slos: dict, percentiles, spec: dict | None = None,
+              speed: float | None = None) -> dict:
+    """The simulator's run of the same requests, arrivals and engine flags (planner/sim); speed:
+    the calibration's measured steps times this."""
     topology = load_topology(args.topology)
+    if speed is not None:
+        topology = scaled_topology(topology, Path(model_dir).name, speed)
     deployment = from_engine_flags(args, config, topology, acceptance=spec["acceptance"] if spec else None,
                                    draft_rate=spec["draft_rate"] if spec else 1.0)
     return simulate(config, topology, deployment, tokenized(requests, model_dir), rate=args.request_rate,
@@ -223,5 +236,12 @@ def plan_lines(plan: dict) -> list[str]:
     sim, x = plan["simulated"], plan["measured_over_simulated"]
     lines.append(f"  simulated ({sim['deployment']} on {sim['topology']}, steps from {sim['steps_from']}):")
     lines += ["  " + line for line in report_lines(sim["serve"])]
+    if "speed" in plan:
+        sp = plan["speed"]
+        lines.append(f"  machine speed (measured tick / calibrated tick, median): probe {num(sp['factor'])} over "
+                     f"{sp['probe_ticks']} ticks, the round {num(sp['during_run'])}")
     lines.append("  measured / simulated: " + ", ".join(f"{k} {v}" for k, v in x.items()))
+    if "measured_over_simulated_uncorrected" in plan:
+        lines.append("  measured / simulated with the calibration as it is: "
+                     + ", ".join(f"{k} {v}" for k, v in plan["measured_over_simulated_uncorrected"].items()))
     return lines

@@ -32,11 +32,20 @@ class StepTrace:
 def read_trace(path) -> list[tuple[str, int, int, float, float, float, float, bool | None]]:
     """(engine, rows, chunk tokens, ctx_sum, attended_sum, seconds, ctx_padded, graph) of every
     tick in a trace file; a trace written before the last two were: ctx_sum and None."""
+    return read_ticks(path)
+
+
+def read_ticks(path, start: int = 0, end: int | None = None) -> list:
+    """read_trace's ticks written between byte offsets start and end (default: the file's end); a
+    line still being written at the end is left for the next read."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                d = json.loads(line)
-                out.append((d["engine"], d["rows"], d["chunk_tokens"], d["ctx_sum"], d["attended_sum"], d["seconds"],
-                            d.get("ctx_padded", d["ctx_sum"]), d.get("graph")))
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read() if end is None else f.read(max(0, end - start))
+    for line in data.decode("utf-8").splitlines(keepends=True):
+        if not line.endswith("\n") or not line.strip():
+            continue
+        d = json.loads(line)
+        out.append((d["engine"], d["rows"], d["chunk_tokens"], d["ctx_sum"], d["attended_sum"], d["seconds"],
+                    d.get("ctx_padded", d["ctx_sum"]), d.get("graph")))
     return out
