@@ -6,6 +6,8 @@ them), the median and worst |error| of each.
 
     python examples/closed_loop.py --topology calibrated.yaml [--model DIR] [--out runs.json]
 
+Each run first times a probe of the machine's speed against the calibration and simulates with
+the steps scaled by it (bench/serve_probe.py); the last row gives the medians without it.
 The topology should be one `atoll calibrate --steps MODEL --step-layouts "TP1,PP2,2 x TP1"`
 wrote for the same model, so the simulator times the model's own measured steps.
 """
@@ -95,9 +97,10 @@ def main() -> int:
                 json.dump(runs, f, indent=1)
         x = runs[name]["plan"]["measured_over_simulated"]
         print("   measured / simulated: " + ", ".join(f"{k} {x.get(k)}" for k in FIGURES), file=sys.stderr, flush=True)
-    print("| scenario | " + " | ".join(FIGURES) + " | analytic ttft | analytic tpot | load |")
-    print("|---" * (len(FIGURES) + 4) + "|")
+    print("| scenario | " + " | ".join(FIGURES) + " | analytic ttft | analytic tpot | speed probe / round | load |")
+    print("|---" * (len(FIGURES) + 5) + "|")
     errors: dict[str, list[float]] = {k: [] for k in FIGURES}
+    plain: dict[str, list[float]] = {k: [] for k in FIGURES}  # the calibration as it is, without the probe
     analytic: dict[str, list[float]] = {"ttft": [], "tpot": []}
     for name, r in runs.items():
         x = dict(r["plan"]["measured_over_simulated"])
@@ -111,15 +114,23 @@ def main() -> int:
         for k in FIGURES:
             if isinstance(x.get(k), (int, float)):  # 0: measured none where the simulation had some, a 100% error
                 errors[k].append(abs(x[k] - 1))
+        u = r["plan"].get("measured_over_simulated_uncorrected") or r["plan"]["measured_over_simulated"]
+        for k in FIGURES:
+            if isinstance(u.get(k), (int, float)):
+                plain[k].append(abs(u[k] - 1))
+        sp = r["plan"].get("speed") or {}
+        speed = f"{sp['factor']:.3g} / {sp['during_run']:.3g}" if sp.get("factor") and sp.get("during_run") else "-"
         a = r["plan"].get("measured_over_predicted") or {}  # the analytic planner's means, for comparison
         for k in ("ttft", "tpot"):
             if isinstance(a.get(k), (int, float)):
                 analytic[k].append(abs(a[k] - 1))
         print(f"| {name} | " + " | ".join(f"{x.get(k)}" for k in FIGURES)
-              + f" | {a.get('ttft')} | {a.get('tpot')} | {r.get('load_avg_1m')} |")
+              + f" | {a.get('ttft')} | {a.get('tpot')} | {speed} | {r.get('load_avg_1m')} |")
     for what, f in (("median", statistics.median), ("worst", max)):
         print(f"| {what} abs error | " + " | ".join(f"{f(v):.1%}" if v else "-"
-                                                  for v in [*errors.values(), *analytic.values()]) + " | |")
+                                                  for v in [*errors.values(), *analytic.values()]) + " | | |")
+    print("| median abs error, no speed probe | " + " | ".join(f"{statistics.median(v):.1%}" if v else "-"
+                                                            for v in plain.values()) + " | | | | |")
     print(f"({os.cpu_count()} cores)")
     return 0
 
