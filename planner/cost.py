@@ -170,7 +170,7 @@ class CostModel:
         elif self.runtime:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
             self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
         else:
-            moved = moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
+            moved = moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb, prefill=prefill)
         room = (moved, vmin(moved, one.total() - moved))  # hidden at most under the work so far (floors aside)
         if self.runtime:
             one[OVERHEAD] += self.measured.layer_overhead(dense, seqs_per_dp)
