@@ -81,7 +81,8 @@ def forced_ratio(plain_cm, tokens_per_gpu: int) -> float:
     one, room = plain_cm._layer(False, **kw)
     half, (moved, _) = plain_cm._layer(False, **halves(kw))
     split = float(vmax(2.0 * (half.total() - moved), 2.0 * moved))
-    return one.total() / (one.total() - min(one.total() - split, float(room[1])))
+    gain = min(one.total() - split, float(room[1]), one.total() * (1.0 - 1.0 / most_gain(False)))
+    return one.total() / (one.total() - gain)
 
 
 def crossover(plain_cm, sizes) -> int | None:
