@@ -40,7 +40,8 @@ def workload_of(entry: dict, model) -> Workload:
     w = Workload(isl=entry["isl"], osl=entry["osl"], concurrency=entry.get("concurrency", 1),
                  request_rate=entry.get("request_rate"), kv_dtype=entry.get("kv_dtype", "auto"),
                  eplb=bool(engine.get("eplb")), redundant_experts=int(engine.get("redundant_experts", 0)),
-                 two_batch_overlap=bool(engine.get("two_batch_overlap")))
+                 two_batch_overlap=bool(engine.get("two_batch_overlap")),
+                 low_latency_decode=bool(engine.get("low_latency_decode")))
     config = model if isinstance(model, ModelConfig) else None
     if config is None:
         config = resolve_model(model)[1]

@@ -118,7 +118,8 @@ class CostModel:
         taken where it is faster (planner/two_batch.py)."""
         one, room = self._layer(dense, **kw)
         if not dense and self.w.two_batch_overlap and self.l.ep > 1 and not self.runtime:
-            two_batch.apply(one, room, self._layer(dense, **two_batch.halves(kw)), kw["seqs_per_dp"])
+            two_batch.apply(one, room, self._layer(dense, **two_batch.halves(kw)), kw["seqs_per_dp"],
+                            two_batch.most_gain(kw["prefill"]))
         return one
 
     def _layer(self, dense: bool, *, seqs_per_dp, active_dp, new_tokens: int, ctx: float, prefill: bool,
@@ -169,7 +170,7 @@ class CostModel:
         elif self.runtime:  # atoll's own exchange, as the runtime picks it (layers/moe.py)
             self.measured.moe(self, one, n=n, n_all=n_all, wb=wb)
         else:
-            moved = moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb)
+            moved = moe_layer(self, one, n=n, n_all=n_all, act=act, wb=wb, prefill=prefill)
         room = (moved, vmin(moved, one.total() - moved))  # hidden at most under the work so far (floors aside)
         if self.runtime:
             one[OVERHEAD] += self.measured.layer_overhead(dense, seqs_per_dp)

@@ -128,7 +128,7 @@ def sub_links(stage, size: int, stride: int):
                                cross_kind=stage.cross_kind if islands > 1 else "")
 
 
-def moe_layer(cm, out, *, n, n_all, act, wb: int):
+def moe_layer(cm, out, *, n, n_all, act, wb: int, prefill: bool = False):
     """Adds one MoE layer's expert reads, shared expert and exchange to `out` (seconds by
     category). n: tokens on one DP rank; n_all: tokens entering the layer over the stage
     (numbers, or arrays of them: parts.py). Returns the seconds of its ep exchange, which
@@ -164,7 +164,8 @@ def moe_layer(cm, out, *, n, n_all, act, wb: int):
             out.add(cm._comm_name("MoE gather", g_ep), t, when=gather)
             moved = vwhere(gather, t, 0.0)
         if not vall(gather):
-            t = _dispatch_combine(cm, g_ep, per_rank, n_all, pairs)
+            t = (_pairs_over_rdma(cm, g_ep, per_rank, pairs) if cm.w.low_latency_decode and not prefill
+                 else _dispatch_combine(cm, g_ep, per_rank, n_all, pairs))
             out.add(cm._comm_name("all-to-all", g_ep), t, when=vnot(gather))
             if not direct:  # each ep rank routed a chunk of the stage's tokens: gathered back
                 back = all_gather(rows * row, g_ep)
@@ -215,3 +216,17 @@ def _dispatch_combine(cm, g, per_rank, n_all, pairs):
     dispatch = (island_first_all_to_all(counts, counts, g)
                 + island_first_all_to_all(cross * (disp_row + 8 * k), intra * disp_row, g))
     return dispatch + island_first_all_to_all(cross * act_row, intra * act_row, g)
+
+
+def _pairs_over_rdma(cm, g, per_rank, pairs):
+    """Dispatch and combine with DeepEP's low-latency kernels, as SGLang's decode runs them
+    (lmsys.org large-scale EP blog: normal dispatch for prefill, low-latency dispatch for
+    decode; DeepEP README: low-latency kernels are pure RDMA): every (token, expert) pair is
+    its own row to its expert's rank, with its id and weight (8 bytes), and comes back as its
+    own row in the combine; no island-first deduplication, no receive counts exchanged first
+    (fixed-size buffers)."""
+    s, w = cm.s, cm.w
+    act_row = s.hidden * w.act_bytes
+    disp_row = s.hidden * (1 if w.dtype == "fp8" else w.act_bytes)
+    sent = vmax(per_rank * s.top_k, pairs)
+    return all_to_all(sent * (disp_row + 8), g) + all_to_all(sent * act_row, g)

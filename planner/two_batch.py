@@ -11,8 +11,12 @@ exchange:
 
 At decode sizes C is weight-bound, 2 C(n/2) is about 2 C(n), and TBO loses (SGLang measured
 -27% at 32 tokens a GPU); with enough tokens 2 C(n/2) is about C(n) and the exchange hides
-(+25% at 256 a GPU in decode, +27-35% in prefill). As the runtime's --tbo-token-threshold
-switches it by size, the planner takes the halves only where they are faster (the OVERLAP
+(+25% at 256 a GPU in decode, +27-35% in prefill). In the engines
+the halves' overlap falls short of that max: the exchange shares the GPU with the work it hides
+under (DeepEP's normal kernels run on SMs taken from the GEMMs, `Buffer.set_num_sms`) and its
+dispatch waits on a CPU sync for the received token counts (DeepEP README, normal kernels), so
+a layer gains at most the best that SGLang measured (most_gain). As the runtime's
+--tbo-token-threshold switches it by size, the planner takes the halves only where they are faster (the OVERLAP
 category: seconds taken off, never added), and `crossover` gives the step size from which
 they are.
 """
@@ -29,6 +33,13 @@ SGLANG_DECODE = {32: 0.73, 256: 1.25}
 SGLANG_PREFILL = (1.27, 1.35)  # prefill throughput, on over off, across its measured sizes
 
 
+def most_gain(prefill: bool) -> float:
+    """The most an MoE layer gains from two halves (one batch's seconds over the halves'): the
+    best SGLang measured, 1.35x in prefill and 1.25x in decode; the ideal max() above gives
+    1.5-1.7x on its EP32 prefill."""
+    return max(SGLANG_PREFILL) if prefill else max(SGLANG_DECODE.values())
+
+
 def halves(kw: dict) -> dict:
     """A layer's arguments (CostModel.layer) for one of two micro-batches: half the sequences
     and half the prompt-chunk tokens of each DP rank (the DP ranks stay)."""
@@ -36,14 +47,15 @@ def halves(kw: dict) -> dict:
                  "prompt_rows": kw.get("prompt_rows", 0.0) / 2}
 
 
-def apply(one, room, half, seqs) -> None:
+def apply(one, room, half, seqs, most: float = 1e9) -> None:
     """Adds to `one` (a layer's seconds as one batch) what two halves take off, where they are
     faster: at most `room`'s second, the exchange the layer's own work can hide (the longer of
-    the two, as DeepSeek's profile describes it); half: one half's (seconds, room); seqs:
-    sequences a DP rank (the runtime splits whole sequences: one cannot be split)."""
+    the two, as DeepSeek's profile describes it), and at most what a gain of `most` takes off;
+    half: one half's (seconds, room); seqs: sequences a DP rank (the runtime splits whole
+    sequences: one cannot be split)."""
     parts, (moved, _) = half
     split = vmax(2.0 * (parts.total() - moved), 2.0 * moved)
-    gain = vmin(one.total() - split, room[1])
+    gain = vmin(vmin(one.total() - split, room[1]), one.total() * (1.0 - 1.0 / most))
     one.add(OVERLAP, -vmax(gain, 0.0), when=seqs >= 2)
 
 
@@ -69,7 +81,8 @@ def forced_ratio(plain_cm, tokens_per_gpu: int) -> float:
     one, room = plain_cm._layer(False, **kw)
     half, (moved, _) = plain_cm._layer(False, **halves(kw))
     split = float(vmax(2.0 * (half.total() - moved), 2.0 * moved))
-    return one.total() / (one.total() - min(one.total() - split, float(room[1])))
+    gain = min(one.total() - split, float(room[1]), one.total() * (1.0 - 1.0 / most_gain(False)))
+    return one.total() / (one.total() - gain)
 
 
 def crossover(plain_cm, sizes) -> int | None:

@@ -47,6 +47,10 @@ class Workload:
     # the engine runs each step as two micro-batches, one's MoE exchange under the other's compute
     # (SGLang's and DeepSeek's "two-batch overlap"); atoll's runtime does not (False)
     two_batch_overlap: bool = False
+    # decode steps exchange tokens with DeepEP's low-latency kernels (SGLang's PD-disaggregated
+    # decode): each (token, expert) pair straight over RDMA, no island-first forwarding; atoll's
+    # runtime dispatches island first (False)
+    low_latency_decode: bool = False
     # speculative decoding (the engine's --speculative-config): tokens drafted a step, the chance
     # each drafted token is kept given the one before it was, and what drafts them: "ngram"
     # (prompt lookup, no model) or "mtp" (the checkpoint's next-token layer: a decoder layer and
@@ -82,6 +86,8 @@ class Workload:
                               "filled by load")
         if not isinstance(self.two_batch_overlap, bool):
             raise ConfigError(f"two_batch_overlap={self.two_batch_overlap!r} must be true or false")
+        if not isinstance(self.low_latency_decode, bool):
+            raise ConfigError(f"low_latency_decode={self.low_latency_decode!r} must be true or false")
         if isinstance(self.spec_tokens, bool) or not isinstance(self.spec_tokens, int) or \
                 not 0 <= self.spec_tokens <= MAX_SPEC_TOKENS:
             raise ConfigError(f"spec_tokens={self.spec_tokens!r} must be a whole number of drafted tokens, "

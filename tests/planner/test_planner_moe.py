@@ -3,6 +3,7 @@ exchange across nodes, each against a published figure or traffic a reader can c
 
 import pytest
 
+from atoll.errors import ConfigError
 from atoll.models.presets import resolve_model
 from atoll.parallel.layout import Layout
 from atoll.parallel.placement import Placement
@@ -12,6 +13,7 @@ from atoll.planner.cost import CostModel
 from atoll.planner.efficiency import link_efficiency
 from atoll.planner.moe_cost import (EXPERT_IMBALANCE, busiest_pairs, expected_busiest_experts,
                                     expert_imbalance)
+from atoll.planner.points import decode_point, prefill_point
 from atoll.planner.shapes import shapes
 from atoll.topologies import load_topology
 
@@ -123,3 +125,20 @@ def test_ep_prefill_across_two_nodes_charges_only_copies_that_leave_the_node():
     # what the network's bandwidth costs: doubling it saves half of the crossing time
     assert 2 * (per_layer(400) - per_layer(800)) == pytest.approx(crossing, rel=0.01)
     assert per_layer(400) < old / 2  # the NVLink leg and message latencies stay small beside it
+
+
+def test_low_latency_decode_sends_every_pair_over_rdma():
+    """DeepEP's low-latency decode (Workload.low_latency_decode) sends each (token, expert) pair
+    over RDMA: at EP72 over nine nodes a decode step's exchange costs more than the island-first
+    one, which crosses once per remote node a token reaches; a prefill pass is unchanged."""
+    topo = load_topology("dgx-h100", nodes=9)
+    ex = "all-to-all over infiniband"
+    d = [decode_point("DeepSeek-V3", topo, "DP72EP72", batch_per_gpu=256, kv_len=2000,
+                      workload=Workload(isl=1999, osl=1, low_latency_decode=on)) for on in (False, True)]
+    assert d[1].breakdown[ex] > 1.2 * d[0].breakdown[ex]
+    assert d[1].tokens_per_s_per_gpu < d[0].tokens_per_s_per_gpu
+    p = [prefill_point("DeepSeek-V3", topo, "DP72EP72", isl=1024, tokens_per_gpu=4096,
+                       workload=Workload(isl=1024, osl=1, low_latency_decode=on)) for on in (False, True)]
+    assert p[0].step_s == p[1].step_s
+    with pytest.raises(ConfigError, match="low_latency_decode"):
+        Workload(low_latency_decode="yes")
