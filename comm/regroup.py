@@ -58,6 +58,23 @@ def failed(store, round_: int, ranks) -> list[int]:
     return [r for r in ranks if store.check([f"{PREFIX}/{round_}/failed/{r}"])]
 
 
+def elect(store, round_: int, ranks, timeout_s: float, grace_s: float = 0.5) -> list[int]:
+    """The survivors of round `round_` as its leader (a rank that outlives the others: the one
+    serving `store`) sees them: the ranks that noticed the failure. Waits until all but one of
+    `ranks` did (then grace_s more for the rest) or timeout_s has passed."""
+    ranks = list(ranks)
+    deadline = time.monotonic() + timeout_s
+    settle = None
+    while True:
+        seen = failed(store, round_, ranks)
+        now = time.monotonic()
+        if len(seen) == len(ranks) or now > deadline or (settle is not None and now > settle):
+            return seen
+        if settle is None and len(seen) >= len(ranks) - 1:
+            settle = now + grace_s
+        time.sleep(0.01)
+
+
 def announce(store, round_: int, survivors) -> None:
     """The driver's word: the ranks of the last round (in its numbering) that go on."""
     store.set(f"{PREFIX}/{round_}/survivors", ",".join(str(r) for r in survivors))
