@@ -9,7 +9,7 @@ group never reads the keys of the one before:
     store = serve_store()               join(store, 0, rank, world, timeout_s)
                                         ... a collective raises: a peer died (gloo: "Connection
                                         closed by peer" at once) or hung (the group's timeout_s)
-                                        notice(store, 0, rank)
+                                        notice(store, 0, rank); leave()
     (sees the rank's process exit, or a
      notice: ends the silent rank)
     announce(store, 1, survivors)       new = rejoin(store, 1, rank, timeout_s)   # None: not kept
@@ -53,6 +53,14 @@ def notice(store, round_: int, rank: int) -> None:
     store.set(f"{PREFIX}/{round_}/failed/{rank}", "1")
 
 
+def leave() -> None:
+    """Tear down every process group of this rank at once, after its `notice`: peers still
+    blocked in a collective with it then fail at once (their connections close) instead of at
+    their timeout, and notice in turn."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def failed(store, round_: int, ranks) -> list[int]:
     """The ranks that said a collective of round `round_` failed."""
     return [r for r in ranks if store.check([f"{PREFIX}/{round_}/failed/{r}"])]
@@ -91,12 +99,13 @@ def survivors(store, round_: int, timeout_s: float) -> list[int]:
     return [int(r) for r in store.get(key).decode().split(",") if r]
 
 
-def rejoin(store, round_: int, rank: int, timeout_s: float, backend: str = "gloo") -> int | None:
+def rejoin(store, round_: int, rank: int, timeout_s: float, backend: str = "gloo",
+           wait_s: float | None = None) -> int | None:
     """Tear down every process group of this rank and join round `round_`'s among the
-    survivors; returns the rank's new rank (its place among them), None when it is not one."""
-    keep = survivors(store, round_, timeout_s)
-    if dist.is_initialized():
-        dist.destroy_process_group()  # every group: the old ones wait on a dead peer
+    survivors (its collectives timing out after timeout_s); returns the rank's new rank (its
+    place among them), None when it is not one. wait_s: the wait for the word (default timeout_s)."""
+    keep = survivors(store, round_, timeout_s if wait_s is None else wait_s)
+    leave()  # every group: the old ones wait on a dead peer
     if rank not in keep:
         return None
     new = keep.index(rank)

@@ -30,11 +30,13 @@ def expert_params(model) -> dict[int, str]:
 
 
 def checkpoint_has(model, ckpt):
-    """loadable(layer, expert): whether the checkpoint holds every tensor of that expert."""
+    """loadable(layer, expert): whether the checkpoint holds every tensor of that expert, in a
+    file this rank can still reach."""
     prefixes, held = expert_params(model), set(ckpt.names())
 
     def loadable(layer: int, expert: int) -> bool:
-        return all(model.checkpoint_name(f"{prefixes[layer]}.{p}", (expert, part)) in held for p, part in PARTS)
+        names = [model.checkpoint_name(f"{prefixes[layer]}.{p}", (expert, part)) for p, part in PARTS]
+        return all(n in held and ckpt.path_of(n).exists() for n in names)
 
     return loadable
 

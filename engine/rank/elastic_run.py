@@ -53,6 +53,10 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
     """This rank's part of the run; rank 0 returns {"results": one per request, in order,
     "layouts": the layout of each round, "recoveries": [{"lost", "noticed_s", "rebuilt_s"}]}."""
     layout = Layout.parse(spec.layout)
+    # rank 0 names the survivors once all but one noticed, or after timeout_s: a survivor still
+    # blocked in a collective notices only at its group's timeout (at most timeout_s after a round
+    # starts; the first round's is the collective timeout, ATOLL_COLLECTIVE_TIMEOUT_S)
+    word_s = 2 * timeout_s + 5
     store = _elastic_store(rank)
     me, ranks, round_ = rank, list(range(world_size)), 0
     ctx = ParallelContext.create(layout, me, device, node=node)
@@ -76,18 +80,19 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
             cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         results |= batch.results
         regroup.notice(store, round_, me)
+        regroup.leave()  # the peers still in a collective with this rank fail at once, and notice
         if me == 0:
             keep = regroup.elect(store, round_, ranks, timeout_s)
             regroup.announce(store, round_ + 1, keep)
         else:
-            keep = regroup.survivors(store, round_ + 1, timeout_s)
+            keep = regroup.survivors(store, round_ + 1, word_s)
         lost = [r for r in range(len(ranks)) if r not in keep]
         # every expert keeps a source, or the run stops naming the one without (before any rebuild)
         placements = {lid: m.placement for lid, m in zip(runner.model.moe_layer_ids, runner.model.moe_layers)}
         kept = survive_layers(placements, lost, checkpoint_has(runner.model, runner.checkpoint)) if placements else {}
         noticed = time.monotonic() - failed_at
         del loop, runner
-        new = regroup.rejoin(store, round_ + 1, me, timeout_s)
+        new = regroup.rejoin(store, round_ + 1, me, timeout_s, wait_s=word_s)
         if new is None:
             return None  # not among the survivors (a rank that hung and came back)
         me, ranks, round_ = new, list(range(len(keep))), round_ + 1
@@ -101,7 +106,8 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
         layouts.append(str(layout))
         recoveries.append({"lost": lost, "cause": cause, "noticed_s": noticed,
                            "rebuilt_s": time.monotonic() - failed_at,
-                           "from_checkpoint": sum(len(s.loads) for s in kept.values())})
+                           "from_checkpoint": sum(len(s.loads) for s in kept.values()),
+                           "resumed": {r.index: len(r.generated) for r in todo}})  # request -> tokens it had
     if me != 0:
         return None
     return {"results": [results[r.index] for r in requests], "layouts": layouts, "recoveries": recoveries}

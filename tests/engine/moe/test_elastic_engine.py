@@ -23,20 +23,32 @@ def references(tiny_model):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_dp3ep3_loses_a_rank_and_finishes_as_dp2ep2_with_transformers_tokens(references):
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout,redundant,orphans", [("DP3EP3", 1, 2), ("DP4EP4", 4, 0)])
+def test_an_ep_engine_loses_a_rank_and_finishes_at_reduced_dp_with_transformers_tokens(references, layout, redundant,
+                                                                                      orphans, monkeypatch):
+    """DP3EP3: 8 experts + 1 spare, [0, 1, 2] [3, 4, 5] [6, 7, 0]: rank 2's 6 and 7 have no copy
+    left and are read from the checkpoint. DP4EP4: 8 + 4, [0, 1, 2] [3, 4, 5] [6, 7, 0] [1, 2, 3]:
+    rank 2's 6 and 7 again. DP4EP4 here loses rank 3 ([1, 2, 3]: every expert keeps a copy)."""
     model_dir, expected = references("qwen3_moe")
-    # 8 experts + 1 spare over EP3: [0, 1, 2] [3, 4, 5] [6, 7, 0]; rank 2's 6 and 7 have no copy left
-    spec = RunSpec.of(model_dir, "DP3EP3", max_model_len=64, enable_eplb=True, num_redundant_experts=1,
-                      eplb_step_interval=10_000, fault_injection="kill:rank=2:step=6")
+    monkeypatch.setenv("ATOLL_COLLECTIVE_TIMEOUT_S", "10")  # the first round's groups: a hung peer's bound
+    world = int(layout[2])
+    victim = world - 1
+    spec = RunSpec.of(model_dir, layout, max_model_len=64, enable_eplb=True, num_redundant_experts=redundant,
+                      eplb_step_interval=10_000, fault_injection=f"kill:rank={victim}:step=6")
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     requests = [Request(i, p, params) for i, p in enumerate(PROMPTS)]
-    out = run_elastic(spec, requests, 3, timeout_s=10.0, wait_s=240, threads=1)
-    assert out["lost"] == [2] and out["layouts"] == ["DP3EP3", "DP2EP2"]
+    out = run_elastic(spec, requests, world, timeout_s=10.0, wait_s=300, threads=1)
+    assert out["lost"] == [victim] and out["layouts"] == [layout, f"DP{world - 1}EP{world - 1}"]
     (rec,) = out["recoveries"]
-    assert rec["lost"] == [2] and rec["from_checkpoint"] == 2 * 3  # experts 6 and 7 of each of the 3 MoE layers
+    layers = 3  # every layer of the tiny model is an MoE layer
+    assert rec["lost"] == [victim] and rec["from_checkpoint"] == orphans * layers
     assert [r["token_ids"] for r in out["results"]] == expected
-    # the lost rank's requests (2 and 5: DP replica 2) had tokens before the loss and went on from them
-    assert rec["noticed_s"] < 10.0
-    print(f"DP3EP3 -> DP2EP2: noticed {rec['noticed_s']:.2f}s after the failure, serving again "
-          f"{rec['rebuilt_s']:.2f}s after it ({rec['cause']})")
+    # the lost replica's requests (k % world == victim) had tokens, not all, and went on from them
+    lost_requests = [k for k in range(len(PROMPTS)) if k % world == victim]
+    assert all(0 < rec["resumed"][k] < NEW for k in lost_requests), rec["resumed"]
+    # bounded by the collective timeout: a survivor blocked in a gloo receive from the dead rank
+    # may notice only then (seen at DP4EP4); a closed connection is noticed at once
+    assert rec["noticed_s"] < 10.0 + 3
+    print(f"{layout} -> {out['layouts'][1]}: noticed {rec['noticed_s']:.2f}s after the failure, serving again "
+          f"{rec['rebuilt_s']:.2f}s after it; requests resumed with tokens {rec['resumed']}")
