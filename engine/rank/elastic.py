@@ -4,11 +4,12 @@ from the checkpoint into the slots this rank gives them.
 
     keep = survive_layers(placements, lost, checkpoint_has(model, ckpt))   # every survivor alike
     refill(model, ckpt, keep, me)                                          # me: the new ep rank
+    carry(old, new, keep, old_rank, me, ckpt)   # a rebuilt stage: the kept weights, then refill
 
 `refill` writes in place, with the experts' own weight_loaders (the same slices, and fp8
 scales, a start reads), so a captured CUDA graph or a compiled step keeps reading the same
 storage. A survivor whose slots grow (an orphan given a new slot, when no spare copy was left)
-is not handled here yet: that needs the layer's weights reallocated.
+needs a stage rebuilt with that many slots: `carry` fills one from the stage before the loss.
 """
 
 from __future__ import annotations
@@ -69,3 +70,29 @@ def refill(model, ckpt, survivals: dict[int, Survival], me: int) -> int:
         if moe.expert_map is not None:
             moe.expert_map.set(s.placement)
     return written
+
+
+@torch.no_grad()
+def carry(old, new, survivals: dict[int, Survival], old_rank: int, me: int, ckpt) -> int:
+    """Fill `new` (this rank's stage rebuilt for the shrunk layout, the same shapes but its MoE
+    slots) from `old` (its stage before the loss, as ep rank old_rank): every other weight copied,
+    each expert slot the survivor kept copied from its old slot, then the MoE layers switched to
+    the kept placement and the experts without a copy read from the checkpoint (`refill`).
+    Returns the bytes read from the checkpoint."""
+    prefixes = expert_params(new)
+    slot_names = {f"{prefix}.{p}" for prefix in prefixes.values() for p in ("w13", "w2")}
+    before = old.state_dict()
+    for name, t in new.state_dict().items():
+        if name in slot_names:
+            continue
+        if name not in before or before[name].shape != t.shape:
+            raise ValueError(f"{name}: {tuple(t.shape)} in the rebuilt stage, "
+                             f"{tuple(before[name].shape) if name in before else 'nothing'} before the loss")
+        t.copy_(before[name])
+    for layer, was, now in zip(new.moe_layer_ids, old.moe_layers, new.moe_layers):
+        held, kept = was.placement.local(old_rank), survivals[layer].placement.local(me)
+        for src, dst in zip((was.experts.w13, was.experts.w2), (now.experts.w13, now.experts.w2)):
+            for j, e in enumerate(kept):
+                if j < len(held) and held[j] == e:
+                    dst[j].copy_(src[j])
+    return refill(new, ckpt, survivals, me)

@@ -7,14 +7,16 @@ survivor says so in the elastic store that the engine's rank 0 serves (comm/regr
 waits for the notices, names the survivors, and every survivor tears its process groups down and
 joins the next round's, at the shrunk layout (Layout.shrunk). Before rebuilding, each survivor
 checks that every MoE layer's experts still have a source (comm.elastic.survive_layers: a copy
-on a survivor, else the checkpoint); one with none stops the run with the line naming it. The
-survivors then build their stage again for the new layout and rank 0 adds every request that had
-not ended, with the tokens it had taken so far (Request.generated, the migration's own field),
-spread over the new DP replicas, so each goes on from its last token.
+on a survivor, else the checkpoint); one with none stops the run with the line naming it.
 
-Rank 0 is the run's link to the driver and serves the elastic store: its loss ends the run. The
-rebuilt stage reads its weights from the checkpoint again (the survivors' expert copies are
-counted as sources, not yet kept in memory across the rebuild).
+The survivors then build their stage again for the new layout with every MoE layer's kept slots
+and fill it from the stage before the loss (engine/rank/elastic.py's `carry`: the weights kept,
+the experts without a copy read from the checkpoint), when every layer kept one slot count and
+split; else (layers rebalanced apart, quantized weights) it reads the checkpoint again. Rank 0
+adds every request that had not ended, with the tokens it had taken so far (Request.generated,
+the migration's own field), spread over the new DP replicas, so each goes on from its last token.
+
+Rank 0 is the run's link to the driver and serves the elastic store: its loss ends the run.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch.distributed as dist
 from atoll.comm import regroup
 from atoll.comm.elastic import survive_layers
 from atoll.engine.batch.request import Request
-from atoll.engine.rank.elastic import checkpoint_has
+from atoll.comm.experts import expert_split
+from atoll.engine.rank.elastic import carry, checkpoint_has
 from atoll.engine.rank.loop import Batch, ServeLoop
 from atoll.engine.rank.run_spec import RunSpec
 from atoll.engine.rank.runner import ModelRunner
@@ -91,6 +94,7 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
         placements = {lid: m.placement for lid, m in zip(runner.model.moe_layer_ids, runner.model.moe_layers)}
         kept = survive_layers(placements, lost, checkpoint_has(runner.model, runner.checkpoint)) if placements else {}
         noticed = time.monotonic() - failed_at
+        old, old_rank = runner.model, me
         del loop, runner
         new = regroup.rejoin(store, round_ + 1, me, timeout_s, wait_s=word_s)
         if new is None:
@@ -98,15 +102,24 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
         me, ranks, round_ = new, list(range(len(keep))), round_ + 1
         layout = layout.shrunk(len(lost))
         spec = dataclasses.replace(spec, layout=str(layout)).with_engine(fault_injection=None)
+        slots = _kept_slots(kept, layout, spec)
+        load = None
+        if slots is not None:  # the stage rebuilt with the kept slots, filled from the old one
+            spec = spec.with_engine(enable_eplb=True, num_redundant_experts=slots - old.config.num_experts)
+            load = lambda model, ckpt: carry(old, model, kept, old_rank, me, ckpt)  # noqa: E731
         ctx = ParallelContext.create(layout, me, device, node=node) if layout.world_size > 1 \
             else ParallelContext.single(device)
-        runner = ModelRunner(spec, ctx)
+        runner = ModelRunner(spec, ctx, load=load)
+        del old
         todo = [dataclasses.replace(r, generated=list(r.generated) + tokens.get(r.index, []), arrival_step=0)
                 for r in requests if r.index not in results]
         layouts.append(str(layout))
         recoveries.append({"lost": lost, "cause": cause, "noticed_s": noticed,
                            "rebuilt_s": time.monotonic() - failed_at,
                            "from_checkpoint": sum(len(s.loads) for s in kept.values()),
+                           "from_checkpoint_here": sum(1 for s in kept.values() for x in s.loads if x.rank == me),
+                           "carried": load is not None,  # the kept weights, not the checkpoint's
+                           "read": sum(runner.checkpoint.tensors_read.values()),  # elements the rebuild read
                            "resumed": {r.index: len(r.generated) for r in todo}})  # request -> tokens it had
     if me != 0:
         return None
@@ -121,3 +134,16 @@ def _elastic_store(rank: int):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return store if store is not None else regroup.connect("127.0.0.1", box[0], 60.0)
+
+
+def _kept_slots(kept: dict, layout: Layout, spec: RunSpec) -> int | None:
+    """The slots of every MoE layer's kept placement when a stage built with them (E + R
+    slots, split as the Dispatcher splits them) can take the old stage's weights: one count and
+    split for every layer, plain weights. None: the stage reads the checkpoint again."""
+    if not kept or spec.engine.quantization is not None:
+        return None
+    shapes = {(s.placement.num_slots, s.placement.split) for s in kept.values()}
+    if len(shapes) != 1:
+        return None
+    ((slots, split),) = shapes
+    return slots if tuple(expert_split(slots, layout.ep)) == tuple(split) else None

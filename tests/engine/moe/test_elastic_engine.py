@@ -43,6 +43,10 @@ def test_an_ep_engine_loses_a_rank_and_finishes_at_reduced_dp_with_transformers_
     (rec,) = out["recoveries"]
     layers = 3  # every layer of the tiny model is an MoE layer
     assert rec["lost"] == [victim] and rec["from_checkpoint"] == orphans * layers
+    # the rebuilt stages kept the survivors' weights and read only the orphaned experts (rank 0's)
+    hidden, inter = 64, 32  # the tiny Qwen3-MoE's hidden_size and moe_intermediate_size
+    mine = rec["from_checkpoint_here"]
+    assert rec["carried"] and rec["read"] == mine * 3 * inter * hidden
     assert [r["token_ids"] for r in out["results"]] == expected
     # the lost replica's requests (k % world == victim) had tokens, not all, and went on from them
     lost_requests = [k for k in range(len(PROMPTS)) if k % world == victim]
@@ -51,4 +55,5 @@ def test_an_ep_engine_loses_a_rank_and_finishes_at_reduced_dp_with_transformers_
     # may notice only then (seen at DP4EP4); a closed connection is noticed at once
     assert rec["noticed_s"] < 10.0 + 3
     print(f"{layout} -> {out['layouts'][1]}: noticed {rec['noticed_s']:.2f}s after the failure, serving again "
-          f"{rec['rebuilt_s']:.2f}s after it; requests resumed with tokens {rec['resumed']}")
+          f"{rec['rebuilt_s']:.2f}s after it; requests resumed with tokens {rec['resumed']}; rank 0 read "
+          f"{rec['read']} checkpoint elements ({mine} experts)")
