@@ -43,8 +43,10 @@ class _Record:
 
     def __init__(self, batch: Batch, tokens: dict[int, list[int]]):
         self.batch, self.tokens = batch, tokens
+        self.last = time.monotonic()  # when the last step's report came (rank 0)
 
     def put(self, msg) -> None:
+        self.last = time.monotonic()
         if msg[0] == "step":
             for index, token, *_ in msg[1]:
                 self.tokens.setdefault(index, []).append(token)
@@ -59,7 +61,7 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
     # rank 0 names the survivors once all but one noticed, or after timeout_s: a survivor still
     # blocked in a collective notices only at its group's timeout (at most timeout_s after a round
     # starts; the first round's is the collective timeout, ATOLL_COLLECTIVE_TIMEOUT_S)
-    word_s = 2 * timeout_s + 5
+    word_s = 2 * timeout_s + 10
     store = _elastic_store(rank)
     me, ranks, round_ = rank, list(range(world_size)), 0
     ctx = ParallelContext.create(layout, me, device, node=node)
@@ -70,7 +72,8 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
     while True:
         dp = layout.dp
         batch = Batch(todo, lambda k: k % dp)
-        loop = ServeLoop(runner, batch, _Record(batch, tokens))
+        record = _Record(batch, tokens)
+        loop = ServeLoop(runner, batch, record)
         try:
             loop.ready()
             loop.run()
@@ -85,7 +88,8 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
         regroup.notice(store, round_, me)
         regroup.leave()  # the peers still in a collective with this rank fail at once, and notice
         if me == 0:
-            keep = regroup.elect(store, round_, ranks, timeout_s)
+            # past the collective timeout: a survivor blocked in a collective notices only then
+            keep = regroup.elect(store, round_, ranks, timeout_s + 5)
             regroup.announce(store, round_ + 1, keep)
         else:
             keep = regroup.survivors(store, round_ + 1, word_s)
@@ -116,6 +120,7 @@ def elastic_worker(rank: int, world_size: int, spec: RunSpec, requests: list[Req
         layouts.append(str(layout))
         recoveries.append({"lost": lost, "cause": cause, "noticed_s": noticed,
                            "rebuilt_s": time.monotonic() - failed_at,
+                           "stalled_s": failed_at - record.last,  # rank 0: its last report to its failure
                            "from_checkpoint": sum(len(s.loads) for s in kept.values()),
                            "from_checkpoint_here": sum(1 for s in kept.values() for x in s.loads if x.rank == me),
                            "carried": load is not None,  # the kept weights, not the checkpoint's

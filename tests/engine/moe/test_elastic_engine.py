@@ -53,7 +53,29 @@ def test_an_ep_engine_loses_a_rank_and_finishes_at_reduced_dp_with_transformers_
     assert all(0 < rec["resumed"][k] < NEW for k in lost_requests), rec["resumed"]
     # bounded by the collective timeout: a survivor blocked in a gloo receive from the dead rank
     # may notice only then (seen at DP4EP4); a closed connection is noticed at once
-    assert rec["noticed_s"] < 10.0 + 3
-    print(f"{layout} -> {out['layouts'][1]}: noticed {rec['noticed_s']:.2f}s after the failure, serving again "
+    assert rec["noticed_s"] < 10.0 + 3 and rec["stalled_s"] < 10.0 + 3
+    print(f"{layout} -> {out['layouts'][1]}: rank 0 failed {rec['stalled_s']:.2f}s after its last step, all "
+          f"noticed {rec['noticed_s']:.2f}s after that, serving again "
           f"{rec['rebuilt_s']:.2f}s after it; requests resumed with tokens {rec['resumed']}; rank 0 read "
           f"{rec['read']} checkpoint elements ({mine} experts)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_silent_rank_is_left_out_after_the_collective_timeout(references, monkeypatch):
+    """`drop`: rank 2 stays alive but sends nothing more; the others notice at the collective
+    timeout, go on as DP2EP2 without it, and the driver ends it by its pid at the end."""
+    model_dir, expected = references("qwen3_moe")
+    monkeypatch.setenv("ATOLL_COLLECTIVE_TIMEOUT_S", "6")
+    spec = RunSpec.of(model_dir, "DP3EP3", max_model_len=64, enable_eplb=True, num_redundant_experts=1,
+                      eplb_step_interval=10_000, fault_injection="drop:rank=2:step=6")
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    out = run_elastic(spec, [Request(i, p, params) for i, p in enumerate(PROMPTS)], 3, timeout_s=6.0, wait_s=240,
+                      threads=1)
+    (rec,) = out["recoveries"]
+    assert out["lost"] == [] and rec["lost"] == [2] and out["layouts"] == ["DP3EP3", "DP2EP2"]
+    assert [r["token_ids"] for r in out["results"]] == expected
+    # rank 0's collective waited out the timeout: its last report came about 6 s before it failed
+    assert 6.0 * 0.9 < rec["stalled_s"] < 6.0 + 3, rec["stalled_s"]
+    print(f"drop: rank 0 failed {rec['stalled_s']:.2f}s after its last step (timeout 6 s), all noticed "
+          f"{rec['noticed_s']:.2f}s later, serving again {rec['rebuilt_s']:.2f}s after its failure")
