@@ -45,7 +45,8 @@ def run(rank, world, port, placement, faults, ckpt, loadable, timeout_s):
         if steps > 10_000:
             return "no rank was lost"
     # the driver names the survivors of round 1; this rank rejoins among them
-    new = regroup.rejoin(store, 1, rank, timeout_s)
+    # the new group gets a roomier timeout than the detection's: its ranks connect under load
+    new = regroup.rejoin(store, 1, rank, max(timeout_s, 10.0))
     joined = time.monotonic()
     keep = regroup.survivors(store, 1, timeout_s)
     lost = [r for r in range(world) if r not in keep]
