@@ -1,7 +1,8 @@
 """Process groups rebuilt without lost ranks (elastic EP), over a store that outlives them.
 
 A store served by a rank dies with it, so the groups of an elastic job rendezvous over a
-TCPStore served by the driver (or any process that outlives the ranks). Each round of the job
+TCPStore served by a process whose loss ends the job anyway: the driver, or the engine's rank 0
+(engine/rank/elastic_run.py), the run's only link to its driver. Each round of the job
 has its own key prefix (torch's PrefixStore, as vLLM's fault-tolerant EP does), so a rebuilt
 group never reads the keys of the one before:
 
