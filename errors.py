@@ -34,3 +34,12 @@ class RankFailure(AtollError):
         self.rank = rank
         self.cause = cause
         self.node = node
+
+
+class ExpertLost(AtollError):
+    """An MoE expert whose every copy sat on lost ranks and that no checkpoint can load again."""
+
+    def __init__(self, layer: int, expert: int, lost: list[int]):
+        super().__init__(f"expert {expert} of MoE layer {layer} has no source: its every copy was on the lost "
+                         f"ep rank(s) {lost} and the checkpoint cannot load it; the engine cannot go on without it")
+        self.layer, self.expert, self.lost = layer, expert, lost

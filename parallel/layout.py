@@ -99,6 +99,15 @@ class Layout:
             parts.append(f"PP{self.pp}")
         return "".join(parts) or "TP1"
 
+    def shrunk(self, lost: int = 1) -> "Layout":
+        """The layout a DP-attention/EP engine goes on at after losing `lost` ranks (elastic EP:
+        DP4EP4 -> DP3EP3); each rank is one DP attention rank and one EP rank."""
+        if self.tp != 1 or self.pp != 1 or self.cp != 1 or self.dp != self.ep or self.dp < 2:
+            raise LayoutError(f"layout {self}: only DPnEPn (n >= 2) goes on without a lost rank")
+        if not 0 < lost < self.dp:
+            raise LayoutError(f"layout {self} cannot lose {lost} of its {self.dp} ranks and go on")
+        return Layout(dp=self.dp - lost, ep=self.ep - lost)
+
     def validate(self, config, world_size: int | None = None) -> "Layout":
         """Check against a ModelConfig (and a world size); raise LayoutError naming the numbers."""
         if world_size is not None and world_size != self.world_size:

@@ -29,8 +29,9 @@ from atoll.parallel.mesh import ParallelContext
 from atoll.parallel.pipeline import stage_layers
 
 class ModelRunner:
-    def __init__(self, spec: RunSpec, ctx: ParallelContext, *, ranks_here: int | None = None):
-        """ranks_here: ranks sharing this machine's memory (the launcher says; default the layout's)."""
+    def __init__(self, spec: RunSpec, ctx: ParallelContext, *, ranks_here: int | None = None, load=None):
+        """ranks_here: ranks sharing this machine's memory (the launcher says; default the layout's);
+        load(model, checkpoint): fills the weights instead of reading them all (elastic EP's survivors)."""
         self.spec, self.ctx = spec, ctx
         self.device = ctx.device
         self.config = ModelConfig.load(spec.model_dir)
@@ -39,7 +40,10 @@ class ModelRunner:
         self.checkpoint = Checkpoint(spec.model_dir)
         quantize.prepare(self.model, spec.engine.quantization, self.checkpoint)  # fp8 weights made before they are read
         # each slice goes to the device as it is read; every rank checks that some rank read each tensor
-        load_weights(self.model, self.checkpoint, world=ctx.world)
+        if load is None:
+            load_weights(self.model, self.checkpoint, world=ctx.world)
+        else:
+            load(self.model, self.checkpoint)
         quantize.apply(self.model, spec.engine.quantization)  # --quantization: int8/fp8 weights (models/quantize.py)
         self.bytes_per_block = kv_bytes_per_block(self.config, ctx.layout, self.dtype.itemsize, spec.engine.block_size,
                                                   kv_cache_dtype=spec.engine.kv_cache_dtype)

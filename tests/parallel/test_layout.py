@@ -90,3 +90,13 @@ def test_kv_heads_replicated_when_fewer_than_tp():
     Layout(tp=4).validate(dense(heads=4, kv=2, inter=128))
     with pytest.raises(LayoutError, match="tp=6"):
         Layout(tp=6).validate(dense(heads=24, kv=8))  # 6 neither divides nor is divided by 8
+
+
+def test_shrunk_drops_lost_ranks_from_dp_and_ep():
+    assert str(Layout.parse("DP4EP4").shrunk()) == "DP3EP3" and Layout.parse("DP4EP4").shrunk().world_size == 3
+    assert Layout.parse("DP3EP3").shrunk(2) == Layout()  # one rank left: TP1
+    for text in ("TP2DP2EP4", "EP4", "DP2EP2PP2"):
+        with pytest.raises(LayoutError, match="only DPnEPn"):
+            Layout.parse(text).shrunk()
+    with pytest.raises(LayoutError, match="cannot lose 2 of its 2 ranks"):
+        Layout.parse("DP2EP2").shrunk(2)
