@@ -167,7 +167,7 @@ class GraphedDecode(DecodeStep):
         if not self._graphs:
             self._capture_all()
         n = mb.tokens
-        size = self.bucket(n)
+        size = self.bucket(max(n, mb.step_rows or 0))  # MoE with DP: the bucket every replica agreed
         inp = self._inputs[size]
         inp.fill_host(mb.chunks, self.block_size)
         inp.to_device()

@@ -1,0 +1,45 @@
+"""DeepSeek-V3's decode step (MLA: the absorbed decode over the latent cache) through the
+CUDA-graph step's static buffers, run on the CPU without capture (engine.step.graphs): the
+bucket choice, padding rows and fixed-width tables give transformers' tokens at TP1 and TP2,
+with plain, int8 and fp8 latent caches (a quantized cache: the eager step's tokens over the same
+cache, since quantization moves the logits), and MTP's verify steps at buckets of their own.
+The capture itself needs a GPU (examples/gpu_check.sh)."""
+
+import pytest
+from graph_fns import eager_then_graphed
+from reference import reference_tokens
+
+from atoll import LLM, SamplingParams
+from atoll.launch.local import run_local
+
+# max_num_seqs=4: buckets 1, 2, 4; decode batches of 4, 3 (bucket 4, one padding row), then 1
+PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8], [250, 17]]
+MAX_TOKENS = [3, 6, 6, 10]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tiny_model):
+    """(tiny DeepSeek-V3 dir: 3 layers, the first dense, q low-rank; transformers' tokens)."""
+    model_dir = tiny_model("deepseek_v3")
+    expected = [t[:n] for t, n in zip(reference_tokens(model_dir, PROMPTS, max(MAX_TOKENS)), MAX_TOKENS)]
+    return model_dir, expected
+
+
+def _ranks(model_dir, layout, **options):
+    llm = LLM(model_dir, layout=layout, max_num_seqs=4, block_size=4, **options)
+    requests = llm.prepare(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+    return run_local(eager_then_graphed, llm.layout.world_size, llm.spec(requests), requests, timeout_s=200)
+
+
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize("layout,kv", [("TP1", "auto"), ("TP2", "auto"), ("TP1", "int8"), ("TP1", "fp8_e4m3"),
+                                       ("TP2", "fp8_e5m2")])
+def test_mla_graph_buffers_give_transformers_tokens(deepseek, layout, kv):
+    model_dir, expected = deepseek
+    for r in _ranks(model_dir, layout, kv_cache_dtype=kv):
+        if kv == "auto":
+            assert r["eager"] == expected
+        assert r["graphed"] == r["eager"]
+        assert r["kv_diff"] < 1e-4  # padding rows wrote only the scratch block
+        # every decode tick through the buffers: 2 of 4 rows, 3 of 3 (bucket 4), then 4 of 1
+        assert r["run"] == [1, 4] and r["steps"] == max(MAX_TOKENS) - 1

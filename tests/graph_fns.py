@@ -1,0 +1,39 @@
+"""Rank functions for the CUDA-graph decode step's buffers run on the CPU without capture
+(engine.step.graphs): the same runner decodes eagerly, then through the graph buffers."""
+
+from atoll.engine.rank.loop import run_batch
+from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.step.graphs import GraphedDecode
+from atoll.parallel.layout import Layout
+from atoll.parallel.mesh import ParallelContext
+
+
+def graph_buffers(runner, rank: int) -> GraphedDecode:
+    """The runner's decode step as GraphedDecode without capture, its buckets up to
+    max_num_seqs x (1 + K) rows (a verify step's rows), as engine.step.policy builds it."""
+    spec = runner.spec
+    return GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs * (1 + (runner.spec_k or 0)),
+                         max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
+                         scratch_block=runner.num_blocks, rank=rank, capture=False)
+
+
+def eager_then_graphed(rank, world, spec, requests):
+    """Tokens of the eager step, then of the graph buffers, on one runner; the KV cache's
+    largest change between the two runs (padding rows write only the scratch block); the
+    buckets run, and the decode steps the buffers took (runner.stats["graphed"])."""
+    ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
+    runner = ModelRunner(spec, ctx)
+    assert runner.decode_step is None  # conftest: eager by default
+    eager = [r and r["token_ids"] for r in run_batch(runner, requests)]
+    kv = [t for t in runner.cache.k + runner.cache.v if t is not None]
+    eager_kv = [_plain(t)[:runner.num_blocks].clone() for t in kv]
+    runner.decode_step = graph_buffers(runner, rank)
+    graphed = [r and r["token_ids"] for r in run_batch(runner, requests)]
+    kv_diff = max(float((_plain(t)[:runner.num_blocks] - e).abs().max()) for t, e in zip(kv, eager_kv))
+    return {"eager": eager, "graphed": graphed, "kv_diff": kv_diff, "buckets": runner.decode_step.buckets,
+            "run": runner.decode_step.buckets_run, "steps": runner.graphed_steps}
+
+
+def _plain(t):
+    """A cache tensor's stored values as floats (a quantized cache's raw storage)."""
+    return t.data.float()
