@@ -20,7 +20,8 @@ def graph_buffers(runner, rank: int) -> GraphedDecode:
 def eager_then_graphed(rank, world, spec, requests):
     """Tokens of the eager step, then of the graph buffers, on one runner; the KV cache's
     largest change between the two runs (padding rows write only the scratch block); the
-    buckets run, and the decode steps the buffers took (runner.stats["graphed"])."""
+    buckets run, the ticks the buffers took (runner.graphed_steps), and the graphed run's drafts
+    made and accepted under speculation."""
     ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
     runner = ModelRunner(spec, ctx)
     assert runner.decode_step is None  # conftest: eager by default
@@ -28,10 +29,13 @@ def eager_then_graphed(rank, world, spec, requests):
     kv = [t for t in runner.cache.k + runner.cache.v if t is not None]
     eager_kv = [_plain(t)[:runner.num_blocks].clone() for t in kv]
     runner.decode_step = graph_buffers(runner, rank)
-    graphed = [r and r["token_ids"] for r in run_batch(runner, requests)]
+    results = run_batch(runner, requests)
+    graphed = [r and r["token_ids"] for r in results]
+    spec_counts = [sum(r["metrics"].get(k, 0) for r in results if r) for k in ("spec_drafted", "spec_accepted")]
     kv_diff = max(float((_plain(t)[:runner.num_blocks] - e).abs().max()) for t, e in zip(kv, eager_kv))
     return {"eager": eager, "graphed": graphed, "kv_diff": kv_diff, "buckets": runner.decode_step.buckets,
-            "run": runner.decode_step.buckets_run, "steps": runner.graphed_steps}
+            "run": runner.decode_step.buckets_run, "steps": runner.graphed_steps,
+            "drafted": spec_counts[0], "accepted": spec_counts[1]}
 
 
 def _plain(t):

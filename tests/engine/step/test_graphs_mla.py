@@ -7,6 +7,7 @@ The capture itself needs a GPU (examples/gpu_check.sh)."""
 
 import pytest
 from graph_fns import eager_then_graphed
+from mtp_fns import with_mtp_layer
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
@@ -43,3 +44,21 @@ def test_mla_graph_buffers_give_transformers_tokens(deepseek, layout, kv):
         assert r["kv_diff"] < 1e-4  # padding rows wrote only the scratch block
         # every decode tick through the buffers: 2 of 4 rows, 3 of 3 (bucket 4), then 4 of 1
         assert r["run"] == [1, 4] and r["steps"] == max(MAX_TOKENS) - 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["TP1", "TP2"])
+def test_mtp_verify_steps_run_through_the_graph_buffers(tiny_model, tmp_path_factory, layout):
+    """MTP (K=2) verify steps, a row per position, at buckets up to max_num_seqs x 3 rows:
+    transformers' tokens, drafts both kept and rejected."""
+    model_dir = with_mtp_layer(tiny_model("deepseek_v3"), tmp_path_factory.mktemp("tiny-deepseek-mtp"))
+    prompts = [[5, 5, 5], [7] * 8, [42, 1, 2, 3, 4, 5, 6, 7, 8]]  # repeats: some drafts pass
+    expected = reference_tokens(model_dir, prompts, 12)
+    llm = LLM(model_dir, layout=layout, max_num_seqs=3, block_size=4,
+              speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
+    requests = llm.prepare(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    for r in run_local(eager_then_graphed, llm.layout.world_size, llm.spec(requests), requests, timeout_s=250):
+        assert r["eager"] == expected and r["graphed"] == expected
+        assert 0 < r["accepted"] < r["drafted"]
+        assert r["buckets"][-1] == 9 and max(r["run"]) > 3  # more rows than sequences: verify steps
+        assert r["steps"] > 0
