@@ -75,11 +75,15 @@ class ModelRunner:
         self.kv_tiers = RankTiers.build(self)  # --kv-offload-gb, --kv-disk-dir, --kv-shared (None: none)
         self.last_graphed = False  # whether the last tick ran the compiled decode step (the step trace says)
         self.graphed_steps = 0  # the ticks that ran it, for reading (tests, benches)
-        # MoE with DP: the MoE layers' fixed-shape exchange needs every replica at one bucket (agree)
-        self.step_together = self.decode_step is not None and self.config.is_moe and ctx.layout.dp > 1
         # MoE: the expert load window, and --enable-eplb's rebalances (engine/rank/eplb.py); None: dense
         self.balancer = ExpertBalancer.build(self)
         self.two_batch = TwoBatchOverlap.build(self)  # --enable-two-batch-overlap (None: off, or dense)
+
+    @property
+    def step_together(self) -> bool:
+        """MoE with DP and a decode step: the MoE layers' fixed-shape exchange needs every
+        replica at one bucket, agreed each step (agree)."""
+        return self.decode_step is not None and self.config.is_moe and self.ctx.layout.dp > 1
 
     @property
     def spec_k(self) -> int | None:
