@@ -1,5 +1,6 @@
-"""Rank functions for the CUDA-graph decode step's buffers run on the CPU without capture
-(engine.step.graphs): the same runner decodes eagerly, then through the graph buffers."""
+"""Rank functions for the CUDA-graph decode step's buffers (engine.step.graphs): the same
+runner decodes eagerly, then through the graph buffers, captured where the rank is on CUDA
+(examples/gpu_check.sh runs the TP1 tests there), run without capture on the CPU."""
 
 from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.runner import ModelRunner
@@ -9,12 +10,12 @@ from atoll.parallel.mesh import ParallelContext
 
 
 def graph_buffers(runner, rank: int) -> GraphedDecode:
-    """The runner's decode step as GraphedDecode without capture, its buckets up to
+    """The runner's decode step as GraphedDecode (captured on CUDA only), its buckets up to
     max_num_seqs x (1 + K) rows (a verify step's rows), as engine.step.policy builds it."""
     spec = runner.spec
     return GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs * (1 + (runner.spec_k or 0)),
                          max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
-                         scratch_block=runner.num_blocks, rank=rank, capture=False)
+                         scratch_block=runner.num_blocks, rank=rank)
 
 
 def eager_then_graphed(rank, world, spec, requests):
