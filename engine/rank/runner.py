@@ -118,7 +118,9 @@ class ModelRunner:
     def agree(self, busy: bool, mb):
         """With DP every replica ticks while any is busy and runs a micro-batch slot when any
         has one (the MoE layers need every replica): an empty one stands in; the replicas'
-        extra token widths (copies drawn) are added up, so all hand round one width.
+        extra token widths (copies drawn) are added up, so all hand round one width. With
+        step_together the same all-reduce settles the decode step (mb.step_rows): every replica
+        at the largest one's rows, or every replica eager where any cannot take the step.
         Returns (go, mb)."""
         if self.ctx.layout.dp == 1:
             return busy, mb
@@ -127,11 +129,11 @@ class ModelRunner:
         extra = self.out_width(mb) - base if mb is not None else 0
         # with step_together, also whether a replica cannot take the decode step, and each
         # replica's rows (every rank of a replica says the same: summed, then divided)
-        flags = torch.zeros(4 + lay.dp, dtype=torch.long, device=self.device)
-        flags[:3] = torch.tensor([int(busy), int(mb is not None), extra])
+        flags = [int(busy), int(mb is not None), extra, 0] + [0] * lay.dp
         if self.step_together and mb is not None:
             flags[3] = int(bool(mb.chunks) and (self.cache.pending or not self.decode_step.takes(mb)))
             flags[4 + self.ctx.coords.dp] = mb.tokens
+        flags = torch.tensor(flags, dtype=torch.long, device=self.device)
         busy, some, extra, cannot, *rows = self.ctx.world.all_reduce(flags).tolist()
         if some and mb is None:
             mb = MicroBatch.of([], self.spec.engine.block_size, device=self.device)
