@@ -9,13 +9,24 @@ from atoll.parallel.layout import Layout
 from atoll.parallel.mesh import ParallelContext
 
 
+class Counted(GraphedDecode):
+    """GraphedDecode that counts its steps of padding rows only (a DP replica with nothing to
+    decode while another decodes: MoE with DP)."""
+
+    padded = 0
+
+    def __call__(self, x, mb):
+        self.padded += not mb.chunks
+        return super().__call__(x, mb)
+
+
 def graph_buffers(runner, rank: int) -> GraphedDecode:
     """The runner's decode step as GraphedDecode (captured on CUDA only), its buckets up to
     max_num_seqs x (1 + K) rows (a verify step's rows), as engine.step.policy builds it."""
     spec = runner.spec
-    return GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs * (1 + (runner.spec_k or 0)),
-                         max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
-                         scratch_block=runner.num_blocks, rank=rank)
+    return Counted(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs * (1 + (runner.spec_k or 0)),
+                   max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
+                   scratch_block=runner.num_blocks, rank=rank)
 
 
 def eager_then_graphed(rank, world, spec, requests):
@@ -36,6 +47,7 @@ def eager_then_graphed(rank, world, spec, requests):
     kv_diff = max(float((_plain(t)[:runner.num_blocks] - e).abs().max()) for t, e in zip(kv, eager_kv))
     return {"eager": eager, "graphed": graphed, "kv_diff": kv_diff, "buckets": runner.decode_step.buckets,
             "run": runner.decode_step.buckets_run, "steps": runner.graphed_steps,
+            "padded": runner.decode_step.padded,
             "drafted": spec_counts[0], "accepted": spec_counts[1]}
 
 

@@ -29,6 +29,7 @@ def _check(model_dir, layout):
     # the same count on every rank, though the replicas' decode work differs (a replica done
     # first pads); a tick where one replica prefills runs eager on all (it cannot take the step)
     assert len(steps) == 1 and steps.pop() >= max(MAX_TOKENS) // 2
+    assert max(r["padded"] for r in ranks) > 0  # a replica with nothing to decode stepped on padding
     for r in ranks:
         assert r["kv_diff"] < 1e-4 and r["graphed"] == r["eager"]
         assert r["run"] == [1, 2]
