@@ -5,12 +5,17 @@ with plain, int8 and fp8 latent caches (a quantized cache: the eager step's toke
 cache, since quantization moves the logits), and MTP's verify steps at buckets of their own.
 The capture itself needs a GPU (examples/gpu_check.sh)."""
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from graph_fns import eager_then_graphed
 from mtp_fns import with_mtp_layer
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
+from atoll.engine.step import policy as step_policy
+from atoll.engine.step.graphs import GraphedDecode
 from atoll.launch.local import run_local
 
 # max_num_seqs=4: buckets 1, 2, 4; decode batches of 4, 3 (bucket 4, one padding row), then 1
@@ -62,3 +67,25 @@ def test_mtp_verify_steps_run_through_the_graph_buffers(tiny_model, tmp_path_fac
         assert 0 < r["accepted"] < r["drafted"]
         assert r["buckets"][-1] == 9 and max(r["run"]) > 3  # more rows than sequences: verify steps
         assert r["steps"] > 0
+
+
+def _runner(device: str, *, mla: bool, moe: bool, dp: int):
+    """What engine.step.policy.build reads of a runner: a one-parameter model on the CPU (a
+    GraphedDecode builds nothing on its device before its first step)."""
+    model = torch.nn.Linear(2, 2)
+    model.ctx = SimpleNamespace(is_first_stage=True, is_last_stage=True)
+    engine = SimpleNamespace(enforce_eager=False, compile="auto", max_num_seqs=4, block_size=4, quantization=None)
+    return SimpleNamespace(spec=SimpleNamespace(engine=engine, max_model_len=32), spec_k=None, num_blocks=8,
+                           config=SimpleNamespace(is_mla=mla, is_moe=moe), model=model, cache=None,
+                           ctx=SimpleNamespace(rank=0, layout=SimpleNamespace(dp=dp)), device=torch.device(device))
+
+
+@pytest.mark.parametrize("mla,moe,dp", [(True, True, 1), (False, True, 2), (True, True, 4)])
+def test_policy_graphs_mla_and_dp_moe_on_cuda(mla, moe, dp):
+    """On CUDA the policy captures MLA and MoE with DP (both decoded eagerly before); on the
+    CPU they stay eager (the inductor graphs are made for the dense layers)."""
+    assert isinstance(step_policy.build(_runner("cuda", mla=mla, moe=moe, dp=dp)), GraphedDecode)
+    assert step_policy.build(_runner("cpu", mla=mla, moe=moe, dp=dp)) is None
+    runner = _runner("cuda", mla=mla, moe=moe, dp=dp)
+    runner.spec.engine.enforce_eager = True
+    assert step_policy.build(runner) is None
