@@ -31,6 +31,14 @@ def deepseek(tiny_model):
     return model_dir, expected
 
 
+@pytest.fixture(scope="module")
+def with_mtp(tiny_model, tmp_path_factory):
+    """(tiny DeepSeek-V3 with an MTP layer, prompts whose repeats let some drafts pass, transformers' tokens)."""
+    model_dir = with_mtp_layer(tiny_model("deepseek_v3"), tmp_path_factory.mktemp("tiny-deepseek-mtp"))
+    prompts = [[5, 5, 5], [7] * 8, [42, 1, 2, 3, 4, 5, 6, 7, 8]]
+    return model_dir, prompts, reference_tokens(model_dir, prompts, 12)
+
+
 def _ranks(model_dir, layout, **options):
     llm = LLM(model_dir, layout=layout, max_num_seqs=4, block_size=4, **options)
     requests = llm.prepare(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
@@ -53,12 +61,10 @@ def test_mla_graph_buffers_give_transformers_tokens(deepseek, layout, kv):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["TP1", "TP2"])
-def test_mtp_verify_steps_run_through_the_graph_buffers(tiny_model, tmp_path_factory, layout):
+def test_mtp_verify_steps_run_through_the_graph_buffers(with_mtp, layout):
     """MTP (K=2) verify steps, a row per position, at buckets up to max_num_seqs x 3 rows:
     transformers' tokens, drafts both kept and rejected."""
-    model_dir = with_mtp_layer(tiny_model("deepseek_v3"), tmp_path_factory.mktemp("tiny-deepseek-mtp"))
-    prompts = [[5, 5, 5], [7] * 8, [42, 1, 2, 3, 4, 5, 6, 7, 8]]  # repeats: some drafts pass
-    expected = reference_tokens(model_dir, prompts, 12)
+    model_dir, prompts, expected = with_mtp
     llm = LLM(model_dir, layout=layout, max_num_seqs=3, block_size=4,
               speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
     requests = llm.prepare(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
