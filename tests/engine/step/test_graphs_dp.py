@@ -41,7 +41,6 @@ def test_dp2ep2_graph_buffers_give_transformers_tokens(tiny_model, kind):
     _check(tiny_model(kind), "DP2EP2")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
 def test_dp4ep4_graph_buffers_give_transformers_tokens(tiny_model, kind):
