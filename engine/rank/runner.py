@@ -78,9 +78,16 @@ class ModelRunner:
         self.stats: dict = {}
         self.kv_tiers = RankTiers.build(self)  # --kv-offload-gb, --kv-disk-dir, --kv-shared (None: none)
         self.last_graphed = False  # whether the last tick ran the compiled decode step (the step trace says)
+        self.graphed_steps = 0  # the ticks that ran it, for reading (tests, benches)
         # MoE: the expert load window, and --enable-eplb's rebalances (engine/rank/eplb.py); None: dense
         self.balancer = ExpertBalancer.build(self)
         self.two_batch = TwoBatchOverlap.build(self)  # --enable-two-batch-overlap (None: off, or dense)
+
+    @property
+    def step_together(self) -> bool:
+        """MoE with DP and a decode step: the MoE layers' fixed-shape exchange needs every
+        replica at one bucket, agreed each step (agree)."""
+        return self.decode_step is not None and self.config.is_moe and self.ctx.layout.dp > 1
 
     @property
     def spec_k(self) -> int | None:
@@ -115,19 +122,38 @@ class ModelRunner:
     def agree(self, busy: bool, mb):
         """With DP every replica ticks while any is busy and runs a micro-batch slot when any
         has one (the MoE layers need every replica): an empty one stands in; the replicas'
-        extra token widths (copies drawn) are added up, so all hand round one width.
+        extra token widths (copies drawn) are added up, so all hand round one width. With
+        step_together the same all-reduce settles the decode step (mb.step_rows): every replica
+        at the largest one's rows, or every replica eager where any cannot take the step.
         Returns (go, mb)."""
         if self.ctx.layout.dp == 1:
             return busy, mb
+        lay = self.ctx.layout
         base = 1 + (self.spec_k or 0)
         extra = self.out_width(mb) - base if mb is not None else 0
-        flags = self.ctx.world.all_reduce(torch.tensor([int(busy), int(mb is not None), extra], device=self.device))
-        busy, some, extra = flags.tolist()
+        # with step_together, also whether a replica cannot take the decode step, and each
+        # replica's rows (every rank of a replica says the same: summed, then divided)
+        flags = [int(busy), int(mb is not None), extra, 0] + [0] * lay.dp
+        if self.step_together and mb is not None:
+            flags[3] = int(bool(mb.chunks) and (self.cache.pending or not self.decode_step.takes(mb)))
+            flags[4 + self.ctx.coords.dp] = mb.tokens
+        flags = torch.tensor(flags, dtype=torch.long, device=self.device)
+        busy, some, extra, cannot, *rows = self.ctx.world.all_reduce(flags).tolist()
         if some and mb is None:
             mb = MicroBatch.of([], self.spec.engine.block_size, device=self.device)
         if mb is not None:
             mb.out_width = base + extra
+            if self.step_together:  # one bucket for every replica, or every replica eager
+                mb.step_rows = 0 if cannot else max(rows) // (lay.world_size // lay.dp)
         return bool(busy), mb
+
+    def steps(self, mb) -> bool:
+        """Whether micro-batch mb runs the decode step on this rank: as agreed over the DP
+        replicas (step_rows), else when the step takes it; not before a fit of the fp8 scales
+        (the first store fits them eagerly)."""
+        if mb.step_rows is not None:
+            return mb.step_rows > 0
+        return self.decode_step is not None and not self.cache.pending and self.decode_step.takes(mb)
 
     @torch.no_grad()
     def copy_blocks(self, pairs: list[tuple[int, int]], drafter=None) -> None:
@@ -167,9 +193,9 @@ class ModelRunner:
         out = None
         self.stats["ticks"] += 1
         if mb is not None:
-            # padded to a bucket, compiled; not before a fit of the fp8 scales (the first store fits them eagerly)
-            stepped = self.decode_step is not None and not self.cache.pending and self.decode_step.takes(mb)
+            stepped = self.steps(mb)  # padded to a bucket, compiled or captured
             self.last_graphed = stepped
+            self.graphed_steps += stepped
             # --enable-two-batch-overlap: two micro-batches, each one's exchanges under the other's work
             split = self.two_batch is not None and self.two_batch.takes(mb, eligible=not stepped
                                                                         and not self.cache.pending)

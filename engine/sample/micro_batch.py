@@ -51,6 +51,9 @@ class MicroBatch:
         self.prompt_logprobs: torch.Tensor | None = None  # [prompt rows, 2 + 2k], when asked
         self.tier_saves: list = []  # (block, name, parent) it fills, for the KV tiers (engine.rank.kv_tiers)
         self.out_width: int | None = None  # width of the tokens handed round, once agreed (engine.rank.runner)
+        # rows every DP replica's decode step runs at, once agreed (MoE with DP: engine.rank.runner);
+        # 0: every replica eager this step; None: not agreed (the replica decides alone)
+        self.step_rows: int | None = None
         self.draws = max((draws(c) for c in chunks), default=1)
         self.masks: GrammarMasks | None = None  # the grammars' masks, once started (sampling rank)
 

@@ -25,7 +25,11 @@ into the bucket's buffer and sends a copy of the output rows on).
 MoE layers run their fixed-shape exchange inside the step (SparseMoE.static_exchange:
 all_gather or all_reduce over ep, every expert's rows at a fixed shape), since the
 all-to-all's split sizes would need the host; the step therefore needs every DP rank of a
-stage at the same bucket, so an MoE model with dp > 1 decodes eagerly (engine.step.policy).
+stage at the same bucket: with dp > 1 the replicas agree on it each step (runner.agree sets
+MicroBatch.step_rows, the largest replica's rows; a replica with nothing to decode steps a
+bucket of padding rows, and where any replica cannot take the step every one runs eagerly).
+MLA layers (DeepSeek) run their absorbed decode over the latent cache on the same static
+tables (layers/mla.py; on CUDA the Triton MLA kernel, plain, int8 or fp8 cache).
 
 On the CPU the same class runs without capture (`replay` calls the forward on the static
 buffers): that proves the buffers, padding and bucket choice against the eager step in the
@@ -167,7 +171,7 @@ class GraphedDecode(DecodeStep):
         if not self._graphs:
             self._capture_all()
         n = mb.tokens
-        size = self.bucket(n)
+        size = self.bucket(max(n, mb.step_rows or 0))  # MoE with DP: the bucket every replica agreed
         inp = self._inputs[size]
         inp.fill_host(mb.chunks, self.block_size)
         inp.to_device()

@@ -56,17 +56,19 @@ def build(runner):
     """The runner's decode step (engine.step.decode_step), or None: every step eager."""
     spec, eng = runner.spec, runner.spec.engine
     policy = "never" if eng.enforce_eager else eng.compile
-    if policy == "never" or runner.config.is_mla:  # MLA (DeepSeek) decodes eagerly
+    if policy == "never":
         return None
     # speculative decoding: a verify step's rows (each sequence's pending token and K drafts) are buckets too
     kw = dict(max_num_seqs=eng.max_num_seqs * (1 + (runner.spec_k or 0)), max_model_len=spec.max_model_len,
               block_size=eng.block_size, scratch_block=runner.num_blocks, rank=runner.ctx.rank)
     if runner.device.type == "cuda":
-        if runner.config.is_moe and runner.ctx.layout.dp > 1:
-            return None  # the fixed-shape MoE exchange needs every DP rank at one bucket: not yet
+        # MLA too (its absorbed decode reads the latent cache through the static tables), and
+        # MoE with DP: every replica steps at one bucket, agreed each step (runner.agree)
         return GraphedDecode(runner.model, runner.cache, **kw)
-    if runner.device.type != "cpu" or runner.config.is_moe or eng.quantization == "fp8":
-        return None  # fp8 weights on the CPU dequantize per product: eager (not compiled yet)
+    if runner.device.type != "cpu" or runner.config.is_moe or runner.config.is_mla or eng.quantization == "fp8":
+        # fp8 weights on the CPU dequantize per product, and the CPU's inductor graphs are
+        # made for the dense decoder layers: eager (not compiled yet)
+        return None
     weight_bytes = sum(w.numel() * w.element_size() for w in runner.model.linear_weights())
     pack = eng.compile_freezing and copy_fits(weight_bytes, runner.ranks_here)
     runner.step_key = record_key(runner, pack)

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from mtp_fns import with_mtp_layer
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
@@ -28,65 +29,18 @@ from atoll.parallel.mesh import ParallelContext
 
 LAYERS = 3  # the target's decoder layers; the MTP layer is model.layers.3 (an MoE layer)
 # the tiny target repeats a token at times after [5, 5, 5] and [7] * 8, where the MTP's drafts
-# (near a repeat of the pending token: _mtp_tensors) pass; elsewhere they mostly fail
+# (near a repeat of the pending token: mtp_fns) pass; elsewhere they mostly fail
 PROMPTS = [[5, 7, 9, 11, 13] * 2, [5, 5, 5], [42, 1, 2, 3, 4, 5, 6, 7, 8], [7] * 8]
 NEW = 24
 GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
 EPS = 1e-6  # the tiny config's rms_norm_eps
 
 
-def _mtp_tensors(model_dir, seed: int = 7) -> dict:
-    """Random MTP tensors for layer LAYERS in the checkpoint's own naming: the decoder block
-    from a transformers DeepSeek-V3 of LAYERS + 1 layers (its last layer, saved by
-    save_pretrained), then enorm, hnorm, eh_proj, shared_head and the embedding's copy."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    config.num_hidden_layers = LAYERS + 1
-    torch.manual_seed(seed)
-    big = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    out = model_dir.parent / f"{model_dir.name}-block"
-    big.save_pretrained(out, safe_serialization=True)
-    prefix = f"model.layers.{LAYERS}."
-    # the block's outputs scaled down: its residual stream stays near the hidden half of
-    # eh_proj below, so the random MTP proposes tokens the target often takes (a repeat of
-    # the pending token), and a test run sees acceptances as well as rejections
-    tensors = {n: t * (0.1 if "o_proj" in n or "down_proj" in n else 1.0)
-               for n, t in load_file(str(out / "model.safetensors")).items() if n.startswith(prefix)}
-    shutil.rmtree(out)
-    base = load_file(str(model_dir / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    hidden, vocab = config.hidden_size, config.vocab_size
-
-    def near_one(n):
-        return 1.0 + 0.1 * torch.randn(n, generator=g)
-
-    tensors[prefix + "enorm.weight"] = near_one(hidden)
-    tensors[prefix + "hnorm.weight"] = near_one(hidden)
-    # random, leaning on the hidden half (an MTP trained to continue the target's own state)
-    eh = 0.01 * torch.randn(hidden, 2 * hidden, generator=g)
-    eh[:, hidden:] += torch.eye(hidden)
-    tensors[prefix + "eh_proj.weight"] = eh
-    tensors[prefix + "shared_head.norm.weight"] = near_one(hidden)
-    tensors[prefix + "shared_head.head.weight"] = base["lm_head.weight"] + 0.01 * torch.randn(vocab, hidden, generator=g)
-    tensors[prefix + "embed_tokens.weight"] = base["model.embed_tokens.weight"].clone()  # as the official checkpoint
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def with_mtp(tiny_model, tmp_path_factory):
     """(model dir with MTP tensors, transformers' greedy tokens)."""
-    from safetensors.torch import load_file, save_file
-
     base = tiny_model("deepseek_v3", num_hidden_layers=LAYERS)
-    d = tmp_path_factory.mktemp("tiny-deepseek-mtp")
-    for f in base.iterdir():
-        shutil.copy(f, d / f.name)
-    tensors = load_file(str(d / "model.safetensors")) | _mtp_tensors(d)
-    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    d = with_mtp_layer(base, tmp_path_factory.mktemp("tiny-deepseek-mtp"))
     return d, reference_tokens(d, PROMPTS, NEW)
 
 

@@ -4,11 +4,11 @@ tokens and KV cache, under TP1, TP2 and PP2. The capture itself needs a GPU
 (examples/gpu_check.sh); this proves everything around it."""
 
 import pytest
+from graph_fns import eager_then_graphed, graph_buffers
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
 from atoll.engine.rank.loop import run_batch
-from atoll.engine.step.graphs import GraphedDecode
 from atoll.engine.rank.runner import ModelRunner
 from atoll.launch.local import run_local
 from atoll.parallel.layout import Layout
@@ -20,28 +20,12 @@ PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8], [250, 17]]
 MAX_TOKENS = [3, 6, 6, 10]
 
 
-def _eager_then_graphed(rank, world, spec, requests):
-    ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
-    runner = ModelRunner(spec, ctx)
-    assert runner.decode_step is None  # conftest: eager by default
-    eager = [r["token_ids"] for r in run_batch(runner, requests)]
-    kv = runner.cache.k + runner.cache.v
-    eager_kv = [t[:runner.num_blocks].clone() for t in kv]
-    runner.decode_step = GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs,
-                                       max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
-                                       scratch_block=runner.num_blocks, rank=rank, capture=False)
-    graphed = [r["token_ids"] for r in run_batch(runner, requests)]
-    kv_diff = max(float((t[:runner.num_blocks] - e).abs().max()) for t, e in zip(kv, eager_kv))
-    return {"eager": eager, "graphed": graphed, "kv_diff": kv_diff, "buckets": runner.decode_step.buckets,
-            "run": runner.decode_step.buckets_run}
-
-
 def _runs(model_dir, layout):
     """transformers' tokens, and each rank's _eager_then_graphed for the layout."""
     expected = [t[:n] for t, n in zip(reference_tokens(model_dir, PROMPTS, max(MAX_TOKENS)), MAX_TOKENS)]
     llm = LLM(model_dir, layout=layout, max_num_seqs=4, block_size=4)
     requests = llm.prepare(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
-    return expected, run_local(_eager_then_graphed, llm.layout.world_size, llm.spec(requests), requests,
+    return expected, run_local(eager_then_graphed, llm.layout.world_size, llm.spec(requests), requests,
                                timeout_s=180)
 
 
@@ -71,10 +55,7 @@ def _graphed_verify(rank, world, spec, requests):
     """n-gram speculation with the graph buffers running every decode and verify step."""
     ctx = ParallelContext.create(Layout.parse(spec.layout), rank) if world > 1 else ParallelContext.single()
     runner = ModelRunner(spec, ctx)
-    k = spec.engine.speculative_config.num_speculative_tokens
-    runner.decode_step = GraphedDecode(runner.model, runner.cache, max_num_seqs=spec.engine.max_num_seqs * (1 + k),
-                                       max_model_len=spec.max_model_len, block_size=spec.engine.block_size,
-                                       scratch_block=runner.num_blocks, rank=rank, capture=False)
+    runner.decode_step = graph_buffers(runner, rank)
     results = run_batch(runner, requests)
     return {"tokens": [r["token_ids"] for r in results], "run": runner.decode_step.buckets_run,
             "accepted": sum(r["metrics"]["spec_accepted"] for r in results),
