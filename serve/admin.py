@@ -3,6 +3,7 @@ the engines a replicas server holds, and the changes an operator (or serve.autos
 them, within the ranks the server started with.
 
     GET  /admin/engines               every engine: id, role, layout, state, health, load, rank pids
+    GET  /admin/autoscale             --autoscale's decisions, each with its reason (serve.scaler)
     POST /admin/engines/{id}/drain    no new requests go to it; those it runs finish there
     POST /admin/engines/{id}/remove   drained (up to timeout_s), then its ranks stopped: what still
                                       runs there continues on another engine with its tokens
@@ -47,6 +48,7 @@ class EngineAdmin:
         self.replicas, self.layout = replicas, layout
         self.log = log or (lambda line: print(f"atoll: admin: {line}", file=sys.stderr, flush=True))
         self._lock = threading.Lock()  # one change at a time
+        self.scaler = None  # serve.scaler.Scaler under --autoscale: its decisions at GET /admin/autoscale
 
     def engine(self, k) -> int:
         """Engine id k checked: 404 for one the server does not hold."""
@@ -179,6 +181,12 @@ def mount_admin(app: FastAPI, admin: EngineAdmin) -> None:
     @app.get("/admin/engines")
     async def engines():
         return {"object": "list", "data": await asyncio.to_thread(admin.list)}
+
+    @app.get("/admin/autoscale")
+    async def autoscale():
+        if admin.scaler is None:
+            raise AdminError(404, "autoscale is off: start the server with --autoscale", code="autoscale_off")
+        return {"object": "list", "data": list(admin.scaler.decisions)}
 
     @app.post("/admin/engines/{k}/drain")
     async def drain(k: int):

@@ -1,0 +1,122 @@
+"""The admin API and --autoscale on a real server (`atoll serve -dp 2`, local launcher, a tiny
+model), through httpx: engines listed with their ranks' pids, drained (the other one takes the
+requests, with transformers' tokens), removed (its ranks end), added back (new ranks), the
+one-line 4xx refusals, the API key; and the autoscaler draining an idle replica and adding it
+back under load, each decision with its reason and counted in /metrics."""
+
+import os
+import time
+
+import httpx
+import pytest
+from reference import reference_tokens
+from serving import Server, with_tokenizer
+
+NAME, KEY = "tiny", "sekret"
+NEW = 6
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = [5, 7, 9, 11]
+
+
+def _complete(url: str) -> list[int]:
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=120,
+                   json={"model": NAME, "prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                         "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def _routed(server, replica: int) -> float:
+    return sum(v for k, v in server.metrics().items()
+               if k.startswith("atoll_router_requests_total{") and f'replica="{replica}"' in k)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_engines_are_listed_drained_removed_and_added_back(tiny_model, tmp_path):
+    d = with_tokenizer(tiny_model("llama", max_position_embeddings=512), tmp_path / "m")
+    expected = reference_tokens(d, [PROMPT], NEW)[0]
+    server = Server(d, "-dp", "2", "--router", "round_robin", "--served-model-name", NAME, "--api-key", KEY,
+                    "--enable-admin-api", log=tmp_path / "server.log")
+    url = server.url
+    try:
+        with httpx.Client(base_url=url, timeout=120) as h:
+            assert h.get("/admin/engines").status_code == 401  # behind the key
+            engines = h.get("/admin/engines", headers=AUTH).json()["data"]
+            assert [(e["id"], e["role"], e["state"], e["health"], e["layout"]) for e in engines] == \
+                [(0, "replica", "serving", "ok", "TP1"), (1, "replica", "serving", "ok", "TP1")]
+            pids = [e["pids"] for e in engines]
+            assert all(len(p) == 1 and _alive(p[0]) for p in pids), pids
+
+            r = h.post("/admin/engines/5/drain", headers=AUTH)
+            assert r.status_code == 404 and "engine 5 does not exist" in r.json()["error"]["message"], r.text
+            r = h.post("/admin/engines/0/role", headers=AUTH, json={"role": "leader"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "role", r.text
+            r = h.post("/admin/engines/0/role", headers=AUTH, json={"role": "prefill"})
+            assert r.status_code == 409 and "is a replica" in r.json()["error"]["message"], r.text
+            r = h.post("/admin/engines", headers=AUTH, json={})
+            assert r.status_code == 409 and "no free engine slot" in r.json()["error"]["message"], r.text
+
+            assert h.post("/admin/engines/0/drain", headers=AUTH).json()["state"] == "drained"
+            r = h.post("/admin/engines/1/drain", headers=AUTH)
+            assert r.status_code == 409 and "last one serving" in r.json()["error"]["message"], r.text
+            before = _routed(server, 1)
+            assert [_complete(url) for _ in range(3)] == [expected] * 3
+            assert _routed(server, 1) - before == 3 and _routed(server, 0) == 0  # round robin skips the drained one
+
+            assert h.post("/admin/engines/0/remove", headers=AUTH, json={"timeout_s": 5}).json()["state"] == "removed"
+            deadline = time.monotonic() + 30
+            while _alive(pids[0][0]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _alive(pids[0][0])  # its rank ended
+            assert h.get("/health").json()["status"] == "ok"  # removed on purpose: not a failure
+
+            added = h.post("/admin/engines", headers=AUTH, json={}).json()
+            assert (added["id"], added["state"]) == (0, "serving")
+            assert added["pids"] and added["pids"] != pids[0] and _alive(added["pids"][0])
+            assert h.post("/admin/engines/1/drain", headers=AUTH).json()["state"] == "drained"
+            assert _complete(url) == expected
+            assert _routed(server, 0) == 1  # the restarted engine served it
+            assert h.post("/admin/engines", headers=AUTH, json={"id": 1}).json()["state"] == "serving"
+        assert "engine 0 removed" in server.text() and "engine 0 started again" in server.text()
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_autoscale_drains_an_idle_replica_and_adds_it_back_under_load(tiny_model, tmp_path):
+    d = with_tokenizer(tiny_model("llama", max_position_embeddings=512), tmp_path / "m")
+    # a 1 ms TTFT no CPU meets: idle, nothing is measured and a replica is drained; loaded, it is short
+    server = Server(d, "-dp", "2", "--served-model-name", NAME, "--api-key", KEY, "--autoscale",
+                    "--goodput", "ttft:1", "tpot:1", "--autoscale-interval-s", "2", log=tmp_path / "server.log")
+    try:
+        def decisions():
+            return httpx.get(f"{server.url}/admin/autoscale", headers=AUTH, timeout=30).json()["data"]
+
+        deadline = time.monotonic() + 60
+        while not decisions() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first = decisions()[0]
+        assert (first["action"], first["role"]) == ("drain", "replica"), first
+        assert "nothing waiting" in first["reason"]
+        deadline = time.monotonic() + 90
+        while not any(x["action"] == "add" for x in decisions()) and time.monotonic() < deadline:
+            _complete(server.url)
+        add = next(x for x in decisions() if x["action"] == "add")
+        assert add["role"] == "replica" and add["engine"] == first["engine"], add
+        assert "TTFT attainment 0% < 85%" in add["reason"], add
+        m = server.metrics()
+        assert m['atoll_autoscale_decisions_total{action="add",role="replica"}'] >= 1
+        assert m['atoll_autoscale_decisions_total{action="drain",role="replica"}'] >= 1
+        assert "autoscale: drain replica" in server.text()
+    finally:
+        server.kill()
