@@ -43,9 +43,10 @@ class AdminError(ApiError):
 class EngineAdmin:
     """What the admin API does to a serve.replicas.Replicas (its `off` states)."""
 
-    def __init__(self, replicas, *, layout: str, log=None):
-        """log(line): where each change is told (default: stderr)."""
-        self.replicas, self.layout = replicas, layout
+    def __init__(self, replicas, *, layout: str, log=None, api: bool = True):
+        """log(line): where each change is told (default: stderr); api: /admin/engines is served
+        (--enable-admin-api; without it only --autoscale's GET /admin/autoscale is)."""
+        self.replicas, self.layout, self.api = replicas, layout, api
         self.log = log or (lambda line: print(f"atoll: admin: {line}", file=sys.stderr, flush=True))
         self._lock = threading.Lock()  # one change at a time
         self.scaler = None  # serve.scaler.Scaler under --autoscale: its decisions at GET /admin/autoscale
@@ -178,8 +179,13 @@ def _timeout(body: dict) -> float:
 def mount_admin(app: FastAPI, admin: EngineAdmin) -> None:
     """The /admin/engines routes on the app (its changes run in a thread: a start takes seconds)."""
 
+    def engines_api():
+        if not admin.api:
+            raise AdminError(404, "the admin API is off: start the server with --enable-admin-api", code="admin_off")
+
     @app.get("/admin/engines")
     async def engines():
+        engines_api()
         return {"object": "list", "data": await asyncio.to_thread(admin.list)}
 
     @app.get("/admin/autoscale")
@@ -190,17 +196,21 @@ def mount_admin(app: FastAPI, admin: EngineAdmin) -> None:
 
     @app.post("/admin/engines/{k}/drain")
     async def drain(k: int):
+        engines_api()
         return await asyncio.to_thread(admin.drain, k)
 
     @app.post("/admin/engines/{k}/remove")
     async def remove(k: int, request: Request):
+        engines_api()
         timeout_s = _timeout(await _body(request))
         return await asyncio.to_thread(admin.remove, k, timeout_s=timeout_s)
 
     @app.post("/admin/engines/{k}/role")
     async def role(k: int, request: Request):
+        engines_api()
         return await asyncio.to_thread(admin.role, k, (await _body(request)).get("role"))
 
     @app.post("/admin/engines")
     async def add(request: Request):
+        engines_api()
         return await asyncio.to_thread(admin.add, (await _body(request)).get("id"))

@@ -41,7 +41,7 @@ async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_
         engine.attach_metrics(backend.metrics.registry)
     admin, scaler = _elastic(llm, engine, backend, admin_api, autoscale)
     app = create_app(backend, served_names=served_names, api_key=api_key, tool_call_parser=tool_call_parser,
-                     admin=admin if admin_api else None)
+                     admin=admin)
     # uvicorn's own graceful timeout is the backstop: by then every response has ended
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("info", "debug"), lifespan="off",
                             timeout_graceful_shutdown=shutdown_timeout + 5)
@@ -91,7 +91,7 @@ def _elastic(llm, engine, backend, admin_api: bool, autoscale: tuple | None):
     (--autoscale: (Goodput, Policy, every_s)) over a replicas engine; (None, None) otherwise."""
     if not admin_api and autoscale is None:
         return None, None
-    admin = EngineAdmin(engine, layout=str(llm.layout))
+    admin = EngineAdmin(engine, layout=str(llm.layout), api=admin_api)
     if autoscale is not None:
         goodput, policy, every_s = autoscale
         admin.scaler = Scaler(admin, backend.metrics, goodput, policy, every_s=every_s)

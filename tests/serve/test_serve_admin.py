@@ -102,6 +102,8 @@ def test_autoscale_drains_an_idle_replica_and_adds_it_back_under_load(tiny_model
         def decisions():
             return httpx.get(f"{server.url}/admin/autoscale", headers=AUTH, timeout=30).json()["data"]
 
+        r = httpx.get(f"{server.url}/admin/engines", headers=AUTH, timeout=30)
+        assert r.status_code == 404 and "--enable-admin-api" in r.json()["error"]["message"], r.text
         deadline = time.monotonic() + 60
         while not decisions() and time.monotonic() < deadline:
             time.sleep(0.2)
