@@ -121,6 +121,10 @@ async def _faulted(url: str, model: str, requests, faults, args):
     striking = asyncio.create_task(_strike(url, faults, t0, log))
     results, ids, duration = await _load(url, model, requests, args)
     recovered = await striking
+    late = [f for f in faults if f.at_s >= duration]
+    if late:
+        log.append(f"{len(late)} fault(s) struck after the load ended ({duration:.1f} s): nothing was measured "
+                   "around them (more --num-prompts, or earlier times)")
     return results, ids, duration, recovered, log
 
 

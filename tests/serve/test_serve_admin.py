@@ -4,7 +4,9 @@ requests, with transformers' tokens), removed (its ranks end), added back (new r
 one-line 4xx refusals, the API key; and the autoscaler draining an idle replica and adding it
 back under load, each decision with its reason and counted in /metrics."""
 
+import json
 import os
+import threading
 import time
 
 import httpx
@@ -14,6 +16,7 @@ from serving import Server, with_tokenizer
 
 NAME, KEY = "tiny", "sekret"
 NEW = 6
+LONG = 300
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = [5, 7, 9, 11]
 
@@ -24,6 +27,18 @@ def _complete(url: str) -> list[int]:
                          "return_token_ids": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
+
+
+def _stream(url: str, got: list) -> None:
+    """A streamed greedy completion of LONG tokens; its token ids into got (an error event raises)."""
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                got += chunk["choices"][0]["token_ids"]
 
 
 def _routed(server, replica: int) -> float:
@@ -43,7 +58,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(400)
 def test_engines_are_listed_drained_removed_and_added_back(tiny_model, tmp_path):
     d = with_tokenizer(tiny_model("llama", max_position_embeddings=512), tmp_path / "m")
-    expected = reference_tokens(d, [PROMPT], NEW)[0]
+    long = reference_tokens(d, [PROMPT], LONG)[0]
+    expected = long[:NEW]
     server = Server(d, "-dp", "2", "--router", "round_robin", "--served-model-name", NAME, "--api-key", KEY,
                     "--enable-admin-api", log=tmp_path / "server.log")
     url = server.url
@@ -86,6 +102,20 @@ def test_engines_are_listed_drained_removed_and_added_back(tiny_model, tmp_path)
             assert _complete(url) == expected
             assert _routed(server, 0) == 1  # the restarted engine served it
             assert h.post("/admin/engines", headers=AUTH, json={"id": 1}).json()["state"] == "serving"
+
+            # a stream running on an engine removed without waiting goes on elsewhere with its tokens
+            got: list[int] = []
+            streaming = threading.Thread(target=_stream, args=(url, got), daemon=True)
+            streaming.start()
+            deadline = time.monotonic() + 60
+            while len(got) < 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            [busy] = [e["id"] for e in h.get("/admin/engines", headers=AUTH).json()["data"] if e["load"]["unfinished"]]
+            assert h.post(f"/admin/engines/{busy}/remove", headers=AUTH, json={"timeout_s": 0}).json()["state"] == \
+                "removed"
+            streaming.join(timeout=120)
+            assert got == long, (len(got), server.text()[-2000:])  # nothing repeated, missing or erred
+            assert server.metrics()["atoll_router_migrations_total"] == 1
         assert "engine 0 removed" in server.text() and "engine 0 started again" in server.text()
     finally:
         server.kill()
