@@ -49,16 +49,16 @@ def elastic(args, replicas: int, disaggregated: bool):
     """--autoscale's (Goodput, Policy, every_s), or None; the flags checked before any rank starts."""
     from atoll.serve.autoscale import Goodput, Policy  # lazy: as light as the rest of --help
 
-    if (args.enable_admin_api or args.autoscale) and disaggregated:
-        raise InputError("--enable-admin-api/--autoscale: a disaggregated server's engines cannot be changed at "
-                         "run time yet; they serve replicas (--data-parallel-size N)")
+    if args.enable_admin_api and disaggregated:
+        raise InputError("--enable-admin-api: a disaggregated server's engines cannot be changed at run time yet; "
+                         "it serves replicas (--data-parallel-size N)")
     if args.goodput is not None and not args.autoscale:
         raise InputError("--goodput is for --autoscale")
     if not args.autoscale:
         return None
     if args.goodput is None:
         raise InputError("--autoscale needs --goodput ttft:MS tpot:MS")
-    if replicas < 2:
+    if replicas < 2 and not disaggregated:
         raise InputError("--autoscale needs engines to add and drain: --data-parallel-size 2 or more")
     if not args.autoscale_interval_s > 0:
         raise InputError(f"--autoscale-interval-s {args.autoscale_interval_s:g} must be a positive number of seconds")

@@ -2,7 +2,8 @@
 (serve.metrics' histograms and the engines' counters), asks serve.autoscale.decide what to
 change, and does it through the admin API (serve.admin.EngineAdmin). Every decision is
 logged with its reason, kept (GET /admin/autoscale) and counted in /metrics
-(atoll_autoscale_decisions_total{action,role}).
+(atoll_autoscale_decisions_total{action,role,applied}). On a disaggregated server only the
+local-prefill threshold is changed (DisaggTarget).
 
 Attainment is read from the latency histograms: the first tokens (and inter-token gaps) that
 fell in buckets at or under the SLO since the last look, over all of them; an SLO between two
@@ -38,21 +39,65 @@ def _within(histogram, slo_s: float) -> tuple[float, float]:
     return ok, total
 
 
+class ReplicasTarget:
+    """What --autoscale changes on a replicas server: its engines, through the admin API."""
+
+    def __init__(self, admin):
+        self.admin, self.log = admin, admin.log
+
+    def stats(self) -> dict:
+        return self.admin.replicas.stats
+
+    def fleet(self) -> Fleet:
+        states = [self.admin.state(k) for k in range(len(self.admin.replicas.engines))]
+        return Fleet(replicas=states.count("serving"), free=sum(s in ("drained", "draining", "removed") for s in states))
+
+    def act(self, d) -> tuple[int | None, bool]:
+        """(the engine it touched, whether the decision was applied)."""
+        if d.action == "add":
+            return self.admin.add(why=f"autoscale: {d.reason}")["id"], True
+        serving = [k for k in range(len(self.admin.replicas.engines)) if self.admin.state(k) == "serving"]
+        k = min(reversed(serving), key=lambda j: self.admin.replicas.state(j)[1])  # the least loaded, the last
+        return self.admin.drain(k, why=f"autoscale: {d.reason}")["id"], True
+
+
+class DisaggTarget:
+    """What --autoscale changes on a disaggregated server (engine.driver.disagg.DisaggEngine):
+    the local-prefill threshold (its min_prompt_tokens, read at each arrival). Adding an engine
+    or changing one's role is decided and logged, not applied: the job's engines are fixed."""
+
+    def __init__(self, engine, log):
+        self.engine, self.log, self.base = engine, log, engine.min_prompt_tokens
+
+    def stats(self) -> dict:
+        return self.engine.stats
+
+    def fleet(self) -> Fleet:
+        dead, e = set(self.engine.degraded), self.engine
+        alive = [e.live.name(k) not in dead for k in range(len(e.layouts))]
+        return Fleet(prefill=sum(alive[:e.x]), decode=sum(alive[e.x:]), threshold=e.min_prompt_tokens,
+                     base_threshold=self.base)
+
+    def act(self, d) -> tuple[int | None, bool]:
+        if d.action != "threshold":
+            return None, False
+        self.engine.min_prompt_tokens = d.threshold
+        return None, True
+
+
 class Scaler:
-    def __init__(self, admin, metrics, goodput: Goodput, policy: Policy | None = None, *, every_s: float = 5.0,
-                 stats=None, log=None):
-        """stats(): the engines' counters (waiting, blocks_in_use, num_blocks); log(line): where
-        decisions are told (default: the admin's log)."""
-        self.admin, self.metrics, self.goodput = admin, metrics, goodput
+    def __init__(self, target, metrics, goodput: Goodput, policy: Policy | None = None, *, every_s: float = 5.0):
+        """target: ReplicasTarget or DisaggTarget (its stats, fleet, act and log)."""
+        self.target, self.metrics, self.goodput = target, metrics, goodput
         self.policy, self.every_s = policy or Policy(), every_s
-        self.stats = stats or (lambda: admin.replicas.stats)
-        self.log = log or admin.log
         self.history: deque[Sample] = deque(maxlen=1000)
         self.decisions: deque[dict] = deque(maxlen=KEEP)
         self.last_at: float | None = None
         self._seen = {"ttft": (0.0, 0.0), "itl": (0.0, 0.0)}
         self.counted = Counter("atoll_autoscale_decisions", "--autoscale: decisions made, by action (add, drain, "
-                               "role, threshold) and role", ["action", "role"], registry=metrics.registry)
+                               "role, threshold), role and whether applied (a disaggregated server's engines are "
+                               "fixed: add and role are not)", ["action", "role", "applied"],
+                               registry=metrics.registry)
 
     def _share(self, name: str, histogram, slo_s: float) -> float | None:
         ok, total = _within(histogram, slo_s)
@@ -61,41 +106,28 @@ class Scaler:
         return (ok - ok0) / (total - total0) if total > total0 else None
 
     def sample(self, now: float) -> Sample:
-        stats = self.stats()
+        stats = self.target.stats()
         blocks = stats.get("num_blocks", 0)
         return Sample(now, self._share("ttft", self.metrics.ttft, self.goodput.ttft_s),
                       self._share("itl", self.metrics.itl, self.goodput.tpot_s), float(stats.get("waiting", 0)),
                       stats.get("blocks_in_use", 0) / blocks if blocks else 0.0)
 
-    def fleet(self) -> Fleet:
-        states = [self.admin.state(k) for k in range(len(self.admin.replicas.engines))]
-        return Fleet(replicas=states.count("serving"),
-                     free=sum(s in ("drained", "draining", "removed") for s in states))
-
     def tick(self, now: float | None = None):
         """One look: sample, decide, act. Returns the decision made (or None)."""
         now = time.monotonic() if now is None else now
         self.history.append(self.sample(now))
-        d = decide(list(self.history), self.fleet(), self.goodput, self.policy, now=now, last_at=self.last_at)
+        d = decide(list(self.history), self.target.fleet(), self.goodput, self.policy, now=now, last_at=self.last_at)
         if d is None:
             return None
         self.last_at = now
-        engine = self._act(d)
-        self.counted.labels(d.action, d.role).inc()
+        engine, applied = self.target.act(d)
+        self.counted.labels(d.action, d.role, str(applied).lower()).inc()
         self.decisions.append({"at": time.time(), "action": d.action, "role": d.role, "engine": engine,
-                               "reason": d.reason})
-        self.log(f"autoscale: {d.action} {d.role} (engine {engine}): {d.reason}")
+                               "threshold": d.threshold, "applied": applied, "reason": d.reason})
+        where = f" (engine {engine})" if engine is not None else ""
+        self.target.log(f"autoscale: {d.action} {d.role}{where}: {d.reason}" + ("" if applied else
+                        " [not applied: a disaggregated server's engines are fixed at launch]"))
         return d
-
-    def _act(self, d) -> int | None:
-        """Apply a replicas fleet's decision through the admin API; the engine it touched."""
-        if d.action == "add":
-            return self.admin.add(why=f"autoscale: {d.reason}")["id"]
-        if d.action == "drain":
-            serving = [k for k in range(len(self.admin.replicas.engines)) if self.admin.state(k) == "serving"]
-            k = min(reversed(serving), key=lambda j: self.admin.replicas.state(j)[1])  # the least loaded, the last
-            return self.admin.drain(k, why=f"autoscale: {d.reason}")["id"]
-        raise NotImplementedError(f"autoscale {d.action} on a replicas fleet")  # decide makes none there
 
     async def run(self) -> None:
         while True:

@@ -17,7 +17,8 @@ from atoll.engine.driver.online import EngineDead
 from atoll.serve.admin import EngineAdmin
 from atoll.serve.app import create_app
 from atoll.serve.backend import Backend
-from atoll.serve.scaler import Scaler
+from atoll.serve.replicas import Replicas
+from atoll.serve.scaler import DisaggTarget, ReplicasTarget, Scaler
 
 WATCH_S = 0.2  # how often the engine's health is looked at
 
@@ -87,12 +88,16 @@ async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_
 
 
 def _elastic(llm, engine, backend, admin_api: bool, autoscale: tuple | None):
-    """The admin API's EngineAdmin (--enable-admin-api or --autoscale) and the Scaler
-    (--autoscale: (Goodput, Policy, every_s)) over a replicas engine; (None, None) otherwise."""
+    """The admin API's EngineAdmin (--enable-admin-api or --autoscale over replicas) and the
+    Scaler (--autoscale: (Goodput, Policy, every_s)); None for what is off."""
     if not admin_api and autoscale is None:
         return None, None
+    if not isinstance(engine, Replicas):  # a disaggregated engine: its threshold only (serve.scaler)
+        goodput, policy, every_s = autoscale
+        log = lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True)  # noqa: E731
+        return None, Scaler(DisaggTarget(engine, log), backend.metrics, goodput, policy, every_s=every_s)
     admin = EngineAdmin(engine, layout=str(llm.layout), api=admin_api)
     if autoscale is not None:
         goodput, policy, every_s = autoscale
-        admin.scaler = Scaler(admin, backend.metrics, goodput, policy, every_s=every_s)
+        admin.scaler = Scaler(ReplicasTarget(admin), backend.metrics, goodput, policy, every_s=every_s)
     return admin, admin.scaler

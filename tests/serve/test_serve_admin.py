@@ -41,6 +41,13 @@ def _stream(url: str, got: list) -> None:
                 got += chunk["choices"][0]["token_ids"]
 
 
+def _decided(metrics: dict, action: str, role: str) -> float:
+    """atoll_autoscale_decisions_total of this action and role, applied."""
+    want = (f'action="{action}"', f'role="{role}"', 'applied="true"')
+    return sum(v for k, v in metrics.items() if k.startswith("atoll_autoscale_decisions_total{")
+               and all(w in k for w in want))
+
+
 def _routed(server, replica: int) -> float:
     return sum(v for k, v in server.metrics().items()
                if k.startswith("atoll_router_requests_total{") and f'replica="{replica}"' in k)
@@ -147,8 +154,40 @@ def test_autoscale_drains_an_idle_replica_and_adds_it_back_under_load(tiny_model
         assert add["role"] == "replica" and add["engine"] == first["engine"], add
         assert "TTFT attainment 0% < 85%" in add["reason"], add
         m = server.metrics()
-        assert m['atoll_autoscale_decisions_total{action="add",role="replica"}'] >= 1
-        assert m['atoll_autoscale_decisions_total{action="drain",role="replica"}'] >= 1
+        assert _decided(m, "add", "replica") >= 1 and _decided(m, "drain", "replica") >= 1
         assert "autoscale: drain replica" in server.text()
+    finally:
+        server.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_autoscale_raises_a_disaggregated_servers_local_prefill_threshold_first(tiny_model, tmp_path):
+    d = with_tokenizer(tiny_model("llama", max_position_embeddings=512), tmp_path / "m")
+    expected = reference_tokens(d, [PROMPT + [13, 15]], NEW)[0]
+    # 6-token prompts go to the prefill engine at a threshold of 4, and stay on decode from 8 on
+    server = Server(d, "--prefill", "TP1", "--decode", "TP1", "--disagg-min-prompt-tokens", 4, "--served-model-name",
+                    NAME, "--autoscale", "--goodput", "ttft:1", "tpot:60000", "--autoscale-interval-s", "2",
+                    log=tmp_path / "server.log")
+    try:
+        def routed(decision: str) -> float:
+            return server.metrics().get(f'atoll_disagg_routed{{decision="{decision}"}}', 0.0)
+
+        def ask() -> list[int]:
+            r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+                "model": NAME, "prompt": PROMPT + [13, 15], "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        assert ask() == expected and routed("prefill") == 1 and routed("decode") == 0
+        deadline = time.monotonic() + 90
+        while "autoscale: threshold decode" not in server.text() and time.monotonic() < deadline:
+            assert ask() == expected
+        assert "local-prefill threshold 4 -> 8" in server.text(), server.text()[-2000:]
+        before = routed("decode")
+        assert ask() == expected
+        assert routed("decode") == before + 1  # the new threshold keeps it on the decode engine
+        assert _decided(server.metrics(), "threshold", "decode") >= 1
     finally:
         server.kill()
