@@ -36,8 +36,9 @@ def add_elastic_options(p) -> None:
                    help="serve /admin/engines: list the engines, drain, remove or add one within the ranks the "
                         "server holds (behind --api-key when given; off by default)")
     p.add_argument("--autoscale", action="store_true",
-                   help="add and drain engines from the live load against --goodput, with a hysteresis "
-                        "(decisions logged, counted in /metrics and listed at /admin/autoscale)")
+                   help="add and drain replicas (a disaggregated server: shift its local-prefill threshold) from "
+                        "the live load against --goodput, with a hysteresis (decisions logged, counted in /metrics "
+                        "and listed at /admin/autoscale)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="the SLOs --autoscale aims at: ttft:MS tpot:MS")
     p.add_argument("--autoscale-interval-s", type=float, default=30.0, metavar="S",
