@@ -33,6 +33,7 @@ import math
 import statistics
 import time
 
+from atoll.bench.chaos import render as render_chaos, run_chaos
 from atoll.bench.harness import Run, sig
 from atoll.bench.serve_compare import Offline, compare_plan, plan_lines, spec_counts, spec_rates
 from atoll.bench.serve_disagg import render as render_disagg, run_disagg
@@ -65,6 +66,9 @@ def add_parser(sub) -> None:
                    help="load (default), long-prompt, routing (cache-aware against round-robin replicas), or "
                         "disagg (colocated against --prefill/--decode)")
     add_load_options(p)
+    p.add_argument("--chaos", metavar="SPEC", default=None,
+                   help="strike faults on the server's ranks during the load (kill@5:engine=1,stop@10:for=3,"
+                        "slow@15:ms=50, random:n=3:seed=7) and report what they cost (bench/chaos_spec.py)")
     p.add_argument("--compare-plan", action="store_true",
                    help="the planner's TTFT / TPOT for this model, layout, topology and load beside the measured")
     p.add_argument("--topology", default="local", help="--compare-plan: preset or YAML (default local; a "
@@ -162,6 +166,10 @@ def run(args) -> int:
     slos, percentiles = check_args(args)
     with Run(args.model, quiet=args.json) as bench:
         config = ModelConfig.load(bench.model)
+        if args.chaos is not None:
+            result = run_chaos(args, bench, bench.model, config.vocab_size)
+            bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_chaos)
+            return 1 if result["requests_lost"] or result["texts_differing"] else 0
         if args.scenario == "long-prompt":
             result = run_long_prompt(args, bench, bench.model, config.vocab_size, percentiles)
             bench.emit({"model": bench.model, **result}, as_json=args.json, render=render_long)

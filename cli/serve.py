@@ -25,7 +25,8 @@ import sys
 from atoll.cli.generate import _living_launcher, _plan, add_model_options, make_llm
 from atoll.cli.main import Terminated
 from atoll.cli.requests import Line
-from atoll.cli.serve_replicas import add_replica_options, check_replicas, restart_policy, take_replicas
+from atoll.cli.serve_replicas import (add_elastic_options, add_replica_options, check_replicas, elastic,
+                                     restart_policy, take_replicas)
 from atoll.engine.worker import worker
 from atoll.errors import InputError, LaunchError
 from atoll.launch.launchers import check_launcher, detect, is_first_rank
@@ -65,6 +66,7 @@ def add_parser(sub) -> None:
     p.add_argument("--strict-placement", action="store_true", help="as for generate (Ray, torchrun, mpirun)")
     add_model_options(p)
     add_replica_options(p)
+    add_elastic_options(p)
     p.set_defaults(run=run)
 
 
@@ -114,6 +116,10 @@ def run(args) -> int:
     replicas = plan.replicas if plan else replicas
     check_replicas(replicas, launcher)
     policy = restart_policy(args)  # its flags checked before any rank starts
+    args.elastic = elastic(args, replicas, bool(getattr(args, "prefill", None)))
+    if args.enable_admin_api and replicas == 1 and not (policy.restarts and launcher in ("local", "ray")):
+        raise InputError(f"--enable-admin-api: one engine under --restart-policy {args.restart_policy} and the "
+                         f"{launcher} launcher has nothing to change; run replicas (--data-parallel-size N)")
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
     if llm.prefill_layout is not None and launcher not in ("local", "ray"):
         raise LaunchError(f"--prefill/--decode: disaggregated serving runs under the local or Ray launcher, "
@@ -179,4 +185,5 @@ def _serve(args, llm, sock, engine=None) -> int:
           f"rank{'s' if ranks > 1 else ''}{copies})", file=sys.stderr, flush=True)
     return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,
                              tool_call_parser=args.tool_call_parser, max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
-                             log_level=args.log_level, dead_linger_s=DEAD_LINGER_S, engine=engine))
+                             log_level=args.log_level, dead_linger_s=DEAD_LINGER_S, engine=engine,
+                             admin_api=args.enable_admin_api and engine is not None, autoscale=args.elastic))

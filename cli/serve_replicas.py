@@ -31,6 +31,42 @@ def add_replica_options(p) -> None:
                    help="the window --max-restarts counts over (default 600)")
 
 
+def add_elastic_options(p) -> None:
+    p.add_argument("--enable-admin-api", action="store_true",
+                   help="serve /admin/engines: list the engines, drain, remove or add one within the ranks the "
+                        "server holds (behind --api-key when given; off by default)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="add and drain replicas (a disaggregated server: shift its local-prefill threshold) from "
+                        "the live load against --goodput, with a hysteresis (decisions logged, counted in /metrics "
+                        "and listed at /admin/autoscale)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="the SLOs --autoscale aims at: ttft:MS tpot:MS")
+    p.add_argument("--autoscale-interval-s", type=float, default=30.0, metavar="S",
+                   help="--autoscale: at least this long between two decisions, and the window each reads "
+                        "(default 30)")
+
+
+def elastic(args, replicas: int, disaggregated: bool):
+    """--autoscale's (Goodput, Policy, every_s), or None; the flags checked before any rank starts."""
+    from atoll.serve.autoscale import Goodput, Policy  # lazy: as light as the rest of --help
+
+    if args.enable_admin_api and disaggregated:
+        raise InputError("--enable-admin-api: a disaggregated server's engines cannot be changed at run time yet; "
+                         "it serves replicas (--data-parallel-size N)")
+    if args.goodput is not None and not args.autoscale:
+        raise InputError("--goodput is for --autoscale")
+    if not args.autoscale:
+        return None
+    if args.goodput is None:
+        raise InputError("--autoscale needs --goodput ttft:MS tpot:MS")
+    if replicas < 2 and not disaggregated:
+        raise InputError("--autoscale needs engines to add and drain: --data-parallel-size 2 or more")
+    if not args.autoscale_interval_s > 0:
+        raise InputError(f"--autoscale-interval-s {args.autoscale_interval_s:g} must be a positive number of seconds")
+    interval = args.autoscale_interval_s
+    return Goodput.parse(args.goodput), Policy(interval_s=interval, window_s=interval), max(0.5, interval / 6)
+
+
 def restart_policy(args) -> RestartPolicy:
     return RestartPolicy(args.restart_policy, args.max_restarts, args.restart_window_s)
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from atoll.errors import CheckpointError
+from atoll.serve.admin import mount_admin
 from atoll.serve.backend import Backend
 from atoll.serve.handlers import Handler
 from atoll.serve.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -39,13 +40,13 @@ class EngineStream(StreamingResponse):
 
 
 class ApiKey:
-    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>`; /health and /metrics don't."""
+    """ASGI middleware: /v1/* and /admin/* need `Authorization: Bearer <key>`; /health and /metrics don't."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/admin")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 body = error_body("invalid or missing API key: send `Authorization: Bearer <key>`",
@@ -56,8 +57,9 @@ class ApiKey:
 
 
 def create_app(backend: Backend, *, served_names: list[str], api_key: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
-    """tool_call_parser: how tool_choice "auto" reads calls out of the text (serve.tools.PARSERS)."""
+               tool_call_parser: str | None = None, admin=None) -> FastAPI:
+    """tool_call_parser: how tool_choice "auto" reads calls out of the text (serve.tools.PARSERS);
+    admin: the engines' admin API (serve.admin.EngineAdmin), mounted at /admin/engines."""
     app = FastAPI(title="atoll", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = backend.metrics
     handler = Handler(backend, model=served_names[0])
@@ -193,6 +195,8 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
 
     mount_responses(app, handler, served_names, streaming=EngineStream, on_disconnect=_on_disconnect,
                     tool_call_parser=tool_call_parser)
+    if admin is not None:
+        mount_admin(app, admin)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
     return app

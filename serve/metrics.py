@@ -65,6 +65,21 @@ DESCRIPTIONS = {
                              "prompt (prefill: the prefill engine, its KV sent; decode: the decode engine itself)",
 }
 
+# the replicas' router (serve.replicas), atoll_router_<name>
+ROUTER_HELP = {
+    "requests": "requests sent to a replica, by replica and reason (prefix: the longest cached prefix; least_loaded: "
+                "no replica held one; balance: the best one was a batch busier than the least loaded; round_robin; "
+                "copy: a copy of a request, n > 1, to its first copy's replica; a retry counts again)",
+    "retries": "requests sent again to another replica because theirs died (migrations counts those of them that "
+               "had streamed tokens)",
+    "prompt_tokens": "prompt tokens of the requests routed",
+    "prefix_hit_tokens": "of those, the tokens the router expected the chosen replica to hold in its prefix cache",
+    "replica_up": "1 while the replica serves, 0 once its ranks died",
+    "migrations": "requests that had streamed tokens when their replica died, continued on another with those tokens",
+    "replica_restarts": "replicas started again after their ranks died",
+    "prefix_hit_rate": "router's expected prefix hits / prompt tokens routed, since start",
+}
+
 
 class _LayerLoad:
     """atoll_expert_load_max_mean{layer}: a gauge per MoE layer, the layers read at each scrape."""

@@ -2,17 +2,15 @@
 (the same submit / abort / new_id / error / stats as engine.driver.online.OnlineEngine).
 
 Each request goes to the replica the router picks (engine.batch.router). When a replica's ranks
-die, its requests continue on another live replica: one that has streamed no token yet is sent
-again; one that has streams on, the other replica computing its prompt and the tokens it had
-(engine.batch.request's `generated`) and decoding from there, so its client sees a longer gap,
-no error, nothing repeated or missing (a seeded sampled request draws the same tokens:
-engine.sample.sampler's stream_seed). With no replica alive, requests wait for one that is
-restarting (serve.restarts), and end with the cause once none will come back.
+die, its requests continue on another live one: one that streamed no token is sent again; one
+that did goes on there with its tokens (engine.batch.request's `generated`), its client seeing a
+longer gap, no error, nothing repeated or missing. With no replica alive, requests wait for one
+that is restarting (serve.restarts), and end with the cause once none will come back.
 
-A dead replica is started again on the same resources under the RestartPolicy, rejoins the
-router once ready, and /health is ok again. `degraded` names the replicas that are down (/health
-says so), and `error` is set only once every replica is down for good: the server stops. A
-single engine that restarts is a set of one (`label` names it; serve.replica_start.start_single).
+A dead replica is started again under the RestartPolicy and rejoins the router once ready.
+`degraded` names the replicas that are down (/health says so); `error` is set once every replica
+is down for good: the server stops. A single engine that restarts is a set of one (`label`).
+`off` holds the replicas the admin API took out of routing (serve.admin: draining, removed, starting).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from prometheus_client import Counter, Gauge
 
 from atoll.engine.driver.online import EngineDead, OnlineEngine
 from atoll.engine.batch.router import Route
+from atoll.serve.metrics import ROUTER_HELP
 from atoll.serve.restarts import RestartPolicy, Restarts
 
 PREFIX = "atoll_router"
@@ -66,6 +65,7 @@ class Replicas:
         self._threads: list[threading.Thread] = []
         self.metrics = None
         self._routed_prompt = self._routed_hit = 0  # tokens, for the router's hit rate
+        self.off: dict[int, str] = {}  # replica -> draining / removing / removed / starting (serve.admin)
 
     # --- what the server reads -------------------------------------------------------------
 
@@ -107,13 +107,12 @@ class Replicas:
 
     @property
     def stats(self) -> dict:
-        """The live replicas' counters added up (one engine's as they are: an MoE engine's
-        expert load is not a count)."""
+        """The live replicas' counters added up (one engine's as they are: MoE expert load is no count)."""
         if len(self.engines) == 1:
             return self.engines[0].stats
         out: dict = {}
         for r, engine in enumerate(self.engines):
-            if r not in self._dead:
+            if r not in self._dead and self.off.get(r) not in ("removed", "starting"):
                 for k, v in engine.stats.items():
                     out[k] = out.get(k, 0) + v
         return out
@@ -190,8 +189,7 @@ class Replicas:
                 self._mark_dead(route.replica, str(e))
 
     def _hold(self, placed: _Placed) -> bool | None:
-        """Keep a request whose replica died for a replica that is restarting (True); False if
-        none is; None if one is alive again (route it)."""
+        """Hold a request for a restarting replica (True); False if none is; None if one is alive (route it)."""
         with self._lock:
             if self._closing:
                 return False
@@ -207,7 +205,7 @@ class Replicas:
         with self._lock:
             if self._closing:
                 raise EngineDead("the server is shutting down")
-            alive = [r for r in range(len(self.engines)) if r not in self._dead and r != exclude]
+            alive = [r for r in range(len(self.engines)) if r not in self._dead and r not in self.off and r != exclude]
             if not alive:
                 restarting = f" (replica {min(self._restarting)} is restarting)" if self._restarting else ""
                 raise EngineDead(self._all_dead() or f"no other replica is alive{restarting}")
@@ -248,7 +246,8 @@ class Replicas:
                     try:
                         if placed.tokens:
                             placed.migrations += 1
-                            self._count_migration()
+                            if self.metrics is not None:
+                                self.metrics["migrated"].inc()
                         self._place(placed, retry=True, exclude=replica)
                         return
                     except EngineDead:
@@ -269,8 +268,8 @@ class Replicas:
 
     def _mark_dead(self, replica: int, line: str) -> None:
         with self._lock:
-            if replica in self._dead or self._closing:
-                return
+            if replica in self._dead or self._closing or self.off.get(replica) in ("removed", "starting"):
+                return  # closed on purpose (serve.admin), not failed
             self._dead[replica] = line
             self.router.forget(replica)
         if self.metrics is not None:
@@ -337,36 +336,40 @@ class Replicas:
             except EngineDead as e:
                 placed.sink("error", str(e))
 
+    def state(self, r: int) -> tuple[str, int]:
+        """Replica r's state (serving, restarting, dead or its `off` state) and its unfinished requests."""
+        with self._lock:
+            dead = "restarting" if r in self._restarting else "dead" if r in self._dead else "serving"
+            return self.off.get(r, dead), self._load[r]
+
+    def bring_back(self, r: int) -> None:
+        """Start replica r again on its resources, in this thread, and route to it (serve.admin's add)."""
+        engine = self._start(r)
+        with self._lock:
+            self.engines[r], self._load[r] = engine, 0
+            self.off.pop(r, None)
+            self.router.forget(r)
+        if self.metrics is not None:
+            self.metrics["up"].labels(str(r)).set(1)
+
     # --- metrics ---------------------------------------------------------------------------
 
     def attach_metrics(self, registry) -> None:
         """The router's counters in the server's registry (serve.metrics.Metrics)."""
+        h = ROUTER_HELP
         m = self.metrics = {
-            "routed": Counter(f"{PREFIX}_requests", "requests sent to a replica, by replica and reason (prefix: "
-                              "the longest cached prefix; least_loaded: no replica held one; balance: the best "
-                              "one was a batch busier than the least loaded; round_robin; copy: a copy of a request, n > 1, "
-                              "to its first copy's replica; a retry counts again)",
-                              ["replica", "reason"], registry=registry),
-            "retried": Counter(f"{PREFIX}_retries", "requests sent again to another replica because theirs died "
-                               "(migrations counts those of them that had streamed tokens)", registry=registry),
-            "prompt": Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of the requests routed", registry=registry),
-            "hit": Counter(f"{PREFIX}_prefix_hit_tokens", "of those, the tokens the router expected the chosen "
-                           "replica to hold in its prefix cache", registry=registry),
-            "up": Gauge(f"{PREFIX}_replica_up", "1 while the replica serves, 0 once its ranks died", ["replica"],
-                        registry=registry),
-            "migrated": Counter(f"{PREFIX}_migrations", "requests that had streamed tokens when their replica died, "
-                                "continued on another with those tokens", registry=registry),
-            "restarts": Counter(f"{PREFIX}_replica_restarts", "replicas started again after their ranks died",
-                                ["replica"], registry=registry),
+            "routed": Counter(f"{PREFIX}_requests", h["requests"], ["replica", "reason"], registry=registry),
+            "retried": Counter(f"{PREFIX}_retries", h["retries"], registry=registry),
+            "prompt": Counter(f"{PREFIX}_prompt_tokens", h["prompt_tokens"], registry=registry),
+            "hit": Counter(f"{PREFIX}_prefix_hit_tokens", h["prefix_hit_tokens"], registry=registry),
+            "up": Gauge(f"{PREFIX}_replica_up", h["replica_up"], ["replica"], registry=registry),
+            "migrated": Counter(f"{PREFIX}_migrations", h["migrations"], registry=registry),
+            "restarts": Counter(f"{PREFIX}_replica_restarts", h["replica_restarts"], ["replica"], registry=registry),
         }
-        Gauge(f"{PREFIX}_prefix_hit_rate", "router's expected prefix hits / prompt tokens routed, since start",
-              registry=registry).set_function(lambda: self._routed_hit / max(1, self._routed_prompt))
+        Gauge(f"{PREFIX}_prefix_hit_rate", h["prefix_hit_rate"], registry=registry).set_function(
+            lambda: self._routed_hit / max(1, self._routed_prompt))
         for r in range(len(self.engines)):
             m["up"].labels(str(r)).set(0 if r in self._dead else 1)
-
-    def _count_migration(self) -> None:
-        if self.metrics is not None:
-            self.metrics["migrated"].inc()
 
     def _count(self, route, prompt_tokens: int, *, retry: bool) -> None:
         self._routed_prompt += prompt_tokens
@@ -383,8 +386,7 @@ class Replicas:
     # --- lifetime --------------------------------------------------------------------------
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop every replica's ranks (the last one started first: under Ray the first one's
-        job may own the Ray session the others joined)."""
+        """Stop every replica's ranks, the last started first (under Ray the first's job may own the session)."""
         with self._lock:
             self._closing = True
             held, self._held = self._held, []

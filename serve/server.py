@@ -14,8 +14,11 @@ import sys
 import uvicorn
 
 from atoll.engine.driver.online import EngineDead
+from atoll.serve.admin import EngineAdmin
 from atoll.serve.app import create_app
 from atoll.serve.backend import Backend
+from atoll.serve.replicas import Replicas
+from atoll.serve.scaler import DisaggTarget, ReplicasTarget, Scaler
 
 WATCH_S = 0.2  # how often the engine's health is looked at
 
@@ -28,7 +31,8 @@ class _Server(uvicorn.Server):
 
 async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_waiting: int | None,
                 shutdown_timeout: float, log_level: str = "warning", dead_linger_s: float = 2.0,
-                engine=None, tool_call_parser: str | None = None) -> int:
+                engine=None, tool_call_parser: str | None = None, admin_api: bool = False,
+                autoscale: tuple | None = None) -> int:
     """Serve until a signal (returns 0 once drained) or the engine's death (raises EngineDead
     with the line naming the rank). engine: what serves the requests (serve.replicas.Replicas
     for several replicas; default llm's living engine)."""
@@ -36,7 +40,9 @@ async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_
     backend = Backend(llm, engine, max_waiting=max_waiting)
     if hasattr(engine, "attach_metrics"):  # replicas: the router's counters
         engine.attach_metrics(backend.metrics.registry)
-    app = create_app(backend, served_names=served_names, api_key=api_key, tool_call_parser=tool_call_parser)
+    admin, scaler = _elastic(llm, engine, backend, admin_api, autoscale)
+    app = create_app(backend, served_names=served_names, api_key=api_key, tool_call_parser=tool_call_parser,
+                     admin=admin)
     # uvicorn's own graceful timeout is the backstop: by then every response has ended
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("info", "debug"), lifespan="off",
                             timeout_graceful_shutdown=shutdown_timeout + 5)
@@ -66,13 +72,32 @@ async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, drain, sig)
     watcher = asyncio.create_task(watch())
+    scaling = asyncio.create_task(scaler.run()) if scaler is not None else None
     try:
         await server.serve(sockets=[sock])
     finally:
         watcher.cancel()
+        if scaling is not None:
+            scaling.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     if state["dead"] is not None:
         raise EngineDead(f"the engine stopped: {state['dead']}")
     print("atoll: shut down", file=sys.stderr, flush=True)
     return 0
+
+
+def _elastic(llm, engine, backend, admin_api: bool, autoscale: tuple | None):
+    """The admin API's EngineAdmin (--enable-admin-api or --autoscale over replicas) and the
+    Scaler (--autoscale: (Goodput, Policy, every_s)); None for what is off."""
+    if not admin_api and autoscale is None:
+        return None, None
+    if not isinstance(engine, Replicas):  # a disaggregated engine: its threshold only (serve.scaler)
+        goodput, policy, every_s = autoscale
+        log = lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True)  # noqa: E731
+        return None, Scaler(DisaggTarget(engine, log), backend.metrics, goodput, policy, every_s=every_s)
+    admin = EngineAdmin(engine, layout=str(llm.layout), api=admin_api)
+    if autoscale is not None:
+        goodput, policy, every_s = autoscale
+        admin.scaler = Scaler(ReplicasTarget(admin), backend.metrics, goodput, policy, every_s=every_s)
+    return admin, admin.scaler

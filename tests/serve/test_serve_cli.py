@@ -50,6 +50,14 @@ def taken_port():
     (["-tp", "3"], "tp=3"),
     (["--plan", "no-such-plan.yaml"], "no plan file at"),
     (["--plan", "no-such-plan.yaml", "-tp", "2"], "give --plan or -tp, not both"),
+    (["-dp", "2", "--autoscale"], "--autoscale needs --goodput ttft:MS tpot:MS"),
+    (["-dp", "2", "--goodput", "ttft:500", "tpot:50"], "--goodput is for --autoscale"),
+    (["--autoscale", "--goodput", "ttft:500", "tpot:50"], "--autoscale needs engines to add and drain"),
+    (["-dp", "2", "--autoscale", "--goodput", "ttft:500"], "--goodput: tpot:MS is missing"),
+    (["-dp", "2", "--autoscale", "--goodput", "ttft:500", "tpot:50", "--autoscale-interval-s", "0"],
+     "--autoscale-interval-s 0 must be a positive number"),
+    (["--enable-admin-api", "--restart-policy", "never"], "--enable-admin-api: one engine under --restart-policy never"),
+    (["--prefill", "TP1", "--decode", "TP1", "--enable-admin-api"], "a disaggregated server's engines cannot be changed"),
 ])
 def test_bad_flags_are_one_line(capsys, tiny_model, no_ranks, argv, error):
     code, _, err = run_cli(capsys, "serve", "--model", tiny_model("llama"), *argv)

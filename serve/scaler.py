@@ -1,0 +1,135 @@
+"""The autoscaler at work (--autoscale): every `every_s` seconds it looks at the server's load
+(serve.metrics' histograms and the engines' counters), asks serve.autoscale.decide what to
+change, and does it through the admin API (serve.admin.EngineAdmin). Every decision is
+logged with its reason, kept (GET /admin/autoscale) and counted in /metrics
+(atoll_autoscale_decisions_total{action,role,applied}). On a disaggregated server only the
+local-prefill threshold is changed (DisaggTarget).
+
+Attainment is read from the latency histograms: the first tokens (and inter-token gaps) that
+fell in buckets at or under the SLO since the last look, over all of them; an SLO between two
+bucket bounds counts at the bound below it (the stricter reading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+from prometheus_client import Counter
+
+from atoll.serve.autoscale import Fleet, Goodput, Policy, Sample, decide
+
+KEEP = 1000  # decisions kept for GET /admin/autoscale
+
+
+def _within(histogram, slo_s: float) -> tuple[float, float]:
+    """(observations at or under the largest bucket bound <= slo_s, all observations) so far."""
+    ok = total = 0.0
+    best = -1.0
+    for metric in histogram.collect():
+        for s in metric.samples:
+            if not s.name.endswith("_bucket"):
+                continue
+            le = float(s.labels["le"])
+            if le == float("inf"):
+                total = s.value
+            elif best < le <= slo_s:
+                best, ok = le, s.value
+    return ok, total
+
+
+class ReplicasTarget:
+    """What --autoscale changes on a replicas server: its engines, through the admin API."""
+
+    def __init__(self, admin):
+        self.admin, self.log = admin, admin.log
+
+    def stats(self) -> dict:
+        return self.admin.replicas.stats
+
+    def fleet(self) -> Fleet:
+        states = [self.admin.state(k) for k in range(len(self.admin.replicas.engines))]
+        return Fleet(replicas=states.count("serving"), free=sum(s in ("drained", "draining", "removed") for s in states))
+
+    def act(self, d) -> tuple[int | None, bool]:
+        """(the engine it touched, whether the decision was applied)."""
+        if d.action == "add":
+            return self.admin.add(why=f"autoscale: {d.reason}")["id"], True
+        serving = [k for k in range(len(self.admin.replicas.engines)) if self.admin.state(k) == "serving"]
+        k = min(reversed(serving), key=lambda j: self.admin.replicas.state(j)[1])  # the least loaded, the last
+        return self.admin.drain(k, why=f"autoscale: {d.reason}")["id"], True
+
+
+class DisaggTarget:
+    """What --autoscale changes on a disaggregated server (engine.driver.disagg.DisaggEngine):
+    the local-prefill threshold (its min_prompt_tokens, read at each arrival). Adding an engine
+    or changing one's role is decided and logged, not applied: the job's engines are fixed."""
+
+    def __init__(self, engine, log):
+        self.engine, self.log, self.base = engine, log, engine.min_prompt_tokens
+
+    def stats(self) -> dict:
+        return self.engine.stats
+
+    def fleet(self) -> Fleet:
+        dead, e = set(self.engine.degraded), self.engine
+        alive = [e.live.name(k) not in dead for k in range(len(e.layouts))]
+        return Fleet(prefill=sum(alive[:e.x]), decode=sum(alive[e.x:]), threshold=e.min_prompt_tokens,
+                     base_threshold=self.base)
+
+    def act(self, d) -> tuple[int | None, bool]:
+        if d.action != "threshold":
+            return None, False
+        self.engine.min_prompt_tokens = d.threshold
+        return None, True
+
+
+class Scaler:
+    def __init__(self, target, metrics, goodput: Goodput, policy: Policy | None = None, *, every_s: float = 5.0):
+        """target: ReplicasTarget or DisaggTarget (its stats, fleet, act and log)."""
+        self.target, self.metrics, self.goodput = target, metrics, goodput
+        self.policy, self.every_s = policy or Policy(), every_s
+        self.history: deque[Sample] = deque(maxlen=1000)
+        self.decisions: deque[dict] = deque(maxlen=KEEP)
+        self.last_at: float | None = None
+        self._seen = {"ttft": (0.0, 0.0), "itl": (0.0, 0.0)}
+        self.counted = Counter("atoll_autoscale_decisions", "--autoscale: decisions made, by action (add, drain, "
+                               "role, threshold), role and whether applied (a disaggregated server's engines are "
+                               "fixed: add and role are not)", ["action", "role", "applied"],
+                               registry=metrics.registry)
+
+    def _share(self, name: str, histogram, slo_s: float) -> float | None:
+        ok, total = _within(histogram, slo_s)
+        ok0, total0 = self._seen[name]
+        self._seen[name] = (ok, total)
+        return (ok - ok0) / (total - total0) if total > total0 else None
+
+    def sample(self, now: float) -> Sample:
+        stats = self.target.stats()
+        blocks = stats.get("num_blocks", 0)
+        return Sample(now, self._share("ttft", self.metrics.ttft, self.goodput.ttft_s),
+                      self._share("itl", self.metrics.itl, self.goodput.tpot_s), float(stats.get("waiting", 0)),
+                      stats.get("blocks_in_use", 0) / blocks if blocks else 0.0)
+
+    def tick(self, now: float | None = None):
+        """One look: sample, decide, act. Returns the decision made (or None)."""
+        now = time.monotonic() if now is None else now
+        self.history.append(self.sample(now))
+        d = decide(list(self.history), self.target.fleet(), self.goodput, self.policy, now=now, last_at=self.last_at)
+        if d is None:
+            return None
+        self.last_at = now
+        engine, applied = self.target.act(d)
+        self.counted.labels(d.action, d.role, str(applied).lower()).inc()
+        self.decisions.append({"at": time.time(), "action": d.action, "role": d.role, "engine": engine,
+                               "threshold": d.threshold, "applied": applied, "reason": d.reason})
+        where = f" (engine {engine})" if engine is not None else ""
+        self.target.log(f"autoscale: {d.action} {d.role}{where}: {d.reason}" + ("" if applied else
+                        " [not applied: a disaggregated server's engines are fixed at launch]"))
+        return d
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            await asyncio.to_thread(self.tick)
