@@ -46,27 +46,18 @@ class Eagle3Drafter(Drafter):
 
     def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int, runner):
         super().__init__(cfg, max_model_len=max_model_len)
-        head_cfg, header = check_head(cfg.model, runner.config)
         self.runner = runner
-        with torch.device(runner.device):
-            self.head = Eagle3Head(head_cfg, runner.ctx, own_embedding="embed_tokens.weight" in header,
-                                   dtype=runner.dtype).eval()
-        checkpoint = Checkpoint(cfg.model)
-        load_weights(self.head, checkpoint)  # every parameter filled, else one line naming the tensor
-        self.head.load_maps(checkpoint)
-        self.cache = runner.new_cache(runner.num_blocks + 1, config=head_cfg, layers=1)
+        # one head and one set of hooks a runner and head directory: a runner that runs several
+        # engines (atoll bench spec's sides) loads it once, and its hooks keep only while eagle3 runs
+        heads = runner.__dict__.setdefault("eagle3_heads", {})
+        if cfg.model not in heads:
+            heads[cfg.model] = _load(cfg.model, runner)
+        self.head, self.tap = heads[cfg.model]
+        self.cache = runner.new_cache(runner.num_blocks + 1, config=self.head.config, layers=1)
         self.embed = self.head.embed_tokens if hasattr(self.head, "embed_tokens") else runner.model.model.embed_tokens
-        layers = runner.model.model.layers
-        self.ids = aux_layers(head_cfg.raw, runner.config.num_hidden_layers)
-        self.kept: dict[int, torch.Tensor] = {}
-        for i in sorted(set(self.ids)):
-            layers[str(i)].register_forward_pre_hook(lambda _m, args, i=i: self._keep(i, args))
+        self.tap.kept.clear()
         self.scheduled: list = []  # the previous micro-batch's chunks: the scheduler's own list
         self.ready: dict = {}  # sequence -> (its cached, the head's state [H] at cached - 1)
-
-    def _keep(self, index: int, args) -> None:
-        x, residual = args[0], args[1]
-        self.kept[index] = x.clone() if residual is None else residual + x  # [rows, H]
 
     def extend(self, chunks, pool, budget: int, *, running: int) -> int:
         self._catch_up()
@@ -75,10 +66,11 @@ class Eagle3Drafter(Drafter):
 
     @torch.inference_mode()
     def _catch_up(self) -> None:
-        chunks, kept = self.scheduled, self.kept
-        self.scheduled, self.kept, self.ready = [], {}, {}
+        chunks, kept, ids = self.scheduled, dict(self.tap.kept), self.tap.ids
+        self.scheduled, self.ready = [], {}
+        self.tap.kept.clear()
         total = sum(c.count for c in chunks)
-        if not chunks or len(kept) != len(set(self.ids)) or any(len(t) < total for t in kept.values()):
+        if not chunks or len(kept) != len(set(ids)) or any(len(t) < total for t in kept.values()):
             return
         size = self.runner.spec.engine.block_size
         rows, ids, seqs, starts, counts = [], [], [], [], []
@@ -98,7 +90,7 @@ class Eagle3Drafter(Drafter):
             return
         device = self.runner.device
         at = torch.tensor(rows, dtype=torch.long, device=device)
-        g = self.head.fc(torch.cat([kept[i][at] for i in self.ids], dim=-1))
+        g = self.head.fc(torch.cat([kept[i][at] for i in ids], dim=-1))
         meta = AttentionMetadata.build([s.blocks for s in seqs], starts, counts, size, device=device)
         out = self.head(self.embed(torch.tensor(ids, dtype=torch.long, device=device)), g, meta, self.cache)
         end = -1
@@ -130,3 +122,33 @@ class Eagle3Drafter(Drafter):
             live = [live[j] for j in more]
         return drafts
 
+
+
+class Tap:
+    """Forward pre-hooks on the target layers the head reads: each keeps the residual stream
+    entering its layer, every row, while the runner's speculative method is eagle3."""
+
+    def __init__(self, runner, ids: list[int]):
+        self.runner, self.ids, self.kept = runner, ids, {}
+        layers = runner.model.model.layers
+        for i in sorted(set(ids)):
+            layers[str(i)].register_forward_pre_hook(lambda _m, args, i=i: self._keep(i, args))
+
+    def _keep(self, index: int, args) -> None:
+        speculative = self.runner.spec.engine.speculative_config
+        if speculative is None or speculative.method != "eagle3":
+            return
+        x, residual = args[0], args[1]
+        self.kept[index] = x.clone() if residual is None else residual + x  # [rows, H]
+
+
+def _load(model_dir, runner) -> tuple[Eagle3Head, Tap]:
+    """The head on this rank (its shard), filled from its directory, and the hooks feeding it."""
+    head_cfg, header = check_head(model_dir, runner.config)
+    with torch.device(runner.device):
+        head = Eagle3Head(head_cfg, runner.ctx, own_embedding="embed_tokens.weight" in header,
+                          dtype=runner.dtype).eval()
+    checkpoint = Checkpoint(model_dir)
+    load_weights(head, checkpoint)  # every parameter filled, else one line naming the tensor
+    head.load_maps(checkpoint)
+    return head, Tap(runner, aux_layers(head_cfg.raw, runner.config.num_hidden_layers))
