@@ -30,6 +30,7 @@ and the norms replicated.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -167,3 +168,32 @@ class Eagle3Head(nn.Module):
             raise InputError(f"EAGLE-3 head: tensor d2t maps a draft id outside the target's {self.config.vocab_size} "
                              "tokens")
         self.d2t.copy_(d2t)
+
+
+def head_config(target: ModelConfig, *, draft_vocab_size: int, intermediate_size: int | None = None,
+                aux: list[int] | None = None) -> dict:
+    """config.json of a head for `target` in the published layout (LlamaForCausalLMEagle3)."""
+    raw = target.raw
+    out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+           "hidden_size": target.hidden_size, "num_attention_heads": target.num_attention_heads,
+           "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim,
+           "intermediate_size": intermediate_size or target.intermediate_size, "hidden_act": "silu",
+           "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
+           "rope_scaling": raw.get("rope_scaling"), "max_position_embeddings": target.max_position_embeddings,
+           "vocab_size": target.vocab_size, "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False,
+           "torch_dtype": "float32"}
+    if aux is not None:
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
+    return out
+
+
+def save_head(directory, tensors: dict, config: dict) -> Path:
+    """Writes a head as published: model.safetensors (the names above) and config.json."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

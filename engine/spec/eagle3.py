@@ -66,11 +66,11 @@ class Eagle3Drafter(Drafter):
 
     @torch.inference_mode()
     def _catch_up(self) -> None:
-        chunks, kept, ids = self.scheduled, dict(self.tap.kept), self.tap.ids
+        chunks, kept, layers = self.scheduled, dict(self.tap.kept), self.tap.ids
         self.scheduled, self.ready = [], {}
         self.tap.kept.clear()
         total = sum(c.count for c in chunks)
-        if not chunks or len(kept) != len(set(ids)) or any(len(t) < total for t in kept.values()):
+        if not chunks or len(kept) != len(set(layers)) or any(len(t) < total for t in kept.values()):
             return
         size = self.runner.spec.engine.block_size
         rows, ids, seqs, starts, counts = [], [], [], [], []
@@ -90,7 +90,7 @@ class Eagle3Drafter(Drafter):
             return
         device = self.runner.device
         at = torch.tensor(rows, dtype=torch.long, device=device)
-        g = self.head.fc(torch.cat([kept[i][at] for i in ids], dim=-1))
+        g = self.head.fc(torch.cat([kept[i][at] for i in layers], dim=-1))
         meta = AttentionMetadata.build([s.blocks for s in seqs], starts, counts, size, device=device)
         out = self.head(self.embed(torch.tensor(ids, dtype=torch.long, device=device)), g, meta, self.cache)
         end = -1
