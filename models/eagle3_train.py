@@ -177,7 +177,7 @@ def train_head(target_dir, sequences, out_dir, *, steps: int, seconds: float | N
     head = TrainHead(cfg, weights["norm"], weights["lm_head"][ids])
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
-    start, done, hits = time.monotonic(), 0, [[0, 0] for _ in range(ttt)]
+    start, done, hits, losses = time.monotonic(), 0, [[0, 0] for _ in range(ttt)], []
     bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True, mininterval=0.5)
     while done < steps and (seconds is None or time.monotonic() - start < seconds):
         tokens, states, argmax, counted = data[rng.randrange(len(data))]
@@ -189,6 +189,7 @@ def train_head(target_dir, sequences, out_dir, *, steps: int, seconds: float | N
         torch.nn.utils.clip_grad_norm_(head.parameters(), CLIP)
         opt.step()
         done += 1
+        losses.append(float(loss))
         for k, (c, n) in enumerate(stats):
             hits[k][0] += c
             hits[k][1] += n
@@ -201,4 +202,4 @@ def train_head(target_dir, sequences, out_dir, *, steps: int, seconds: float | N
     save_head(out_dir, tensors, cfg)
     return {"steps": done, "seconds": time.monotonic() - start, "sequences": len(sequences),
             "tokens": sum(len(t) for t, _ in sequences), "draft_vocab": len(ids), "aux_layers": aux,
-            "accuracy": [c / n if n else None for c, n in hits]}
+            "accuracy": [c / n if n else None for c, n in hits], "losses": losses}

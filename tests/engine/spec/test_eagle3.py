@@ -227,3 +227,31 @@ def test_aux_layers_default_and_config():
     assert aux_layers({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 9]}}, 32) == [1, 5, 9]
     with pytest.raises(InputError, match="eagle_aux_hidden_state_layer_ids"):
         aux_layers({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 40, 2]}}, 32)
+
+
+def test_training_writes_a_head_that_loads(target, tmp_path):
+    """A few training steps on the target's own continuations: the loss falls, the head is
+    written in the published layout (d2t over the most frequent target tokens) and drafts
+    through the engine with the target's tokens unchanged."""
+    from safetensors.torch import load_file
+
+    from atoll.models.eagle3_train import train_head
+
+    model_dir, expected = target
+    sequences = [(p + e, len(p)) for p, e in zip(PROMPTS, expected)]
+    out = tmp_path / "trained"
+    summary = train_head(model_dir, sequences, out, steps=40, seconds=60, ttt=3, vocab_size=64, lr=3e-3,
+                         progress=False)
+    losses = summary["losses"]
+    assert summary["steps"] == 40 and summary["aux_layers"] == [2, 2, 1]  # vLLM's default for 4 layers
+    assert sum(losses[-8:]) / 8 < 0.7 * sum(losses[:8]) / 8
+    t = load_file(str(out / "model.safetensors"))
+    ids = torch.arange(64) + t["d2t"]
+    assert t["t2d"].sum() == 64 and bool(t["t2d"][ids].all())
+    assert {x for row in expected for x in row} <= set(ids.tolist())  # every continuation token is in it
+    assert "embed_tokens.weight" not in t and t["lm_head.weight"].shape == (64, 64)
+    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": 3}
+    outs = LLM(model_dir, block_size=4, speculative_config=spec).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    drafted, accepted = _counts(outs)
+    assert drafted > 0 and accepted > 0
