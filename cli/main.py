@@ -29,6 +29,7 @@ COMMANDS = {
     "bench": ("atoll.cli.bench", "benchmarks (atoll bench [model options] | atoll bench dispatch ...)"),
     "serve": ("atoll.cli.serve", "serve a model over OpenAI-compatible HTTP (completions, chat)"),
     "eval": ("atoll.cli.eval", "model quality through atoll's ranks: perplexity, greedy agreement"),
+    "spec": ("atoll.cli.spec", "speculative decoding's tools: train-eagle3 trains an EAGLE-3 head for a checkpoint"),
     "calibrate-kv": ("atoll.cli.calibrate_kv", "fit fp8 KV cache scales from a text and write them beside the checkpoint"),
 }
 

@@ -6,6 +6,7 @@ JSON so a vLLM user's settings carry over.
     {"model": "/path/to/draft", "num_speculative_tokens": 4}
     {"method": "deepseek_mtp", "num_speculative_tokens": 2}
     {"method": "lookahead", "window": 5, "ngram": 4, "guess": 5}
+    {"method": "eagle3", "model": "/path/to/head", "num_speculative_tokens": 3}
 
 `ngram` drafts by prompt lookup: the tokens that followed the last earlier occurrence of the
 sequence's final n tokens (n from prompt_lookup_max down to prompt_lookup_min). `layer_skip`
@@ -17,7 +18,9 @@ indexed by the target's block tables. "deepseek_mtp" drafts with DeepSeek-V3's o
 multi-token-prediction layer, read from the target's checkpoint (engine/spec/mtp.py), applied
 recurrently for K > 1. "lookahead" (Fu et al. 2024) drafts `window` tokens a step from a
 Jacobi window and a per-sequence pool of `ngram`-grams (at most `guess` kept per first token),
-with no model (engine/spec/lookahead.py); its K is `window`.
+with no model (engine/spec/lookahead.py); its K is `window`. "eagle3" drafts with an EAGLE-3
+head in the layout published for vLLM and SGLang (`model`: its directory; engine/spec/eagle3.py),
+fed the target's hidden states at three layers from the same forward.
 
 disable_by_batch_size (vLLM's spelling): a step drafts nothing when its lane runs at least
 this many sequences, since at large batch the verify forward is no longer nearly free. min_acceptance_rate: a sequence
@@ -33,9 +36,9 @@ from dataclasses import dataclass, fields
 
 from atoll.errors import InputError
 
-METHODS = ("ngram", "layer_skip", "draft_model", "deepseek_mtp", "lookahead")
+METHODS = ("ngram", "layer_skip", "draft_model", "deepseek_mtp", "lookahead", "eagle3")
 LOOKAHEAD = ("window", "ngram", "guess")
-NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator")
+NOT_BUILT = ("eagle", "medusa", "mlp_speculator")
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,9 @@ class SpeculativeConfig:
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1):
             raise InputError(f"speculative min_acceptance_rate={rate!r} must be a number in (0, 1]")
         self._check_lookahead()
-        if (self.method == "draft_model") != (self.model is not None):
-            raise InputError("speculative \"model\" (a draft checkpoint) goes with method draft_model, and only there")
+        if (self.method in ("draft_model", "eagle3")) != (self.model is not None):
+            raise InputError(f"speculative \"model\" (a draft checkpoint or an EAGLE-3 head's directory) goes with "
+                             f"method draft_model or eagle3, and is needed there (method {self.method})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InputError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above "
                              f"prompt_lookup_max={self.prompt_lookup_max}")

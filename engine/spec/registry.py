@@ -10,13 +10,14 @@ from __future__ import annotations
 from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.spec.draft_model import DraftModelDrafter
 from atoll.engine.spec.drafter import Drafter
+from atoll.engine.spec.eagle3 import Eagle3Drafter
 from atoll.engine.spec.layer_skip import LayerSkipDrafter
 from atoll.engine.spec.lookahead import LookaheadDrafter
 from atoll.engine.spec.mtp import MtpDrafter
 from atoll.engine.spec.ngram import NgramDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {d.method: d for d in (NgramDrafter, LayerSkipDrafter, DraftModelDrafter,
-                                                            MtpDrafter, LookaheadDrafter)}
+                                                            MtpDrafter, LookaheadDrafter, Eagle3Drafter)}
 
 
 def check(cfg: SpeculativeConfig | None, layout, config, model_dir) -> None:
