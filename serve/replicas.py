@@ -17,6 +17,7 @@ single engine that restarts is a set of one (`label` names it; serve.replica_sta
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import replace
 
@@ -24,6 +25,7 @@ from prometheus_client import Counter, Gauge
 
 from atoll.engine.driver.online import EngineDead, OnlineEngine
 from atoll.engine.batch.router import Route
+from atoll.serve import drain
 from atoll.serve.restarts import RestartPolicy, Restarts
 
 PREFIX = "atoll_router"
@@ -63,9 +65,9 @@ class Replicas:
         self._start, self.restarts = start, Restarts(policy or RestartPolicy(), len(engines))
         self._closing = False
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
         self.metrics = None
         self._routed_prompt = self._routed_hit = 0  # tokens, for the router's hit rate
+        self._threads = [t for t in [drain.start_watch(self, self._stop)] if t is not None]  # slow replicas
 
     # --- what the server reads -------------------------------------------------------------
 
@@ -123,8 +125,7 @@ class Replicas:
         return self.engines[0].info
 
     def unfinished(self) -> int:
-        with self._lock:
-            return len(self._placed)
+        return len(self._placed)
 
     def new_id(self) -> int:
         with self._lock:
@@ -273,8 +274,7 @@ class Replicas:
                 return
             self._dead[replica] = line
             self.router.forget(replica)
-        if self.metrics is not None:
-            self.metrics["up"].labels(str(replica)).set(0)
+        drain.note_down(self, replica, line)
         self._restart(replica, line)
 
     def _restart(self, replica: int, line: str) -> None:
@@ -328,6 +328,7 @@ class Replicas:
         if closing:
             engine.close()
             return
+        print(f"atoll: {self.name(replica)} is back (restart {self.restarts.count(replica)})", file=sys.stderr, flush=True)
         if self.metrics is not None:
             self.metrics["up"].labels(str(replica)).set(1)
             self.metrics["restarts"].labels(str(replica)).inc()
@@ -356,8 +357,8 @@ class Replicas:
                         registry=registry),
             "migrated": Counter(f"{PREFIX}_migrations", "requests that had streamed tokens when their replica died, "
                                 "continued on another with those tokens", registry=registry),
-            "restarts": Counter(f"{PREFIX}_replica_restarts", "replicas started again after their ranks died",
-                                ["replica"], registry=registry),
+            "restarts": Counter(f"{PREFIX}_replica_restarts", "replicas started again", ["replica"], registry=registry),
+            "drains": drain.drains_counter(registry),
         }
         Gauge(f"{PREFIX}_prefix_hit_rate", "router's expected prefix hits / prompt tokens routed, since start",
               registry=registry).set_function(lambda: self._routed_hit / max(1, self._routed_prompt))
