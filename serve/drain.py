@@ -68,7 +68,7 @@ def note_down(replicas, replica: int, line: str) -> None:
 def drain(replicas, replica: int, line: str) -> None:
     """Take a live replica out: no new request goes to it, its requests migrate, it restarts."""
     engine = replicas.engines[replica]
-    replicas._mark_dead(replica, line)  # out of the router; its restart waits for its backoff
+    replicas._mark_dead(replica, line, engine)  # out of the router; its restart waits for its backoff
     engine._fail(line)  # its requests' sinks see an error and continue on a live replica
 
 

@@ -126,7 +126,6 @@ class Replicas:
 
     def unfinished(self) -> int:
         return len(self._placed)
-
     def new_id(self) -> int:
         with self._lock:
             return next(self._ids)
@@ -231,6 +230,7 @@ class Replicas:
             self._placed.pop(placed.request.index, None)
 
     def _sink(self, placed: _Placed, replica: int):
+        engine = self.engines[replica]  # an error from it says nothing of the replica's next engine
         def sink(kind: str, payload) -> None:  # the replica's pump thread
             if kind == "token":
                 placed.tokens.append(payload[0])
@@ -244,7 +244,7 @@ class Replicas:
                 if self._placed.get(placed.request.index) is placed:
                     del self._placed[placed.request.index]
             if kind == "error":
-                self._mark_dead(replica, payload)
+                self._mark_dead(replica, payload, engine)
                 if not placed.aborted and not self._closing:
                     try:
                         if placed.tokens:
@@ -266,11 +266,11 @@ class Replicas:
         """Mark the replicas whose engines report an error (a rank died, nothing in flight)."""
         for r, engine in enumerate(self.engines):
             if engine.error is not None and r not in self._dead:
-                self._mark_dead(r, engine.error)
+                self._mark_dead(r, engine.error, engine)
 
-    def _mark_dead(self, replica: int, line: str) -> None:
+    def _mark_dead(self, replica: int, line: str, engine=None) -> None:
         with self._lock:
-            if replica in self._dead or self._closing:
+            if replica in self._dead or self._closing or (engine is not None and engine is not self.engines[replica]):
                 return
             self._dead[replica] = line
             self.router.forget(replica)
