@@ -46,8 +46,8 @@ class EngineFaults:
     def _survive(self, e) -> bool:
         """A rank of one engine failed: end that engine, send its requests on or fail them (the
         module docstring), and go on, unless no decode engine would be left."""
-        if not isinstance(e, RankFailure) or not hasattr(self.job, "give_up"):
-            return False
+        if not isinstance(e, RankFailure) or not hasattr(self.job, "give_up") or getattr(self, "heals", False):
+            return False  # heals: the server restarts the whole job (serve.replica_start.start_disagg)
         engine, _ = engine_of(self.layouts, e.rank)
         with self._lock:
             if engine in self._dead:
