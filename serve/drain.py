@@ -58,11 +58,13 @@ def drains_counter(registry) -> Counter:
 
 def note_down(replicas, replica: int, line: str) -> None:
     """Log and count a replica taken out (serve.replicas._mark_dead calls it once per outage)."""
-    print(f"atoll: {replicas.name(replica)} is drained ({reason_of(line)}): {line}", file=sys.stderr, flush=True)
+    reason = reason_of(line)
+    state = "is down" if reason == "failed" else "is drained"
+    print(f"atoll: {replicas.name(replica)} {state} ({reason}): {line}", file=sys.stderr, flush=True)
     m = replicas.metrics
     if m is not None:
         m["up"].labels(str(replica)).set(0)
-        m["drains"].labels(str(replica), reason_of(line)).inc()
+        m["drains"].labels(str(replica), reason).inc()
 
 
 def drain(replicas, replica: int, line: str) -> None:
