@@ -11,6 +11,10 @@ decode ranks' receive fails: they drop it together and say so, "lost"), and one 
 dead decode engine. Gloo's point-to-point transfers to a dead peer fail at once rather than
 hang, and the surviving engines' own groups do not involve it. With no decode engine left the
 whole engine fails. `degraded` names the dead engines (the server's /health).
+
+With `heals` set (atoll serve under --restart-policy on-failure, serve.replica_start.start_disagg)
+none of this happens: an engine's failure fails the whole job, and the server starts it again
+with the requests continuing there with their tokens.
 """
 
 from __future__ import annotations
