@@ -143,10 +143,11 @@ def run(args) -> int:
 
                 engine = start_replicas(llm, replicas, parallel=args.context, router=args.router,
                                         policy=policy)
-            elif policy.restarts and launcher in ("local", "ray") and llm.prefill_layout is None:
-                from atoll.serve.replica_start import start_single  # lazy: as above
+            elif policy.restarts and launcher in ("local", "ray"):
+                from atoll.serve.replica_start import start_disagg, start_single  # lazy: as above
 
-                engine = start_single(llm, parallel=args.context, policy=policy)
+                engine = start_single(llm, parallel=args.context, policy=policy) if llm.prefill_layout is None \
+                    else start_disagg(llm, policy=policy)
             else:
                 llm.start(parallel=args.context)
         except Terminated:

@@ -184,6 +184,14 @@ class EngineConfig:
     stall_timeout_s: float | None = _opt(None, "a living engine whose ranks send no step for this many seconds "
                                                "while requests run is marked failed (a rank slow or stopped; "
                                                "the server restarts it); default off")
+    heartbeat_timeout_s: float = _opt(10.0, "a rank whose heartbeat is this many seconds late is taken as "
+                                            "stopped: its engine is drained, its requests migrate and it is "
+                                            "restarted (the local launcher's heartbeat)")
+    slow_step_ratio: float | None = _opt(None, "with replicas: a replica whose median step over the last "
+                                               "--slow-step-window steps is this many times its peers' median "
+                                               "is drained and restarted (a slow rank, before it fails); "
+                                               "default off")
+    slow_step_window: int = _opt(16, "the steps --slow-step-ratio looks at, per replica")
     cache_dir: str | None = _opt(None, "where atoll keeps converted models, compiled graphs (inductor/) and "
                                        "compile times (decode_steps.json) (default ~/.cache/atoll; env ATOLL_CACHE)")
 
@@ -201,12 +209,16 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in ("max_num_seqs", "block_size", "max_model_len", "max_num_batched_tokens", "num_blocks",
-                     "moe_gather_rows"):
+                     "moe_gather_rows", "slow_step_window"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name}={value!r} must be a whole number of at least 1")
         self._check_eplb()
-        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s", "kv_disk_gb", "stall_timeout_s"):
+        r = self.slow_step_ratio
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1):
+            raise InputError(f"slow_step_ratio={r!r} must be a number above 1 (a step this many times its peers')")
+        for name in ("kv_cache_gb", "moe_capacity_factor", "collective_timeout_s", "kv_disk_gb", "stall_timeout_s",
+                     "heartbeat_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not value > 0):

@@ -4,6 +4,7 @@ joined by ",", each a kind and its fields joined by ":":
 
     kill:rank=1:step=40          rank 1 kills itself (SIGKILL) once 40 steps ran (step=0: at once)
     delay:rank=1:ms=200:step=10  rank 1 sleeps 200 ms after each step from its 10th on
+    delay:rank=0:ms=300:replica=1  with replicas: only replica 1's rank 0 (any kind takes replica=)
     drop:rank=1:step=5           from its 5th step rank 1's messages are lost: it stops taking part
                                  (alive, its heartbeat beating), so its peers wait on it until
                                  the launcher's collective timeout; rank 0's reports stop too
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from atoll.errors import InputError
 
 FAULT_KINDS = ("kill", "delay", "drop")
-_FIELDS = {"kill": ("rank", "step"), "delay": ("rank", "ms", "step"), "drop": ("rank", "step")}
+_FIELDS = {"kill": ("rank", "step", "replica"), "delay": ("rank", "ms", "step", "replica"),
+           "drop": ("rank", "step", "replica")}
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Fault:
     rank: int
     step: int = 0  # the fault strikes once this many steps ran
     ms: float = 0.0  # delay: milliseconds added to each step
+    replica: int | None = None  # only this replica's rank (with replicas; None: every engine's)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,11 @@ class FaultInjection:
         faults = tuple(_fault(part.strip()) for part in value.split(",") if part.strip())
         return cls(faults) if faults else None
 
+    def for_replica(self, replica: int) -> "FaultInjection | None":
+        """The faults replica `replica` meets: those naming it and those naming no replica."""
+        faults = tuple(f for f in self.faults if f.replica is None or f.replica == replica)
+        return FaultInjection(faults) if faults else None
+
     def on_rank(self, rank: int) -> list[Fault]:
         return [f for f in self.faults if f.rank == rank]
 
@@ -59,7 +67,8 @@ class FaultInjection:
                                  f"(it has {world_size}: 0..{world_size - 1})")
 
     def __str__(self) -> str:
-        return ",".join(":".join([f.kind] + [f"{k}={getattr(f, k):g}" for k in _FIELDS[f.kind]]) for f in self.faults)
+        return ",".join(":".join([f.kind] + [f"{k}={getattr(f, k):g}" for k in _FIELDS[f.kind]
+                                                     if getattr(f, k) is not None]) for f in self.faults)
 
 
 def _fault(text: str) -> Fault:

@@ -243,6 +243,7 @@ class LocalJob:
         self.values: dict[int, object] = {}
         self._exited_at: dict[int, float] = {}
         self.lost: set[int] = set()  # ranks given up on (give_up): no longer checked or waited for
+        self.stall_s = STALL_S  # a heartbeat this late: the rank is stopped (EngineConfig.heartbeat_timeout_s)
 
     @property
     def pids(self) -> list[int]:
@@ -275,7 +276,7 @@ class LocalJob:
             # exited cleanly: its result may still be in the pipe; allow a moment
             if now - self._exited_at.setdefault(rank, now) > 5.0:
                 raise RankFailure(rank, "exited without a result", node=_HOST)
-        _check_heartbeats(procs, self._beats, values, now, self._spawned, self.lost)
+        _check_heartbeats(procs, self._beats, values, now, self._spawned, self.lost, self.stall_s)
 
     def wait(self, timeout_s: float | None = None) -> list:
         """Every rank's value, in rank order (None for a rank given up on)."""
@@ -298,7 +299,7 @@ class LocalJob:
         _stop(self.procs)
 
 
-def _check_heartbeats(procs, beats, values, now: float, spawned: float, lost=()) -> None:
+def _check_heartbeats(procs, beats, values, now: float, spawned: float, lost=(), stall_s: float = STALL_S) -> None:
     """A live rank whose heartbeat stopped (SIGSTOP, a frozen process) is the cause: the others
     only wait for it in a collective."""
     for rank, p in enumerate(procs):
@@ -307,7 +308,7 @@ def _check_heartbeats(procs, beats, values, now: float, spawned: float, lost=())
         last = beats[rank]
         if last == 0.0 and now - spawned > START_S:
             raise RankFailure(rank, f"did not start within {START_S:.0f} s", node=_HOST)
-        if last and now - last > STALL_S:
+        if last and now - last > stall_s:
             raise RankFailure(rank, f"stopped responding: no heartbeat for {now - last:.0f} s (the process "
                                     f"is stopped, e.g. by SIGSTOP, or frozen)", node=_HOST)
 

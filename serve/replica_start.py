@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from atoll.engine.batch.router import make_router
+from atoll.engine.batch.router import RoundRobinRouter, make_router
 from atoll.engine.driver.living import engine_spec
 from atoll.engine.driver.online import OnlineEngine
 from atoll.launch.api import LocalLauncher
@@ -42,6 +42,23 @@ def start_single(llm, *, parallel=None, policy: RestartPolicy | None = None) -> 
     (a set of one replica, named after the engine's layout in its lines)."""
     return start_replicas(llm, 1, parallel=parallel, router="round_robin", policy=policy,
                           label=f"engine {llm.layout}")
+
+
+def start_disagg(llm, *, policy: RestartPolicy | None = None) -> Replicas:
+    """A disaggregated job that comes back: when a rank of its prefill or a decode engine dies,
+    the whole job (every engine) is started again on the same resources under `policy`, its
+    requests held meanwhile and continued there with their tokens (a set of one replica)."""
+    from atoll.engine.driver.disagg import DisaggEngine, disagg_job  # lazy: as llm.start does
+
+    def one(k: int) -> DisaggEngine:
+        o = llm.options
+        engine = DisaggEngine(disagg_job(llm), launcher=llm.launcher, min_prompt_tokens=o.disagg_min_prompt_tokens,
+                              max_prefill_queue=o.disagg_max_prefill_queue)
+        engine.heals = True  # an engine's failure fails the job: this set restarts it (disagg_faults)
+        return engine
+
+    return Replicas([one(0)], RoundRobinRouter(), start=one, policy=policy,
+                    label=f"disaggregated engine {llm.prefill_layout}P+{llm.layout}D")
 
 
 def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware",

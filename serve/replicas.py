@@ -7,14 +7,14 @@ that did goes on there with its tokens (engine.batch.request's `generated`), its
 longer gap, no error, nothing repeated or missing. With no replica alive, requests wait for one
 that is restarting (serve.restarts), and end with the cause once none will come back.
 
-A dead replica is started again under the RestartPolicy and rejoins the router once ready.
-`degraded` names the replicas that are down (/health says so); `error` is set once every replica
-is down for good: the server stops. A single engine that restarts is a set of one (`label`).
-`off` holds the replicas the admin API took out of routing (serve.admin: draining, removed, starting).
+A dead replica is started again under the RestartPolicy and rejoins the router once ready;
+`degraded` names those down (/health), `error` is set once all are down for good. A single
+engine that restarts is a set of one. `off`: replicas the admin API took out (serve.admin).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import replace
 
@@ -23,6 +23,7 @@ from prometheus_client import Counter, Gauge
 from atoll.engine.driver.online import EngineDead, OnlineEngine
 from atoll.engine.batch.router import Route
 from atoll.serve.metrics import ROUTER_HELP
+from atoll.serve import drain
 from atoll.serve.restarts import RestartPolicy, Restarts
 
 PREFIX = "atoll_router"
@@ -62,12 +63,10 @@ class Replicas:
         self._start, self.restarts = start, Restarts(policy or RestartPolicy(), len(engines))
         self._closing = False
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
         self.metrics = None
         self._routed_prompt = self._routed_hit = 0  # tokens, for the router's hit rate
         self.off: dict[int, str] = {}  # replica -> draining / removing / removed / starting (serve.admin)
-
-    # --- what the server reads -------------------------------------------------------------
+        self._threads = [t for t in [drain.start_watch(self, self._stop)] if t]  # slow replicas (serve.drain)
 
     @property
     def error(self) -> str | None:
@@ -122,9 +121,7 @@ class Replicas:
         return self.engines[0].info
 
     def unfinished(self) -> int:
-        with self._lock:
-            return len(self._placed)
-
+        return len(self._placed)
     def new_id(self) -> int:
         with self._lock:
             return next(self._ids)
@@ -228,6 +225,7 @@ class Replicas:
             self._placed.pop(placed.request.index, None)
 
     def _sink(self, placed: _Placed, replica: int):
+        engine = self.engines[replica]  # an error from it says nothing of the replica's next engine
         def sink(kind: str, payload) -> None:  # the replica's pump thread
             if kind == "token":
                 placed.tokens.append(payload[0])
@@ -241,7 +239,7 @@ class Replicas:
                 if self._placed.get(placed.request.index) is placed:
                     del self._placed[placed.request.index]
             if kind == "error":
-                self._mark_dead(replica, payload)
+                self._mark_dead(replica, payload, engine)
                 if not placed.aborted and not self._closing:
                     try:
                         if placed.tokens:
@@ -264,16 +262,17 @@ class Replicas:
         """Mark the replicas whose engines report an error (a rank died, nothing in flight)."""
         for r, engine in enumerate(self.engines):
             if engine.error is not None and r not in self._dead:
-                self._mark_dead(r, engine.error)
+                self._mark_dead(r, engine.error, engine)
 
-    def _mark_dead(self, replica: int, line: str) -> None:
+    def _mark_dead(self, replica: int, line: str, engine=None) -> None:
         with self._lock:
             if replica in self._dead or self._closing or self.off.get(replica) in ("removed", "starting"):
                 return  # closed on purpose (serve.admin), not failed
+            if engine is not None and engine is not self.engines[replica]:
+                return  # an error from a replica's old engine, not its restarted one
             self._dead[replica] = line
             self.router.forget(replica)
-        if self.metrics is not None:
-            self.metrics["up"].labels(str(replica)).set(0)
+        drain.note_down(self, replica, line)
         self._restart(replica, line)
 
     def _restart(self, replica: int, line: str) -> None:
@@ -327,6 +326,7 @@ class Replicas:
         if closing:
             engine.close()
             return
+        print(f"atoll: {self.name(replica)} is back (restart {self.restarts.count(replica)})", file=sys.stderr, flush=True)
         if self.metrics is not None:
             self.metrics["up"].labels(str(replica)).set(1)
             self.metrics["restarts"].labels(str(replica)).inc()
@@ -365,6 +365,7 @@ class Replicas:
             "up": Gauge(f"{PREFIX}_replica_up", h["replica_up"], ["replica"], registry=registry),
             "migrated": Counter(f"{PREFIX}_migrations", h["migrations"], registry=registry),
             "restarts": Counter(f"{PREFIX}_replica_restarts", h["replica_restarts"], ["replica"], registry=registry),
+            "drains": drain.drains_counter(registry),
         }
         Gauge(f"{PREFIX}_prefix_hit_rate", h["prefix_hit_rate"], registry=registry).set_function(
             lambda: self._routed_hit / max(1, self._routed_prompt))

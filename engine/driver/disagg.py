@@ -116,6 +116,11 @@ class DisaggEngine(EngineFaults, OnlineEngine):
     def _route(self, request: Request, slot: int) -> list:
         """Under the lock: the path of a request bound for decode replica `slot` (see the
         module docstring), recorded; the messages that send it there."""
+        if request.generated:  # a migrated request: its decode engine computes its prompt and tokens
+            self.routed["decode"] += 1
+            self._where[request.index] = (slot, None)
+            j, d = self._slots[slot]
+            return [(self.x + j, ("add", request, d))]
         o = self.spec.engine
         held = self._seen[slot] if self._shared is None else Either(self._seen[slot], self._shared)
         new = uncached_tokens(request.prompt_token_ids, held, block_size=o.block_size,

@@ -11,6 +11,10 @@ decode ranks' receive fails: they drop it together and say so, "lost"), and one 
 dead decode engine. Gloo's point-to-point transfers to a dead peer fail at once rather than
 hang, and the surviving engines' own groups do not involve it. With no decode engine left the
 whole engine fails. `degraded` names the dead engines (the server's /health).
+
+With `heals` set (atoll serve under --restart-policy on-failure, serve.replica_start.start_disagg)
+none of this happens: an engine's failure fails the whole job, and the server starts it again
+with the requests continuing there with their tokens.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ class EngineFaults:
     def _survive(self, e) -> bool:
         """A rank of one engine failed: end that engine, send its requests on or fail them (the
         module docstring), and go on, unless no decode engine would be left."""
-        if not isinstance(e, RankFailure) or not hasattr(self.job, "give_up"):
-            return False
+        if not isinstance(e, RankFailure) or not hasattr(self.job, "give_up") or getattr(self, "heals", False):
+            return False  # heals: the server restarts the whole job (serve.replica_start.start_disagg)
         engine, _ = engine_of(self.layouts, e.rank)
         with self._lock:
             if engine in self._dead:

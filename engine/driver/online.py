@@ -25,6 +25,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 
 from atoll.engine.batch.request import Request
 from atoll.engine.rank.job import EngineJob
@@ -46,6 +47,11 @@ class OnlineEngine:
         self.links = None  # with link_stats: the run's bytes by link class, once closed (parallel.links)
         self._inbox, self._outbox = launcher.channel(), launcher.channel()
         self.job = self._start(launcher, world_size, parallel)
+        if hasattr(self.job, "stall_s"):  # the local launcher's heartbeat threshold
+            self.job.stall_s = spec.engine.heartbeat_timeout_s
+        # seconds between the step reports that came while requests ran (serve.drain's outliers)
+        self.step_gaps: deque = deque(maxlen=spec.engine.slow_step_window)
+        self._last_step: float | None = None
         self._lock = threading.Lock()
         self._sinks: dict[int, object] = {}
         self._replica: dict[int, int] = {}
@@ -226,7 +232,9 @@ class OnlineEngine:
                 return
             if msg is not None:
                 if msg[0] == "step":
+                    now = time.monotonic()
                     self._deliver(msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else None)
+                    self._time_step(now)
                 elif msg[0] == "links":
                     self.links = msg[1]
                 else:
@@ -260,6 +268,12 @@ class OnlineEngine:
             sink = sinks.get(index)
             if sink is not None:
                 sink("finish", result)
+
+    def _time_step(self, now: float) -> None:
+        """A step report came at `now`: its gap since the last one counts if requests ran between."""
+        if self._last_step is not None:
+            self.step_gaps.append(now - self._last_step)
+        self._last_step = now if self._sinks else None
 
     def _fail(self, line: str) -> None:
         with self._lock:

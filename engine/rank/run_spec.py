@@ -37,10 +37,14 @@ class RunSpec:
     def for_engine(self, name: str) -> "RunSpec":
         """The spec of one of several engines started together (replicas, or a disaggregated
         job's engines): its --kv-disk-dir is a subdirectory `name` of the one given, since a
-        disk tier's directory is one engine's alone (engine/kv/tiers/disk.py)."""
+        disk tier's directory is one engine's alone (engine/kv/tiers/disk.py). A replica
+        ("replica{k}") meets only the faults that name it or no replica (config.faults)."""
+        spec, faults = self, self.engine.fault_injection
+        if faults is not None and name.startswith("replica") and name[len("replica"):].isdigit():
+            spec = spec.with_engine(fault_injection=faults.for_replica(int(name[len("replica"):])))
         if not self.engine.kv_disk_dir:
-            return self
-        return self.with_engine(kv_disk_dir=os.path.join(self.engine.kv_disk_dir, name))
+            return spec
+        return spec.with_engine(kv_disk_dir=os.path.join(self.engine.kv_disk_dir, name))
 
     @classmethod
     def of(cls, model_dir, layout, *, max_model_len: int, cache_seqs: int | None = None, **options) -> "RunSpec":

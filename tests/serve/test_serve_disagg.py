@@ -1,8 +1,9 @@
 """`atoll serve --prefill TP1 --decode TP2` through the real openai client: each request's path
 is decided as it arrives (short prompts, and long ones whose prefix the decode engine holds,
 stay on the decode engine), greedy tokens equal transformers' on both paths, streaming and
-not, /metrics counts both paths, closed streams give every block back, and a dead engine fails
-only its own requests, naming it, while the others serve on."""
+not, /metrics counts both paths, closed streams give every block back, and under
+--restart-policy never a dead engine fails only its own requests, naming it, while the others
+serve on (under on-failure the job heals: test_serve_disagg_heal.py)."""
 
 import asyncio
 import os
@@ -149,7 +150,7 @@ def test_a_dead_prefill_engine_leaves_the_decode_engine_serving(tiny_model, tmp_
     d = with_tokenizer(tiny_model("llama"), tmp_path / "m")
     expected = reference_tokens(d, LONG, NEW)
     server = Server(d, "--prefill", "TP1", "--decode", "TP1", "--disagg-min-prompt-tokens", 1,
-                    "--served-model-name", NAME, log=tmp_path / "server.log")
+                    "--restart-policy", "never", "--served-model-name", NAME, log=tmp_path / "server.log")
     try:
         ranks = server.rank_pids()
         assert len(ranks) == 2  # job rank 0: the prefill engine, 1: the decode engine
@@ -187,7 +188,7 @@ def test_a_dead_decode_engine_fails_only_its_own_requests(tiny_model, tmp_path):
     long_new = 240  # the tiny model's context is 256
     expected = reference_tokens(d, SHORT[:2], long_new)
     server = Server(d, "--prefill", "TP1", "--decode", "TP1", "--decode-replicas", 2,
-                    "--disagg-min-prompt-tokens", MIN, "--max-num-seqs", 1,
+                    "--disagg-min-prompt-tokens", MIN, "--max-num-seqs", 1, "--restart-policy", "never",
                     "--served-model-name", NAME, log=tmp_path / "server.log")
     try:
         ranks = server.rank_pids()

@@ -33,7 +33,7 @@ def test_the_spec_parses_and_round_trips():
     ("kill:rank=1:step=x", "step='x' must be a whole number of at least 0"),
     ("delay:rank=1", "ms= (the delay in milliseconds, above 0) is missing"),
     ("delay:rank=1:ms=0", "ms='0' must be a number of milliseconds above 0"),
-    ("kill:rank=1:ms=3", "'ms=3' is not one of kill's fields (rank=, step=)"),
+    ("kill:rank=1:ms=3", "'ms=3' is not one of kill's fields (rank=, step=, replica=)"),
 ])
 def test_bad_specs_are_one_line_naming_the_field(spec, message):
     with pytest.raises(InputError) as e:
