@@ -160,8 +160,8 @@ def rounds(rank: int, world: int, spec, requests, repeat: int = 1) -> dict:
         report = balancer.measure()
         sent = sum(sum(m.dispatcher.bytes.values()) + sum(m.exchange_bytes.values()) for m in runner.model.moe_layers)
         per_rank = ctx.ep.all_gather(torch.tensor([sent]), dim=0).tolist()
-        prefill = [s for shape, s, _ in trace if shape.chunk_tokens]
-        decode = [s for shape, s, _ in trace if not shape.chunk_tokens]
+        prefill = [s for shape, s, *_ in trace if shape.chunk_tokens]
+        decode = [s for shape, s, *_ in trace if not shape.chunk_tokens]
         out[name] = {"load": report, "dispatch_bytes": per_rank, "wall_s": wall,
                      "prefill_step_s": statistics.median(prefill) if prefill else None,
                      "decode_step_s": statistics.median(decode) if decode else None}

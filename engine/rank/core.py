@@ -149,7 +149,7 @@ class EngineCore:
             self._apply(done, tokens.tolist(), rows.tolist() if rows is not None else None,
                         prompt_rows.tolist() if prompt_rows is not None else None)
         if self.trace is not None and heaviest is not None:
-            self.trace.append((heaviest, time.perf_counter() - started, runner.last_graphed))
+            self.trace.append((heaviest, time.perf_counter() - started, runner.last_graphed, started))
         self.tick += 1
         return True
 

@@ -5,6 +5,7 @@ a JSON line a tick, as the rank loop times it (EngineCore's trace): what `atoll 
     {"engine": "decode engine 0", "rows": 8, "chunk_tokens": 64, "ctx_sum": 1210,
      "attended_sum": 2080, "ctx_padded": 2048, "seconds": 0.0713, "graph": false}
 
+start: the tick's start on the rank's clock (time.perf_counter), so the gaps between ticks show.
 graph: whether the tick ran the compiled (or captured) decode step, whose attention reads every
 row's keys up to the longest row's, padded (ctx_padded), where the eager step reads ctx_sum.
 """
@@ -22,11 +23,11 @@ class StepTrace:
         self.file = open(path, "a", buffering=1, encoding="utf-8")  # a line each, flushed as written
 
     def append(self, item) -> None:
-        shape, seconds, graphed = item
+        shape, seconds, graphed, start = item
         self.file.write(json.dumps({"engine": self.engine, "rows": shape.rows, "chunk_tokens": shape.chunk_tokens,
                                     "ctx_sum": shape.ctx_sum, "attended_sum": shape.attended_sum,
                                     "ctx_padded": shape.ctx_padded, "seconds": round(seconds, 7),
-                                    "graph": graphed}) + "\n")
+                                    "graph": graphed, "start": round(start, 6)}) + "\n")
 
 
 def read_trace(path) -> list[tuple[str, int, int, float, float, float, float, bool | None]]:

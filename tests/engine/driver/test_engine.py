@@ -131,8 +131,8 @@ def test_the_rank_loop_traces_each_tick_with_its_shape(tiny_model):
     trace = []
     outs = run_batch(runner, reqs, trace=trace)
     assert all(len(o["token_ids"]) == NEW for o in outs)
-    shapes = [s for s, _, _ in trace]
-    assert all(sec > 0 for _, sec, _ in trace)
+    shapes = [s for s, *_ in trace]
+    assert all(sec > 0 for _, sec, *_ in trace)
     assert sum(s.chunk_tokens for s in shapes) == sum(len(p) for p in PROMPTS[:3])  # prompts, chunked by 8
     assert sum(s.rows for s in shapes) == 3 * (NEW - 1)  # each later token is one decode row
     assert max(s.chunk_tokens for s in shapes) <= 8
