@@ -45,7 +45,7 @@ class FaultInjection:
             return value
         if isinstance(value, dict) and isinstance(value.get("faults"), (list, tuple)):  # dataclasses.asdict's
             value = ",".join(":".join([str(f.get("kind"))] + [f"{k}={f[k]}" for k in _FIELDS.get(f.get("kind"), ())
-                                                              if k in f]) for f in value["faults"])
+                                                              if f.get(k) is not None]) for f in value["faults"])
         if not isinstance(value, str):
             raise InputError(f"fault_injection must be text such as 'kill:rank=1:step=40', got {type(value).__name__}")
         faults = tuple(_fault(part.strip()) for part in value.split(",") if part.strip())

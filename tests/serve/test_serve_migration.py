@@ -52,8 +52,10 @@ def test_a_killed_replica_loses_no_stream_and_comes_back(tiny_model, tmp_path):
     d = with_tokenizer(tiny_model("llama", max_position_embeddings=512), tmp_path / "m")
     prompts = _prompts(STREAMS)
     expected = reference_tokens(d, prompts, NEW)
+    # 4 ms a step: a tiny model would otherwise finish a replica's streams (the server buffering
+    # them) before the client sees every stream's first token, and the kill would find nothing to move
     server = Server(d, "-dp", "2", "--router", "round_robin", "--max-num-seqs", "16", "--served-model-name", NAME,
-                    log=tmp_path / "server.log")
+                    "--fault-injection", "delay:rank=0:ms=4", log=tmp_path / "server.log")
     try:
         def client():  # one per event loop: a client's connections belong to the loop that made them
             return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)

@@ -4,6 +4,7 @@ naming it. (A dropped rank's peers wait for the launcher's collective timeout, a
 read it from ATOLL_COLLECTIVE_TIMEOUT_S; that path is not tested here.) And the spec's one-line
 errors."""
 
+import dataclasses
 import time
 
 import pytest
@@ -24,6 +25,9 @@ def test_the_spec_parses_and_round_trips():
     assert f.faults == (Fault("kill", 1, 40), Fault("delay", 0, 3, 2.5))
     assert FaultInjection.parse(str(f)) == f and f.on_rank(0) == [Fault("delay", 0, 3, 2.5)]
     assert EngineConfig().fault_injection is None and EngineConfig(fault_injection="").fault_injection is None
+    # as a replica's engine gets it (dataclasses.asdict), with and without a replica named
+    g = FaultInjection.parse("delay:rank=0:ms=4,kill:rank=0:step=9:replica=1")
+    assert FaultInjection.parse(dataclasses.asdict(g)) == g
 
 
 @pytest.mark.parametrize("spec, message", [
