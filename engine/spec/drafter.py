@@ -93,3 +93,25 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, wants: list[tuple]) -> list[list[int]]:
         """[(sequence, k)] -> each sequence's draft, at most k tokens (maybe none)."""
+
+
+def kept_positions(chunks, block_size: int):
+    """What a drafter fed by the target's hidden states catches up on after a step: the rows of
+    the step's positions the target kept (no rejected draft) and whose next token is known, and
+    for each sequence with any, the sequence, its chunk's start and the count kept. Returns
+    (rows, next token ids, sequences, starts, counts); a sequence that ended has let go of its
+    blocks and is left out."""
+    rows, ids, seqs, starts, counts = [], [], [], [], []
+    offset = 0
+    for c in chunks:
+        seq = c.seq
+        keep = min(c.count, seq.cached - c.start)
+        tokens = seq.tokens
+        if keep > 0 and len(tokens) > c.start + keep and len(seq.blocks) * block_size >= c.start + keep:
+            rows.extend(range(offset, offset + keep))
+            ids.extend(tokens[c.start + 1:c.start + keep + 1])
+            seqs.append(seq)
+            starts.append(c.start)
+            counts.append(keep)
+        offset += c.count
+    return rows, ids, seqs, starts, counts

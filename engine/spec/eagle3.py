@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from atoll.config.speculative import SpeculativeConfig
-from atoll.engine.spec.drafter import Drafter
+from atoll.engine.spec.drafter import Drafter, kept_positions
 from atoll.errors import InputError
 from atoll.layers.attention import AttentionMetadata
 from atoll.models.checkpoint import Checkpoint, load_weights
@@ -73,19 +73,7 @@ class Eagle3Drafter(Drafter):
         if not chunks or len(kept) != len(set(layers)) or any(len(t) < total for t in kept.values()):
             return
         size = self.runner.spec.engine.block_size
-        rows, ids, seqs, starts, counts = [], [], [], [], []
-        offset = 0
-        for c in chunks:
-            seq = c.seq
-            keep = min(c.count, seq.cached - c.start)  # positions the target kept (no rejected draft)
-            tokens = seq.tokens
-            if keep > 0 and len(tokens) > c.start + keep and len(seq.blocks) * size >= c.start + keep:
-                rows.extend(range(offset, offset + keep))
-                ids.extend(tokens[c.start + 1:c.start + keep + 1])
-                seqs.append(seq)
-                starts.append(c.start)
-                counts.append(keep)
-            offset += c.count
+        rows, ids, seqs, starts, counts = kept_positions(chunks, size)
         if not seqs:
             return
         device = self.runner.device

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from atoll.config.speculative import SpeculativeConfig
-from atoll.engine.spec.drafter import Drafter
+from atoll.engine.spec.drafter import Drafter, kept_positions
 from atoll.errors import InputError
 from atoll.layers.attention import AttentionMetadata
 from atoll.models.checkpoint import load_weights
@@ -98,20 +98,7 @@ class MtpDrafter(Drafter):
         if not chunks or hidden is None or len(hidden) != sum(c.count for c in chunks):
             return
         size = self.runner.spec.engine.block_size
-        rows, ids, seqs, starts, counts = [], [], [], [], []
-        offset = 0
-        for c in chunks:
-            seq = c.seq
-            keep = min(c.count, seq.cached - c.start)  # positions the target kept (no rejected draft)
-            tokens = seq.tokens
-            # t_{i+1} known for every kept i; a sequence that ended has let go of its blocks
-            if keep > 0 and len(tokens) > c.start + keep and len(seq.blocks) * size >= c.start + keep:
-                rows.extend(range(offset, offset + keep))
-                ids.extend(tokens[c.start + 1:c.start + keep + 1])
-                seqs.append(seq)
-                starts.append(c.start)
-                counts.append(keep)
-            offset += c.count
+        rows, ids, seqs, starts, counts = kept_positions(chunks, size)
         if not seqs:
             return
         device = self.runner.device
