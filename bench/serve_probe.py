@@ -36,7 +36,7 @@ class Probe:
     """The probe of one bench run: `Probe.start(args, model_dir, config, requests)` (None when
     there is nothing to probe: no --compare-plan, a --url server, --no-speed-probe, or no measured
     fit for this model in the topology); `engine_flags` for the server; `measure(send)` after the
-    warm-up, with send(requests) sending the probe's; `round_start()` and `round_end()` around
+    warm-up, send() sending the probe's requests; `round_start()` and `round_end()` around
     the measured round; `report()`; `close()`."""
 
     def __init__(self, path: str, own: bool, fits: list):

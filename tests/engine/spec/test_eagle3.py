@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from reference import reference_tokens
 
 from atoll import LLM, SamplingParams
@@ -20,6 +21,7 @@ from atoll.engine.spec import eagle3 as eagle3_drafter
 from atoll.errors import InputError
 from atoll.models.config import ModelConfig
 from atoll.models.eagle3 import aux_layers, head_config, save_head
+from atoll.models.eagle3_train import train_head
 from atoll.parallel.mesh import ParallelContext
 
 LAYERS = 4
@@ -35,8 +37,6 @@ def random_head(target_dir, out, expected, seed: int = 3):
     """A random head for the target in the published layout. fc leans on the last fused state
     and lm_head on the target's own: its drafts are the target's logit lens at layer 3, which
     a repeating continuation takes at times (acceptances) and otherwise not (rejections)."""
-    from safetensors.torch import load_file
-
     config = ModelConfig.load(target_dir)
     base = load_file(str(target_dir / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
@@ -93,7 +93,6 @@ class Reference:
     layer i's input), whole sequences at once with a causal mask."""
 
     def __init__(self, target_dir, head_dir):
-        from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
         self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -198,8 +197,6 @@ def test_greedy_matches_under_the_compiled_step(target, head):
 def test_malformed_head_refused_in_one_line(target, head, tmp_path):
     """A missing tensor, a tensor of the wrong shape and a config off the target's size are each
     refused before any rank starts, in one line naming the tensor or field."""
-    from safetensors.torch import load_file, save_file
-
     model_dir, _ = target
     tensors = load_file(str(head / "model.safetensors"))
     cases = {"lacks tensor midlayer.self_attn.q_proj.weight": dict(tensors) | {"midlayer.self_attn.q_proj.weight": None},
@@ -233,9 +230,6 @@ def test_training_writes_a_head_that_loads(target, tmp_path):
     """A few training steps on the target's own continuations: the loss falls, the head is
     written in the published layout (d2t over the most frequent target tokens) and drafts
     through the engine with the target's tokens unchanged."""
-    from safetensors.torch import load_file
-
-    from atoll.models.eagle3_train import train_head
 
     model_dir, expected = target
     sequences = [(p + e, len(p)) for p, e in zip(PROMPTS, expected)]
