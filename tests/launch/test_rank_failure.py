@@ -43,7 +43,13 @@ def test_killing_a_rank_ends_the_job(tiny_model, tmp_path):
     assert "failed: killed by SIGKILL" in err and "rank " in err, err
     assert "Traceback" not in err
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert sorted(r["id"] for r in rows) == list(range(16))  # every request listed, as failed
-    assert all("killed by SIGKILL" in r["error"] for r in rows)
+    assert sorted(r["id"] for r in rows) == list(range(16))  # every request listed
+    # a fast machine finishes a few sequences before the kill: those keep their output; every
+    # other one is listed as failed, naming the cause
+    failed = [r for r in rows if "error" in r]
+    finished = [r for r in rows if "error" not in r]
+    assert failed, "no request was in flight at the kill; make the run longer"
+    assert all("killed by SIGKILL" in r["error"] for r in failed)
+    assert all(r["finish_reason"] in ("length", "stop") and r["token_ids"] for r in finished)
     for pid in workers:  # no rank left behind
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
