@@ -111,11 +111,11 @@ def speed_factor(ticks: list, fits: list[StepFit | None]) -> tuple[float | None,
     """(median of measured over fitted seconds over the ticks, how many ticks): None when fewer
     than MIN_TICKS have a fit."""
     ratios = []
-    for engine, rows, chunk, ctx, attended, seconds, padded, _graph in ticks:
+    for engine, rows, chunk, ctx, attended, seconds, padded, graph in ticks:
         fit = fit_for(engine, fits)
         if fit is None or (not rows and not chunk):
             continue
-        want = fit.seconds(rows, chunk, ctx, attended, padded)
+        want = fit.seconds(rows, chunk, ctx, attended, padded, split=graph is False)
         if want > 0 and seconds > 0:
             ratios.append(seconds / want)
     if len(ratios) < MIN_TICKS:

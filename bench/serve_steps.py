@@ -6,8 +6,8 @@ max_num_seqs 32, `--step-trace` to a file), and fixed lists of requests are stre
 over HTTP by `atoll bench serve`'s own client, one list after another: N requests of 32 prompt
 tokens decoding together (N = 1, 2, 4, 8, 16, 32), and of 480 (N = 1, 4, 16), one of 480 beside
 N - 1 of 32 (N = 4, 16), long prompts alone and in fours (a full
-chunk budget), and prompts joining while others decode (chunks beside decode rows), at
-contexts from tens to two thousand tokens. The lists run three times: the first pass compiles
+chunk budget), and prompts joining while others decode (chunks beside a few decode rows, and
+beside a crowd of them), at contexts from tens to two thousand tokens. The lists run three times: the first pass compiles
 and warms, the other two are fitted (a 2-core machine's speed drifted by 30% between two passes). Each engine's first rank writes every tick's shape and
 seconds (engine/rank/trace.py), so a tick is timed with what serving costs beside it: the API
 server's process streaming tokens and the client reading them, on the same cores.
@@ -34,6 +34,7 @@ from atoll.planner.sim.stepfit import fit
 
 MAX_NUM_SEQS = 32
 JOIN_RATE = 6.0  # requests a second in the list of prompts joining others as they decode
+CROWD, CROWD_RATE = 24, 8.0  # prompts joining while up to about twenty others decode
 TIMED_PASSES = 2  # after the warm pass: a machine's speed drifts by tens of percent between minutes
 
 
@@ -61,13 +62,18 @@ def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096) -> li
         out.append(([BenchRequest(ids(min(length, longest)), 4) for _ in range(n)], math.inf))
     joining = [BenchRequest(ids(min(256 if k % 2 else 64, longest)), decode) for k in range(4 if quick else 12)]
     out.append((joining, JOIN_RATE))
+    if not quick:
+        # prompts joining a crowd: a loaded server's chunks run beside tens of decoding rows, which
+        # the list above (a few rows at a time) leaves the chunk part's per-row cost to extrapolate
+        crowd = [BenchRequest(ids(min(128 if k % 2 else 64, longest)), 2 * decode) for k in range(CROWD)]
+        out.append((crowd, CROWD_RATE))
     return out
 
 
 def served_ticks(model_dir, layout: Layout, copies: int, *, quick: bool = False) -> list[tuple]:
     """(rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds, keys the
-    tick's decode step read) of every tick of the timed passes, every engine's: a tick of the
-    compiled decode step read ctx_padded keys, any other its rows' contexts."""
+    tick's decode step read, whether the compiled step ran it) of every tick of the timed passes,
+    every engine's: a tick of the compiled decode step read ctx_padded keys, any other its rows' contexts."""
     config = ModelConfig.load(model_dir)
     max_len = min(config.max_position_embeddings, 4096)
     lists = request_lists(config.vocab_size, quick=quick, max_len=max_len)
@@ -91,7 +97,7 @@ def served_ticks(model_dir, layout: Layout, copies: int, *, quick: bool = False)
         ticks = read_trace(trace)[warm:]
     finally:
         os.unlink(trace)
-    return [(rows, chunk, ctx, attended, seconds, padded if graph else ctx)
+    return [(rows, chunk, ctx, attended, seconds, padded if graph else ctx, graph)
             for _, rows, chunk, ctx, attended, seconds, padded, graph in ticks if rows or chunk]
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from atoll.kernels.backend import use_triton
 from atoll.kernels.ops import paged_decode_attention, paged_prefill_attention
+from atoll.layers.context_groups import context_groups
 from atoll.layers.kv_quant import KVFormat, QuantizedKV, static_digest
 
 
@@ -118,35 +119,22 @@ class AttentionMetadata:
         return self._memo[key]
 
     def decode_groups(self, sliding_window: int | None) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
-        """A decode step's rows in groups of similar context, each [(rows or None for all,
-        block tables cut to the group's longest context, key mask)]: one group reading every
-        row's keys up to the longest context pays the longest row's gather and attention on
-        every row (a 1,024-token sequence beside fifteen of 100 made a step 10x slower on a CPU),
-        so rows are grouped by their context's power-of-two block count (contexts up to
-        GROUP_MIN_KEYS together) when that reads at most GROUP_SHARE of the keys one group would."""
+        """A decode step's rows in groups of similar context (layers.context_groups), each
+        (rows or None for all, block tables cut to the group's longest context, key mask)."""
         key = ("groups", sliding_window)
         if key not in self._memo:
-            widths = [-(-(start + 1) // self.block_size) for start in self.start_list]
-            least = -(-GROUP_MIN_KEYS // self.block_size)
-            buckets: dict[int, list[int]] = {}
-            for i, w in enumerate(widths):
-                buckets.setdefault(max(1 << (w - 1).bit_length(), least), []).append(i)
-            cut = sum(len(rows) * max(widths[i] for i in rows) for rows in buckets.values())
-            if len(buckets) == 1 or cut > GROUP_SHARE * len(widths) * max(widths):
+            split = context_groups(self.start_list, self.block_size)
+            if split is None:
                 self._memo[key] = [(None, *self.decode_keys(sliding_window))]
             else:
                 lens, groups = self.context_lens(), []
-                for rows in buckets.values():
-                    blocks = max(widths[i] for i in rows)
+                for rows in split:
+                    blocks = -(-(max(self.start_list[i] for i in rows) + 1) // self.block_size)
                     index = torch.tensor(rows, dtype=torch.long, device=self.device)
                     groups.append((index, self.block_tables[index, :blocks],
                                    key_mask(lens[index], blocks * self.block_size, sliding_window)))
                 self._memo[key] = groups
         return self._memo[key]
-
-
-GROUP_SHARE = 0.6  # decode_groups splits a step when the groups read at most this share of the keys
-GROUP_MIN_KEYS = 256  # ... and keeps rows of contexts up to this many keys in one group
 
 
 def decode_attention(q: torch.Tensor, groups, attend_group) -> torch.Tensor:

@@ -41,23 +41,25 @@ class StepCost:
 
     def tick(self, rows: int, chunk_tokens: int, ctx_sum: float, attended_sum: float, *,
              dp_rows: int | None = None, dp_chunk_tokens: int | None = None,
-             ctx_padded: float | None = None) -> tuple[float, float, tuple]:
+             ctx_padded: float | None = None, split: bool = False) -> tuple[float, float, tuple]:
         """(pass seconds, slowest stage seconds, the step's key) of a micro-batch of `rows`
         decoding sequences attending to ctx_sum positions in all, and `chunk_tokens` prompt
         tokens attending to attended_sum positions in all; with DP the busiest rank's rows
         and chunk tokens. ctx_padded: the keys a compiled decode step reads (what a measured
-        step fitted on them times; the cost model reads each row's own context)."""
+        step fitted on them times; the cost model reads each row's own context). split: a
+        decode-only tick whose rows' contexts split into groups, which the compiled CPU step leaves
+        to the eager step (a measured step that saw such ticks times them as the plain step)."""
         padded = self.fit is not None and self.fit.decode_keys == "padded" and ctx_padded is not None and rows
         key = (rows, bucket(chunk_tokens), bucket(ctx_sum / rows) if rows else 0,
                bucket(attended_sum / chunk_tokens) if chunk_tokens else 0,
                dp_rows, None if dp_chunk_tokens is None else bucket(dp_chunk_tokens),
-               bucket(ctx_padded / rows) if padded else None)
+               bucket(ctx_padded / rows) if padded else None, split)
         hit = self.memo.get(key)
         if hit is None:
-            r, c, ctx, attended, dr, dc, width = key
+            r, c, ctx, attended, dr, dc, width, _ = key
             if self.fit is not None:
                 # a tick: one stage's share under PP
-                s = self.fit.seconds(r, c, ctx * r, attended * c, None if width is None else width * r)
+                s = self.fit.seconds(r, c, ctx * r, attended * c, None if width is None else width * r, split)
                 hit = self.memo[key] = (s * self.cm.l.pp, s, {MEASURED: s})
             else:
                 hit = self.memo[key] = self.cm.micro_batch(r, c, ctx=ctx, chunk_ctx=attended, dp_rows=dr,

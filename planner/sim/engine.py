@@ -30,6 +30,7 @@ from atoll.engine.batch.request import Request, finish_reason
 from atoll.engine.batch.scheduler import Sequence
 from atoll.engine.batch.shape import seq_buckets, step_shape
 from atoll.engine.spec.drafter import Drafter
+from atoll.layers.context_groups import context_groups
 from atoll.planner.sim import steady
 
 IDLE_WAIT_S = 1e-3  # engine/rank/tier_reads.py: Reads.idle's wait for a read on an empty tick
@@ -70,6 +71,9 @@ class SimEngine:
         # the compiled decode step's shapes: rows in buckets, tables in powers of two of blocks
         self.block_size, self.max_blocks = block_size, -(-max_model_len // block_size)
         self.buckets = seq_buckets(max_num_seqs * (1 + spec_k))
+        # a measured step that timed the eager step's decode ticks apart (stepfit.StepFit.eager_decode)
+        fit = getattr(cost, "fit", None)
+        self.eager_decode = fit is not None and fit.eager_decode
         self.drafter = (SimDrafter(spec_k, draft_rate=draft_rate, max_model_len=max_model_len, seed=seed)
                         if spec_k else None)
         self.acceptance, self.rng = acceptance, random.Random(seed + 1)
@@ -196,13 +200,20 @@ class SimEngine:
     def _cost(self, chunks: list[list]) -> tuple[float, float]:
         shapes = [step_shape(part, self.block_size, self.max_blocks, self.buckets) for part in chunks]
         multi = len(shapes) > 1
+        split = self.eager_decode and not any(x.chunk_tokens for x in shapes) and self.splits(chunks)
         pass_s, stage_s, key = self.cost.tick(
             sum(x.rows for x in shapes), sum(x.chunk_tokens for x in shapes), sum(x.ctx_sum for x in shapes),
             sum(x.attended_sum for x in shapes), dp_rows=max(x.rows for x in shapes) if multi else None,
             dp_chunk_tokens=max(x.chunk_tokens for x in shapes) if multi else None,
-            ctx_padded=sum(x.ctx_padded for x in shapes))
+            ctx_padded=sum(x.ctx_padded for x in shapes), split=split)
         self.cost.count(key)
         return pass_s, stage_s
+
+    def splits(self, chunks: list[list], ahead: int = 0) -> bool:
+        """Whether a decode-only tick's rows (each `ahead` positions further on) split into
+        context groups in any replica, so the compiled CPU step leaves the tick to the eager step."""
+        size = self.block_size
+        return any(context_groups([c.start + ahead for c in part], size) is not None for part in chunks if part)
 
     def _adopt(self, now: float) -> float:
         """Sequences handed over, in order, while a lane has room; the KV receive time they add."""

@@ -104,7 +104,7 @@ def plan(engine, chunks: list[list], start: float, first_s: float) -> Run | None
         padded = sum(padded_keys(n, top + j, size, cap, buckets) for n, _, top in per_replica)
         pass_s, _, key = engine.cost.tick(total_rows, 0, ctx0 + j * total_rows, 0.0,
                                           dp_rows=top_rows if multi else None, dp_chunk_tokens=0 if multi else None,
-                                          ctx_padded=padded)
+                                          ctx_padded=padded, split=engine.eager_decode and engine.splits(chunks, j))
         t = t + pass_s
         run.ends.append(t)
         run.costs.append((pass_s, key))

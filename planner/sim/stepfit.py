@@ -13,7 +13,10 @@ up to the longest row's context, padded to a power of two of blocks, so that one
 beside short ones costs what it costs there. A decode-only tick is the decode step (compiled on a CPU, captured on a
 GPU), which runs in buckets: rows(r) is piecewise linear over the measured row counts and never
 falls as they grow, past the last one extended along its last piece. A tick carrying prompt chunks runs the plain step, its
-rows beside the chunk tokens at a per-row cost of their own. Each part's coefficients are
+rows beside the chunk tokens at a per-row cost of their own; so does a decode-only tick whose rows'
+contexts differ so much that the compiled CPU step leaves it to the eager step (they split into
+groups, layers.context_groups: a long sequence decoding beside short ones), where the calibration
+measured such ticks beside compiled ones (eager_decode). Each part's coefficients are
 non-negative least squares over its ticks (clip and refit), Huber-weighted so that a few
 ticks slowed by something else on the machine do not pull it. The simulator takes it, where the
 calibration holds the model and layout, in place of the cost model's roofline: a measured step
@@ -50,13 +53,19 @@ class StepFit:
     # what a decode-only tick's context term counts: "sum", every row's own context; "padded",
     # what the compiled CPU step reads (every row up to the longest, its blocks padded to a power of two)
     decode_keys: str = "sum"
+    # whether decode-only ticks the compiled step left to the eager step (their rows' contexts
+    # split into groups: layers.context_groups) were measured beside compiled ones, and are timed
+    # as the plain step, fitted with the ticks carrying chunks
+    eager_decode: bool = False
 
     def seconds(self, rows: int, chunk_tokens: float, ctx_sum: float, attended_sum: float,
-                ctx_padded: float | None = None) -> float:
-        """A tick's seconds; ctx_padded: the keys a compiled decode step reads (StepShape.ctx_padded)."""
-        if not chunk_tokens and self.decode_keys == "padded" and ctx_padded is not None:
+                ctx_padded: float | None = None, split: bool = False) -> float:
+        """A tick's seconds; ctx_padded: the keys a compiled decode step reads (StepShape.ctx_padded);
+        split: a decode-only tick whose rows' contexts split into groups (the eager step's)."""
+        plain = bool(chunk_tokens) or (split and self.eager_decode)
+        if not plain and self.decode_keys == "padded" and ctx_padded is not None:
             ctx_sum = ctx_padded
-        if chunk_tokens and self.chunk_base_us is not None:
+        if plain and self.chunk_base_us is not None:
             return 1e-6 * (self.chunk_base_us + self.chunk_row_us * rows + self.chunk_token_us * chunk_tokens
                            + self.chunk_ctx_kilotoken_us * ctx_sum / 1000
                            + self.attended_kilotoken_us * attended_sum / 1000)
@@ -84,7 +93,7 @@ class StepFit:
                        chunk_base_us=None if chunk is None else float(chunk["base_us"]),
                        chunk_row_us=0.0 if chunk is None else float(chunk["row_us"]),
                        chunk_ctx_kilotoken_us=0.0 if chunk is None else float(chunk["ctx_kilotoken_us"]),
-                       decode_keys=str(d.get("decode_keys", "sum")))
+                       decode_keys=str(d.get("decode_keys", "sum")), eager_decode=bool(d.get("eager_decode", False)))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ConfigError(f"{where} must hold rows_us {{rows: us}}, chunk_token_us, ctx_kilotoken_us and "
                               "attended_kilotoken_us, and chunk {base_us, row_us, ctx_kilotoken_us}") from None
@@ -96,6 +105,8 @@ class StepFit:
                "attended_kilotoken_us": round(float(self.attended_kilotoken_us), 4), "samples": int(self.samples),
                "rel_rms": round(float(self.rel_rms), 4), "rel_median": round(float(self.rel_median), 4),
                "decode_keys": self.decode_keys}
+        if self.eager_decode:
+            out["eager_decode"] = True
         if self.chunk_base_us is not None:
             out["chunk"] = {"base_us": round(float(self.chunk_base_us), 1), "row_us": round(float(self.chunk_row_us), 2),
                             "ctx_kilotoken_us": round(float(self.chunk_ctx_kilotoken_us), 3)}
@@ -147,21 +158,28 @@ HUBER = 2.0  # residuals past this many median absolute residuals count linearly
 
 def fit(samples: list[tuple]) -> StepFit:
     """samples: (rows, chunk tokens, decode positions, chunk (token, position) pairs, seconds[,
-    keys the compiled decode step read]) per tick. With the keys read, a decode-only tick is
-    fitted on the positions each way, and the one that fits the ticks better is kept
-    (decode_keys): the compiled CPU step reads every row up to the longest row, padded."""
+    keys the compiled decode step read[, whether the compiled step ran it]]) per tick. With the
+    keys read, a decode-only tick is fitted on the positions each way, and the one that fits the
+    ticks better is kept (decode_keys): the compiled CPU step reads every row up to the longest
+    row, padded. Decode-only ticks the eager step ran beside compiled ones (rows whose contexts
+    split into groups) are fitted with the ticks carrying chunks, as the plain step (eager_decode)."""
     if len(samples) < 8:
         raise ValueError(f"{len(samples)} ticks: too few to fit a step")
     x = np.array([s[:5] for s in samples], dtype=float)
     padded = np.array([s[5] if len(s) > 5 else s[2] for s in samples], dtype=float)
-    fits = [_fit(x, x[:, 2], "sum")]
-    if not np.allclose(padded[x[:, 1] == 0], x[x[:, 1] == 0, 2]):
-        fits.append(_fit(x, padded, "padded"))
+    graph = [s[6] if len(s) > 6 else None for s in samples]
+    decode_only = x[:, 1] == 0
+    eager = np.array([g is False for g in graph]) & decode_only
+    eager_decode = bool(eager.any() and any(g is True for g, d in zip(graph, decode_only) if d))
+    plain = ~decode_only | eager if eager_decode else ~decode_only
+    fits = [_fit(x, x[:, 2], "sum", plain, eager_decode)]
+    if not np.allclose(padded[~plain], x[~plain, 2]):
+        fits.append(_fit(x, padded, "padded", plain, eager_decode))
     return min(fits, key=lambda f: f.rel_median)
 
 
-def _fit(x: np.ndarray, keys: np.ndarray, decode_keys: str) -> StepFit:
-    only = x[:, 1] == 0
+def _fit(x: np.ndarray, keys: np.ndarray, decode_keys: str, plain: np.ndarray, eager_decode: bool) -> StepFit:
+    only = ~plain
     decode, chunked = x[only], x[~only]
     if len(decode) < 2 or len(chunked) < 5:
         raise ValueError(f"{len(decode)} decode-only and {len(chunked)} ticks with prompt chunks: too few to fit a step")
@@ -179,4 +197,5 @@ def _fit(x: np.ndarray, keys: np.ndarray, decode_keys: str) -> StepFit:
     return StepFit(rows=rows, chunk_token_us=chk[2], ctx_kilotoken_us=dec[n], attended_kilotoken_us=chk[4],
                    samples=len(x), rel_rms=float(np.sqrt((err ** 2).mean()) / (x[:, 4].mean() * 1e6)),
                    rel_median=float(np.median(np.abs(err)) / (np.median(x[:, 4]) * 1e6)),
-                   chunk_base_us=chk[0], chunk_row_us=chk[1], chunk_ctx_kilotoken_us=chk[3], decode_keys=decode_keys)
+                   chunk_base_us=chk[0], chunk_row_us=chk[1], chunk_ctx_kilotoken_us=chk[3], decode_keys=decode_keys,
+                   eager_decode=eager_decode)

@@ -65,3 +65,25 @@ def test_the_compiled_step_leaves_grouped_steps_to_the_eager_one(lengths, groupe
     mb = SimpleNamespace(chunks=[object()] * len(lengths), decode_rows=True, tokens=len(lengths), meta=meta)
     step = SimpleNamespace(buckets=[8])
     assert CompiledDecode.takes(step, mb) is (not grouped)
+
+
+def test_the_plain_rule_the_simulator_asks_gives_the_engines_groups():
+    """layers.context_groups (plain Python, what planner/sim asks) splits exactly the steps the
+    metadata splits, into the same rows."""
+    from atoll.layers.context_groups import context_groups
+
+    rng = torch.Generator().manual_seed(3)
+    split = 0
+    for _ in range(60):
+        n = int(torch.randint(1, 12, (1,), generator=rng))
+        top = int(torch.randint(2, 1500, (1,), generator=rng))
+        lengths = [int(x) for x in torch.randint(1, top + 1, (n,), generator=rng)]
+        *_, meta, _ = _step(lengths)
+        groups = context_groups([n - 1 for n in lengths], BLOCK)
+        engine = meta.decode_groups(None)
+        if groups is None:
+            assert [rows for rows, _, _ in engine] == [None], lengths
+        else:
+            split += 1
+            assert sorted(sorted(g) for g in groups) == sorted(sorted(rows.tolist()) for rows, _, _ in engine)
+    assert 5 < split < 55  # both kinds of step were drawn
