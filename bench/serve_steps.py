@@ -38,15 +38,24 @@ CROWD, CROWD_RATE = 24, 8.0  # prompts joining while up to about twenty others d
 TIMED_PASSES = 2  # after the warm pass: a machine's speed drifts by tens of percent between minutes
 
 
-def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096) -> list[tuple[list[BenchRequest], float]]:
+def request_lists(vocab: int, *, quick: bool = False, max_len: int = 4096,
+                  copies: int = 1) -> list[tuple[list[BenchRequest], float]]:
     """The lists each pass streams, one after another: (requests, arrival rate; inf: all at once);
-    no prompt longer than a model of max_len positions takes with its output."""
+    no prompt longer than a model of max_len positions takes with its output. copies: the
+    replicas served together, each given a list's rows (its requests interleaved, its rate
+    multiplied), so that "2 x TP1" measures each engine at the row counts TP1 is measured at."""
     counter = iter(range(1 << 30))
 
     def ids(n: int) -> list[int]:
         i = next(counter)
         return [(7919 * i + 104729 * j) % (vocab - 2) + 1 for j in range(n)]
 
+    sets = [_lists(ids, quick, max_len) for _ in range(copies)]
+    return [([r for group in zip(*(reqs for reqs, _ in same)) for r in group], same[0][1] * copies)
+            for same in zip(*sets)]
+
+
+def _lists(ids, quick: bool, max_len: int) -> list[tuple[list[BenchRequest], float]]:
     decode = 6 if quick else 24
     longest = max_len - decode - 1
     out = [([BenchRequest(ids(32), decode) for _ in range(n)], math.inf)
@@ -76,7 +85,7 @@ def served_ticks(model_dir, layout: Layout, copies: int, *, quick: bool = False)
     every engine's: a tick of the compiled decode step read ctx_padded keys, any other its rows' contexts."""
     config = ModelConfig.load(model_dir)
     max_len = min(config.max_position_embeddings, 4096)
-    lists = request_lists(config.vocab_size, quick=quick, max_len=max_len)
+    lists = request_lists(config.vocab_size, quick=quick, max_len=max_len, copies=copies)
     fd, trace = tempfile.mkstemp(prefix="atoll-steps-", suffix=".jsonl")
     os.close(fd)
     argv = ["--layout", str(layout), "--max-num-seqs", str(MAX_NUM_SEQS), "--step-trace", trace,

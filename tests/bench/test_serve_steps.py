@@ -18,6 +18,15 @@ def test_the_lists_cover_decode_batches_long_prompts_and_joining():
     assert lists[-1][1] < float("inf")  # prompts joining at a rate
 
 
+
+def test_replicas_served_together_each_get_a_lists_rows():
+    one, two = request_lists(301), request_lists(301, copies=2)
+    assert [(2 * len(rs), 2 * rate) for rs, rate in one] == [(len(rs), rate) for rs, rate in two]
+    assert [[len(r.prompt) for r in rs[::2]] for rs, _ in two] == [[len(r.prompt) for r in rs] for rs, _ in one]
+    prompts = [tuple(r.prompt) for rs, _ in two for r in rs]
+    assert len(set(prompts)) == len(prompts)  # no prefix-cache hit between the copies
+
+
 @pytest.mark.timeout(600)
 def test_served_steps_fit_the_ticks_of_a_real_server(tiny_model):
     ticks = served_ticks(tiny_model("llama"), Layout.parse("TP1"), 1, quick=True)
