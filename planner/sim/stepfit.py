@@ -16,7 +16,9 @@ falls as they grow, past the last one extended along its last piece. A tick carr
 rows beside the chunk tokens at a per-row cost of their own; so does a decode-only tick whose rows'
 contexts differ so much that the compiled CPU step leaves it to the eager step (they split into
 groups, layers.context_groups: a long sequence decoding beside short ones), where the calibration
-measured such ticks beside compiled ones (eager_decode). Each part's coefficients are
+measured such ticks beside compiled ones (eager_decode). The compiled step pads its rows to a
+bucket (17 rows run as 32): rows(r) is read at r or at its bucket, whichever fits the ticks better
+(decode_rows). Each part's coefficients are
 non-negative least squares over its ticks (clip and refit), Huber-weighted so that a few
 ticks slowed by something else on the machine do not pull it. The simulator takes it, where the
 calibration holds the model and layout, in place of the cost model's roofline: a measured step
@@ -26,6 +28,7 @@ of this model on this machine, not a micro-benchmark.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +60,9 @@ class StepFit:
     # split into groups: layers.context_groups) were measured beside compiled ones, and are timed
     # as the plain step, fitted with the ticks carrying chunks
     eager_decode: bool = False
+    # what a decode-only tick's rows(r) is read at: "rows", r itself; "bucket", the rows the
+    # compiled step pads r to (row_bucket: 17 rows run as 32)
+    decode_rows: str = "rows"
 
     def seconds(self, rows: int, chunk_tokens: float, ctx_sum: float, attended_sum: float,
                 ctx_padded: float | None = None, split: bool = False) -> float:
@@ -65,6 +71,8 @@ class StepFit:
         plain = bool(chunk_tokens) or (split and self.eager_decode)
         if not plain and self.decode_keys == "padded" and ctx_padded is not None:
             ctx_sum = ctx_padded
+        if not plain and self.decode_rows == "bucket":
+            rows = row_bucket(rows)
         if plain and self.chunk_base_us is not None:
             return 1e-6 * (self.chunk_base_us + self.chunk_row_us * rows + self.chunk_token_us * chunk_tokens
                            + self.chunk_ctx_kilotoken_us * ctx_sum / 1000
@@ -93,7 +101,8 @@ class StepFit:
                        chunk_base_us=None if chunk is None else float(chunk["base_us"]),
                        chunk_row_us=0.0 if chunk is None else float(chunk["row_us"]),
                        chunk_ctx_kilotoken_us=0.0 if chunk is None else float(chunk["ctx_kilotoken_us"]),
-                       decode_keys=str(d.get("decode_keys", "sum")), eager_decode=bool(d.get("eager_decode", False)))
+                       decode_keys=str(d.get("decode_keys", "sum")), eager_decode=bool(d.get("eager_decode", False)),
+                       decode_rows=str(d.get("decode_rows", "rows")))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise ConfigError(f"{where} must hold rows_us {{rows: us}}, chunk_token_us, ctx_kilotoken_us and "
                               "attended_kilotoken_us, and chunk {base_us, row_us, ctx_kilotoken_us}") from None
@@ -107,6 +116,8 @@ class StepFit:
                "decode_keys": self.decode_keys}
         if self.eager_decode:
             out["eager_decode"] = True
+        if self.decode_rows != "rows":
+            out["decode_rows"] = self.decode_rows
         if self.chunk_base_us is not None:
             out["chunk"] = {"base_us": round(float(self.chunk_base_us), 1), "row_us": round(float(self.chunk_row_us), 2),
                             "ctx_kilotoken_us": round(float(self.chunk_ctx_kilotoken_us), 3)}
@@ -172,22 +183,30 @@ def fit(samples: list[tuple]) -> StepFit:
     eager = np.array([g is False for g in graph]) & decode_only
     eager_decode = bool(eager.any() and any(g is True for g, d in zip(graph, decode_only) if d))
     plain = ~decode_only | eager if eager_decode else ~decode_only
-    fits = [_fit(x, x[:, 2], "sum", plain, eager_decode)]
-    if not np.allclose(padded[~plain], x[~plain, 2]):
-        fits.append(_fit(x, padded, "padded", plain, eager_decode))
+    keys = [("sum", x[:, 2])] + ([("padded", padded)] if not np.allclose(padded[~plain], x[~plain, 2]) else [])
+    buckets = np.array([row_bucket(r) for r in x[:, 0]], dtype=float)
+    rows = [("rows", x[:, 0])] + ([("bucket", buckets)] if not np.array_equal(buckets[~plain], x[~plain, 0]) else [])
+    fits = [_fit(x, k, key_mode, r, row_mode, plain, eager_decode) for key_mode, k in keys for row_mode, r in rows]
     return min(fits, key=lambda f: f.rel_median)
 
 
-def _fit(x: np.ndarray, keys: np.ndarray, decode_keys: str, plain: np.ndarray, eager_decode: bool) -> StepFit:
+def row_bucket(rows: float) -> int:
+    """The rows a compiled decode step runs `rows` at: the next power of two (engine.batch.shape.seq_buckets)."""
+    return 1 << max(0, int(math.ceil(rows)) - 1).bit_length()
+
+
+def _fit(x: np.ndarray, keys: np.ndarray, decode_keys: str, rows_of: np.ndarray, decode_rows: str,
+         plain: np.ndarray, eager_decode: bool) -> StepFit:
     only = ~plain
     decode, chunked = x[only], x[~only]
     if len(decode) < 2 or len(chunked) < 5:
         raise ValueError(f"{len(decode)} decode-only and {len(chunked)} ticks with prompt chunks: too few to fit a step")
-    low, top = decode[:, 0].min(), decode[:, 0].max()
+    r = rows_of[only]
+    low, top = r.min(), r.max()
     # past the top measured row count the step is extended along its last piece
     knots = [k for k in KNOTS if low <= k <= top] + ([k for k in KNOTS if k > top][:1] if top not in KNOTS else [])
     knots = [k for k in KNOTS if k < low][-1:] + knots if knots[0] > low else knots
-    a = np.hstack([_ramps(decode[:, 0], knots), keys[only, None] / 1000])
+    a = np.hstack([_ramps(r, knots), keys[only, None] / 1000])
     dec = _robust(a, decode[:, 4] * 1e6)
     b = np.hstack([np.ones((len(chunked), 1)), chunked[:, 0:2], chunked[:, 2:4] / 1000])
     chk = _robust(b, chunked[:, 4] * 1e6)
@@ -198,4 +217,4 @@ def _fit(x: np.ndarray, keys: np.ndarray, decode_keys: str, plain: np.ndarray, e
                    samples=len(x), rel_rms=float(np.sqrt((err ** 2).mean()) / (x[:, 4].mean() * 1e6)),
                    rel_median=float(np.median(np.abs(err)) / (np.median(x[:, 4]) * 1e6)),
                    chunk_base_us=chk[0], chunk_row_us=chk[1], chunk_ctx_kilotoken_us=chk[3], decode_keys=decode_keys,
-                   eager_decode=eager_decode)
+                   eager_decode=eager_decode, decode_rows=decode_rows)

@@ -1,7 +1,8 @@
-"""Decode ticks the compiled CPU step leaves to the eager step: a long sequence decoding beside
-short ones splits its rows into context groups (layers.context_groups), which the engine runs
-eagerly. A calibration that measured such ticks beside compiled ones times them as the plain
-step (StepFit.eager_decode), and the simulator does so for the ticks whose rows split."""
+"""Measured steps as the compiled CPU step runs them. Decode ticks it leaves to the eager step:
+a long sequence decoding beside short ones splits its rows into context groups
+(layers.context_groups), which the engine runs eagerly; a calibration that measured such ticks
+beside compiled ones times them as the plain step (StepFit.eager_decode), and the simulator does
+so for the ticks whose rows split. And its row buckets: 17 rows run as 32 (StepFit.decode_rows)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from atoll.planner.sim.api import Deployment, prepare, simulate
 from atoll.planner.sim.load import BenchRequest
-from atoll.planner.sim.stepfit import StepFit, fit
+from atoll.planner.sim.stepfit import StepFit, fit, row_bucket
 from atoll.topologies import load_topology
 from atoll.topologies.calibration import Calibration
 
@@ -70,3 +71,19 @@ def test_the_simulator_times_split_decode_ticks_as_the_plain_step(eager):
     slow, fast = p.run(reqs, rate=float("inf"), fast=False), p.run(reqs, rate=float("inf"), fast=True)
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "duration_s"):
         assert fast["serve"][key] == slow["serve"][key], key
+
+
+def test_a_bucketed_step_is_fitted_at_its_buckets():
+    """Decode ticks timed at their row bucket (as the compiled step pads them): the fit reads
+    rows(r) at the bucket, so 17 rows cost what 32 do; a step linear in its rows keeps "rows"."""
+    def bucketed(r):
+        return 1e-3 * (20 + 2 * row_bucket(r))
+
+    shapes = [(r, 0, 500.0, 0.0) for r in (1, 2, 3, 4, 5, 7, 8, 11, 16, 17, 24, 32)]
+    chunks = [(r, c, 100.0 * r, 10.0 * c, plain(r, c)) for r in (1, 4, 16) for c in (64, 512)]
+    f = fit([(*s, bucketed(s[0])) for s in shapes] + chunks)
+    assert f.decode_rows == "bucket"
+    assert f.seconds(17, 0, 500.0, 0.0) == pytest.approx(bucketed(32), rel=1e-3)
+    assert StepFit.from_dict(f.to_dict(), "x").seconds(9, 0, 500.0, 0.0) == pytest.approx(bucketed(16), rel=1e-3)
+    linear = fit([(*s, 1e-3 * (20 + 2 * s[0])) for s in shapes] + chunks)
+    assert linear.decode_rows == "rows" and linear.seconds(17, 0, 500.0, 0.0) == pytest.approx(0.054, rel=1e-3)
