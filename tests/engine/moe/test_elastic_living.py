@@ -1,0 +1,101 @@
+"""Elastic EP inside the living engine (--elastic-ep: engine/driver/elastic.py,
+engine/rank/elastic_serve.py): `atoll generate` on a DP3EP3 engine of CPU ranks with a redundant
+expert, a tiny Qwen3-MoE; rank 2 is killed mid-generation by --fault-injection kill. The
+survivors regroup as DP2EP2, every request continues from the tokens the driver had seen, and
+every output row holds transformers' greedy tokens. Then the same engine through the LLM API,
+an expert whose only copy was on the lost rank missing from the checkpoint: the engine ends with
+the one line naming it, every request failed with it."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from reference import reference_cache
+from safetensors.torch import load_file, save_file
+
+from atoll import LLM, SamplingParams
+from atoll.engine.driver.online import EngineDead
+
+PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7], [64, 65, 66, 67], [3, 1, 4, 1, 5]]
+NEW = 16
+FAMILIES = {"qwen3_moe": ("qwen3_moe", dict(num_experts=8))}
+# 8 experts + 1 spare over 3 ranks: [0, 1, 2] [3, 4, 5] [6, 7, 0]; rank 2's 6 and 7 have no copy left
+ELASTIC = ["--layout", "DP3EP3", "--enable-eplb", "--num-redundant-experts", "1", "--eplb-step-interval", "10000",
+           "--elastic-ep", "--max-model-len", "64"]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    return reference_cache(tiny_model, FAMILIES, PROMPTS, NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_generate_goes_on_at_reduced_dp_after_a_rank_is_killed(references, tmp_path):
+    model_dir, expected = references("qwen3_moe")
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"r{k}", "prompt_token_ids": p, "max_tokens": NEW,
+                                           "ignore_eos": True}) + "\n" for k, p in enumerate(PROMPTS)))
+    r = subprocess.run([sys.executable, "-m", "atoll", "generate", "--model", str(model_dir), "--prompts", str(prompts),
+                        "--output", str(out), "--no-progress", *ELASTIC, "--fault-injection", "kill:rank=2:step=6"],
+                       capture_output=True, text=True, timeout=360,
+                       env={**os.environ, "ATOLL_COLLECTIVE_TIMEOUT_S": "20", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert [rows[f"r{k}"].get("token_ids") for k in range(len(PROMPTS))] == expected
+    assert "rank 2 lost (killed by SIGKILL)" in r.stderr, r.stderr
+    m = re.search(r"serving again at DP2EP2 ([\d.]+) s after the loss of rank\(s\) \[2\] was seen .*; (\d+) requests "
+                  r"continue with their tokens, (\d+) expert slots read from the checkpoint", r.stderr)
+    assert m, r.stderr
+    # every request had started and none had ended at step 6 (16 tokens each): all continue;
+    # experts 6 and 7 of each of the 3 MoE layers came back from the checkpoint
+    assert int(m.group(2)) == len(PROMPTS) and int(m.group(3)) == 2 * 3
+    assert float(m.group(1)) < 60
+    print(f"recovery: {m.group(0)}")
+
+
+def _without_expert(model_dir, out_dir, layer: int, expert: int):
+    """A copy of model_dir whose layer's expert lives in a file of its own (experts.safetensors),
+    beside model.safetensors with everything else, both named by an index."""
+    tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors |= load_file(f)
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    apart = {n: t for n, t in tensors.items() if n.startswith(prefix)}
+    assert apart
+    out_dir.mkdir()
+    for f in model_dir.iterdir():
+        if f.suffix == ".json" and "index" not in f.name:
+            (out_dir / f.name).write_bytes(f.read_bytes())
+    save_file({n: t for n, t in tensors.items() if n not in apart}, out_dir / "model.safetensors")
+    save_file(apart, out_dir / "experts.safetensors")
+    index = {n: ("experts.safetensors" if n in apart else "model.safetensors") for n in tensors}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return out_dir / "experts.safetensors"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_expert_without_a_source_ends_the_engine_with_its_line(references, tmp_path, monkeypatch):
+    model_dir, _ = references("qwen3_moe")
+    monkeypatch.setenv("ATOLL_COLLECTIVE_TIMEOUT_S", "20")
+    apart = _without_expert(model_dir, tmp_path / "m", 1, 7)
+    llm = LLM(tmp_path / "m", layout="DP3EP3", enable_eplb=True, num_redundant_experts=1, eplb_step_interval=10_000,
+              elastic_ep=True, max_model_len=64, fault_injection="kill:rank=2:step=6")
+    try:
+        llm.start()  # every rank has read its weights
+        apart.unlink()  # expert 7 of layer 1 (only on rank 2) can no longer be read again
+        errors = {}
+        params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+        with pytest.raises(EngineDead) as e:
+            llm.generate_requests(llm.prepare([{"prompt_token_ids": p} for p in PROMPTS], params), errors=errors,
+                                  timeout_s=200)
+    finally:
+        llm.close()
+    line = str(e.value)
+    assert line.startswith("expert 7 of MoE layer 1 has no source: its every copy was on the lost ep rank(s) [2]")
+    assert "\n" not in line
+    assert errors == {k: line for k in range(len(PROMPTS))}
