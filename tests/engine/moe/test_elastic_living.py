@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from cli import run_cli
 from reference import reference_cache
 from safetensors.torch import load_file, save_file
 
@@ -99,3 +100,27 @@ def test_an_expert_without_a_source_ends_the_engine_with_its_line(references, tm
     assert line.startswith("expert 7 of MoE layer 1 has no source: its every copy was on the lost ep rank(s) [2]")
     assert "\n" not in line
     assert errors == {k: line for k in range(len(PROMPTS))}
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--layout", "EP2", "--enable-eplb", "--num-redundant-experts", "1"],
+     "--elastic-ep: layout TP2EP2 cannot go on without a rank; it needs DP-attention/EP, DPnEPn with n >= 2"),
+    (["--layout", "DP2EP2", "--enable-eplb"], "--elastic-ep needs --enable-eplb and --num-redundant-experts R >= 1"),
+    (["--layout", "DP2EP2"], "--elastic-ep needs --enable-eplb and --num-redundant-experts R >= 1"),
+])
+def test_elastic_ep_is_refused_in_one_line_where_it_cannot_run(tiny_model, capsys, flags, error):
+    model_dir = tiny_model("qwen3_moe", num_experts=8)
+    code, out, err = run_cli(capsys, "generate", "--model", model_dir, "--prompt", "x", "--elastic-ep", *flags)
+    assert code == 2 and out == ""
+    assert err.startswith(f"atoll: error: {error}") and err.count("\n") == 1, err
+
+
+def test_elastic_ep_is_refused_under_a_launcher_that_runs_one_job_per_call(tiny_model):
+    from atoll.engine.driver.llm import LLM as EngineLLM
+    from atoll.errors import InputError
+    from atoll.launch.local import run_local
+
+    llm = EngineLLM(tiny_model("qwen3_moe", num_experts=8), layout="DP2EP2", launcher=run_local, enable_eplb=True,
+                    num_redundant_experts=1, elastic_ep=True)
+    with pytest.raises(InputError, match="^--elastic-ep runs under the local launcher, not function$"):
+        llm.generate_requests(llm.prepare([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2)))
