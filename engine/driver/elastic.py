@@ -47,6 +47,7 @@ class ElasticEngine(OnlineEngine):
     def __init__(self, spec, **kwargs):
         self.layout = Layout.parse(spec.layout)
         self.lost: dict[int, str] = {}  # job rank -> the cause of its loss
+        self._ranks = list(range(self.layout.world_size))  # the job rank of each rank of the serving round
         self.recoveries: list[dict] = []
         self._noticed: float | None = None  # when this driver first heard of the latest loss
         self._waiting: dict | None = None  # the latest recovery, until its first step report
@@ -77,6 +78,14 @@ class ElasticEngine(OnlineEngine):
         elif msg[0] == "elastic":
             rec = msg[1]
             self._noticed = self._noticed or time.monotonic()
+            gone = [self._ranks[r] for r in rec["lost"]]
+            self._ranks = [j for j in self._ranks if j not in gone]
+            rec["lost"] = gone  # in job ranks
+            left = [j for j in gone if j not in self.lost]  # alive but silent: its peers went on without it
+            for j in left:
+                self.lost[j] = "left out by its peers: it stopped answering within the collective timeout"
+            if left:
+                self.job.give_up(left)
             with self._lock:
                 dp = rec["replicas"]
                 for index, replica in self._replica.items():
@@ -98,7 +107,8 @@ class ElasticEngine(OnlineEngine):
         self._waiting = None
         rec["recovery_s"] = now - self._noticed if self._noticed is not None else None
         self._noticed = None
-        print(f"atoll: serving again at {rec['layout']} {rec['recovery_s']:.2f} s after the loss of rank(s) "
-              f"{rec['lost']} was seen (the survivors regrouped {rec['rebuilt_s']:.2f} s after rank 0's collective "
-              f"failed); {len(rec['placed'])} requests continue with their tokens, {rec['from_checkpoint']} expert "
-              "slots read from the checkpoint", file=sys.stderr, flush=True)
+        print(f"atoll: serving again at {rec['layout']} without rank(s) {rec['lost']}: rank 0's collective failed "
+              f"{rec['stalled_s']:.2f} s after its last step, the survivors regrouped {rec['rebuilt_s']:.2f} s after "
+              f"that, the first step came {rec['recovery_s']:.2f} s after the driver heard of the loss; "
+              f"{len(rec['placed'])} requests continue with their tokens, {rec['from_checkpoint']} expert slots read "
+              "from the checkpoint", file=sys.stderr, flush=True)
