@@ -67,8 +67,8 @@ class Feed:
             load[replica] += 1
             placed[index] = replica
             # a copy (n > 1) computes its prompt again: the request it forked from may be gone
-            self.resume.append(("add", dataclasses.replace(req, generated=list(req.generated) + self.tokens.pop(index, []),
-                                                           arrival_step=0, fork_of=None), replica))
+            tokens = list(req.generated) + self.tokens.pop(index, [])
+            self.resume.append(("add", dataclasses.replace(req, generated=tokens, arrival_step=0, fork_of=None), replica))
         self.live.clear()  # kept again as they are taken
         return placed
 

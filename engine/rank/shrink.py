@@ -87,7 +87,6 @@ class ElasticRank:
         ctx = ParallelContext.create(layout, me, self.device, node=self.node) if layout.world_size > 1 \
             else ParallelContext.single(self.device)
         self.runner = ModelRunner(spec, ctx, load=load)
-        del old
         return {"lost": lost, "cause": cause, "noticed_s": noticed, "rebuilt_s": time.monotonic() - failed_at,
                 "layout": str(layout),
                 "from_checkpoint": sum(len(s.loads) for s in kept.values()),
