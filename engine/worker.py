@@ -37,7 +37,7 @@ def worker(rank: int, world_size: int, job: EngineJob, inboxes=None, outbox=None
         if requests is not None:
             return _one_shot(rank, world_size, job, requests, device, node, ranks_here)
         if job.roles == ("colocated",) and job.specs[0].engine.elastic_ep:  # goes on without a lost rank
-            return serve_elastic(rank, world_size, job, inboxes, outbox, device, node, ranks_here)
+            return serve_elastic(rank, world_size, job, inboxes, outbox, device, node, ranks_here)  # outbox: one a rank
         engine, loop = _build(rank, world_size, job, inboxes, outbox, device, node, ranks_here)
         loop.ready()
         loop.run()

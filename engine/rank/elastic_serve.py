@@ -1,26 +1,27 @@
 """The living engine's rank loop under --elastic-ep (a DPnEPn engine with redundant experts): the
-one rank loop (engine/rank/loop.py) over the driver's channel, as engine/worker.py runs it, until a
+one rank loop (engine/rank/loop.py) over the driver's channels, as engine/worker.py runs it, until a
 collective fails because a peer died. The survivors then regroup and rebuild their stages at
-DP(n-1)EP(n-1) (engine/rank/shrink.py) and serve on over the same channel.
+DP(n-1)EP(n-1) (engine/rank/shrink.py) and serve on.
 
-Rank 0 keeps, beside the loop, every request the driver added and the tokens it has sent for
-each (its `Feed` and `Outbox`): exactly what the driver has seen. After a loss it adds every
-request that had not ended again, with those tokens as Request.generated (the migration's own
-field), spread over the new replicas, so each goes on from the last token its client saw; a
-request the driver sends meanwhile waits in the channel. It then tells the driver
-("elastic", {lost, cause, layout, replicas, placed: {request: replica}, noticed_s, rebuilt_s,
-stalled_s, ...}). An expert left without a source ends the engine: rank 0 first sends
-("elastic_failed", its line), so the driver ends every request with that line.
+The driver serves the elastic store and names the survivors (engine/driver/elastic.py), so any
+rank may be lost, rank 0 included. Every rank is given a channel pair of its own (inboxes[rank],
+outboxes[rank]): the round's rank 0, the leader, talks to the driver over its job rank's pair, so
+a new leader never reads a queue a killed one may have held locked.
 
-Rank 0 serves the elastic store and is the link to the driver: its loss ends the engine.
+After a loss the new leader tells the driver ("elastic", {lost, cause, layout, replicas,
+noticed_s, rebuilt_s, stalled_s, ...}) and drops every add and abort until the driver's
+("resume", [(request, replica), ...]): every request that had not ended, with the tokens the
+driver had streamed as Request.generated (the migration's own field), so each goes on from the
+last token its client saw. Anything the driver sent before its resume is in it; an add sent
+after it for a request the resume already held is dropped. An expert left without a source
+ends the engine: the leader to be first sends ("elastic_failed", its line), so the driver ends
+every request with that line.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
-from atoll.engine.batch.request import Request
 from atoll.engine.rank.job import EngineJob
 from atoll.engine.rank.loop import Channel, ServeLoop
 from atoll.engine.rank.shrink import ElasticRank, first_line
@@ -28,58 +29,40 @@ from atoll.errors import AtollError
 
 
 class Feed:
-    """Rank 0's feed: the driver's channel, each request it added kept (with its replica) until
-    it ends; after a loss the unfinished ones come first, with their tokens so far."""
+    """The leader's feed: the driver's channel; `waiting` (after a loss): adds and aborts are
+    dropped until the driver's resume. Requests not ended are kept, so no add runs twice."""
 
-    def __init__(self, inbox, dp: int):
-        self.channel, self.dp = Channel(inbox), dp
-        self.live: dict[int, Request] = {}
-        self.tokens: dict[int, list[int]] = {}  # request -> tokens sent to the driver since it was added
-        self.resume: list = []
+    def __init__(self, inbox, dp: int, waiting: bool = False):
+        self.channel, self.dp, self.waiting = Channel(inbox), dp, waiting
+        self.live: set[int] = set()
 
     def take(self, tick: int, busy: bool) -> list:
-        out = self.resume + self.channel.take(tick, busy or bool(self.resume))
-        self.resume = []
-        for k, cmd in enumerate(out):
-            if cmd[0] == "add":
-                req, replica = cmd[1], cmd[2]
-                if replica >= self.dp:  # sent before the driver heard of the loss
-                    out[k] = ("add", req, replica % self.dp)
-                self.live[req.index] = req
+        out = []
+        for cmd in self.channel.take(tick, busy):
+            if cmd[0] == "resume":
+                self.waiting = False
+                cmds = [("add", req, replica) for req, replica in cmd[1]]
+            elif self.waiting and cmd[0] in ("add", "abort"):
+                continue  # the resume carries it
+            else:
+                cmds = [cmd]
+            for c in cmds:
+                if c[0] == "add":
+                    if c[1].index in self.live:
+                        continue
+                    self.live.add(c[1].index)
+                    c = ("add", c[1], c[2] % self.dp)  # a replica chosen before the driver heard of a loss
+                out.append(c)
         return out
-
-    def sent(self, msg) -> None:
-        """A "step" on its way to the driver: its tokens and the requests that ended."""
-        for index, token, *_ in msg[1]:
-            if index in self.live:
-                self.tokens.setdefault(index, []).append(token)
-        for index, _ in msg[2]:
-            self.live.pop(index, None)
-            self.tokens.pop(index, None)
-
-    def requeue(self, dp: int) -> dict[int, int]:
-        """Every request not ended, added again at the next take with its tokens, the fewest
-        on each of the `dp` new replicas; {request: replica}."""
-        self.dp, load, placed = dp, [0] * dp, {}
-        for index in sorted(self.live):
-            req = self.live[index]
-            replica = load.index(min(load))
-            load[replica] += 1
-            placed[index] = replica
-            # a copy (n > 1) computes its prompt again: the request it forked from may be gone
-            tokens = list(req.generated) + self.tokens.pop(index, [])
-            self.resume.append(("add", dataclasses.replace(req, generated=tokens, arrival_step=0, fork_of=None), replica))
-        self.live.clear()  # kept again as they are taken
-        return placed
 
 
 class Outbox:
-    """Rank 0's outbox: the driver's channel, each step recorded in the Feed; a rebuilt stage's
-    "ready" is not sent again (the driver hears "elastic")."""
+    """The leader's outbox: the driver's channel; the requests that end leave the Feed's live set.
+    A rebuilt stage's "ready" is not sent (the driver hears "elastic")."""
 
-    def __init__(self, outbox, feed: Feed):
+    def __init__(self, outbox, feed: Feed, started: bool = False):
         self.outbox, self.feed = outbox, feed
-        self.started, self.last = False, time.monotonic()
+        self.started, self.last = started, time.monotonic()
 
     def put(self, msg) -> None:
         if msg[0] == "ready":
@@ -87,18 +70,24 @@ class Outbox:
                 return
             self.started = True
         elif msg[0] == "step":
-            self.feed.sent(msg)
+            self.feed.live.difference_update(index for index, _ in msg[2])
             self.last = time.monotonic()
         self.outbox.put(msg)
 
 
-def serve_elastic(rank: int, world_size: int, job: EngineJob, inboxes, outbox, device: str, node, ranks_here) -> None:
-    """This rank of a living colocated engine, going on without a lost rank but rank 0."""
+def serve_elastic(rank: int, world_size: int, job: EngineJob, inboxes, outboxes, device: str, node,
+                  ranks_here) -> None:
+    """This rank (job rank `rank`) of a living colocated engine that goes on without lost ranks."""
     spec = job.specs[0]
-    me = ElasticRank(spec, rank, world_size, spec.engine.collective_timeout_s, device, node, job.options, ranks_here)
-    feed = Feed(inboxes[0], me.layout.dp) if rank == 0 else None
-    box = Outbox(outbox, feed) if rank == 0 else None
+    me = ElasticRank(spec, rank, world_size, spec.engine.collective_timeout_s, device, node, job.options, ranks_here,
+                     store=job.elastic_store)
+    box, recovered = None, False
     while True:
+        if me.me == 0:  # the leader: a fresh feed after a loss, waiting for the driver's resume
+            feed = Feed(inboxes[rank], me.layout.dp, waiting=recovered)
+            box = Outbox(outboxes[rank], feed, started=recovered)
+        else:
+            feed = box = None
         loop = ServeLoop(me.runner, feed, box, link_stats=job.link_stats, cache_events=job.cache_events)
         try:
             loop.ready()
@@ -110,15 +99,17 @@ def serve_elastic(rank: int, world_size: int, job: EngineJob, inboxes, outbox, d
                 raise
             cause = first_line(e)
         del loop
+        old = me.me
         try:
             rec = me.shrink(cause, failed_at)
         except AtollError as e:  # an expert without a source: the driver hears the line before the rank ends
-            if box is not None:
-                outbox.put(("elastic_failed", str(e)))
+            if me.keep and me.keep[0] == old:
+                outboxes[rank].put(("elastic_failed", str(e)))
             raise
         if rec is None:
             return  # not among the survivors
-        if box is not None:
-            placed = feed.requeue(me.layout.dp)
-            outbox.put(("elastic", rec | {"replicas": me.layout.dp, "placed": placed,
-                                          "stalled_s": failed_at - box.last}))
+        recovered = True
+        if me.me == 0:
+            # stalled_s: the last step report to the failure, when this rank led the round before
+            stalled = failed_at - box.last if box is not None else None
+            outboxes[rank].put(("elastic", rec | {"replicas": me.layout.dp, "stalled_s": stalled}))

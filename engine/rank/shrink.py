@@ -7,8 +7,9 @@ without the lost ranks. The one-shot run (engine/rank/elastic_run.py) and the li
     ... a collective raises (a peer died: gloo says so at once; a peer hung: the group's timeout)
     rec = rank.shrink(cause, failed_at)   # None: this rank is not among the survivors
 
-`shrink`: each survivor says so in the elastic store that the engine's rank 0 serves
-(comm/regroup.py); rank 0 waits for the notices and names the survivors; every survivor checks
+`shrink`: each survivor says so in the elastic store (comm/regroup.py) that the driver serves (the
+living engine: then the driver names the survivors, so rank 0 may be lost too) or else the
+engine's rank 0; it waits for the notices and names the survivors; every survivor checks
 that every MoE layer's experts keep a source (comm.elastic.survive_layers: a copy on a survivor,
 else the checkpoint; `ExpertLost` names the first without one, before anything changes), tears
 its process groups down and joins the next round's at the shrunk layout (Layout.shrunk). It then
@@ -39,14 +40,22 @@ class ElasticRank:
     """This rank's stage (`runner`) and its place: `me` among `ranks` in round `round`."""
 
     def __init__(self, spec: RunSpec, rank: int, world_size: int, timeout_s: float, device: str = "cpu",
-                 node: str | None = None, options=None, ranks_here: int | None = None):
+                 node: str | None = None, options=None, ranks_here: int | None = None, store: str | None = None):
+        """store: "host:port" of the elastic store the driver serves, and then the driver names
+        the survivors (rank 0's loss included); None: rank 0 serves it and names them."""
         self.spec, self.layout = spec, Layout.parse(spec.layout)
         self.timeout_s, self.device, self.node = timeout_s, device, node
         # rank 0 names the survivors once all but one noticed, or after timeout_s: a survivor still
         # blocked in a collective notices only at its group's timeout (at most timeout_s after a round
         # starts; the first round's is the collective timeout, ATOLL_COLLECTIVE_TIMEOUT_S)
         self.word_s = 2 * timeout_s + 10
-        self.store = elastic_store(rank)
+        self.driver_elects = store is not None
+        if store is None:
+            self.store = elastic_store(rank)
+        else:
+            host, port = store.rsplit(":", 1)
+            self.store = regroup.connect(host, int(port), 60.0)
+        self.keep: list[int] = []  # the survivors of the last loss, in the failed round's ranks
         self.me, self.ranks, self.round = rank, list(range(world_size)), 0
         ctx = ParallelContext.create(self.layout, rank, device, options, node=node)
         self.runner = ModelRunner(spec, ctx, ranks_here=ranks_here)
@@ -58,12 +67,13 @@ class ElasticRank:
         store, round_ = self.store, self.round
         regroup.notice(store, round_, self.me)
         regroup.leave()  # the peers still in a collective with this rank fail at once, and notice
-        if self.me == 0:
+        if self.me == 0 and not self.driver_elects:
             # past the collective timeout: a survivor blocked in a collective notices only then
             keep = regroup.elect(store, round_, self.ranks, self.timeout_s + 5)
             regroup.announce(store, round_ + 1, keep)
         else:
             keep = regroup.survivors(store, round_ + 1, self.word_s)
+        self.keep = keep
         lost = [r for r in range(len(self.ranks)) if r not in keep]
         model = self.runner.model
         placements = {lid: m.placement for lid, m in zip(model.moe_layer_ids, model.moe_layers)}
