@@ -1,6 +1,6 @@
 """`atoll serve --elastic-ep` through the real openai client: a DP3EP3 engine of CPU ranks (tiny
-Qwen3-MoE, one redundant expert) loses rank 2 to --fault-injection kill while streams run on
-every replica. Every stream finishes with transformers' tokens and text, none repeated or lost
+Qwen3-MoE, one redundant expert) loses rank 2, or rank 0, to --fault-injection kill while streams
+run on every replica. Every stream finishes with transformers' tokens and text, none repeated or lost
 (the lost rank's requests continue from the tokens their clients had seen), /health says
 degraded at DP2EP2 with a 200 (not down), and a request sent afterwards is served."""
 
@@ -33,12 +33,14 @@ async def _stream(c, prompt):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_killed_ep_rank_leaves_the_server_degraded_and_every_stream_whole(tiny_model, tmp_path):
+@pytest.mark.parametrize("victim", [2, 0])
+def test_a_killed_ep_rank_leaves_the_server_degraded_and_every_stream_whole(tiny_model, tmp_path, victim):
+    """victim 0: the engine's first rank, the one that talked to the server; a new one takes over."""
     d = with_tokenizer(tiny_model("qwen3_moe", num_experts=8), tmp_path / "m")
     expected = reference_tokens(d, PROMPTS, NEW)
     server = Server(d, "--layout", "DP3EP3", "--enable-eplb", "--num-redundant-experts", "1",
                     "--eplb-step-interval", "10000", "--elastic-ep", "--max-model-len", "128",
-                    "--served-model-name", NAME, "--fault-injection", "kill:rank=2:step=8",
+                    "--served-model-name", NAME, "--fault-injection", f"kill:rank={victim}:step=8",
                     log=tmp_path / "server.log", env={"ATOLL_COLLECTIVE_TIMEOUT_S": "20", "OMP_NUM_THREADS": "1"})
     try:
         assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
@@ -51,11 +53,12 @@ def test_a_killed_ep_rank_leaves_the_server_degraded_and_every_stream_whole(tiny
         assert [g[2] for g in got] == [None] * len(PROMPTS), server.text()
         assert [g[0] for g in got] == expected
         assert [g[1].strip() for g in got] == [text_of(e) for e in expected]
-        assert "rank 2 lost (killed by SIGKILL)" in server.text() and "serving again at DP2EP2" in server.text()
+        assert f"rank {victim} lost (killed by SIGKILL)" in server.text()
+        assert f"serving again at DP2EP2 without rank(s) [{victim}]" in server.text()
         health = httpx.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 200
         assert health.json() == {"status": "degraded",
-                                 "dead": {"2": "killed by SIGKILL; the engine serves on at DP2EP2"}}
+                                 "dead": {str(victim): "killed by SIGKILL; the engine serves on at DP2EP2"}}
         after = asyncio.run(_after(server.url))
         assert after == (expected[0], None)
     finally:
