@@ -156,7 +156,7 @@ class EngineConfig:
                                   "while a step runs (--no-eplb-async: every layer at the rebalance's step boundary, "
                                   "the engine waiting)")
     elastic_ep: bool = _opt(False, "MoE, a DPnEPn layout with --enable-eplb and --num-redundant-experts R >= 1, "
-                                   "local launcher: when a rank but rank 0 dies, the others go on at DP(n-1)EP(n-1), "
+                                   "local launcher: when a rank dies (rank 0 included), the others go on at DP(n-1)EP(n-1), "
                                    "its experts served from the copies left or read again from the checkpoint, its "
                                    "requests continued with their tokens (docs/eplb.md)")
     expert_load_interval: int = _opt(100, "MoE: every this many steps, each layer's max/mean tokens per EP rank over "
