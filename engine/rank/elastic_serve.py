@@ -9,7 +9,7 @@ outboxes[rank]): the round's rank 0, the leader, talks to the driver over its jo
 a new leader never reads a queue a killed one may have held locked.
 
 After a loss the new leader tells the driver ("elastic", {lost, cause, layout, replicas,
-noticed_s, rebuilt_s, stalled_s, ...}) and drops every add and abort until the driver's
+noticed_s, rebuilt_s, stalled_s, ...}) and drops every add (holding aborts) until the driver's
 ("resume", [(request, replica), ...]): every request that had not ended, with the tokens the
 driver had streamed as Request.generated (the migration's own field), so each goes on from the
 last token its client saw. Anything the driver sent before its resume is in it; an add sent
@@ -35,15 +35,20 @@ class Feed:
     def __init__(self, inbox, dp: int, waiting: bool = False):
         self.channel, self.dp, self.waiting = Channel(inbox), dp, waiting
         self.live: set[int] = set()
+        self.aborts: list = []  # aborts that came while waiting: applied after the resume's adds
 
     def take(self, tick: int, busy: bool) -> list:
         out = []
         for cmd in self.channel.take(tick, busy):
             if cmd[0] == "resume":
                 self.waiting = False
-                cmds = [("add", req, replica) for req, replica in cmd[1]]
-            elif self.waiting and cmd[0] in ("add", "abort"):
+                cmds = [("add", req, replica) for req, replica in cmd[1]] + self.aborts
+                self.aborts = []
+            elif self.waiting and cmd[0] == "add":
                 continue  # the resume carries it
+            elif self.waiting and cmd[0] == "abort":
+                self.aborts.append(cmd)
+                continue
             else:
                 cmds = [cmd]
             for c in cmds:
