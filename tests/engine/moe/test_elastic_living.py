@@ -9,6 +9,7 @@ the one line naming it, every request failed with it."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -153,5 +154,38 @@ def test_a_silent_rank_is_left_out_and_named_by_the_driver(references, monkeypat
         assert victim.exitcode is not None  # ended by the driver
         print(f"drop: rank 0 failed {rec['stalled_s']:.2f}s after its last step (timeout 6 s); serving again "
               f"{rec['recovery_s']:.2f}s after the driver heard")
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_losses_in_turn_leave_one_rank_serving_with_transformers_tokens(references, monkeypatch):
+    """SIGKILL to rank 2 once the streams have 18 tokens, then to rank 1 at the first tokens
+    after the recovery: DP3EP3 -> DP2EP2 -> one rank, every request exact. (A 30 ms delay a
+    step on rank 0 before the first loss keeps the first kill inside the run.)"""
+    model_dir, expected = references("qwen3_moe")
+    monkeypatch.setenv("ATOLL_COLLECTIVE_TIMEOUT_S", "20")
+    llm = LLM(model_dir, layout="DP3EP3", enable_eplb=True, num_redundant_experts=1, eplb_step_interval=10_000,
+              elastic_ep=True, max_model_len=64, fault_injection="delay:rank=0:ms=30")
+    try:
+        engine = llm.start()
+        pids, killed = engine.job.pids, []
+
+        def on_step(done, tokens):
+            if tokens >= 18 and not killed:
+                killed.append(2)
+                os.kill(pids[2], signal.SIGKILL)
+            elif len(killed) == 1 and engine.recoveries:
+                killed.append(1)
+                os.kill(pids[1], signal.SIGKILL)
+
+        params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+        out = llm.generate_requests(llm.prepare([{"prompt_token_ids": p} for p in PROMPTS], params), on_step=on_step,
+                                    timeout_s=200)
+        assert [r["token_ids"] for r in out] == expected
+        assert killed == [2, 1] and [(r["lost"], r["layout"]) for r in engine.recoveries] == [([2], "DP2EP2"),
+                                                                                             ([1], "TP1")]
+        assert engine.healthy and set(engine.degraded) == {1, 2}
     finally:
         llm.close()
