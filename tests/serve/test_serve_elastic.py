@@ -9,6 +9,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from cli import run_cli
 from reference import reference_tokens
 from serving import Server, text_of, with_tokenizer
 
@@ -70,3 +71,14 @@ async def _after(url):
     c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     ids, _, err = await _stream(c, PROMPTS[0])
     return ids, err
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--enable-admin-api"], "--elastic-ep runs one engine that shrinks itself: --enable-admin-api has no replicas"),
+])
+def test_serve_refuses_elastic_ep_where_it_cannot_run(tiny_model, capsys, flags, error):
+    model_dir = tiny_model("qwen3_moe", num_experts=8)
+    code, out, err = run_cli(capsys, "serve", "--model", model_dir, "--layout", "DP3EP3", "--enable-eplb",
+                             "--num-redundant-experts", "1", "--elastic-ep", *flags)
+    assert code == 2 and out == ""
+    assert err.startswith(f"atoll: error: {error}") and err.count("\n") == 1, err
