@@ -115,6 +115,9 @@ def run(args) -> int:
     plan = args.saved_plan = _layout(args, launcher)
     replicas = plan.replicas if plan else replicas
     check_replicas(replicas, launcher)
+    if args.elastic_ep and (replicas > 1 or args.enable_admin_api):
+        raise InputError(f"--elastic-ep runs one DPnEPn engine, not {replicas} replicas of it" if replicas > 1 else
+                         "--elastic-ep runs one engine that shrinks itself: --enable-admin-api has no replicas to change")
     policy = restart_policy(args)  # its flags checked before any rank starts
     args.elastic = elastic(args, replicas, bool(getattr(args, "prefill", None)))
     if args.enable_admin_api and replicas == 1 and not (policy.restarts and launcher in ("local", "ray")):
@@ -143,7 +146,7 @@ def run(args) -> int:
 
                 engine = start_replicas(llm, replicas, parallel=args.context, router=args.router,
                                         policy=policy)
-            elif policy.restarts and launcher in ("local", "ray"):
+            elif policy.restarts and launcher in ("local", "ray") and not llm.options.elastic_ep:
                 from atoll.serve.replica_start import start_disagg, start_single  # lazy: as above
 
                 engine = start_single(llm, parallel=args.context, policy=policy) if llm.prefill_layout is None \

@@ -155,6 +155,10 @@ class EngineConfig:
     eplb_async: bool = _opt(True, "MoE with --enable-eplb: move the layers one a step, each copied in the background "
                                   "while a step runs (--no-eplb-async: every layer at the rebalance's step boundary, "
                                   "the engine waiting)")
+    elastic_ep: bool = _opt(False, "MoE, a DPnEPn layout with --enable-eplb and --num-redundant-experts R >= 1, "
+                                   "local launcher: when a rank dies (rank 0 included), the others go on at DP(n-1)EP(n-1), "
+                                   "its experts served from the copies left or read again from the checkpoint, its "
+                                   "requests continued with their tokens (docs/eplb.md)")
     expert_load_interval: int = _opt(100, "MoE: every this many steps, each layer's max/mean tokens per EP rank over "
                                           "the window goes into the engine's stats (/metrics); 0: only at the end "
                                           "of a run (atoll generate --stats)")
@@ -284,7 +288,7 @@ class EngineConfig:
         if isinstance(self.tbo_token_threshold, bool) or not isinstance(self.tbo_token_threshold, int) \
                 or self.tbo_token_threshold < 2:
             raise InputError(f"tbo_token_threshold={self.tbo_token_threshold!r} must be a whole number of at least 2")
-        for name in ("enable_eplb", "eplb_async", "enable_two_batch_overlap"):
+        for name in ("enable_eplb", "eplb_async", "enable_two_batch_overlap", "elastic_ep"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.num_redundant_experts and not self.enable_eplb:

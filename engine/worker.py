@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from atoll.comm.group import Group
 from atoll.engine.disagg.roles import decode_loop, prefill_loop
+from atoll.engine.rank.elastic_serve import serve_elastic
 from atoll.engine.rank.job import EngineJob
 from atoll.engine.rank.loop import Batch, ServeLoop
 from atoll.engine.rank.runner import ModelRunner
@@ -35,6 +36,8 @@ def worker(rank: int, world_size: int, job: EngineJob, inboxes=None, outbox=None
     with backend.using(job.kernels):
         if requests is not None:
             return _one_shot(rank, world_size, job, requests, device, node, ranks_here)
+        if job.roles == ("colocated",) and job.specs[0].engine.elastic_ep:  # goes on without a lost rank
+            return serve_elastic(rank, world_size, job, inboxes, outbox, device, node, ranks_here)  # outbox: one a rank
         engine, loop = _build(rank, world_size, job, inboxes, outbox, device, node, ranks_here)
         loop.ready()
         loop.run()

@@ -29,6 +29,7 @@ class LocalLauncher:
 
     channel = staticmethod(channel)
     disaggregates = True  # a living disaggregated engine's two engines are one job here
+    elastic = True  # a living engine's job can give a dead rank up and go on (--elastic-ep)
 
 
 class RayLauncher:

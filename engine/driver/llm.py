@@ -18,6 +18,7 @@ from atoll.engine.driver.disagg import DisaggEngine, disagg_job
 from atoll.engine.kv.sizing import check_fits, explicit_blocks
 from atoll.engine.batch.copies import expand, gather
 from atoll.engine.batch.lanes import lane_count
+from atoll.engine.driver.elastic import ElasticEngine, check_elastic
 from atoll.engine.driver.living import engine_spec, lane_load, run_through
 from atoll.engine.driver.online import OnlineEngine
 from atoll.engine.driver.token_params import token_params
@@ -138,6 +139,8 @@ class LLM:
         if self.layout.cp > 1 and (self.options.speculative_config is not None or self.prefill_layout is not None):
             raise LayoutError(f"layout {self.layout}: context parallelism does not combine with speculative "
                               "decoding or disaggregated prefill yet")
+        if self.options.elastic_ep:
+            check_elastic(self.layout, self.options, disaggregated=self.prefill_layout is not None)
         if self.options.fault_injection is not None:
             self.options.fault_injection.check_ranks(self.layout.world_size)
         Checkpoint(self.model_dir).check()
@@ -329,9 +332,9 @@ class LLM:
                                   min_prompt_tokens=self.options.disagg_min_prompt_tokens,
                                   max_prefill_queue=self.options.disagg_max_prefill_queue)
         else:
-            engine = OnlineEngine(engine_spec(self, requests), world_size=self.layout.world_size,
-                                  launcher=self.launcher, parallel=parallel or self.context_options(),
-                                  link_stats=link_stats)
+            kind = ElasticEngine if self.options.elastic_ep else OnlineEngine
+            engine = kind(engine_spec(self, requests), world_size=self.layout.world_size, launcher=self.launcher,
+                          parallel=parallel or self.context_options(), link_stats=link_stats)
         self._engine = engine
         self._finalizer = weakref.finalize(self, engine.close)  # at garbage collection and at exit
         return engine
@@ -372,6 +375,8 @@ class LLM:
             engine = self.start(requests, parallel=parallel, link_stats=link_stats)
             return run_through(engine, requests, timeout_s=timeout_s, on_result=on_result, on_step=on_step,
                                errors=errors, share=self.prefill_layout is None)
+        if self.options.elastic_ep:
+            check_elastic(self.layout, launcher=self.launcher)  # a launcher of one job per call: refused
         # a launcher that runs one job per call: the same rank loop, fed every request (copy) at once
         ids = itertools.count()
         engine_requests, groups = expand(requests, lambda: next(ids))

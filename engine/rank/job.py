@@ -20,6 +20,7 @@ class EngineJob:
     options: ContextOptions | None = None  # islands and nodes
     link_stats: bool = False  # count each engine's bytes by link class (parallel.links), sent as it stops
     cache_events: bool = False  # a colocated engine's steps report the blocks its pools name and evict
+    elastic_store: str | None = None  # --elastic-ep: "host:port" of the store the driver serves (comm/regroup.py)
 
     def __post_init__(self):
         if len(self.specs) != len(self.roles) or not self.specs:
