@@ -56,7 +56,7 @@ def test_an_estimated_queue_wait_over_the_slo_counts_as_short_on_first_tokens():
     fleet = Fleet(prefill=1, decode=1, free=1, threshold=POLICY.max_threshold)
     d = decide(history(queue_s=0.8), fleet, SLO, POLICY, now=100, last_at=None)
     assert (d.action, d.role) == ("add", "prefill")
-    assert "estimated wait 800 ms > TTFT SLO 500 ms" in d.reason
+    assert "estimated wait 800 ms > TTFT SLO 500 ms" in d.reason  # no correction given: none named
     assert decide(history(queue_s=0.3), fleet, SLO, POLICY, now=100, last_at=None) is None
 
 
@@ -91,12 +91,19 @@ def test_too_few_samples_or_an_old_history_decide_nothing():
     assert decide(history(ttft=0.1, end=10), Fleet(replicas=1, free=1), SLO, POLICY, now=100, last_at=None) is None
 
 
-def test_the_correction_factor_follows_observed_over_predicted():
-    c = Correction(alpha=0.5)
-    assert c.estimate(2.0) == 2.0
-    for _ in range(20):
-        c.observe(0.1, 0.3)
-    assert c.estimate(2.0) == pytest.approx(6.0, rel=1e-3)
+def test_the_correction_factor_is_the_median_of_observed_over_predicted_over_its_window():
+    c = Correction(window=5)
+    assert c.estimate(2.0) == 2.0  # nothing observed: the prediction as it is
+    for observed in (0.3, 0.3, 0.3, 5.0):  # one step slowed 50x by something else
+        c.observe(0.1, observed)
+    assert c.factor == pytest.approx(3.0) and c.estimate(2.0) == pytest.approx(6.0)
+    for _ in range(5):  # the window moves on: the old ratios are gone
+        c.observe(0.1, 0.05)
+    assert c.factor == pytest.approx(0.5)
+    c.observe(0.0, 1.0)  # no prediction: nothing to learn
+    assert c.factor == pytest.approx(0.5)
+    with pytest.raises(InputError, match="window=0"):
+        Correction(window=0)
 
 
 def test_goodput_parses_and_names_the_bad_field():
