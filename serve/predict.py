@@ -98,6 +98,9 @@ class Predictor:
         self.costs, self.sources, self.budget, self.window = costs, sources, max(1, budget), window
         self.engines: dict[str, EngineSteps] = {}
         self._lock = threading.Lock()
+        for src in sources:  # a replica's own trace: listed before its first tick
+            if src.engine is not None:
+                self.steps(src.engine)
 
     def role(self, name: str) -> str:
         return "prefill" if name.startswith("prefill") and "prefill" in self.costs else "decode"
