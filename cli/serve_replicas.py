@@ -59,8 +59,12 @@ def elastic(args, replicas: int, disaggregated: bool):
                          "it serves replicas (--data-parallel-size N)")
     if args.goodput is not None and not args.autoscale:
         raise InputError("--goodput is for --autoscale")
-    if args.topology is not None and not (args.autoscale or args.enable_admin_api):
-        raise InputError("--topology is for --autoscale and --enable-admin-api (their step predictions)")
+    if args.topology is not None:
+        if not (args.autoscale or args.enable_admin_api):
+            raise InputError("--topology is for --autoscale and --enable-admin-api (their step predictions)")
+        from atoll.topologies import load_topology  # lazy: as light as the rest of --help
+
+        load_topology(args.topology)  # a missing or bad file: its one line before any rank starts
     if not args.autoscale:
         return None
     if args.goodput is None:
