@@ -100,7 +100,7 @@ class Scaler:
         """target: ReplicasTarget or DisaggTarget (its stats, fleet, act and log); predictor:
         serve.predict.Predictor, or None (no estimates: attainment and KV use only)."""
         self.target, self.metrics, self.goodput, self.predictor = target, metrics, goodput, predictor
-        self._prompts = (0.0, 0.0, 0.0)  # prompt tokens and first tokens seen so far, the last mean prompt
+        self._prompts = (0.0, 0.0, 0.0)  # prompt tokens computed and requests finished so far, the last mean
         self.policy, self.every_s = policy or Policy(), every_s
         self.history: deque[Sample] = deque(maxlen=1000)
         self.decisions: deque[dict] = deque(maxlen=KEEP)
@@ -118,13 +118,13 @@ class Scaler:
         return (ok - ok0) / (total - total0) if total > total0 else None
 
     def _prompt(self) -> float:
-        """The mean prompt length of the requests that took their first token since the last
-        look (the last one seen when none did)."""
-        tokens = _total(self.metrics.prompt_tokens, "_total")
-        firsts = _total(self.metrics.ttft, "_count")
+        """The mean prompt tokens computed (not found in the prefix cache) of the requests that
+        finished since the last look (the last mean seen when none did)."""
+        tokens = _total(self.metrics.prompt_tokens, "_total") - _total(self.metrics.cached_tokens, "_total")
+        finished = _total(self.metrics.finished, "_total")
         t0, f0, last = self._prompts
-        mean = (tokens - t0) / (firsts - f0) if firsts > f0 else last
-        self._prompts = (tokens, firsts, mean)
+        mean = (tokens - t0) / (finished - f0) if finished > f0 else last
+        self._prompts = (tokens, finished, mean)
         return mean
 
     def sample(self, now: float) -> Sample:

@@ -12,7 +12,9 @@ from atoll.models.presets import resolve_model
 from atoll.planner.sim.deploy import Deployment, engine_kind
 from atoll.serve import predict
 from atoll.serve.autoscale import Fleet, Goodput, Policy, Sample, decide
+from atoll.serve.metrics import Metrics
 from atoll.serve.predict import Predictor, Source
+from atoll.serve.scaler import Scaler
 from atoll.topologies import load_topology
 
 POLICY = Policy(target=0.9, margin=0.05, interval_s=30, window_s=30, min_samples=3)
@@ -142,3 +144,43 @@ def test_a_trace_the_server_made_is_emptied_once_read_past_its_size(cost, tmp_pa
     assert trace.stat().st_size == 0 and p.view()["engine"]["ticks"] == 8
     _write(trace, "engine", [(2, 0, 600.0, 0.0)] * 2, 3.0, cost)
     assert p.view()["engine"]["ticks"] == 10 and p.factor("decode") == pytest.approx(3.0)
+
+
+class _Target:
+    """What a Scaler acts on, in memory: one replica serving, one free, the load given."""
+
+    def __init__(self, stats):
+        self.stats_now, self.lines, self.done = stats, [], []
+
+    def stats(self):
+        return self.stats_now
+
+    def fleet(self):
+        return Fleet(replicas=1, free=1)
+
+    def act(self, d):
+        self.done.append(d)
+        return 1, True
+
+    def log(self, line):
+        self.lines.append(line)
+
+
+def test_the_scaler_estimates_from_the_prompts_finished_less_their_cached_tokens(cost):
+    p = Predictor({"decode": cost}, [Source("/nonexistent/replica0.jsonl", "replica 0")], budget=BUDGET)
+    metrics = Metrics()
+    # two finished requests: 300 prompt tokens each, 100 of them found in the prefix cache
+    for _ in range(2):
+        metrics.request_finished({"finish_reason": "length", "metrics": {"prompt_tokens": 300, "cached_tokens": 100}},
+                                 arrived=0.0, now=1.0)
+    target = _Target({"waiting": 12, "running": 2, "blocks_in_use": 10, "num_blocks": 100})
+    wait = p.estimate(Fleet(replicas=1, free=1), waiting=12, running=2, prompt=PROMPT)["queue_s"]  # 200 computed
+    scaler = Scaler(target, metrics, Goodput(ttft_s=wait / 2, tpot_s=60.0),
+                    Policy(interval_s=10, window_s=10, min_samples=3), predictor=p)
+    made = [scaler.tick(now=t) for t in (0.0, 1.0, 2.0, 3.0)]
+    assert made[:2] == [None, None] and made[2].action == "add" and made[3] is None  # then the interval holds
+    assert scaler.history[-1].queue_s == pytest.approx(wait, rel=1e-9)
+    assert len(target.lines) == 1 and "estimated wait" in target.lines[0]
+    assert target.lines[0].endswith("[steps: replica 0: no step measured yet (correction 1.00)]")
+    entry = scaler.decisions[0]
+    assert entry["estimated_queue_ms"] == pytest.approx(wait * 1000, rel=1e-3) and entry["correction"] == 1.0
