@@ -73,16 +73,28 @@ class ReplicasTarget:
 class DisaggTarget:
     """What --autoscale changes on a disaggregated server (engine.driver.disagg.DisaggEngine):
     the local-prefill threshold (its min_prompt_tokens, read at each arrival). Adding an engine
-    or changing one's role is decided and logged, not applied: the job's engines are fixed."""
+    or changing one's role is decided and logged, not applied: the job's engines are fixed.
+    current(): the live DisaggEngine (a healing job's is a new one after each restart, which
+    gets the threshold the autoscaler last set)."""
 
-    def __init__(self, engine, log):
-        self.engine, self.log, self.base = engine, log, engine.min_prompt_tokens
+    def __init__(self, current, log):
+        self.current, self.log = current, log
+        self.base = current().min_prompt_tokens
+        self.threshold: int | None = None  # the last one set
+
+    @property
+    def engine(self):
+        e = self.current()
+        if self.threshold is not None and e.min_prompt_tokens != self.threshold:
+            e.min_prompt_tokens = self.threshold  # a restarted job starts at the flag's
+        return e
 
     def stats(self) -> dict:
         return self.engine.stats
 
     def fleet(self) -> Fleet:
-        dead, e = set(self.engine.degraded), self.engine
+        e = self.engine
+        dead = set(e.degraded)
         alive = [e.live.name(k) not in dead for k in range(len(e.layouts))]
         return Fleet(prefill=sum(alive[:e.x]), decode=sum(alive[e.x:]), threshold=e.min_prompt_tokens,
                      base_threshold=self.base)
@@ -90,7 +102,7 @@ class DisaggTarget:
     def act(self, d) -> tuple[int | None, bool]:
         if d.action != "threshold":
             return None, False
-        self.engine.min_prompt_tokens = d.threshold
+        self.threshold = self.engine.min_prompt_tokens = d.threshold
         return None, True
 
 

@@ -93,10 +93,12 @@ def _elastic(llm, engine, backend, admin_api: bool, autoscale: tuple | None, pre
     Scaler (--autoscale: (Goodput, Policy, every_s)); None for what is off."""
     if not admin_api and autoscale is None:
         return None, None
-    if not isinstance(engine, Replicas):  # a disaggregated engine: its threshold only (serve.scaler)
+    if llm.prefill_layout is not None:  # a disaggregated engine: its threshold only (serve.scaler)
         goodput, policy, every_s = autoscale
         log = lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True)  # noqa: E731
-        return None, Scaler(DisaggTarget(engine, log), backend.metrics, goodput, policy, every_s=every_s,
+        # a healing job (serve.replica_start.start_disagg) is a set of one: its live engine
+        current = (lambda: engine.engines[0]) if isinstance(engine, Replicas) else (lambda: engine)
+        return None, Scaler(DisaggTarget(current, log), backend.metrics, goodput, policy, every_s=every_s,
                             predictor=predictor)
     admin = EngineAdmin(engine, layout=str(llm.layout), api=admin_api)
     admin.predictor = predictor
