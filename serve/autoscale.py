@@ -20,7 +20,11 @@ what to change, with its reason:
   target + margin, KV use is under kv_low, nothing waits and the TPOT estimated with one engine
   fewer stays under (1 - margin) x its SLO (a drain the next look would undo is not made).
 
-Hysteresis: nothing within interval_s of the last decision, nothing from fewer than min_samples
+Hysteresis: nothing within interval_s of the last decision, nothing undoing the last decision
+(a drain after an add, an add after a drain, a threshold lowered after it was raised) within
+settle x interval_s of it (a drain a short load would undo at once flapped every interval on a
+2-core machine: TPOT attainment's tail, from prompt chunks beside the rows, was not in the
+estimate), nothing from fewer than min_samples
 samples, the estimates averaged over the window, and the margin on both sides of the target
 (attainment) and of each SLO (estimates: room only under (1 - margin) x the SLO), so a load
 near them changes nothing.
@@ -101,6 +105,7 @@ class Policy:
     margin: float = 0.05  # hysteresis: act under target - margin, scale in over target + margin
     interval_s: float = 30.0  # at least this long between two decisions
     window_s: float = 30.0  # the samples a decision reads
+    settle: float = 4.0  # a decision undoing the last one (a drain after an add, ...) waits settle x interval_s
     min_samples: int = 3
     kv_high: float = 0.9
     kv_low: float = 0.5
@@ -109,8 +114,8 @@ class Policy:
     def __post_init__(self):
         if not 0 < self.target <= 1 or not 0 <= self.margin < self.target:
             raise InputError(f"autoscale target={self.target} margin={self.margin}: need 0 <= margin < target <= 1")
-        if not self.interval_s >= 0 or not self.window_s > 0 or self.min_samples < 1:
-            raise InputError("autoscale interval_s >= 0, window_s > 0 and min_samples >= 1 are needed")
+        if not self.interval_s >= 0 or not self.window_s > 0 or self.min_samples < 1 or not self.settle >= 1:
+            raise InputError("autoscale interval_s >= 0, window_s > 0, min_samples >= 1 and settle >= 1 are needed")
 
 
 class Correction:
@@ -140,11 +145,35 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def direction(d: Decision, fleet: Fleet) -> str:
+    """Which way a decision moves the fleet, for telling when one undoes the last: "+replica"
+    (added) and "-replica" (drained), "+threshold" and "-threshold", "+prefill" and "-prefill"
+    (an engine turned into a prefill or a decode one)."""
+    if d.action == "threshold":
+        return "+threshold" if fleet.threshold is None or d.threshold > fleet.threshold else "-threshold"
+    if d.action in ("add", "drain"):
+        return ("+" if d.action == "add" else "-") + d.role
+    return "+prefill" if d.role == "prefill" else "-prefill"
+
+
+def _opposite(a: str, b: str) -> bool:
+    return a[1:] == b[1:] and a[0] != b[0]
+
+
 def decide(history: list[Sample], fleet: Fleet, goodput: Goodput, policy: Policy, *, now: float,
-           last_at: float | None) -> Decision | None:
-    """What to change now, from the samples of the last window; None: nothing (or too soon)."""
+           last_at: float | None, last: str | None = None) -> Decision | None:
+    """What to change now, from the samples of the last window; None: nothing (or too soon).
+    last: the direction() of the last decision: one undoing it waits settle x interval_s."""
     if last_at is not None and now - last_at < policy.interval_s:
         return None
+    d = _decide(history, fleet, goodput, policy, now=now)
+    if d is not None and last is not None and last_at is not None and _opposite(direction(d, fleet), last) \
+            and now - last_at < policy.settle * policy.interval_s:
+        return None
+    return d
+
+
+def _decide(history: list[Sample], fleet: Fleet, goodput: Goodput, policy: Policy, *, now: float) -> Decision | None:
     window = [s for s in history if now - policy.window_s <= s.at <= now]
     if len(window) < policy.min_samples:
         return None

@@ -22,7 +22,7 @@ from collections import deque
 
 from prometheus_client import Counter
 
-from atoll.serve.autoscale import Fleet, Goodput, Policy, Sample, decide
+from atoll.serve.autoscale import Fleet, Goodput, Policy, Sample, decide, direction
 
 KEEP = 1000  # decisions kept for GET /admin/autoscale
 
@@ -117,6 +117,7 @@ class Scaler:
         self.history: deque[Sample] = deque(maxlen=1000)
         self.decisions: deque[dict] = deque(maxlen=KEEP)
         self.last_at: float | None = None
+        self.last: str | None = None  # the last decision's direction (serve.autoscale.direction)
         self._seen = {"ttft": (0.0, 0.0), "itl": (0.0, 0.0)}
         self.counted = Counter("atoll_autoscale_decisions", "--autoscale: decisions made, by action (add, drain, "
                                "role, threshold), role and whether applied (a disaggregated server's engines are "
@@ -160,10 +161,11 @@ class Scaler:
         now = time.monotonic() if now is None else now
         sample = self.sample(now)
         self.history.append(sample)
-        d = decide(list(self.history), self.target.fleet(), self.goodput, self.policy, now=now, last_at=self.last_at)
+        fleet = self.target.fleet()
+        d = decide(list(self.history), fleet, self.goodput, self.policy, now=now, last_at=self.last_at, last=self.last)
         if d is None:
             return None
-        self.last_at = now
+        self.last_at, self.last = now, direction(d, fleet)
         engine, applied = self.target.act(d)
         self.counted.labels(d.action, d.role, str(applied).lower()).inc()
         steps = self.steps()

@@ -133,3 +133,20 @@ def test_a_healing_disaggregated_jobs_new_engine_gets_the_threshold_the_autoscal
     assert target.act(Decision("add", "prefill", "why")) == (None, False)
     live[0] = job()  # the job restarted after a failure: a new engine, at the flag's threshold
     assert target.fleet().threshold == 8 and live[0].min_prompt_tokens == 8
+
+
+def test_a_decision_undoing_the_last_one_waits_settle_intervals():
+    """Replayed tick by tick: a replica drained when idle is not added back by a short burst
+    within settle x interval_s of the drain (it flapped every interval without it), and is once that
+    has passed; decisions in one direction keep the plain interval."""
+    fleet = Fleet(replicas=1, free=1)
+    short = history(ttft=0.5, end=140)  # samples from 115 to 140 s
+    assert decide(short, fleet, SLO, POLICY, now=140, last_at=100, last="-replica") is None  # 40 s < 4 x 30 s
+    d = decide(history(ttft=0.5, end=230), fleet, SLO, POLICY, now=230, last_at=100, last="-replica")
+    assert (d.action, d.role) == ("add", "replica")
+    d = decide(short, fleet, SLO, POLICY, now=140, last_at=100, last="+replica")  # another add: the interval only
+    assert (d.action, d.role) == ("add", "replica")
+    raised = Fleet(prefill=1, decode=1, free=0, threshold=512, base_threshold=256)
+    assert decide(history(tpot=0.5, end=140), raised, SLO, POLICY, now=140, last_at=100, last="+threshold") is None
+    with pytest.raises(InputError, match="settle >= 1"):
+        Policy(settle=0.5)
