@@ -87,8 +87,9 @@ class EngineAdmin:
         if steps is None:
             return None
         name = f"replica {k}" if len(self.replicas.engines) > 1 else "engine"
-        return steps.get(name) or steps.get("engine") or {"predicted_step_ms": None, "measured_step_ms": None, "correction": 1.0,
-                                   "ticks": 0, "line": f"{name}: no step measured yet (correction 1.00)"}
+        none = {"predicted_step_ms": None, "measured_step_ms": None, "correction": 1.0, "ticks": 0,
+                "line": f"{name}: no step measured yet (correction 1.00)"}
+        return steps.get(name) or steps.get("engine") or none
 
     def list(self) -> list[dict]:
         steps = self.predictor.view() if self.predictor is not None else None

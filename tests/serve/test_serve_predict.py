@@ -20,7 +20,7 @@ PROMPT = [5, 7, 9, 11]
 NEW = 6
 
 
-def _predicted_ms(model_dir, cost) -> float:
+def _predicted_ms(cost) -> float:
     """The median predicted tick of one request of PROMPT and NEW greedy tokens run alone: its
     prompt in one chunk, then a decode row a token at contexts len(PROMPT) + 1, ..."""
     n = len(PROMPT)
@@ -52,7 +52,7 @@ def test_admin_engines_show_each_replicas_predicted_step_and_its_correction(tiny
     for k in (0, 1):
         s = steps[k]
         assert s["ticks"] == 2 * NEW, s  # a prefill tick and NEW - 1 decode ticks a request
-        assert s["predicted_step_ms"] == pytest.approx(_predicted_ms(d, cost), rel=1e-3), s
+        assert s["predicted_step_ms"] == pytest.approx(_predicted_ms(cost), rel=1e-3), s
         assert s["measured_step_ms"] > 0 and s["correction"] > 0
         # the factor is a median of ratios, the figures medians of each: alike over these ticks
         assert s["predicted_step_ms"] * s["correction"] == pytest.approx(s["measured_step_ms"], rel=0.3), s
