@@ -76,7 +76,8 @@ class Sample:
     tpot_s: float | None = None  # the running batch's estimated TPOT
     queue_more_s: float | None = None  # the queue's estimated wait with one prefill engine (replica) more
     tpot_less_s: float | None = None  # the estimated TPOT with one decode engine (replica) fewer
-    correction: float | None = None  # the live correction factor the estimates were made with
+    correction: float | None = None  # the live correction factor the queue's wait was made with
+    tpot_correction: float | None = None  # and the one TPOT's was
 
 
 @dataclass(frozen=True)
@@ -180,10 +181,11 @@ def _decide(history: list[Sample], fleet: Fleet, goodput: Goodput, policy: Polic
     ttft, tpot = _mean([s.ttft_ok for s in window]), _mean([s.tpot_ok for s in window])
     kv, waiting = _mean([s.kv_used for s in window]), _mean([s.waiting for s in window])
     est = {name: _mean([getattr(s, name) for s in window])
-           for name in ("queue_s", "tpot_s", "queue_more_s", "tpot_less_s", "correction")}
+           for name in ("queue_s", "tpot_s", "queue_more_s", "tpot_less_s", "correction", "tpot_correction")}
     queue_s, tpot_s = est["queue_s"], est["tpot_s"]
     low, high = policy.target - policy.margin, policy.target + policy.margin
-    factor = f" (predicted x correction {est['correction']:.2f})" if est["correction"] is not None else ""
+    factor, tpot_factor = (f" (predicted x correction {est[k]:.2f})" if est[k] is not None else ""
+                           for k in ("correction", "tpot_correction"))
     why_first = []
     if ttft is not None and ttft < low:
         why_first.append(f"TTFT attainment {ttft:.0%} < {low:.0%}")
@@ -196,7 +198,7 @@ def _decide(history: list[Sample], fleet: Fleet, goodput: Goodput, policy: Polic
     if tpot is not None and tpot < low:
         why_tokens.append(f"TPOT attainment {tpot:.0%} < {low:.0%}")
     if tpot_s is not None and tpot_s > goodput.tpot_s * over:
-        why_tokens.append(f"estimated TPOT {tpot_s * 1000:.1f} ms{factor} > TPOT SLO {goodput.tpot_s * 1000:.1f} ms")
+        why_tokens.append(f"estimated TPOT {tpot_s * 1000:.1f} ms{tpot_factor} > TPOT SLO {goodput.tpot_s * 1000:.1f} ms")
     if kv > policy.kv_high:
         why_tokens.append(f"KV use {kv:.0%} > {policy.kv_high:.0%}")
     tokens_room = (tpot is None or tpot >= high) and kv < policy.kv_high and not why_tokens

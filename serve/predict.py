@@ -7,7 +7,8 @@ or the topology's measured steps of the model where `atoll calibrate --steps` wr
 engines' first ranks append every tick's shape and seconds to a step trace (--step-trace; the
 server makes its own files where none is given, one per replica); each look reads the new ticks
 and sets each engine's correction factor: the median of measured / predicted seconds over its
-last WINDOW ticks (serve.autoscale.Correction). The autoscaler's estimates are the planner's
+last WINDOW ticks (serve.autoscale.Correction), and the same over its ticks with prompt chunks
+(which correct the queue's wait) and its decode-only ticks (which correct TPOT) apart. The autoscaler's estimates are the planner's
 predicted seconds for the load it sees now, times that factor:
 
     queue wait   the prompt tokens waiting (requests waiting x their mean prompt length) per
@@ -55,6 +56,9 @@ class EngineSteps:
 
     def __init__(self, cost, window: int = WINDOW):
         self.cost, self.correction = cost, Correction(window)
+        # the same ratios apart for ticks with prompt chunks and decode-only ticks: the cost model
+        # may miss the two by different factors (the queue is corrected by the first, TPOT by the second)
+        self.chunked, self.decoding = Correction(window), Correction(window)
         self.pairs: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted, measured) seconds
         self.contexts: deque[float] = deque(maxlen=window)  # decoding rows' mean context, per tick
         self.ticks = 0
@@ -71,6 +75,7 @@ class EngineSteps:
             return
         predicted = self.predict(rows, chunk, ctx_sum, attended_sum, padded)[1]
         self.correction.observe(predicted, seconds)
+        (self.chunked if chunk else self.decoding).observe(predicted, seconds)
         self.pairs.append((predicted, seconds))
         self.ticks += 1
         if rows:
@@ -84,11 +89,17 @@ class EngineSteps:
         predicted = statistics.median(p for p, _ in self.pairs) * 1000
         measured = statistics.median(m for _, m in self.pairs) * 1000
         factor = self.correction.factor
+        apart = {kind: round(getattr(self, kind).factor, 4) if getattr(self, kind).ratios else None
+                 for kind in ("chunked", "decoding")}
+        told = ", ".join(f"{what} {apart[kind]:.2f}" for kind, what in (("chunked", "prompt-chunk ticks"),
+                                                                      ("decoding", "decode ticks"))
+                         if apart[kind] is not None)
         return {"predicted_step_ms": round(predicted, 3), "measured_step_ms": round(measured, 3),
-                "correction": round(factor, 4), "ticks": self.ticks,
+                "correction": round(factor, 4), "correction_chunked": apart["chunked"],
+                "correction_decoding": apart["decoding"], "ticks": self.ticks,
                 "line": f"{name}: predicted step {predicted:.2f} ms x correction {factor:.2f} = "
                         f"{predicted * factor:.2f} ms (measured {measured:.2f} ms, median of the last "
-                        f"{len(self.pairs)} of {self.ticks} ticks)"}
+                        f"{len(self.pairs)} of {self.ticks} ticks; {told})"}
 
 
 class Predictor:
@@ -146,9 +157,12 @@ class Predictor:
         with self._lock:
             return {name: steps.view(name) for name, steps in sorted(self.engines.items())}
 
-    def factor(self, role: str) -> float:
-        """The role's correction: the median ratio over its engines' windows (1.0 before any tick)."""
-        ratios = [r for name, s in self.engines.items() if self.role(name) == role for r in s.correction.ratios]
+    def factor(self, role: str, kind: str | None = None) -> float:
+        """The role's correction: the median ratio over its engines' windows (1.0 before any tick);
+        kind "chunked" or "decoding": over those ticks only, where there are any."""
+        mine = [s for name, s in self.engines.items() if self.role(name) == role]
+        ratios = [r for s in mine for r in getattr(s, kind).ratios] if kind else []
+        ratios = ratios or [r for s in mine for r in s.correction.ratios]
         return statistics.median(ratios) if ratios else 1.0
 
     def _context(self, role: str, default: float) -> float:
@@ -163,9 +177,10 @@ class Predictor:
             colocated = fleet.prefill + fleet.decode == 0
             n_prefill = fleet.replicas if colocated else fleet.prefill
             n_decode = fleet.replicas if colocated else fleet.decode
-            f_prefill, f_decode = self.factor("prefill" if "prefill" in self.costs else "decode"), self.factor("decode")
+            f_prefill = self.factor("prefill" if "prefill" in self.costs else "decode", "chunked")
+            f_decode = self.factor("decode", "decoding")
             context = self._context("decode", prompt)
-            out = {"correction": f_decode if colocated else (f_prefill + f_decode) / 2}
+            out = {"correction": f_prefill, "tpot_correction": f_decode}
             if n_prefill >= 1:
                 out["queue_s"] = self._queue(n_prefill, waiting, running / n_prefill if colocated else 0, prompt,
                                              context) * f_prefill
@@ -209,8 +224,7 @@ def for_server(args, llm, sources: list[Source], *, replicas: int, log) -> Predi
         d = from_engine_flags(flags, config, topology, acceptance=0.0)
         if d.disaggregated:
             layouts = {"prefill": d.prefill, "decode": d.decode}
-            ranks = sum(llm.prefill_layout.world_size for _ in range(d.prefill_replicas)) \
-                + d.decode_replicas * llm.layout.world_size
+            ranks = d.prefill_replicas * llm.prefill_layout.world_size + d.decode_replicas * llm.layout.world_size
         else:
             layouts, ranks = {"decode": d.layout}, replicas * llm.layout.world_size
         kinds = {role: engine_kind(config, topology, d, lay, isl=512, osl=128, ranks=ranks, model_name=name)

@@ -173,7 +173,8 @@ class Scaler:
         self.decisions.append({"at": time.time(), "action": d.action, "role": d.role, "engine": engine,
                                "threshold": d.threshold, "applied": applied, "reason": d.reason,
                                "estimated_queue_ms": ms(sample.queue_s), "estimated_tpot_ms": ms(sample.tpot_s),
-                               "correction": sample.correction, "steps": steps})
+                               "correction": sample.correction, "tpot_correction": sample.tpot_correction,
+                               "steps": steps})
         where = f" (engine {engine})" if engine is not None else ""
         self.target.log(f"autoscale: {d.action} {d.role}{where}: {d.reason}" + ("" if applied else
                         " [not applied: a disaggregated server's engines are fixed at launch]")

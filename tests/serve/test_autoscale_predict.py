@@ -61,9 +61,8 @@ def test_the_queue_wait_is_its_chunks_predicted_ticks_and_one_more_engine_shorte
     two = _tick(cost, 1, BUDGET, PROMPT, BUDGET * PROMPT / 2)[0]
     assert est["queue_more_s"] == pytest.approx(math.ceil(3 * PROMPT / BUDGET) * two, rel=1e-9)
     assert est["queue_more_s"] < est["queue_s"] / 1.5
-    assert p.estimate(Fleet(replicas=1), waiting=0, running=0, prompt=PROMPT) == {"correction": 1.0,
-                                                                                   "queue_s": 0.0,
-                                                                                   "queue_more_s": 0.0}
+    assert p.estimate(Fleet(replicas=1), waiting=0, running=0, prompt=PROMPT) == {
+        "correction": 1.0, "tpot_correction": 1.0, "queue_s": 0.0, "queue_more_s": 0.0}
 
 
 def test_a_queue_that_will_miss_ttft_adds_a_replica_before_attainment_drops(cost):
@@ -101,6 +100,23 @@ def test_a_correction_factor_of_2_measured_from_the_trace_changes_the_decision(c
     assert view["line"].startswith("replica 0: predicted step ") and "x correction 2.00" in view["line"]
     d = decide(_samples(p, fleet, waiting=6, running=2), fleet, slo, POLICY, now=100, last_at=None)
     assert (d.action, d.role) == ("add", "replica") and "correction 2.00" in d.reason
+
+
+def test_prompt_chunk_ticks_correct_the_queue_and_decode_ticks_correct_tpot(cost, tmp_path):
+    trace = tmp_path / "steps.jsonl"
+    p = Predictor({"decode": cost}, [Source(str(trace), None)], budget=BUDGET)
+    fleet = Fleet(replicas=1, free=1)
+    before = p.estimate(fleet, waiting=6, running=2, prompt=PROMPT)
+    _write(trace, "engine", [(r, 0, r * PROMPT, 0.0) for r in (1, 2, 4, 8, 2)], 1.5, cost)  # decode-only ticks
+    _write(trace, "engine", [(1, 128, PROMPT, 128 * 64.0)] * 3, 4.0, cost)  # ticks with prompt chunks
+    after = p.estimate(fleet, waiting=6, running=2, prompt=PROMPT)
+    assert (after["correction"], after["tpot_correction"]) == (pytest.approx(4.0), pytest.approx(1.5))
+    assert after["queue_s"] == pytest.approx(4.0 * before["queue_s"], rel=1e-9)
+    assert after["tpot_s"] == pytest.approx(1.5 * before["tpot_s"], rel=1e-9)
+    view = p.view()["engine"]
+    assert view["correction"] == pytest.approx(1.5)  # the median over all 8 ticks
+    assert (view["correction_chunked"], view["correction_decoding"]) == (4.0, 1.5)
+    assert view["line"].endswith("ticks; prompt-chunk ticks 4.00, decode ticks 1.50)")
 
 
 def test_the_tpot_estimate_adds_a_decode_engine_and_keeps_a_drain_that_would_miss_it(cost):
