@@ -28,6 +28,7 @@ def _predicted_ms(cost) -> float:
     return 1000 * statistics.median(ticks)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_admin_engines_show_each_replicas_predicted_step_and_its_correction(tiny_model, tmp_path):
     d = with_tokenizer(tiny_model("llama", max_position_embeddings=512), tmp_path / "m")
