@@ -18,9 +18,12 @@ with that one line (code 2), for a supervisor or the job's launcher to restart."
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 
 from atoll.cli.generate import _living_launcher, _plan, add_model_options, make_llm
 from atoll.cli.main import Terminated
@@ -123,6 +126,29 @@ def run(args) -> int:
     if args.enable_admin_api and replicas == 1 and not (policy.restarts and launcher in ("local", "ray")):
         raise InputError(f"--enable-admin-api: one engine under --restart-policy {args.restart_policy} and the "
                          f"{launcher} launcher has nothing to change; run replicas (--data-parallel-size N)")
+    traces = _traces(args, replicas, launcher)
+    try:
+        return _run(args, launcher, replicas, plan, policy, traces)
+    finally:
+        if traces is not None:
+            shutil.rmtree(traces, ignore_errors=True)
+
+
+def _traces(args, replicas: int, launcher: str) -> str | None:
+    """--autoscale and the admin API read the engines' steps: a directory of step traces the
+    server makes (replica k's replica{k}.jsonl; one engine's steps.jsonl), unless --step-trace
+    names the file (then every replica's ticks are counted as one engine's). Under the local
+    launcher only: elsewhere an engine's first rank may write on another node (--step-trace on a
+    shared file system gives the corrections there; without it the steps are predicted, uncorrected)."""
+    if not (args.autoscale or args.enable_admin_api) or args.step_trace or launcher != "local":
+        return None
+    traces = tempfile.mkdtemp(prefix="atoll-steps-")
+    if replicas == 1:
+        args.step_trace = os.path.join(traces, "steps.jsonl")
+    return traces
+
+
+def _run(args, launcher: str, replicas: int, plan, policy, traces: str | None) -> int:
     llm = make_llm(args, args.model, layout=str(plan.layout) if plan else None)
     if llm.prefill_layout is not None and launcher not in ("local", "ray"):
         raise LaunchError(f"--prefill/--decode: disaggregated serving runs under the local or Ray launcher, "
@@ -145,7 +171,7 @@ def run(args) -> int:
                 from atoll.serve.replica_start import start_replicas  # lazy: prometheus_client (atoll[serve])
 
                 engine = start_replicas(llm, replicas, parallel=args.context, router=args.router,
-                                        policy=policy)
+                                        policy=policy, traces=traces)
             elif policy.restarts and launcher in ("local", "ray") and not llm.options.elastic_ep:
                 from atoll.serve.replica_start import start_disagg, start_single  # lazy: as above
 
@@ -156,7 +182,7 @@ def run(args) -> int:
         except Terminated:
             print("atoll: terminated (SIGTERM) while the ranks were starting", file=sys.stderr)
             return 0
-        return _serve(args, llm, sock, engine)
+        return _serve(args, llm, sock, engine, _predictor(args, llm, replicas, traces))
     finally:
         sock.close()
         if engine is not None:
@@ -174,7 +200,23 @@ def _join(args, llm) -> int:
     return 0
 
 
-def _serve(args, llm, sock, engine=None) -> int:
+def _predictor(args, llm, replicas: int, traces: str | None):
+    """The planner's step costs for --autoscale and the admin API, read against the step traces."""
+    if not (args.autoscale or args.enable_admin_api):
+        return None
+    from atoll.serve.predict import Source, for_server  # lazy: the planner, only for these
+
+    if traces is not None and replicas > 1:
+        sources = [Source(os.path.join(traces, f"replica{k}.jsonl"), f"replica {k}", own=True) for k in range(replicas)]
+    elif args.step_trace:
+        sources = [Source(args.step_trace, None, own=traces is not None)]
+    else:
+        sources = []
+    return for_server(args, llm, sources, replicas=replicas,
+                      log=lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True))
+
+
+def _serve(args, llm, sock, engine=None, predictor=None) -> int:
     # lazy: fastapi, uvicorn and prometheus_client are the optional atoll[serve]; --help and a
     # torchrun rank but 0 need none of them
     from atoll.serve.server import serve
@@ -190,4 +232,5 @@ def _serve(args, llm, sock, engine=None) -> int:
     return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,
                              tool_call_parser=args.tool_call_parser, max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                              log_level=args.log_level, dead_linger_s=DEAD_LINGER_S, engine=engine,
-                             admin_api=args.enable_admin_api and engine is not None, autoscale=args.elastic))
+                             admin_api=args.enable_admin_api and engine is not None, autoscale=args.elastic,
+                             predictor=predictor))

@@ -44,6 +44,10 @@ def add_elastic_options(p) -> None:
     p.add_argument("--autoscale-interval-s", type=float, default=30.0, metavar="S",
                    help="--autoscale: at least this long between two decisions, and the window each reads "
                         "(default 30)")
+    p.add_argument("--topology", default=None, metavar="NAME|YAML",
+                   help="--autoscale and /admin/engines: the topology whose cost model predicts each engine's "
+                        "step (a preset, or the YAML `atoll calibrate` writes, with the model's measured steps; "
+                        "default local), corrected live by the measured steps")
 
 
 def elastic(args, replicas: int, disaggregated: bool):
@@ -55,6 +59,12 @@ def elastic(args, replicas: int, disaggregated: bool):
                          "it serves replicas (--data-parallel-size N)")
     if args.goodput is not None and not args.autoscale:
         raise InputError("--goodput is for --autoscale")
+    if args.topology is not None:
+        if not (args.autoscale or args.enable_admin_api):
+            raise InputError("--topology is for --autoscale and --enable-admin-api (their step predictions)")
+        from atoll.topologies import load_topology  # lazy: as light as the rest of --help
+
+        load_topology(args.topology)  # a missing or bad file: its one line before any rank starts
     if not args.autoscale:
         return None
     if args.goodput is None:

@@ -2,7 +2,9 @@
 the engines a replicas server holds, and the changes an operator (or serve.autoscale) makes to
 them, within the ranks the server started with.
 
-    GET  /admin/engines               every engine: id, role, layout, state, health, load, rank pids
+    GET  /admin/engines               every engine: id, role, layout, state, health, load, rank pids, and
+                                      its step: predicted by the planner, measured, the correction
+                                      factor, in one line (serve.predict)
     GET  /admin/autoscale             --autoscale's decisions, each with its reason (serve.scaler)
     POST /admin/engines/{id}/drain    no new requests go to it; those it runs finish there
     POST /admin/engines/{id}/remove   drained (up to timeout_s), then its ranks stopped: what still
@@ -50,6 +52,7 @@ class EngineAdmin:
         self.log = log or (lambda line: print(f"atoll: admin: {line}", file=sys.stderr, flush=True))
         self._lock = threading.Lock()  # one change at a time
         self.scaler = None  # serve.scaler.Scaler under --autoscale: its decisions at GET /admin/autoscale
+        self.predictor = None  # serve.predict.Predictor: each engine's predicted step and correction
 
     def engine(self, k) -> int:
         """Engine id k checked: 404 for one the server does not hold."""
@@ -63,7 +66,10 @@ class EngineAdmin:
         state, unfinished = self.replicas.state(k)
         return "drained" if state == "draining" and unfinished == 0 else state
 
-    def describe(self, k: int) -> dict:
+    def describe(self, k: int, steps: dict | None = None) -> dict:
+        """steps: serve.predict.Predictor.view() (default: read now, where there is a predictor)."""
+        if steps is None and self.predictor is not None:
+            steps = self.predictor.view()
         state, unfinished = self.replicas.state(k)
         engine = self.replicas.engines[k]
         up = state in ("serving", "draining")
@@ -73,10 +79,21 @@ class EngineAdmin:
                 "load": {"running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
                          "unfinished": unfinished},
                 "kv": {"blocks_in_use": stats.get("blocks_in_use", 0), "blocks_total": stats.get("num_blocks", 0)},
-                "pids": list(getattr(engine.job, "pids", [])) if up else []}
+                "pids": list(getattr(engine.job, "pids", [])) if up else [],
+                "step": self._step(k, steps)}
+
+    def _step(self, k: int, steps: dict | None) -> dict | None:
+        """Engine k's predicted and measured step and correction factor (None without a predictor)."""
+        if steps is None:
+            return None
+        name = f"replica {k}" if len(self.replicas.engines) > 1 else "engine"
+        none = {"predicted_step_ms": None, "measured_step_ms": None, "correction": 1.0, "ticks": 0,
+                "line": f"{name}: no step measured yet (correction 1.00)"}
+        return steps.get(name) or steps.get("engine") or none
 
     def list(self) -> list[dict]:
-        return [self.describe(k) for k in range(len(self.replicas.engines))]
+        steps = self.predictor.view() if self.predictor is not None else None
+        return [self.describe(k, steps) for k in range(len(self.replicas.engines))]
 
     def _serving(self) -> list[int]:
         return [k for k in range(len(self.replicas.engines)) if self.replicas.state(k)[0] == "serving"]

@@ -62,10 +62,12 @@ def start_disagg(llm, *, policy: RestartPolicy | None = None) -> Replicas:
 
 
 def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware",
-                   policy: RestartPolicy | None = None, label: str | None = None) -> Replicas:
+                   policy: RestartPolicy | None = None, label: str | None = None,
+                   traces: str | None = None) -> Replicas:
     """`count` living engines of llm's layout, started side by side, behind a router. A
     replica that fails to start stops the others and its error is raised; one that dies
-    later is started again under `policy` (serve.restarts). label: see Replicas."""
+    later is started again under `policy` (serve.restarts). label: see Replicas. traces: a
+    directory where replica k writes its step trace, replica{k}.jsonl (serve.predict reads it)."""
     spec = engine_spec(llm)
     launchers = replica_launchers(llm.launcher, count, llm.layout.world_size)
     chooser: list = []  # the router, once the engines said their sizes; their cache events go to it
@@ -73,8 +75,12 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
     def events_of(k: int):
         return lambda events: chooser[0].observe(k, events) if chooser else None
 
+    def spec_of(k: int):
+        own = spec if label else spec.for_engine(f"replica{k}")
+        return own.with_engine(step_trace=os.path.join(traces, f"replica{k}.jsonl")) if traces else own
+
     def one(k: int) -> OnlineEngine:
-        return OnlineEngine(spec if label else spec.for_engine(f"replica{k}"), world_size=llm.layout.world_size, launcher=launchers[k],
+        return OnlineEngine(spec_of(k), world_size=llm.layout.world_size, launcher=launchers[k],
                             parallel=parallel or llm.context_options(),
                             on_events=events_of(k) if router == "cache_aware" else None)
 

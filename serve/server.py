@@ -32,15 +32,16 @@ class _Server(uvicorn.Server):
 async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_waiting: int | None,
                 shutdown_timeout: float, log_level: str = "warning", dead_linger_s: float = 2.0,
                 engine=None, tool_call_parser: str | None = None, admin_api: bool = False,
-                autoscale: tuple | None = None) -> int:
+                autoscale: tuple | None = None, predictor=None) -> int:
     """Serve until a signal (returns 0 once drained) or the engine's death (raises EngineDead
     with the line naming the rank). engine: what serves the requests (serve.replicas.Replicas
-    for several replicas; default llm's living engine)."""
+    for several replicas; default llm's living engine). predictor: serve.predict.Predictor, the
+    engines' predicted steps for --autoscale and /admin/engines."""
     engine = engine or llm.start()
     backend = Backend(llm, engine, max_waiting=max_waiting)
     if hasattr(engine, "attach_metrics"):  # replicas: the router's counters
         engine.attach_metrics(backend.metrics.registry)
-    admin, scaler = _elastic(llm, engine, backend, admin_api, autoscale)
+    admin, scaler = _elastic(llm, engine, backend, admin_api, autoscale, predictor)
     app = create_app(backend, served_names=served_names, api_key=api_key, tool_call_parser=tool_call_parser,
                      admin=admin)
     # uvicorn's own graceful timeout is the backstop: by then every response has ended
@@ -87,17 +88,22 @@ async def serve(llm, sock, *, served_names: list[str], api_key: str | None, max_
     return 0
 
 
-def _elastic(llm, engine, backend, admin_api: bool, autoscale: tuple | None):
+def _elastic(llm, engine, backend, admin_api: bool, autoscale: tuple | None, predictor=None):
     """The admin API's EngineAdmin (--enable-admin-api or --autoscale over replicas) and the
     Scaler (--autoscale: (Goodput, Policy, every_s)); None for what is off."""
     if not admin_api and autoscale is None:
         return None, None
-    if not isinstance(engine, Replicas):  # a disaggregated engine: its threshold only (serve.scaler)
+    if llm.prefill_layout is not None:  # a disaggregated engine: its threshold only (serve.scaler)
         goodput, policy, every_s = autoscale
         log = lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True)  # noqa: E731
-        return None, Scaler(DisaggTarget(engine, log), backend.metrics, goodput, policy, every_s=every_s)
+        # a healing job (serve.replica_start.start_disagg) is a set of one: its live engine
+        current = (lambda: engine.engines[0]) if isinstance(engine, Replicas) else (lambda: engine)
+        return None, Scaler(DisaggTarget(current, log), backend.metrics, goodput, policy, every_s=every_s,
+                            predictor=predictor)
     admin = EngineAdmin(engine, layout=str(llm.layout), api=admin_api)
+    admin.predictor = predictor
     if autoscale is not None:
         goodput, policy, every_s = autoscale
-        admin.scaler = Scaler(ReplicasTarget(admin), backend.metrics, goodput, policy, every_s=every_s)
+        admin.scaler = Scaler(ReplicasTarget(admin), backend.metrics, goodput, policy, every_s=every_s,
+                              predictor=predictor)
     return admin, admin.scaler

@@ -56,7 +56,7 @@ def test_an_estimated_queue_wait_over_the_slo_counts_as_short_on_first_tokens():
     fleet = Fleet(prefill=1, decode=1, free=1, threshold=POLICY.max_threshold)
     d = decide(history(queue_s=0.8), fleet, SLO, POLICY, now=100, last_at=None)
     assert (d.action, d.role) == ("add", "prefill")
-    assert "estimated wait 800 ms > TTFT SLO 500 ms" in d.reason
+    assert "estimated wait 800 ms > TTFT SLO 500 ms" in d.reason  # no correction given: none named
     assert decide(history(queue_s=0.3), fleet, SLO, POLICY, now=100, last_at=None) is None
 
 
@@ -91,12 +91,19 @@ def test_too_few_samples_or_an_old_history_decide_nothing():
     assert decide(history(ttft=0.1, end=10), Fleet(replicas=1, free=1), SLO, POLICY, now=100, last_at=None) is None
 
 
-def test_the_correction_factor_follows_observed_over_predicted():
-    c = Correction(alpha=0.5)
-    assert c.estimate(2.0) == 2.0
-    for _ in range(20):
-        c.observe(0.1, 0.3)
-    assert c.estimate(2.0) == pytest.approx(6.0, rel=1e-3)
+def test_the_correction_factor_is_the_median_of_observed_over_predicted_over_its_window():
+    c = Correction(window=5)
+    assert c.estimate(2.0) == 2.0  # nothing observed: the prediction as it is
+    for observed in (0.3, 0.3, 0.3, 5.0):  # one step slowed 50x by something else
+        c.observe(0.1, observed)
+    assert c.factor == pytest.approx(3.0) and c.estimate(2.0) == pytest.approx(6.0)
+    for _ in range(5):  # the window moves on: the old ratios are gone
+        c.observe(0.1, 0.05)
+    assert c.factor == pytest.approx(0.5)
+    c.observe(0.0, 1.0)  # no prediction: nothing to learn
+    assert c.factor == pytest.approx(0.5)
+    with pytest.raises(InputError, match="window=0"):
+        Correction(window=0)
 
 
 def test_goodput_parses_and_names_the_bad_field():
@@ -107,3 +114,39 @@ def test_goodput_parses_and_names_the_bad_field():
         Goodput.parse(["ttft:500", "tpot:-3"])
     with pytest.raises(InputError, match="'itl:5'"):
         Goodput.parse(["itl:5"])
+
+
+def test_a_healing_disaggregated_jobs_new_engine_gets_the_threshold_the_autoscaler_set():
+    from types import SimpleNamespace
+
+    from atoll.serve.autoscale import Decision
+    from atoll.serve.scaler import DisaggTarget
+
+    def job():  # a 1P1D DisaggEngine as the target reads it, started with --disagg-min-prompt-tokens 4
+        return SimpleNamespace(min_prompt_tokens=4, degraded={}, layouts=["TP1", "TP1"], x=1, stats={"waiting": 0},
+                               live=SimpleNamespace(name=lambda k: f"engine {k}"))
+
+    live = [job()]
+    target = DisaggTarget(lambda: live[0], print)
+    assert target.fleet() == Fleet(prefill=1, decode=1, threshold=4, base_threshold=4)
+    assert target.act(Decision("threshold", "decode", "why", 8)) == (None, True) and live[0].min_prompt_tokens == 8
+    assert target.act(Decision("add", "prefill", "why")) == (None, False)
+    live[0] = job()  # the job restarted after a failure: a new engine, at the flag's threshold
+    assert target.fleet().threshold == 8 and live[0].min_prompt_tokens == 8
+
+
+def test_a_decision_undoing_the_last_one_waits_settle_intervals():
+    """Replayed tick by tick: a replica drained when idle is not added back by a short burst
+    within settle x interval_s of the drain (it flapped every interval without it), and is once that
+    has passed; decisions in one direction keep the plain interval."""
+    fleet = Fleet(replicas=1, free=1)
+    short = history(ttft=0.5, end=140)  # samples from 115 to 140 s
+    assert decide(short, fleet, SLO, POLICY, now=140, last_at=100, last="-replica") is None  # 40 s < 4 x 30 s
+    d = decide(history(ttft=0.5, end=230), fleet, SLO, POLICY, now=230, last_at=100, last="-replica")
+    assert (d.action, d.role) == ("add", "replica")
+    d = decide(short, fleet, SLO, POLICY, now=140, last_at=100, last="+replica")  # another add: the interval only
+    assert (d.action, d.role) == ("add", "replica")
+    raised = Fleet(prefill=1, decode=1, free=0, threshold=512, base_threshold=256)
+    assert decide(history(tpot=0.5, end=140), raised, SLO, POLICY, now=140, last_at=100, last="+threshold") is None
+    with pytest.raises(InputError, match="settle >= 1"):
+        Policy(settle=0.5)

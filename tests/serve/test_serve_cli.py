@@ -52,6 +52,8 @@ def taken_port():
     (["--plan", "no-such-plan.yaml", "-tp", "2"], "give --plan or -tp, not both"),
     (["-dp", "2", "--autoscale"], "--autoscale needs --goodput ttft:MS tpot:MS"),
     (["-dp", "2", "--goodput", "ttft:500", "tpot:50"], "--goodput is for --autoscale"),
+    (["-dp", "2", "--topology", "local"], "--topology is for --autoscale and --enable-admin-api"),
+    (["-dp", "2", "--enable-admin-api", "--topology", "no-such-topology.yaml"], "no topology file at"),
     (["--autoscale", "--goodput", "ttft:500", "tpot:50"], "--autoscale needs engines to add and drain"),
     (["-dp", "2", "--autoscale", "--goodput", "ttft:500"], "--goodput: tpot:MS is missing"),
     (["-dp", "2", "--autoscale", "--goodput", "ttft:500", "tpot:50", "--autoscale-interval-s", "0"],
