@@ -43,7 +43,7 @@ class AttentionMetadata:
     # the same step over the sliding layers' own block tables, when they keep their own cache
     # (engine.kv.windowed: tables with a `window` list); None when every layer reads these tables
     windowed: "AttentionMetadata | None" = None
-    # a tree verify step (engine.spec.tree): [rows, keys] the keys each decode row reads, in
+    # a tree verify step (engine.sample.tree): [rows, keys] the keys each decode row reads, in
     # place of the causal mask (its context, then its ancestors and itself); None: causal
     visible: torch.Tensor | None = None
 

@@ -1,4 +1,4 @@
-"""Tree verification in one target forward (engine.spec.tree): every node's logits over the
+"""Tree verification in one target forward (engine.sample.tree): every node's logits over the
 paged cache with the tree attention mask equal transformers' logits for the prompt followed
 by that node's path; after the kept path is compacted into contiguous slots, the next decode
 step's logits equal transformers' for the prompt and that path."""
@@ -8,7 +8,7 @@ import torch
 
 from atoll.engine.rank.run_spec import RunSpec
 from atoll.engine.rank.runner import ModelRunner
-from atoll.engine.spec.tree import compact, depths, path_slots, tree_mask, tree_meta
+from atoll.engine.sample.tree import compact, depths, path_slots, tree_mask, tree_meta
 from atoll.layers.attention import AttentionMetadata
 from atoll.parallel.mesh import ParallelContext
 

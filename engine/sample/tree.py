@@ -45,18 +45,59 @@ def tree_meta(table: list[int], start: int, parents: list[int], block_size: int,
               device="cpu") -> AttentionMetadata:
     """The verify forward's metadata for one sequence's tree: one decode row per node, written
     at slot start + i, at position start + depth(i), reading its context and its ancestors."""
-    n = len(parents)
-    if len(table) * block_size < start + n:
-        raise ValueError(f"a tree of {n} nodes from position {start} needs {start + n} slots; "
-                         f"the table holds {len(table) * block_size}")
-    meta = AttentionMetadata.build([table] * n, list(range(start, start + n)), [1] * n, block_size, device=device)
-    meta.positions = torch.tensor([start + d for d in depths(parents)], dtype=torch.long, device=device)
-    keys = -(-(start + n) // block_size) * block_size
-    visible = torch.zeros(n, keys, dtype=torch.bool)
-    visible[:, :start] = True
-    visible[:, start:start + n] = tree_mask(parents)
+    return rows_meta([(table, start, parents, range(len(parents)))], block_size, device=device)
+
+
+def rows_meta(trees, block_size: int, *, device="cpu") -> AttentionMetadata:
+    """trees: [(block table, start, parents, the nodes that get a row)] -> one decode row per
+    node listed, tree by tree: node i written at slot start + i, at position start + depth(i),
+    reading the slots before `start` and those of its ancestors and itself."""
+    tables, starts, positions, spans = [], [], [], []
+    for table, start, parents, nodes in trees:
+        n = len(parents)
+        if len(table) * block_size < start + n:
+            raise ValueError(f"a tree of {n} nodes from position {start} needs {start + n} slots; "
+                             f"the table holds {len(table) * block_size}")
+        depth = depths(parents)
+        for i in nodes:
+            tables.append(table)
+            starts.append(start + i)
+            positions.append(start + depth[i])
+        spans.append((start, tree_mask(parents), nodes))
+    meta = AttentionMetadata.build(tables, starts, [1] * len(starts), block_size, device=device)
+    meta.positions = torch.tensor(positions, dtype=torch.long, device=device)
+    keys = -(-max(start + len(mask) for start, mask, _ in spans) // block_size) * block_size
+    visible = torch.zeros(len(starts), keys, dtype=torch.bool)
+    row = 0
+    for start, mask, nodes in spans:
+        for i in nodes:
+            visible[row, :start] = True
+            visible[row, start:start + len(mask)] = mask[i]
+            row += 1
     meta.visible = visible.to(device)
     return meta
+
+
+def verify_meta(chunks, block_size: int, *, device="cpu") -> AttentionMetadata:
+    """A verify step's metadata, every chunk a decoding sequence's pending token and its draft:
+    a tree chunk's rows read their ancestors (rows_meta), a chain's its earlier positions."""
+    trees = []
+    for c in chunks:
+        parents = c.parents if c.parents is not None else list(range(-1, c.count - 1))
+        trees.append((c.seq.blocks, c.start, parents, range(c.count)))
+    return rows_meta(trees, block_size, device=device)
+
+
+def kept_path(parents: list[int], tokens: list[int], taken: list[int]) -> list[int]:
+    """The drafted nodes a verify kept, from the tokens it took (tokens: [pending] + draft):
+    from the root, the child carrying each taken token but the last, while one does."""
+    path, node = [], 0
+    for token in taken[:-1]:
+        node = next((c for c in range(node + 1, len(parents)) if parents[c] == node and tokens[c] == token), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
 
 
 def path_slots(start: int, path: list[int]) -> list[tuple[int, int]]:
