@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from atoll.config.speculative import SpeculativeConfig
-from atoll.engine.sample.tree import rows_meta
 from atoll.engine.spec.drafter import Drafter, kept_positions
+from atoll.engine.spec.tree_draft import draft_tree
 from atoll.errors import InputError
 from atoll.layers.attention import AttentionMetadata
 from atoll.models.checkpoint import Checkpoint, load_weights
@@ -113,47 +113,22 @@ class Eagle3Drafter(Drafter):
 
     @torch.inference_mode()
     def propose_tree(self, wants):
-        """[(sequence, depth, nodes)] -> each sequence's tree (engine.sample.tree): at each depth
-        the `topk` likeliest tokens after each node of the frontier, of which the `topk` with the
-        highest path probability under the head are kept and form the next frontier (EAGLE-2's
-        and SGLang's expansion). The head's rows for node i go to its cache at slot cached - 1 + i
-        with the tree mask, so siblings never read each other."""
+        """[(sequence, depth, nodes)] -> each sequence's tree (engine.spec.tree_draft), from the
+        head's state at its last cached position."""
+        head, size, device = self.head, self.runner.spec.engine.block_size, self.runner.device
         out = []
         for seq, depth, nodes in wants:
             ready = self.ready.get(seq)
-            out.append(self._tree(seq, depth, nodes, ready[1]) if ready and ready[0] == seq.cached
-                       else ([], [-1]))
+            if not ready or ready[0] != seq.cached:
+                out.append(([], [-1]))
+                continue
+            out.append(draft_tree(
+                seq, depth, nodes, ready[1], topk=self.cfg.topk, block_size=size, device=device,
+                logits=lambda h: head.lm_head(head.norm(h)),
+                step=lambda ids, h, meta: head(self.embed(ids), h, meta, self.cache),
+                to_target=lambda ids: (torch.tensor(ids, dtype=torch.long, device=head.d2t.device)
+                                       + head.d2t[ids]).tolist()))  # draft ids -> target ids
         return out
-
-    def _tree(self, seq, depth: int, budget: int, root: torch.Tensor) -> tuple[list[int], list[int]]:
-        k, size, head = self.cfg.topk, self.runner.spec.engine.block_size, self.head
-        tokens, parents, scores = [seq.tokens[-1]], [-1], [0.0]
-        states, frontier = {0: root}, [0]
-        for d in range(depth):
-            logp = torch.log_softmax(head.lm_head(head.norm(torch.stack([states[n] for n in frontier]))).float(), -1)
-            top = logp.topk(min(k, logp.shape[-1]), -1)
-            cands = sorted(((scores[n] + v, n, t) for n, vs, ts in zip(frontier, top.values.tolist(),
-                                                                        top.indices.tolist())
-                            for v, t in zip(vs, ts)), key=lambda x: -x[0])
-            room = budget - (len(tokens) - 1)
-            new = []
-            draft_ids = [t for _, _, t in cands[:min(k, room)]]
-            mapped = (torch.tensor(draft_ids, dtype=torch.long, device=head.d2t.device) +
-                      head.d2t[draft_ids]).tolist()  # draft ids -> target ids
-            for (score, parent, _), token in zip(cands[:min(k, room)], mapped):
-                tokens.append(token)
-                parents.append(parent)
-                scores.append(score)
-                new.append(len(tokens) - 1)
-            if d == depth - 1 or len(tokens) - 1 >= budget:
-                break
-            device = self.runner.device
-            meta = rows_meta([(seq.blocks, seq.cached - 1, parents, new)], size, device=device)
-            ids = torch.tensor([tokens[n] for n in new], dtype=torch.long, device=device)
-            h = head(self.embed(ids), torch.stack([states[parents[n]] for n in new]), meta, self.cache)
-            states.update(zip(new, h))
-            frontier = new
-        return tokens[1:], parents
 
 
 class Tap:
