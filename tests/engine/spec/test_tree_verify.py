@@ -6,10 +6,12 @@ step's logits equal transformers' for the prompt and that path."""
 import pytest
 import torch
 
+from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.rank.run_spec import RunSpec
 from atoll.engine.rank.runner import ModelRunner
 from atoll.engine.sample.tree import compact, depths, path_slots, tree_mask, tree_meta
 from atoll.layers.attention import AttentionMetadata
+from atoll.errors import InputError
 from atoll.parallel.mesh import ParallelContext
 
 BLOCK = 4
@@ -80,3 +82,13 @@ def test_one_forward_verifies_every_node_then_the_kept_path_decodes_on(model):
         wrong = runner.model(torch.tensor([nxt]), AttentionMetadata.build([table], [start + 1 + len(path)], [1],
                                                                           BLOCK), runner.cache)[0]
     assert not torch.allclose(wrong, got, atol=1e-3)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"method": "ngram", "topk": 2}, "topk=2 .*goes with method eagle3 or deepseek_mtp, not ngram"),
+    ({"method": "deepseek_mtp", "topk": 0}, "topk=0 must be a whole number of at least 1"),
+    ({"method": "deepseek_mtp", "topk": True}, "topk=True must be a whole number")])
+def test_bad_topk_refused_in_one_line(cfg, match):
+    with pytest.raises(InputError, match=match):
+        SpeculativeConfig.parse(cfg)
+    assert SpeculativeConfig.parse({"method": "deepseek_mtp", "topk": 3}).topk == 3
