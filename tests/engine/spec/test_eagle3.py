@@ -195,6 +195,19 @@ def test_tree_greedy_matches_transformers(target, head, layout):
     assert 0 < accepted < drafted
 
 
+def test_tree_sampling_is_seeded(target, head):
+    """Sampled tree steps (SpecInfer's rule, engine.sample.tree_rule) draw from each request's
+    own seeded stream: two runs give the same tokens, and drafts are both kept and rejected."""
+    model_dir, _ = target
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "topk": 2}
+    params = SamplingParams(max_tokens=NEW, temperature=0.8, seed=7, ignore_eos=True)
+    runs = [LLM(model_dir, block_size=4, speculative_config=spec).generate(PROMPTS, params) for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert all(len(o.token_ids) == NEW for o in runs[0])
+    drafted, accepted = _counts(runs[0])
+    assert 0 < accepted < drafted
+
+
 def test_tree_paths_off_the_first_branch_are_compacted(target, head, monkeypatch):
     """In process: some kept paths leave the first child's line (their keys move: path_slots),
     and the tokens still equal transformers'."""
