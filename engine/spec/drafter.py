@@ -62,7 +62,7 @@ class Drafter(ABC):
         proposed += [(d, None) for d in self.propose([(c.seq, k) for c, k, _ in chains])] if chains else []
         for (c, k, n), (draft, parents) in zip(trees + chains, proposed):
             c.draft = list(draft[:n])
-            c.parents = None if parents is None else list(parents[:1 + len(c.draft)])
+            c.parents = None if parents is None or not c.draft else list(parents[:1 + len(c.draft)])
             c.count += len(c.draft)
             used += len(c.draft)
             pool.trim(c.seq.blocks, c.start + c.count)  # the blocks a shorter draft left unused
@@ -127,7 +127,7 @@ def kept_positions(chunks, block_size: int):
         tokens = seq.tokens
         if keep > 0 and len(tokens) > c.start + keep and len(seq.blocks) * block_size >= c.start + keep:
             # a tree's kept rows: the pending token's, then the path's nodes (engine.sample.tree)
-            rows.extend(offset + n for n in ([0, *c.path] if c.parents is not None else range(keep))[:keep])
+            rows.extend(offset + n for n in ([0, *(c.path or [])] if c.parents is not None else range(keep))[:keep])
             ids.extend(tokens[c.start + 1:c.start + keep + 1])
             seqs.append(seq)
             starts.append(c.start)
