@@ -22,6 +22,12 @@ with no model (engine/spec/lookahead.py); its K is `window`. "eagle3" drafts wit
 head in the layout published for vLLM and SGLang (`model`: its directory; engine/spec/eagle3.py),
 fed the target's hidden states at three layers from the same forward.
 
+topk (SGLang's --speculative-eagle-topk), eagle3 and deepseek_mtp: above 1 the drafter proposes a
+tree, `num_speculative_tokens` deep, keeping the `topk` likeliest nodes (by the draft's path
+probability) at each depth: topk x num_speculative_tokens drafted nodes in all (SGLang's
+--speculative-num-draft-tokens = that + 1), verified in one target forward with a tree attention
+mask (engine/sample/tree.py); the longest accepted path is kept.
+
 disable_by_batch_size (vLLM's spelling): a step drafts nothing when its lane runs at least
 this many sequences, since at large batch the verify forward is no longer nearly free. min_acceptance_rate: a sequence
 whose last `acceptance_window` verify steps accepted less than this share of their drafted
@@ -57,6 +63,7 @@ class SpeculativeConfig:
     min_acceptance_rate: float | None = None  # below it over acceptance_window verify steps: pause
     acceptance_window: int = 8
     pause_steps: int = 32
+    topk: int = 1  # eagle3, deepseek_mtp: > 1 drafts a tree (SGLang's --speculative-eagle-topk)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -66,7 +73,7 @@ class SpeculativeConfig:
             raise InputError(f"unknown speculative method {self.method!r}: use one of {', '.join(METHODS)}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_layers",
                      "disable_by_batch_size", "draft_tensor_parallel_size", "acceptance_window", "pause_steps",
-                     *LOOKAHEAD):
+                     "topk", *LOOKAHEAD):
             value = getattr(self, name)
             if value is None and name in ("num_layers", "disable_by_batch_size", "draft_tensor_parallel_size",
                                           *LOOKAHEAD):
@@ -77,6 +84,9 @@ class SpeculativeConfig:
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate <= 1):
             raise InputError(f"speculative min_acceptance_rate={rate!r} must be a number in (0, 1]")
         self._check_lookahead()
+        if self.topk > 1 and self.method not in ("eagle3", "deepseek_mtp"):
+            raise InputError(f"speculative topk={self.topk} (tree drafts) goes with method eagle3 or deepseek_mtp, "
+                             f"not {self.method}")
         if (self.method in ("draft_model", "eagle3")) != (self.model is not None):
             raise InputError(f"speculative \"model\" (a draft checkpoint or an EAGLE-3 head's directory) goes with "
                              f"method draft_model or eagle3, and is needed there (method {self.method})")

@@ -44,6 +44,9 @@ class AttentionMetadata:
     # the same step over the sliding layers' own block tables, when they keep their own cache
     # (engine.kv.windowed: tables with a `window` list); None when every layer reads these tables
     windowed: "AttentionMetadata | None" = None
+    # a tree verify step (engine.sample.tree): [rows, keys] the keys each decode row reads, in
+    # place of the causal mask (its context, then its ancestors and itself); None: causal
+    visible: torch.Tensor | None = None
 
     @classmethod
     def build(cls, block_tables: list[list[int]], starts: list[int], query_lens: list[int],
@@ -114,8 +117,10 @@ class AttentionMetadata:
         key = ("decode", sliding_window)
         if key not in self._memo:
             blocks = -(-(max(self.start_list) + 1) // self.block_size)
-            self._memo[key] = (self.block_tables[:, :blocks],
-                               key_mask(self.context_lens(), blocks * self.block_size, sliding_window))
+            mask = key_mask(self.context_lens(), blocks * self.block_size, sliding_window)
+            if self.visible is not None:
+                mask = mask & self.visible[:, None, None, :blocks * self.block_size]
+            self._memo[key] = (self.block_tables[:, :blocks], mask)
         return self._memo[key]
 
     def decode_groups(self, sliding_window: int | None) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]]:
@@ -123,7 +128,8 @@ class AttentionMetadata:
         (rows or None for all, block tables cut to the group's longest context, key mask)."""
         key = ("groups", sliding_window)
         if key not in self._memo:
-            split = context_groups(self.start_list, self.block_size)
+            # a tree step's rows read their own ancestors (visible): one group
+            split = None if self.visible is not None else context_groups(self.start_list, self.block_size)
             if split is None:
                 self._memo[key] = [(None, *self.decode_keys(sliding_window))]
             else:
@@ -337,7 +343,7 @@ def attend(q, k_cache, v_cache, meta: AttentionMetadata, *, sliding_window: int 
     gqa = heads != kv_heads
     if q.shape[0] == 0:  # an idle DP replica still runs the layer (its MoE joins the collectives)
         return q
-    if use_triton(q, k_cache):  # reads the paged cache in place
+    if use_triton(q, k_cache) and getattr(meta, "visible", None) is None:  # reads the paged cache in place
         quantized = isinstance(k_cache, QuantizedKV)
         kv = (k_cache.data, v_cache.data) if quantized else (k_cache, v_cache)
         scales = dict(k_scale=k_cache.kernel_scale(), v_scale=v_cache.kernel_scale(), k_sink=k_cache.sink,

@@ -118,7 +118,9 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._absorbed()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [seqs, heads/tp, kv_lora_rank]
         q = torch.cat([q_latent, q_rope], dim=-1)  # [seqs, heads/tp, kv_lora_rank + rope]
-        if use_triton(q, cache):  # reads the latent cache in place -> [seqs, heads/tp, kv_lora_rank]
+        # the Triton kernel reads the latent cache in place -> [seqs, heads/tp, kv_lora_rank]; a tree
+        # verify's mask (meta.visible) is read on the torch path only
+        if use_triton(q, cache) and getattr(meta, "visible", None) is None:
             quantized = isinstance(cache, QuantizedKV)
             o = mla_decode_attention(q, cache.data if quantized else cache, meta.block_tables, meta.context_lens(),
                                      latent=self.latent, scale=self.scale,

@@ -70,6 +70,10 @@ class Scheduled:
     start: int  # first position computed this step
     count: int  # positions computed this step, drafted tokens included
     draft: list[int] = field(default_factory=list)  # speculative tokens after the sequence's last one
+    # a tree draft (engine.sample.tree): the parent of each of [pending token] + draft, -1 first;
+    # None: a chain. path: the drafted nodes the verify kept, in order (set when it is applied)
+    parents: list[int] | None = None
+    path: list[int] | None = None
 
     @property
     def samples(self) -> bool:

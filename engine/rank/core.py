@@ -21,6 +21,7 @@ from atoll.engine.batch.lanes import Lanes
 from atoll.engine.sample.micro_batch import MicroBatch, prompt_positions
 from atoll.engine.batch.request import Request, finish_reason, result_of
 from atoll.engine.sample.sampler import SamplerState, logprob_entry, prompt_logprob_entry
+from atoll.engine.sample.tree import kept_path
 from atoll.engine.batch.scheduler import Sequence
 from atoll.engine.batch.shape import step_shape
 from atoll.engine.batch.tokenizer import Tokenizer
@@ -177,6 +178,9 @@ class EngineCore:
                 accepted = max(len(taken) - 1, 0)
                 self.drafter.observe(seq, c.draft, row)
                 seq.cached -= len(c.draft) - accepted
+                if c.parents is not None:  # a tree: the kept path's keys into contiguous slots first
+                    c.path = kept_path(c.parents, [seq.tokens[-1], *c.draft], taken)
+                    self.runner.compact(seq.blocks, c.start, c.path)
                 self.lanes.schedulers[seq.lane].pool.trim(seq.blocks, seq.cached)
                 seq.spec_steps += 1
                 seq.spec_drafted += len(c.draft)

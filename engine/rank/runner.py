@@ -18,6 +18,7 @@ from atoll.engine.rank.run_spec import RunSpec, resolve_dtype
 from atoll.engine.rank.tuning import packer_for, tune_eager
 from atoll.engine.sample.grammar import Grammars
 from atoll.engine.sample.micro_batch import MicroBatch
+from atoll.engine.sample.tree import compact
 from atoll.engine.step import policy as step_policy
 from atoll.engine.step.two_batch import TwoBatchOverlap
 from atoll.layers.attention import KVCache
@@ -167,6 +168,12 @@ class ModelRunner:
         for cache in caches:
             for t in cache.tensors():  # each [blocks, ...], quantized ones' scales too
                 t.index_copy_(0, dst, t.index_select(0, src))
+
+    @torch.no_grad()
+    def compact(self, table: list[int], start: int, path: list[int]) -> None:
+        """A tree verify's kept path into contiguous slots after `start`, in every layer of this
+        rank's stage (engine.sample.tree.compact)."""
+        compact(self.cache, table, start, path, self.spec.engine.block_size)
 
     def start_run(self) -> None:
         self.stats = {"busy_s": 0.0, "ticks": 0, "worked": 0, "two_batch": 0, "started": time.perf_counter()}

@@ -19,8 +19,10 @@ import torch
 from atoll.engine.batch.scheduler import Scheduled
 from atoll.engine.sample.masks import GrammarMasks, apply_masks
 from atoll.engine.sample.processors import process_row, processed
-from atoll.engine.sample.sampler import logprob_rows, prompt_logprob_rows, sample, sample_one
+from atoll.engine.sample.sampler import logprob_rows, probabilities, prompt_logprob_rows, sample, sample_one
+from atoll.engine.sample.tree_rule import walk_greedy, walk_sampled
 from atoll.engine.sample.verify import verify_greedy, verify_sampled
+from atoll.engine.sample.tree import depths, verify_meta
 from atoll.layers.attention import AttentionMetadata
 
 
@@ -84,6 +86,12 @@ class MicroBatch:
         decode step, or a verify step): `meta` then holds one decode row per token."""
         return all(c.count == 1 + len(c.draft) for c in self.chunks)
 
+    @property
+    def tree(self) -> bool:
+        """Whether a chunk carries a tree draft (engine.sample.tree): its rows read a tree mask,
+        which the compiled and captured decode steps do not build."""
+        return any(c.parents is not None for c in self.chunks)
+
     def logit_rows(self, c: Scheduled) -> int:
         """Rows of the model's logits for chunk c: its last 1 + len(draft) positions, or every
         position of a prompt chunk that asks for prompt logprobs."""
@@ -119,7 +127,10 @@ class MicroBatch:
         pending token and each draft attend as a decoding token would, over the cache up to
         their own position (each layer writes the step's keys before any row reads them), and
         the model gives logits for every row. The decode attention path reads a sequence's
-        blocks once per row instead of expanding its context into a causal prefill."""
+        blocks once per row instead of expanding its context into a causal prefill. With a tree
+        draft, each row reads its context and its ancestors only (engine.sample.tree)."""
+        if self.tree:
+            return verify_meta(self.chunks, self.block_size, device=self.device)
         tables, starts = [], []
         for c in self.chunks:
             tables += [c.seq.blocks] * c.count
@@ -243,13 +254,32 @@ class MicroBatch:
             if not c.samples:
                 out[i] = -1  # a prefill chunk short of its last prompt token
                 continue
-            if not c.seq.request.params.greedy:
+            if c.parents is not None:
+                out[i] = -1
+                taken = self._walk(c, grid[i, :1 + len(c.draft)])
+                out[i, :len(taken)] = torch.tensor(taken, dtype=torch.long, device=out.device)
+            elif not c.seq.request.params.greedy:
                 out[i] = -1
                 out[i, :1 + len(c.draft)] = verify_sampled(grid[i, :1 + len(c.draft)], c.draft, c.seq.state,
                                                            len(c.seq.output))
             for j, copy in enumerate(c.seq.followers):  # a prompt's chunk: no draft, its row 0
                 out[i, 1 + j] = sample_one(grid[i, 0], copy.state, 0)
+        if self.tree:  # a tree takes at most its depth + 1 tokens: the width a tick hands round
+            out = out[:, :max(self.draws, *(1 + (max(depths(c.parents)) if c.parents else len(c.draft))
+                                             for c in self.chunks))].contiguous()  # broadcast whole
         k = self.logprobs_k
         if k is not None:  # a chunk that asks for logprobs drafts nothing: its one row is row 0
             self.logprobs = logprob_rows(raw[:, 0], out[:, :self.draws], k)
         return out
+
+    @staticmethod
+    def _walk(c: Scheduled, logits: torch.Tensor) -> list[int]:
+        """A tree chunk's tokens taken: the kept path's drafts, then the target's own token
+        (engine.sample.tree_rule) from logits [nodes, vocab]; one host read of its rows."""
+        tokens, state = [c.seq.tokens[-1], *c.draft], c.seq.state
+        if state.params.greedy:
+            path, nxt = walk_greedy(c.parents, tokens, logits.argmax(-1).tolist())
+        else:
+            p = torch.stack([probabilities(row, state.params) for row in logits])
+            path, nxt = walk_sampled(c.parents, tokens, p, state.at(len(c.seq.output)))
+        return [tokens[n] for n in path] + [nxt]

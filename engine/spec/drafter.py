@@ -46,19 +46,37 @@ class Drafter(ABC):
             if self._sits_out(seq.request.index):
                 continue
             k = min(cfg.k, budget, self.max_model_len - seq.length - 1, params.max_tokens - len(seq.output) - 1)
-            if k < 1 or not pool.grow(seq.blocks, c.start + 1 + k):
+            nodes = k
+            if self.tree and k >= 1 and not params.processed and params.structured_outputs is None:
+                nodes = min(cfg.topk * k, budget, self.max_model_len - seq.length - 1)  # a tree's drafted nodes
+            if k < 1 or not pool.grow(seq.blocks, c.start + 1 + nodes):
                 continue
-            budget -= k
-            wants.append((c, k))
+            budget -= nodes
+            wants.append((c, k, nodes))
         if not wants:
             return 0
         used = 0
-        for (c, k), draft in zip(wants, self.propose([(c.seq, k) for c, k in wants])):
-            c.draft = list(draft[:k])
+        trees = [w for w in wants if w[2] > w[1]]
+        chains = [w for w in wants if w[2] == w[1]]
+        proposed = self.propose_tree([(c.seq, k, n) for c, k, n in trees]) if trees else []
+        proposed += [(d, None) for d in self.propose([(c.seq, k) for c, k, _ in chains])] if chains else []
+        for (c, k, n), (draft, parents) in zip(trees + chains, proposed):
+            c.draft = list(draft[:n])
+            c.parents = None if parents is None or not c.draft else list(parents[:1 + len(c.draft)])
             c.count += len(c.draft)
             used += len(c.draft)
             pool.trim(c.seq.blocks, c.start + c.count)  # the blocks a shorter draft left unused
         return used
+
+    @property
+    def tree(self) -> bool:
+        """Whether this drafter proposes trees (topk > 1; engine.sample.tree)."""
+        return self.cfg.topk > 1
+
+    def propose_tree(self, wants: list[tuple]) -> list[tuple[list[int], list[int]]]:
+        """[(sequence, depth, nodes)] -> each sequence's tree: (drafted tokens, the parent of each
+        of [pending token] + tokens, -1 first), at most `nodes` drafted, parents before children."""
+        raise NotImplementedError(f"speculative method {self.method} drafts no trees")
 
     def _sits_out(self, index: int) -> bool:
         """Whether the sequence drafts nothing this step (below min_acceptance_rate lately); a
@@ -97,7 +115,7 @@ class Drafter(ABC):
 
 def kept_positions(chunks, block_size: int):
     """What a drafter fed by the target's hidden states catches up on after a step: the rows of
-    the step's positions the target kept (no rejected draft) and whose next token is known, and
+    the step's positions the target kept (no rejected draft or tree node) and whose next token is known, and
     for each sequence with any, the sequence, its chunk's start and the count kept. Returns
     (rows, next token ids, sequences, starts, counts); a sequence that ended has let go of its
     blocks and is left out."""
@@ -108,7 +126,8 @@ def kept_positions(chunks, block_size: int):
         keep = min(c.count, seq.cached - c.start)
         tokens = seq.tokens
         if keep > 0 and len(tokens) > c.start + keep and len(seq.blocks) * block_size >= c.start + keep:
-            rows.extend(range(offset, offset + keep))
+            # a tree's kept rows: the pending token's, then the path's nodes (engine.sample.tree)
+            rows.extend(offset + n for n in ([0, *(c.path or [])] if c.parents is not None else range(keep))[:keep])
             ids.extend(tokens[c.start + 1:c.start + keep + 1])
             seqs.append(seq)
             starts.append(c.start)

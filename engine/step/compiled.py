@@ -230,7 +230,7 @@ class CompiledDecode(DecodeStep):
         contexts differ so much that the eager step's attention, grouped by context
         (layers.attention.decode_groups), reads far fewer keys than the graph's, which reads
         every row's up to the longest."""
-        return (bool(mb.chunks) and mb.decode_rows and mb.tokens <= self.buckets[-1]
+        return (bool(mb.chunks) and mb.decode_rows and not mb.tree and mb.tokens <= self.buckets[-1]
                 and len(mb.meta.decode_groups(None)) == 1)
 
     def __call__(self, x: torch.Tensor, mb) -> torch.Tensor:

@@ -163,7 +163,7 @@ class GraphedDecode(DecodeStep):
     def takes(self, mb) -> bool:
         """A decode micro-batch, or a speculative verify step of decoding sequences (a row per
         position: MicroBatch.decode_rows), of at most the largest bucket's rows."""
-        return bool(mb.chunks) and mb.decode_rows and mb.tokens <= self.buckets[-1]
+        return bool(mb.chunks) and mb.decode_rows and not mb.tree and mb.tokens <= self.buckets[-1]
 
     def __call__(self, x: torch.Tensor | None, mb) -> torch.Tensor:
         """x: None on the first stage (the ids come from the chunks), else [n, hidden]

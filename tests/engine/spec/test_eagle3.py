@@ -17,6 +17,8 @@ from reference import reference_tokens
 from atoll import LLM, SamplingParams
 from atoll.engine.rank.loop import run_batch
 from atoll.engine.rank.runner import ModelRunner
+from atoll.engine.rank import runner as runner_module
+from atoll.engine.sample.tree import path_slots
 from atoll.engine.spec import eagle3 as eagle3_drafter
 from atoll.errors import InputError
 from atoll.models.config import ModelConfig
@@ -179,6 +181,52 @@ def test_greedy_matches_transformers(target, head, layout, k):
     assert [o.token_ids for o in outs] == expected
     drafted, accepted = _counts(outs)
     assert 0 < accepted < drafted  # both acceptances and rejections happened
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["TP1", "TP2"])
+def test_tree_greedy_matches_transformers(target, head, layout):
+    """Tree drafts (topk 2, 3 deep: 6 nodes a step) verified in one forward with the tree mask."""
+    model_dir, expected = target
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "topk": 2}
+    outs = LLM(model_dir, layout=layout, block_size=4, speculative_config=spec).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    drafted, accepted = _counts(outs)
+    assert 0 < accepted < drafted
+
+
+def test_tree_sampling_is_seeded(target, head):
+    """Sampled tree steps (SpecInfer's rule, engine.sample.tree_rule) draw from each request's
+    own seeded stream: two runs give the same tokens, and drafts are both kept and rejected."""
+    model_dir, _ = target
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "topk": 2}
+    params = SamplingParams(max_tokens=NEW, temperature=0.8, seed=7, ignore_eos=True)
+    runs = [LLM(model_dir, block_size=4, speculative_config=spec).generate(PROMPTS, params) for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert all(len(o.token_ids) == NEW for o in runs[0])
+    drafted, accepted = _counts(runs[0])
+    assert 0 < accepted < drafted
+
+
+def test_tree_paths_off_the_first_branch_are_compacted(target, head, monkeypatch):
+    """In process: some kept paths leave the first child's line (their keys move: path_slots),
+    and the tokens still equal transformers'."""
+    model_dir, expected = target
+    moved = []
+    compact = runner_module.compact
+
+    def recording(cache, table, start, path, block_size):
+        moved.extend(path_slots(start, path))
+        compact(cache, table, start, path, block_size)
+
+    monkeypatch.setattr(runner_module, "compact", recording)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "topk": 2}
+    llm = LLM(model_dir, block_size=4, speculative_config=spec)
+    requests = llm.prepare(PROMPTS, GREEDY)
+    runner = ModelRunner(llm.spec(requests), ParallelContext.single())
+    assert [r["token_ids"] for r in run_batch(runner, requests)] == expected
+    assert moved
+    assert runner.stats["blocks_held"] == 0
 
 
 @pytest.mark.slow

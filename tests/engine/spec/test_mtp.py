@@ -197,6 +197,18 @@ def test_greedy_matches_transformers(with_mtp, layout, k):
     assert 0 < accepted < drafted  # both acceptances and rejections happened
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", ["TP1", "TP2"])
+def test_tree_greedy_matches_transformers(with_mtp, layout):
+    """Tree drafts (topk 2, 2 deep) verified in one forward over the MLA cache with the tree mask."""
+    model_dir, expected = with_mtp
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2, "topk": 2}
+    outs = LLM(model_dir, layout=layout, block_size=4, speculative_config=spec).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    drafted, accepted = _counts(outs)
+    assert 0 < accepted < drafted
+
+
 def test_checkpoint_without_mtp_refused_in_one_line(tiny_model, tmp_path):
     """config.json declares the layer (transformers' default) but the tensors are not there:
     the run fails in one line naming the first missing tensor; a config without the layer
