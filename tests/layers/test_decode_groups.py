@@ -62,7 +62,7 @@ def test_the_compiled_step_leaves_grouped_steps_to_the_eager_one(lengths, groupe
     from atoll.engine.step.compiled import CompiledDecode
 
     *_, meta, _ = _step(lengths)
-    mb = SimpleNamespace(chunks=[object()] * len(lengths), decode_rows=True, tokens=len(lengths), meta=meta)
+    mb = SimpleNamespace(chunks=[object()] * len(lengths), decode_rows=True, tree=False, tokens=len(lengths), meta=meta)
     step = SimpleNamespace(buckets=[8])
     assert CompiledDecode.takes(step, mb) is (not grouped)
 
