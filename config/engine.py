@@ -208,6 +208,10 @@ class EngineConfig:
                               ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in choices:
                 raise InputError(f"{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
+        spec = self.speculative_config
+        if spec is not None and spec.topk > 1 and self.kv_cache_dtype != "auto":
+            raise InputError(f"speculative topk={spec.topk} (tree drafts) keeps its KV unquantized for now: "
+                             f"not with kv_cache_dtype {self.kv_cache_dtype}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InputError(f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -6,6 +6,7 @@ step's logits equal transformers' for the prompt and that path."""
 import pytest
 import torch
 
+from atoll.config.engine import EngineConfig
 from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.rank.run_spec import RunSpec
 from atoll.engine.rank.runner import ModelRunner
@@ -92,3 +93,12 @@ def test_bad_topk_refused_in_one_line(cfg, match):
     with pytest.raises(InputError, match=match):
         SpeculativeConfig.parse(cfg)
     assert SpeculativeConfig.parse({"method": "deepseek_mtp", "topk": 3}).topk == 3
+
+
+def test_tree_drafts_over_a_quantized_kv_cache_are_refused_before_any_rank_starts():
+    tree = {"method": "deepseek_mtp", "num_speculative_tokens": 2, "topk": 2}
+    with pytest.raises(InputError, match="topk=2 \\(tree drafts\\) keeps its KV unquantized for now: not with "
+                                         "kv_cache_dtype fp8"):
+        EngineConfig(speculative_config=tree, kv_cache_dtype="fp8")
+    assert EngineConfig(speculative_config=tree).speculative_config.topk == 2
+    assert EngineConfig(speculative_config={**tree, "topk": 1}, kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
