@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from atoll.engine.driver.channels import Merged
 from atoll.engine.disagg.decision import Either, Recent, choose_path, uncached_tokens
 from atoll.engine.driver.disagg_faults import EngineFailure, EngineFaults
 from atoll.engine.rank.job import EngineJob
@@ -67,13 +68,27 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         try:
             super().__init__(job.decode, world_size=sum(lay.world_size for lay in self.layouts), launcher=launcher,
                              parallel=job.options, ready_timeout_s=ready_timeout_s)
-        except RankFailure as e:
-            raise self._named(e) from e
+        except BaseException as e:
+            if isinstance(self._outbox, Merged):  # its readers end with the job that failed to start
+                self._outbox.close()
+            if isinstance(e, RankFailure):
+                raise self._named(e) from e
+            raise
 
     def _start(self, launcher, world_size: int, parallel):
+        """Each engine gets an inbox and an outbox of its own: a rank killed mid-write loses
+        only its engine's channel (engine/driver/channels.py)."""
         self._inboxes = [launcher.channel() for _ in self.layouts]
-        return launcher.start(worker, world_size, self.live, self._inboxes, self._outbox,
-                              device=self.spec.engine.device)
+        outboxes = [launcher.channel() for _ in self.layouts]
+        job = launcher.start(worker, world_size, self.live, self._inboxes, outboxes, device=self.spec.engine.device)
+        self._outbox = Merged(outboxes).start()
+        return job
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        try:
+            super().close(timeout_s)
+        finally:
+            self._outbox.close()
 
     def _ready(self) -> None:
         dp = self.layouts[-1].dp

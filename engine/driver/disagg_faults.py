@@ -66,6 +66,9 @@ class EngineFaults:
         print(f"atoll: {line}; the other engines go on without it", file=sys.stderr, flush=True)
         base = bases(self.layouts)[engine]
         self.job.give_up(range(base, base + self.layouts[engine].world_size))
+        cancel = getattr(self._inboxes[engine], "cancel_join_thread", None)
+        if cancel is not None:  # what waits for its dead reader must not hold up this process's exit
+            cancel()
         again, fail, held = self._orphans(engine)
         for index in fail:
             self._end_with(index, line)
