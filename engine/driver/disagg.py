@@ -111,7 +111,8 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         self._dead: dict[int, str] = {}  # engine -> why it is dead
         self._labels = {self.live.name(e): e for e in range(len(self.layouts))}
         self._requests: dict[int, Request] = {}  # every unfinished request, to send again
-        self._streamed: set[int] = set()  # requests whose first token reached their sink
+        self._streamed: dict[int, list[int]] = {}  # requests whose first token reached their sink -> their tokens
+        self._moved: dict[int, int] = {}  # requests moved off a dead engine with their tokens -> how many times
         self._told = False  # whether the decode engines were told to stop
         self._first: dict[int, int] = {}  # handed off, first token not out yet -> that token
         self._early: dict[int, tuple[list, list]] = {}  # ... -> the decode engine's tokens and end meanwhile
@@ -180,8 +181,12 @@ class DisaggEngine(EngineFaults, OnlineEngine):
                 self._waiting[header.prefill] -= 1
                 aborted = header.index in self._aborted
                 dead = self._dead.get(self.x + header.decode)
-            if dead is not None:  # its first token is on its way: it cannot start again
-                self._end_with(header.index, f"{self.live.name(self.x + header.decode)} failed: {dead}")
+            if dead is not None:  # its first token is on its way: another decode engine goes on from it
+                with self._lock:
+                    if header.index not in self._streamed:
+                        self._first[header.index] = header.first  # (what that engine sends waits for it)
+                if not self._migrate(header.index, [header.first]):
+                    self._end_with(header.index, f"{self.live.name(self.x + header.decode)} failed: {dead}")
                 return
             with self._lock:  # (under PP the step and the header come from different ranks: either first)
                 if header.index not in self._streamed:
@@ -205,6 +210,8 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         elif kind == "lost":  # a decode engine could not receive this prompt's KV: its prefill engine died
             _, index, prefill = msg
             self._learn_death(prefill)
+            if prefill in self._dead and self._migrate(index):  # its first token is out: decoded on from it
+                return
             why = self._dead.get(prefill, "its ranks stopped answering")
             self._end_with(index, f"{self.live.name(prefill)} failed while sending this request's KV cache: {why}")
         elif kind == "stopped":
@@ -265,10 +272,15 @@ class DisaggEngine(EngineFaults, OnlineEngine):
     def _deliver_ordered(self, tokens, done, stats, engine) -> None:
         now = []
         with self._lock:
-            self._streamed.update(index for index, *_ in tokens)
+            for entry in tokens:
+                self._streamed.setdefault(entry[0], []).append(entry[1])
+            if self._moved:  # a moved request's prompt logprobs went out with its first token already
+                tokens = [(*e[:3], None, *e[4:]) if e[0] in self._moved and len(e) > 3 else e for e in tokens]
             for index, result, decoded in done:
                 self._requests.pop(index, None)
-                self._streamed.discard(index)
+                self._streamed.pop(index, None)
+                if index in self._moved:
+                    result["metrics"]["migrations"] = self._moved.pop(index)
                 _, prefill = self._where.pop(index, (None, None))
                 remote = prefill is not None
                 if remote and not decoded and index in self._handed:  # ended (aborted) in its prefill engine
