@@ -27,7 +27,8 @@ def worker(rank: int, world_size: int, job: EngineJob, inboxes=None, outbox=None
 
     Living: `inboxes` holds one channel per engine (the driver's commands to its rank 0),
     `outbox` the channel rank 0 answers on (None on ranks that never talk to the driver, as
-    under torchrun), or one channel per engine of a disaggregated job. One-shot (colocated only): `requests` instead, every rank the same list;
+    under torchrun), or one channel per engine of a disaggregated job (its ranks answer on
+    their engine's). One-shot (colocated only): `requests` instead, every rank the same list;
     they go to the DP replicas in turn, and rank 0 returns their results in order (with
     job.link_stats, (results, bytes by link class over every rank)); the other ranks None.
     `device`, `node` and `ranks_here` come from the launcher (launch.device.call_rank). The

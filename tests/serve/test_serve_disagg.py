@@ -2,7 +2,8 @@
 is decided as it arrives (short prompts, and long ones whose prefix the decode engine holds,
 stay on the decode engine), greedy tokens equal transformers' on both paths, streaming and
 not, /metrics counts both paths, closed streams give every block back, and under
---restart-policy never a dead engine's requests go on, with their tokens, on the others (under on-failure the job heals: test_serve_disagg_heal.py)."""
+--restart-policy never a dead engine's requests go on, with their tokens, on the others (under
+on-failure the job heals: test_serve_disagg_heal.py)."""
 
 import asyncio
 import os
