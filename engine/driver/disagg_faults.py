@@ -11,8 +11,8 @@ its tokens to a live decode engine, which computes its prompt and those tokens a
 one whose KV a dead prefill engine was sending (the decode ranks' receive fails: they drop it
 together and say so, "lost"), and one handed off to a dead decode engine. Only with no live
 decode engine to take it does it end with an error naming the engine. Gloo's point-to-point
-transfers to a dead peer fail at once rather than hang, and the surviving engines' own groups do not involve it. With no decode engine left the
-whole engine fails. `degraded` names the dead engines (the server's /health).
+transfers to a dead peer fail at once rather than hang, and the surviving engines' own groups
+do not involve it. With no decode engine left the whole engine fails. `degraded` names the dead engines (the server's /health).
 
 With `heals` set (atoll serve under --restart-policy on-failure, serve.replica_start.start_disagg)
 none of this happens: an engine's failure fails the whole job, and the server starts it again
