@@ -194,6 +194,7 @@ def test_a_dead_decode_engine_moves_its_streams_to_a_live_one(tiny_model, tmp_pa
     expected = reference_tokens(d, SHORT[:2], long_new)
     server = Server(d, "--prefill", "TP1", "--decode", "TP1", "--decode-replicas", 2,
                     "--disagg-min-prompt-tokens", MIN, "--max-num-seqs", 1, "--restart-policy", "never",
+                    "--fault-injection", "delay:rank=0:ms=20",  # 240 tokens take ~5 s: the kill finds both
                     "--served-model-name", NAME, log=tmp_path / "server.log")
     try:
         ranks = server.rank_pids()

@@ -67,6 +67,8 @@ def test_outage_of_a_dead_decode_engine(tiny_model, tmp_path, policy):
             at_kill = [len(i) for i in ids]
             killed = time.monotonic()
             os.kill(ranks[2], signal.SIGKILL)
+            if policy != "never":  # first the restart shows, then ok
+                await _health_after(server, "restarting", 30)
             health = await _health_after(server, "degraded" if policy == "never" else "ok", 120)
             errors = await asyncio.wait_for(asyncio.gather(*runs), 200)
             return times, ids, errors, at_kill, killed, health
