@@ -27,7 +27,7 @@ prefill, decode (short or cached) and queue (the prefill engines were full).
 
 The local launcher runs it: every engine's ranks are one job on this machine.
 
-Faults: engine/driver/disagg_faults.py (an engine that dies fails only its own requests).
+Faults: engine/driver/disagg_faults.py (a dead engine's requests go on, with their tokens, on the others).
 """
 
 from __future__ import annotations

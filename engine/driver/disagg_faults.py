@@ -1,7 +1,7 @@
 """The disaggregated driver's faults (engine/driver/disagg.py's DisaggEngine mixes this in).
 
-An engine whose rank dies fails only its own requests, naming it; the rest of the job
-goes on (where the launcher can end some ranks of a job: `give_up` of the local and Ray jobs). The
+An engine whose rank dies is ended alone, named; the rest of the job goes on, and so do its
+requests (where the launcher can end some ranks of a job: `give_up` of the local and Ray jobs). The
 driver ends the dead engine's other ranks and stops routing to it. A request that has streamed
 no token yet is sent again: one waiting in a dead prefill engine goes to another prefill engine
 (or, with none left, is prefilled by its decode replica), one waiting in a dead decode engine to
