@@ -28,7 +28,8 @@ def worker(rank: int, world_size: int, job: EngineJob, inboxes=None, outbox=None
 
     Living: `inboxes` holds one channel per engine (the driver's commands to its rank 0),
     `outbox` the channel rank 0 answers on (None on ranks that never talk to the driver, as
-    under torchrun). One-shot (colocated only): `requests` instead, every rank the same list;
+    under torchrun), or one channel per engine of a disaggregated job (its ranks answer on
+    their engine's). One-shot (colocated only): `requests` instead, every rank the same list;
     they go to the DP replicas in turn, and rank 0 returns their results in order (with
     job.link_stats, (results, bytes by link class over every rank)); the other ranks None.
     `device`, `node` and `ranks_here` come from the launcher (launch.device.call_rank). The
@@ -42,7 +43,7 @@ def worker(rank: int, world_size: int, job: EngineJob, inboxes=None, outbox=None
         loop.ready()
         loop.run()
         if loop.first and job.roles[engine] != "colocated":
-            outbox.put(("stopped", engine))
+            loop.outbox.put(("stopped", engine))
 
 
 def _build(rank, world_size, job: EngineJob, inboxes, outbox, device, node, ranks_here) -> tuple[int, ServeLoop]:
@@ -59,6 +60,8 @@ def _build(rank, world_size, job: EngineJob, inboxes, outbox, device, node, rank
     world = Group(dist.group.WORLD, range(world_size), rank, "job", device)
     runner = ModelRunner(job.specs[engine], ctx, ranks_here=ranks_here)
     x, base = job.prefill_replicas, bases(layouts)
+    if isinstance(outbox, (list, tuple)):  # one channel per engine (engine/driver/channels.py says why)
+        outbox = outbox[engine]
     if job.roles[engine] == "prefill":
         loop = prefill_loop(runner, world, inboxes[engine], outbox, engine, layouts[x:], base[x:])
     else:

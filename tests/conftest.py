@@ -143,8 +143,10 @@ def cluster():
         try:
             nodes = [c.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
             # the actors import the tests' helpers and modules from here, as a cluster's workers
-            # import the user's code: the tests' root and each folder of test files
-            path = os.pathsep.join(str(f) for f in [_HERE, *_FOLDERS])
+            # import the user's code: the tests' root and each folder of test files; and atoll
+            # from where this process does (the driver's PYTHONPATH, when it has one)
+            driver = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            path = os.pathsep.join(str(f) for f in [_HERE, *_FOLDERS, *driver])
             ray.init(address=c.address, logging_level="warning", runtime_env={"env_vars": {"PYTHONPATH": path}})
             c.wait_for_nodes()
             c.gpu_nodes = [n.node_id for n in nodes]

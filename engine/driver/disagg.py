@@ -27,13 +27,14 @@ prefill, decode (short or cached) and queue (the prefill engines were full).
 
 The local launcher runs it: every engine's ranks are one job on this machine.
 
-Faults: engine/driver/disagg_faults.py (an engine that dies fails only its own requests).
+Faults: engine/driver/disagg_faults.py (a dead engine's requests go on, with their tokens, on the others).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from atoll.engine.driver.channels import Merged
 from atoll.engine.disagg.decision import Either, Recent, choose_path, uncached_tokens
 from atoll.engine.driver.disagg_faults import EngineFailure, EngineFaults
 from atoll.engine.rank.job import EngineJob
@@ -67,13 +68,27 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         try:
             super().__init__(job.decode, world_size=sum(lay.world_size for lay in self.layouts), launcher=launcher,
                              parallel=job.options, ready_timeout_s=ready_timeout_s)
-        except RankFailure as e:
-            raise self._named(e) from e
+        except BaseException as e:
+            if isinstance(self._outbox, Merged):  # its readers end with the job that failed to start
+                self._outbox.close()
+            if isinstance(e, RankFailure):
+                raise self._named(e) from e
+            raise
 
     def _start(self, launcher, world_size: int, parallel):
+        """Each engine gets an inbox and an outbox of its own: a rank killed mid-write loses
+        only its engine's channel (engine/driver/channels.py)."""
         self._inboxes = [launcher.channel() for _ in self.layouts]
-        return launcher.start(worker, world_size, self.live, self._inboxes, self._outbox,
-                              device=self.spec.engine.device)
+        outboxes = [launcher.channel() for _ in self.layouts]
+        job = launcher.start(worker, world_size, self.live, self._inboxes, outboxes, device=self.spec.engine.device)
+        self._outbox = Merged(outboxes).start()
+        return job
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        try:
+            super().close(timeout_s)
+        finally:
+            self._outbox.close()
 
     def _ready(self) -> None:
         dp = self.layouts[-1].dp
@@ -96,7 +111,8 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         self._dead: dict[int, str] = {}  # engine -> why it is dead
         self._labels = {self.live.name(e): e for e in range(len(self.layouts))}
         self._requests: dict[int, Request] = {}  # every unfinished request, to send again
-        self._streamed: set[int] = set()  # requests whose first token reached their sink
+        self._streamed: dict[int, list[int]] = {}  # requests whose first token reached their sink -> their tokens
+        self._moved: dict[int, int] = {}  # requests moved off a dead engine with their tokens -> how many times
         self._told = False  # whether the decode engines were told to stop
         self._first: dict[int, int] = {}  # handed off, first token not out yet -> that token
         self._early: dict[int, tuple[list, list]] = {}  # ... -> the decode engine's tokens and end meanwhile
@@ -165,8 +181,12 @@ class DisaggEngine(EngineFaults, OnlineEngine):
                 self._waiting[header.prefill] -= 1
                 aborted = header.index in self._aborted
                 dead = self._dead.get(self.x + header.decode)
-            if dead is not None:  # its first token is on its way: it cannot start again
-                self._end_with(header.index, f"{self.live.name(self.x + header.decode)} failed: {dead}")
+            if dead is not None:  # its first token is on its way: another decode engine goes on from it
+                with self._lock:
+                    if header.index not in self._streamed:
+                        self._first[header.index] = header.first  # (what that engine sends waits for it)
+                if not self._migrate(header.index, [header.first]):
+                    self._end_with(header.index, f"{self.live.name(self.x + header.decode)} failed: {dead}")
                 return
             with self._lock:  # (under PP the step and the header come from different ranks: either first)
                 if header.index not in self._streamed:
@@ -190,6 +210,8 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         elif kind == "lost":  # a decode engine could not receive this prompt's KV: its prefill engine died
             _, index, prefill = msg
             self._learn_death(prefill)
+            if prefill in self._dead and self._migrate(index):  # its first token is out: decoded on from it
+                return
             why = self._dead.get(prefill, "its ranks stopped answering")
             self._end_with(index, f"{self.live.name(prefill)} failed while sending this request's KV cache: {why}")
         elif kind == "stopped":
@@ -250,10 +272,15 @@ class DisaggEngine(EngineFaults, OnlineEngine):
     def _deliver_ordered(self, tokens, done, stats, engine) -> None:
         now = []
         with self._lock:
-            self._streamed.update(index for index, *_ in tokens)
+            for entry in tokens:
+                self._streamed.setdefault(entry[0], []).append(entry[1])
+            if self._moved:  # a moved request's prompt logprobs went out with its first token already
+                tokens = [(*e[:3], None, *e[4:]) if e[0] in self._moved and len(e) > 3 else e for e in tokens]
             for index, result, decoded in done:
                 self._requests.pop(index, None)
-                self._streamed.discard(index)
+                self._streamed.pop(index, None)
+                if index in self._moved:
+                    result["metrics"]["migrations"] = self._moved.pop(index)
                 _, prefill = self._where.pop(index, (None, None))
                 remote = prefill is not None
                 if remote and not decoded and index in self._handed:  # ended (aborted) in its prefill engine

@@ -1,16 +1,18 @@
 """The disaggregated driver's faults (engine/driver/disagg.py's DisaggEngine mixes this in).
 
-An engine whose rank dies fails only its own requests, naming it; the rest of the job
-goes on (where the launcher can end some ranks of a job: `give_up` of the local and Ray jobs). The
+An engine whose rank dies is ended alone, named; the rest of the job goes on, and so do its
+requests (where the launcher can end some ranks of a job: `give_up` of the local and Ray jobs). The
 driver ends the dead engine's other ranks and stops routing to it. A request that has streamed
 no token yet is sent again: one waiting in a dead prefill engine goes to another prefill engine
 (or, with none left, is prefilled by its decode replica), one waiting in a dead decode engine to
-another decode replica. A request whose first token has streamed ends with an error naming the
-engine: one decoding in the dead engine, one whose KV a dead prefill engine was sending (the
-decode ranks' receive fails: they drop it together and say so, "lost"), and one handed off to a
-dead decode engine. Gloo's point-to-point transfers to a dead peer fail at once rather than
-hang, and the surviving engines' own groups do not involve it. With no decode engine left the
-whole engine fails. `degraded` names the dead engines (the server's /health).
+another decode replica. A request whose first token has streamed (or is on its way) moves with
+its tokens to a live decode engine, which computes its prompt and those tokens and decodes on
+(`_migrate`; greedy and seeded tokens as without the fault): one decoding in the dead engine,
+one whose KV a dead prefill engine was sending (the decode ranks' receive fails: they drop it
+together and say so, "lost"), and one handed off to a dead decode engine. Only with no live
+decode engine to take it does it end with an error naming the engine. Gloo's point-to-point
+transfers to a dead peer fail at once rather than hang, and the surviving engines' own groups
+do not involve it. With no decode engine left the whole engine fails. `degraded` names the dead engines (the server's /health).
 
 With `heals` set (atoll serve under --restart-policy on-failure, serve.replica_start.start_disagg)
 none of this happens: an engine's failure fails the whole job, and the server starts it again
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 
 from atoll.errors import AtollError, RankFailure
 from atoll.parallel.parts import bases, engine_of
@@ -66,9 +69,15 @@ class EngineFaults:
         print(f"atoll: {line}; the other engines go on without it", file=sys.stderr, flush=True)
         base = bases(self.layouts)[engine]
         self.job.give_up(range(base, base + self.layouts[engine].world_size))
-        again, fail, held = self._orphans(engine)
-        for index in fail:
-            self._end_with(index, line)
+        cancel = getattr(self._inboxes[engine], "cancel_join_thread", None)
+        if cancel is not None:  # what waits for its dead reader must not hold up this process's exit
+            cancel()
+        again, move, held = self._orphans(engine)
+        for index in move:  # with the tokens it streamed, on a live decode engine
+            with self._lock:  # a first token still on its way in a live prefill engine's step counts
+                first = [self._first[index]] if index in self._first else None
+            if not self._migrate(index, first):
+                self._end_with(index, line)
         for index in self._handed_from(engine):  # their first token will not come in its step
             with self._lock:
                 tokens, done = self._release_first(index)
@@ -102,22 +111,22 @@ class EngineFaults:
                     self._fail(self._describe(e))
 
     def _orphans(self, engine: int) -> tuple[list[int], list[int], list]:
-        """The dead engine's requests: (to send again, to fail, results held for its byte counts);
-        it gets no more."""
-        again, fail, held = [], [], []
+        """The dead engine's requests: (to send again, to move with their tokens, results held for
+        its byte counts); it gets no more."""
+        again, move, held = [], [], []
         with self._lock:
             if engine < self.x:
                 for index in [i for i, (_, p) in self._where.items() if p == engine and i in self._handed]:
                     del self._handed[index]
-                    (fail if index in self._streamed else again).append(index)
+                    (move if index in self._streamed else again).append(index)
                 for index in [i for i, r in self._held.items() if self._where.get(i, (0, engine))[1] == engine]:
                     held.append((index, self._held.pop(index)))
             else:
                 for index, (slot, prefill) in list(self._where.items()):
                     if self.x + self._slots[slot][0] != engine or index in self._handed:
-                        continue  # (one still in a prefill engine fails at its handoff)
-                    (fail if index in self._streamed or prefill is not None else again).append(index)
-        return again, fail, held
+                        continue  # (one still in a prefill engine moves at its handoff)
+                    (move if index in self._streamed or prefill is not None else again).append(index)
+        return again, move, held
 
     def _handed_from(self, engine: int) -> list[int]:
         """Requests a prefill engine handed off whose first token has not come out yet."""
@@ -139,6 +148,24 @@ class EngineFaults:
             sends = self._route(request, slot)
         self._post(sends)
 
+    def _migrate(self, index: int, tokens: list[int] | None = None) -> bool:
+        """Move a request off a dead engine with its tokens (those it streamed, or `tokens`): a
+        live decode engine computes its prompt and them, and decodes on (as serve.replicas
+        migrates between replicas). False: it has ended already, or no decode engine is left."""
+        with self._lock:
+            request = self._requests.get(index)
+            if request is None or index not in self._sinks:
+                return index not in self._sinks
+            made = list(self._streamed.get(index, [])) if tokens is None else list(tokens)
+            self._requests[index] = replace(request, generated=made, fork_of=None)
+            self._moved[index] = self._moved.get(index, 0) + 1
+            self._handed.pop(index, None)
+        try:
+            self._again(index)
+        except (ValueError, KeyError):
+            return False
+        return True
+
     def _end_with(self, index: int, line: str) -> None:
         """End one request with an error line (its engine died)."""
         with self._lock:
@@ -151,7 +178,8 @@ class EngineFaults:
                     and self._waiting[prefill] != math.inf:
                 self._waiting[prefill] -= 1
             self._requests.pop(index, None)
-            self._streamed.discard(index)
+            self._streamed.pop(index, None)
+            self._moved.pop(index, None)
             self._first.pop(index, None)
             self._early.pop(index, None)
         if sink is not None:

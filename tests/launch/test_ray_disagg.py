@@ -44,10 +44,9 @@ def test_tp2_prefill_to_tp2_decode_across_two_ray_nodes(cluster, tiny_model):
 @pytest.mark.timeout(300)
 def test_a_dead_decode_engine_under_ray_leaves_the_others_serving(cluster, tiny_model):
     """1P2D under Ray: decode engine 1's actor is killed while both decode engines hold requests.
-    The driver ends that engine alone (RayJob.give_up) and /health's `degraded` names it; of the
-    requests it held, those that streamed or were prefilled remotely fail naming it, the rest
-    are sent again; every other request ends with transformers' tokens, and the next requests
-    run on decode engine 0."""
+    The driver ends that engine alone (RayJob.give_up) and /health's `degraded` names it; the
+    requests it held move to decode engine 0, with the tokens they had; every request ends
+    with transformers' tokens, and the next requests run on decode engine 0."""
     import threading
     import time
 
@@ -76,11 +75,9 @@ def test_a_dead_decode_engine_under_ray_leaves_the_others_serving(cluster, tiny_
         run.join(timeout=240)
         assert not run.is_alive() and len(outs) == len(prompts)
         assert list(engine.degraded) == ["decode engine 1"] and engine.error is None, engine.degraded
-        failed = [o for o in outs if o.error is not None]
-        done = [(o, w) for o, w in zip(outs, want) if o.error is None]
-        assert failed and done, [o.error for o in outs]
-        assert all("decode engine 1" in o.error for o in failed), [o.error for o in failed]
-        for o, w in done:  # the survivors, and any sent again, end with transformers' tokens
+        assert [o.error for o in outs] == [None] * len(outs)
+        assert any(o.metrics.get("migrations") for o in outs)  # decode engine 1's moved on
+        for o, w in zip(outs, want):  # the survivors, and those moved, end with transformers' tokens
             assert o.token_ids == w and o.finish_reason == "length", (o.id, o.token_ids, w)
         params = SamplingParams(max_tokens=NEW, ignore_eos=True)
         assert [o.token_ids for o in llm.generate(SHORT + LONG, params)] == reference_tokens(model, SHORT + LONG, NEW)

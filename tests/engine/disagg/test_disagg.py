@@ -156,8 +156,9 @@ def test_bench_disagg_prints_identical_tokens_and_the_analytic_bytes(models):
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process table from /proc")
 @pytest.mark.parametrize("victim,engine", [(0, "prefill"), (1, "decode")])
 def test_killing_a_rank_names_the_engine_and_fails_its_requests(models, tmp_path, victim, engine):
-    """A killed prefill engine fails only the request whose KV it was sending (named); the decode
-    engine prefills the rest itself. A killed decode engine, the only one, fails every request."""
+    """A killed prefill engine fails no request: the one whose KV it was sending moves with its
+    first token to the decode engine, which prefills the rest itself. A killed decode engine,
+    the only one, fails every request."""
     model_dir, _ = models("llama")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt_token_ids": [(i * 13 + j) % 300 + 1 for j in range(40)]})
@@ -190,13 +191,12 @@ def test_killing_a_rank_names_the_engine_and_fails_its_requests(models, tmp_path
     done = [r for r in rows if "error" not in r]
     if engine == "decode":  # the only decode engine: every request still running failed
         assert failed
-    else:  # only the request whose KV it was sending fails; the decode engine prefilled the rest itself
-        assert len(failed) == 1 and "the other engines go on without it" in err, (failed, err)
-        assert len(done) == 11
+    else:  # the request whose KV it was sending moved on; the decode engine prefilled the rest itself
+        assert not failed and "the other engines go on without it" in err, (failed, err)
     assert all(f"{engine} engine rank 0" in r["error"] for r in failed), [r["error"] for r in failed]
     assert f"{engine} engine rank 0 (job rank {victim}" in err and "killed by SIGKILL" in err, err
     assert "Traceback" not in err
-    assert proc.returncode == 2, err
+    assert proc.returncode == (2 if failed else 0), err
     # the survivors' tokens are transformers' greedy ones (EOS may end one early)
     by_id = {i: [(i * 13 + j) % 300 + 1 for j in range(40)] for i in range(12)}
     want = reference_tokens(model_dir, [by_id[r["id"]] for r in done], 200)
