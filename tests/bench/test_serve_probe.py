@@ -14,6 +14,7 @@ import yaml
 from atoll.bench.serve_probe import MIN_TICKS, scale, scaled_topology, speed_factor
 from atoll.engine.rank.trace import read_ticks
 from atoll.planner.sim.api import Deployment, simulate
+from atoll.planner.sim import run as sim_run
 from atoll.planner.sim.load import random_requests
 from atoll.planner.sim.stepfit import StepFit
 from atoll.topologies import load_topology
@@ -54,7 +55,8 @@ def test_scale_multiplies_every_term():
         assert s.seconds(*shape) == pytest.approx(1.7 * FIT.seconds(*shape), rel=1e-12)
 
 
-def test_a_burst_simulated_with_a_scaled_fit_takes_factor_times_as_long():
+def test_a_burst_simulated_with_a_scaled_fit_takes_factor_times_as_long(monkeypatch):
+    monkeypatch.setattr(sim_run, "INTAKE_S", 0.0)  # the API server's intake is not scaled: left out here
     topo = replace(load_topology("dgx-h200"), calibration=Calibration(device="cuda", steps={"m": {"TP1": FIT.to_dict()}}))
     reqs = random_requests(6, input_len=48, output_len=12, vocab_size=32000, seed=3)
     base = simulate(MODEL, topo, Deployment(layout="TP1"), reqs, model_name="m")["serve"]

@@ -10,10 +10,11 @@ from dataclasses import replace
 import pytest
 
 from atoll.errors import ConfigError
-from atoll.planner.sim.api import Deployment, simulate
+from atoll.planner.sim.api import Deployment, prepare, simulate
 from atoll.planner.sim.clock import bucket
 from atoll.planner.sim.deploy import engine_kind
 from atoll.planner.sim.load import mixed_requests, random_requests, shared_prefix_requests
+from atoll.planner.sim.run import INTAKE_S, Simulation
 from atoll.planner.sim.stepfit import StepFit, fit
 from atoll.topologies.calibration import Calibration
 from atoll.models.presets import resolve_model
@@ -54,7 +55,8 @@ def test_a_lone_request_decodes_at_the_cost_models_step(h200):
     steps = [kind.cost_model.micro_batch(1, 0, ctx=c, chunk_ctx=0)[0] for c in range(257, 257 + 32)]
     assert out["serve"]["tpot_ms"]["p50"] == pytest.approx(sum(steps) / len(steps) * 1e3, rel=0.01)
     prefill = kind.cost_model.micro_batch(0, 256, ctx=0, chunk_ctx=128)[0]
-    assert out["serve"]["ttft_ms"]["p50"] == pytest.approx(prefill * 1e3, rel=0.02)
+    # the prefill, after the API server's intake
+    assert out["serve"]["ttft_ms"]["p50"] == pytest.approx((INTAKE_S + prefill) * 1e3, rel=0.02)
 
 
 def test_queueing_grows_with_the_rate(h200):
@@ -202,3 +204,14 @@ def test_step_fit_is_not_pulled_by_a_few_slow_ticks():
         assert f.seconds(r, c, 100.0 * r, 0) == pytest.approx(true(r, c, 100.0 * r), rel=0.02), (r, c)
     # the slow ticks count squared in the RMS; a typical tick is still fitted well
     assert f.rel_median < 0.01 < f.rel_rms
+
+
+def test_requests_sent_together_reach_an_idle_engine_one_by_one(h200):
+    """The API server takes one request at a time (run.INTAKE_S): of four prompts sent at once to
+    an idle engine, the first starts a tick alone and the other three join the next, as a server
+    runs them, where four arriving in one instant would share a tick and their first tokens."""
+    reqs = _reqs(n=4, isl=128, osl=8)
+    p = prepare(MODEL, h200, Deployment(layout="TP1"), reqs)
+    results, _ = Simulation(p.deployment, p.kinds, reqs, topology=h200, kv_bytes_per_token=p.kv_bytes_per_token).run()
+    ttft = sorted(r.ttft for r in results)
+    assert ttft[0] < 0.7 * ttft[1] and ttft[3] - ttft[1] < 3 * INTAKE_S
