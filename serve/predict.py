@@ -36,6 +36,7 @@ from atoll.errors import AtollError
 from atoll.models.presets import resolve_model
 from atoll.planner.sim.deploy import engine_kind, from_engine_flags
 from atoll.serve.autoscale import Correction
+from atoll.topologies import load_topology
 
 WINDOW = 64  # ticks a correction factor is the median over
 KEEP_BYTES = 4 << 20  # a step trace the server made is emptied once read past this size
@@ -212,7 +213,6 @@ def for_server(args, llm, sources: list[Source], *, replicas: int, log) -> Predi
     """The running server's Predictor: its engines' layouts on --topology (the calibrated one where
     given, else the preset; default local), from the engine flags; None (and one line to log)
     when the planner cannot cost this model or layout."""
-    from atoll.topologies import load_topology  # lazy: only a server with --autoscale or the admin API
 
     try:
         topology = load_topology(getattr(args, "topology", None) or "local")

@@ -27,7 +27,7 @@ import torch
 
 from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.spec.drafter import Drafter, kept_positions
-from atoll.engine.spec.tree_draft import draft_tree
+from atoll.engine.spec.tree_draft import draft_trees
 from atoll.errors import InputError
 from atoll.layers.attention import AttentionMetadata
 from atoll.models.checkpoint import Checkpoint, load_weights
@@ -115,20 +115,13 @@ class Eagle3Drafter(Drafter):
     def propose_tree(self, wants):
         """[(sequence, depth, nodes)] -> each sequence's tree (engine.spec.tree_draft), from the
         head's state at its last cached position."""
-        head, size, device = self.head, self.runner.spec.engine.block_size, self.runner.device
-        out = []
-        for seq, depth, nodes in wants:
-            ready = self.ready.get(seq)
-            if not ready or ready[0] != seq.cached:
-                out.append(([], [-1]))
-                continue
-            out.append(draft_tree(
-                seq, depth, nodes, ready[1], topk=self.cfg.topk, block_size=size, device=device,
-                logits=lambda h: head.lm_head(head.norm(h)),
-                step=lambda ids, h, meta: head(self.embed(ids), h, meta, self.cache),
-                to_target=lambda ids: (torch.tensor(ids, dtype=torch.long, device=head.d2t.device)
-                                       + head.d2t[ids]).tolist()))  # draft ids -> target ids
-        return out
+        head = self.head
+        return draft_trees(
+            wants, self.ready, topk=self.cfg.topk, block_size=self.runner.spec.engine.block_size,
+            device=self.runner.device, logits=lambda h: head.lm_head(head.norm(h)),
+            step=lambda ids, h, meta: head(self.embed(ids), h, meta, self.cache),
+            to_target=lambda ids: (torch.tensor(ids, dtype=torch.long, device=head.d2t.device)
+                                   + head.d2t[ids]).tolist())  # draft ids -> target ids
 
 
 class Tap:

@@ -33,7 +33,7 @@ import torch
 
 from atoll.config.speculative import SpeculativeConfig
 from atoll.engine.spec.drafter import Drafter, kept_positions
-from atoll.engine.spec.tree_draft import draft_tree
+from atoll.engine.spec.tree_draft import draft_trees
 from atoll.errors import InputError
 from atoll.layers.attention import AttentionMetadata
 from atoll.models.checkpoint import load_weights
@@ -140,14 +140,6 @@ class MtpDrafter(Drafter):
     def propose_tree(self, wants):
         """[(sequence, depth, nodes)] -> each sequence's tree (engine.spec.tree_draft), from the
         MTP layer's state at its last cached position."""
-        size, device = self.runner.spec.engine.block_size, self.runner.device
-        out = []
-        for seq, depth, nodes in wants:
-            ready = self.ready.get(seq)
-            if not ready or ready[0] != seq.cached:
-                out.append(([], [-1]))
-                continue
-            out.append(draft_tree(seq, depth, nodes, ready[1], topk=self.cfg.topk, block_size=size, device=device,
-                                  logits=self.mtp.logits,
-                                  step=lambda ids, h, meta: self.mtp(self.embed(ids), h, meta, self.cache)))
-        return out
+        return draft_trees(wants, self.ready, topk=self.cfg.topk, block_size=self.runner.spec.engine.block_size,
+                           device=self.runner.device, logits=self.mtp.logits,
+                           step=lambda ids, h, meta: self.mtp(self.embed(ids), h, meta, self.cache))

@@ -17,6 +17,20 @@ import torch
 from atoll.engine.sample.tree import rows_meta
 
 
+def draft_trees(wants, ready: dict, **kw) -> list[tuple[list[int], list[int]]]:
+    """[(sequence, depth, nodes)] -> each sequence's tree (draft_tree, kw its arguments), from
+    the drafter's state at the sequence's last cached position (ready[seq]: (cached, state));
+    no tree for a sequence whose state is not at its last cached position."""
+    out = []
+    for seq, depth, nodes in wants:
+        state = ready.get(seq)
+        if not state or state[0] != seq.cached:
+            out.append(([], [-1]))
+            continue
+        out.append(draft_tree(seq, depth, nodes, state[1], **kw))
+    return out
+
+
 def draft_tree(seq, depth: int, budget: int, root: torch.Tensor, *, topk: int, logits, step, to_target=None,
                block_size: int, device) -> tuple[list[int], list[int]]:
     """root: [H] the drafter's state at seq.cached - 1; logits(h [n, H]) -> [n, V] the
