@@ -36,10 +36,11 @@ import time
 from atoll.bench.chaos import render as render_chaos, run_chaos
 from atoll.bench.harness import Run, sig
 from atoll.bench.serve_compare import Offline, compare_plan, plan_lines, spec_counts, spec_rates
+from atoll.bench.serve_cycles import Cycles, cycle_lines
 from atoll.bench.serve_disagg import render as render_disagg, run_disagg
 from atoll.bench.serve_load import run_load as load, served_model, warm_up
 from atoll.bench.serve_probe import PROBE_SEED, Probe
-from atoll.bench.serve_routing import render as render_routing, run_routing
+from atoll.bench.serve_routing import render as render_routing, run_routing, scrape
 from atoll.bench.serve_scenario import render as render_long, run_long_prompt
 from atoll.bench.serve_tiers import render as render_tiers, run_tiers
 from atoll.bench.serve_server import Server, engine_argv
@@ -241,6 +242,9 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
         if probe is not None:  # a second warm-up of the same shape, its ticks against the calibration's
             again = build_requests(args, config, seed=args.seed + PROBE_SEED, n=len(warm))
             probe.measure(lambda: warm_up(url, model, again, args))
+        # the round's step cycles and rebalances, from the engines' own trace (bench/serve_cycles.py)
+        cycles = Cycles(args.step_trace) if args.step_trace and server is not None else None
+        metrics = lambda: scrape(url)  # noqa: E731
         spec0 = None
         if args.compare_plan and args.speculative_config:
             spec0 = spec_counts(url)
@@ -255,6 +259,8 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
                     cpu0, client0 = server.cpu() if server is not None else {}, time.process_time()
                     if i == 0 and probe is not None:
                         probe.round_start()
+                    if i == 0 and cycles is not None:
+                        cycles.round_start(metrics)
                     results, duration = asyncio.run(load(
                         url, model, rounds_requests[i], rate=args.request_rate, burstiness=args.burstiness,
                         max_concurrency=args.max_concurrency, seed=args.seed, ignore_eos=args.ignore_eos,
@@ -262,6 +268,9 @@ def run_load(args, bench, config, slos: dict, percentiles) -> dict:
                     reports.append(report(results, duration, slos=slos, percentiles=percentiles))
                     if i == 0 and probe is not None:
                         probe.round_end()
+                    if i == 0 and cycles is not None:
+                        cycles.round_end(metrics)
+                        out["step_cycles"] = cycles.report()
                     if i == 0 and spec0 is not None:  # the simulator drafts as this round did
                         out["spec_measured"] = spec_rates(spec0, spec_counts(url), reports[0])
                     cpu = {"client": time.process_time() - client0}
@@ -315,6 +324,8 @@ def render(r: dict) -> str:
                      f"{r['serve_over_offline_median_of_rounds']})")
         if r.get("offline_note"):
             lines.append(f"  note: {r['offline_note']}")
+    if "step_cycles" in r:
+        lines += cycle_lines(r["step_cycles"])
     if "plan" in r:
         lines += plan_lines(r["plan"])
     for e in s.get("errors", []):
