@@ -19,7 +19,7 @@ import signal
 import time
 from dataclasses import replace
 
-from atoll.bench.chaos_spec import PERIOD_S, parse_chaos, phases
+from atoll.bench.chaos_spec import PERIOD_S, outside_recovery, parse_chaos, phases
 from atoll.bench.serve_load import payload, send, served_model, warm_up
 from atoll.bench.serve_server import Server, engine_argv
 from atoll.errors import ConfigError, LaunchError
@@ -157,7 +157,8 @@ def run_chaos(args, bench, model_dir: str, vocab_size: int) -> dict:
             "failures": sorted({r.error for r in failed} | {r.error or "too few tokens" for r in lost}),
             "texts_checked": len(checked), "texts_differing": len(differ), "clean_failed": sum(not r.success for r in clean),
             "clean_duration_s": round(clean_s, 2), "duration_s": round(duration, 2), "events": log,
-            "phases": phases(results, faults, recovered, duration)}
+            "phases": phases(results, faults, recovered, duration),
+            "outside_recovery": outside_recovery(results, clean, faults, recovered, duration)}
 
 
 def render(r: dict) -> str:
@@ -174,6 +175,11 @@ def render(r: dict) -> str:
             lines.append(f"{p['fault'] if name == 'before' else '':<44}{name:>7}{s['requests']:>6}"
                          f"{_f(s['ttft_p50_ms']):>10}{_f(s['ttft_p99_ms']):>8}{_f(s['tpot_p50_ms']):>10}"
                          f"{_f(s['tpot_p99_ms']):>8}  {_f(p['recovered_s']) + ' s' if name == 'during' else ''}")
+    o = r.get("outside_recovery")
+    if o:
+        lines.append(f"outside the recovery windows ({o['requests']} requests): TTFT p99 {_f(o['ttft_p99_ms'])} ms "
+                     f"({_f(o['ttft_p99_over_no_fault'])}x the no-fault run's {_f(o['no_fault_ttft_p99_ms'])}), TPOT p99 "
+                     f"{_f(o['tpot_p99_ms'])} ms ({_f(o['tpot_p99_over_no_fault'])}x its {_f(o['no_fault_tpot_p99_ms'])})")
     return "\n".join(lines)
 
 

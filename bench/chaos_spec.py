@@ -7,6 +7,7 @@ SPEC is faults separated by commas, each `KIND@SECONDS` with `:key=value` option
     slow@15:ms=50:for=4        for 4 s, stop it 50 ms of every 100 ms (a rank at about half speed)
     random:n=3:seed=7:within=30:kinds=kill+stop   n faults of those kinds at seeded random times in
                                [1, within) s on seeded random engines (engines counted when the run starts)
+    random:n=10:seed=7:every=60   n faults, one every 60 s (at 60, 120, ...), each on a seeded random engine
 
 Times count from the first request of the faulted run.
 """
@@ -63,7 +64,7 @@ def parse_chaos(spec: str, engines: int) -> list[Fault]:
     for item in [s.strip() for s in str(spec).split(",") if s.strip()]:
         head, *parts = item.split(":")
         if head == "random":
-            faults += _random(item, _options(item, parts, ("n", "seed", "within", "kinds")), engines)
+            faults += _random(item, _options(item, parts, ("n", "seed", "within", "every", "kinds")), engines)
             continue
         kind, at, when = head.partition("@")
         if kind not in KINDS or not at:
@@ -89,6 +90,11 @@ def _random(item: str, o: dict, engines: int) -> list[Fault]:
     if any(k not in KINDS for k in kinds) or n < 1 or within <= 1:
         raise ConfigError(f"--chaos {item!r}: n >= 1, within > 1 and kinds from {'+'.join(KINDS)} are needed")
     rng = random.Random(int(_number(item, "seed", o.get("seed", "0"), whole=True)))
+    if "every" in o:
+        every = _number(item, "every", o["every"])
+        if every <= 0 or "within" in o:
+            raise ConfigError(f"--chaos {item!r}: every= takes seconds above 0, and not with within=")
+        return [Fault(rng.choice(kinds), round(every * (i + 1), 2), engine=rng.randrange(engines)) for i in range(n)]
     return [Fault(rng.choice(kinds), round(rng.uniform(1, within), 2), engine=rng.randrange(engines))
             for _ in range(n)]
 
@@ -119,6 +125,27 @@ def phases(results: list, faults: list[Fault], recovered: list[float | None], en
                          **{f"{m}_p{q}_ms": _ms(percentile([getattr(r, m) for r in done], q))
                             for m in ("ttft", "tpot") for q in (50, 99)}}
         out.append(row)
+    return out
+
+
+def outside_recovery(results: list, clean: list, faults: list[Fault], recovered: list[float | None],
+                     end_s: float) -> dict:
+    """The requests whose whole life (send to last token) lies outside every fault's recovery
+    window (from the fault until its engine served again; to the next fault, or the end, when it
+    never did): their count and TTFT / TPOT p99 in ms, beside the no-fault run's p99 over all its
+    requests, and their ratios."""
+    windows = []
+    for i, (f, back) in enumerate(zip(faults, recovered)):
+        until = faults[i + 1].at_s if i + 1 < len(faults) else end_s
+        windows.append((f.at_s, back if back is not None else until))
+    done = [r for r in results if r.success and not any(r.start < hi and lo < r.start + r.latency
+                                                        for lo, hi in windows)]
+    base = [r for r in clean if r.success]
+    out = {"requests": len(done)}
+    for m in ("ttft", "tpot"):
+        got, ref = (_ms(percentile([getattr(r, m) for r in rs], 99)) for rs in (done, base))
+        out[f"{m}_p99_ms"], out[f"no_fault_{m}_p99_ms"] = got, ref
+        out[f"{m}_p99_over_no_fault"] = round(got / ref, 3) if got is not None and ref else None
     return out
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from cli import run_cli
 
-from atoll.bench.chaos_spec import Fault, parse_chaos, percentile, phases
+from atoll.bench.chaos_spec import Fault, outside_recovery, parse_chaos, percentile, phases
 from atoll.errors import ConfigError
 from atoll.planner.sim.report import RequestResult
 
@@ -26,6 +26,15 @@ def test_random_faults_repeat_with_their_seed_and_stay_within_bounds():
     assert a != parse_chaos("random:n=5:seed=8:within=20:kinds=kill+stop", engines=3)
     assert len(a) == 5 and all(1 <= f.at_s < 20 and 0 <= f.engine < 3 and f.kind in ("kill", "stop") for f in a)
     assert [f.at_s for f in a] == sorted(f.at_s for f in a)
+
+
+def test_a_fault_every_period_on_seeded_random_engines():
+    a = parse_chaos("random:n=10:seed=7:every=60", engines=2)
+    assert [f.at_s for f in a] == [60.0 * (i + 1) for i in range(10)]
+    assert all(f.kind == "kill" for f in a) and {f.engine for f in a} == {0, 1}
+    assert a == parse_chaos("random:n=10:seed=7:every=60", engines=2)
+    with pytest.raises(ConfigError, match="every= takes seconds above 0"):
+        parse_chaos("random:n=2:every=60:within=30", engines=2)
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -57,6 +66,20 @@ def test_phases_split_the_requests_around_each_fault_and_its_recovery():
     assert row["during"]["ttft_p99_ms"] == pytest.approx(2980.0) and row["during"]["tpot_p50_ms"] == pytest.approx(50.0)
     assert row["after"]["tpot_p99_ms"] == pytest.approx(10.0)
     assert percentile([], 50) is None
+
+
+def test_outside_recovery_leaves_out_every_request_alive_in_a_window():
+    """Fault at 2 s, back at 4 s: a request sent before it but still decoding at 2 s is inside."""
+    results = [_result(0.5, 0.1, 0.01),  # ends at 0.7: outside
+               _result(1.5, 0.2, 0.1),  # ends at 2.7: alive during the window
+               _result(3.0, 3.0, 0.05),  # sent during it
+               _result(4.5, 0.3, 0.02)]  # outside
+    clean = [_result(0.5, 0.1, 0.01), _result(1.0, 0.2, 0.01)]
+    o = outside_recovery(results, clean, [Fault("kill", 2.0)], [4.0], end_s=6.0)
+    assert o["requests"] == 2
+    assert o["ttft_p99_ms"] == pytest.approx(298.0) and o["no_fault_ttft_p99_ms"] == pytest.approx(199.0)
+    assert o["ttft_p99_over_no_fault"] == pytest.approx(298 / 199, rel=1e-3)
+    assert o["tpot_p99_ms"] == pytest.approx(19.9) and o["tpot_p99_over_no_fault"] == pytest.approx(1.99)
 
 
 @pytest.mark.slow
