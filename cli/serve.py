@@ -172,7 +172,7 @@ def _run(args, launcher: str, replicas: int, plan, policy, traces: str | None) -
 
                 engine = start_replicas(llm, replicas, parallel=args.context, router=args.router,
                                         policy=policy, traces=traces)
-            elif policy.restarts and launcher in ("local", "ray") and not llm.options.elastic_ep:
+            elif policy.restarts and launcher in ("local", "ray"):
                 from atoll.serve.replica_start import start_disagg, start_single  # lazy: as above
 
                 engine = start_single(llm, parallel=args.context, policy=policy) if llm.prefill_layout is None \

@@ -104,6 +104,10 @@ def create_app(backend: Backend, *, served_names: list[str], api_key: str | None
                 if hasattr(backend.engine, "engines"):
                     out["replicas"] = len(backend.engine.engines)
                 return out
+            engines = getattr(backend.engine, "engines", ())
+            lost = getattr(engines[0], "degraded", None) if len(engines) == 1 else None
+            if lost:  # one engine that heals, serving without ranks it lost (--elastic-ep)
+                return {"status": "degraded", "dead": {str(r): line for r, line in lost.items()}}
             return {"status": "ok"}
         reason = backend.engine.error or backend.draining
         return JSONResponse({"status": "unavailable", "error": reason}, status_code=503)

@@ -7,6 +7,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from atoll.engine.batch.router import RoundRobinRouter, make_router
+from atoll.engine.driver.elastic import ElasticEngine
 from atoll.engine.driver.living import engine_spec
 from atoll.engine.driver.online import OnlineEngine
 from atoll.launch.api import LocalLauncher
@@ -22,6 +23,7 @@ class LocalShare:
     def __init__(self, base, *, threads: int, first_gpu: int):
         self.base, self.threads, self.first_gpu = base, threads, first_gpu
         self.channel = base.channel
+        self.elastic = getattr(base, "elastic", False)  # --elastic-ep runs under it as under its base
 
     def start(self, fn, world_size: int, *args, **kwargs):
         return self.base.start(fn, world_size, *args, threads=self.threads, first_gpu=self.first_gpu, **kwargs)
@@ -39,9 +41,14 @@ def replica_launchers(launcher, count: int, world_size: int) -> list:
 def start_single(llm, *, parallel=None, policy: RestartPolicy | None = None) -> Replicas:
     """One engine that comes back: its ranks started again on the same resources when one
     dies, under `policy`, its requests held meanwhile and continued there with their tokens
-    (a set of one replica, named after the engine's layout in its lines)."""
+    (a set of one replica, named after the engine's layout in its lines). Under --elastic-ep
+    the engine first goes on without a lost rank by itself; it is started again, at its whole
+    layout, only when it cannot (its last rank lost, an expert with no source left, a rank
+    that failed with an error of its own)."""
+    elastic = llm.options.elastic_ep
     return start_replicas(llm, 1, parallel=parallel, router="round_robin", policy=policy,
-                          label=f"engine {llm.layout}")
+                          label=f"{'elastic ' if elastic else ''}engine {llm.layout}",
+                          kind=ElasticEngine if elastic else OnlineEngine)
 
 
 def start_disagg(llm, *, policy: RestartPolicy | None = None) -> Replicas:
@@ -63,7 +70,7 @@ def start_disagg(llm, *, policy: RestartPolicy | None = None) -> Replicas:
 
 def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware",
                    policy: RestartPolicy | None = None, label: str | None = None,
-                   traces: str | None = None) -> Replicas:
+                   traces: str | None = None, kind=OnlineEngine) -> Replicas:
     """`count` living engines of llm's layout, started side by side, behind a router. A
     replica that fails to start stops the others and its error is raised; one that dies
     later is started again under `policy` (serve.restarts). label: see Replicas. traces: a
@@ -80,7 +87,7 @@ def start_replicas(llm, count: int, *, parallel=None, router: str = "cache_aware
         return own.with_engine(step_trace=os.path.join(traces, f"replica{k}.jsonl")) if traces else own
 
     def one(k: int) -> OnlineEngine:
-        return OnlineEngine(spec_of(k), world_size=llm.layout.world_size, launcher=launchers[k],
+        return kind(spec_of(k), world_size=llm.layout.world_size, launcher=launchers[k],
                             parallel=parallel or llm.context_options(),
                             on_events=events_of(k) if router == "cache_aware" else None)
 
