@@ -281,5 +281,6 @@ class MicroBatch:
             path, nxt = walk_greedy(c.parents, tokens, logits.argmax(-1).tolist())
         else:
             p = torch.stack([probabilities(row, state.params) for row in logits])
-            path, nxt = walk_sampled(c.parents, tokens, p, state.at(len(c.seq.output)))
+            base = len(c.seq.output)  # the node at depth d decides output token base + d
+            path, nxt = walk_sampled(c.parents, tokens, p, gen_at=lambda d: state.at(base + d))
         return [tokens[n] for n in path] + [nxt]

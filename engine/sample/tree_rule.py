@@ -63,16 +63,21 @@ def draw_rest(r: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None) -> 
 
 
 def walk_sampled(parents: list[int], tokens: list[int], p: torch.Tensor,
-                 gen: torch.Generator | None = None, q: torch.Tensor | None = None) -> tuple[list[int], int]:
+                 gen: torch.Generator | None = None, q: torch.Tensor | None = None,
+                 gen_at=None) -> tuple[list[int], int]:
     """p: [nodes, vocab] the target's probabilities at each node; q: [nodes, vocab] the
     distribution node i's token was drawn from (row 0 unused), or None for deterministic
     drafts -> (the accepted nodes, root excluded, in path order; the next token, a correction
-    or the bonus). Draws from `gen`."""
+    or the bonus). Draws from `gen`, or with gen_at(depth) from the generator of the output
+    position a node at that depth decides (a seeded request's draws for a position are then a
+    function of its seed and that position, as in a chain: sampler.stream_seed)."""
     kids = children(parents)
     path, node = [], 0
     while True:
         r = p[node]
         moved = False
+        if gen_at is not None:
+            gen = gen_at(len(path))
         for child in kids[node]:
             qc = None if q is None else q[child]
             u = torch.rand((), generator=gen, device=p.device)

@@ -96,3 +96,31 @@ def test_parents_must_name_earlier_nodes():
     assert children(PARENTS) == [[1, 2, 3], [4, 5], [], [], [], []]
     with pytest.raises(ValueError, match=r"parents\[2\]=2"):
         children([-1, 0, 2])
+
+
+def test_a_seeded_walk_draws_each_position_from_its_own_stream():
+    """Root children [a, b]: a is rejected for sure (the target gives its token no mass), b
+    accepted for sure; below b the bonus token is drawn. Drawn per position, the bonus is the
+    same as in the tree whose root has b alone (the draws at depth 0 do not shift depth 1's);
+    drawn from one generator in turn, the extra draw for a moves it."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(3, VOCAB, generator=g), -1).double()
+    p[0] = 0.0
+    p[0, 4] = 1.0  # the root's target: token 4 only, so a (token 2) is rejected and b (4) kept
+
+    two = ([-1, 0, 0], [0, 2, 4], p)  # root -> a, b
+    one = ([-1, 0], [0, 4], p[[0, 2]])  # root -> b
+    bonus_two = set()
+    for trial in range(20):
+        def at(d, t=trial):
+            return torch.Generator().manual_seed(1000 * t + d)
+        path2, nxt2 = walk_sampled(two[0], two[1], two[2], gen_at=at)
+        path1, nxt1 = walk_sampled(one[0], one[1], one[2], gen_at=at)
+        assert path2 == [2] and path1 == [1]
+        assert nxt2 == nxt1
+        bonus_two.add(nxt2)
+    assert len(bonus_two) > 1  # the bonus is drawn, not fixed
+    shifted = sum(walk_sampled(two[0], two[1], two[2], gen=torch.Generator().manual_seed(t))[1]
+                  != walk_sampled(one[0], one[1], one[2], gen=torch.Generator().manual_seed(t))[1]
+                  for t in range(20))
+    assert shifted > 0  # one generator in turn: the rejected sibling's draw moves the bonus
