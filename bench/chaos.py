@@ -71,8 +71,10 @@ async def _strike(url: str, faults, t0: float, log: list) -> list[float | None]:
     recovered = []
     for i, f in enumerate(faults):
         await asyncio.sleep(max(0.0, t0 + f.at_s - time.perf_counter()))
-        engines = await asyncio.to_thread(_engines, url)
-        pids = engines[f.engine]["pids"]
+        pids = await _ranks_of(url, f.engine, log, t0)
+        if pids is None:  # down for good (a crash loop): nothing to strike
+            recovered.append(None)
+            continue
         if f.rank >= len(pids):
             raise ConfigError(f"--chaos: engine {f.engine} has ranks 0..{len(pids) - 1}, not rank {f.rank}")
         pid = pids[f.rank]
@@ -92,6 +94,21 @@ async def _strike(url: str, faults, t0: float, log: list) -> list[float | None]:
                     await asyncio.sleep(PERIOD_S - pause)
         recovered.append(await _recovered(url, pid if f.kind == "kill" else None, t0, log))
     return recovered
+
+
+async def _ranks_of(url: str, engine: int, log: list, t0: float) -> list[int] | None:
+    """The engine's rank pids; while it has none (starting again), waited for up to RECOVER_S;
+    None, with a line in the log, when it stays without (left down after a crash loop)."""
+    deadline = time.perf_counter() + RECOVER_S
+    while True:
+        e = (await asyncio.to_thread(_engines, url))[engine]
+        if e["pids"] and e["state"] == "serving":
+            return e["pids"]
+        if time.perf_counter() >= deadline:
+            log.append(f"{time.perf_counter() - t0:7.2f} s  engine {engine} skipped: {e['state']} with no rank to "
+                       f"strike after {RECOVER_S:g} s (left down: more --max-restarts?)")
+            return None
+        await asyncio.sleep(0.2)
 
 
 def _signal(pid: int, sig) -> None:
@@ -134,6 +151,8 @@ def run_chaos(args, bench, model_dir: str, vocab_size: int) -> dict:
                                seed=args.seed, range_ratio=args.range_ratio)
     warm = random_requests(2, input_len=args.input_len, output_len=osl, vocab_size=vocab_size, seed=args.seed + 7)
     argv = engine_argv(args) + ["--enable-admin-api"]
+    if getattr(args, "max_restarts", None) is not None:
+        argv += ["--max-restarts", str(args.max_restarts)]
     server = Server(model_dir, argv, ready_timeout_s=args.server_timeout) if not args.url else None
     url = server.start() if server else args.url
     try:

@@ -70,6 +70,9 @@ def add_parser(sub) -> None:
     p.add_argument("--chaos", metavar="SPEC", default=None,
                    help="strike faults on the server's ranks during the load (kill@5:engine=1,stop@10:for=3,"
                         "slow@15:ms=50, random:n=3:seed=7) and report what they cost (bench/chaos_spec.py)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="--chaos: the server's restarts of one engine within its window before it stays down "
+                        "(default the server's, 3 in 600 s; a soak that kills more often needs more)")
     p.add_argument("--compare-plan", action="store_true",
                    help="the planner's TTFT / TPOT for this model, layout, topology and load beside the measured")
     p.add_argument("--topology", default="local", help="--compare-plan: preset or YAML (default local; a "
