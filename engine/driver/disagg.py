@@ -32,10 +32,12 @@ Faults: engine/driver/disagg_faults.py (a dead engine's requests go on, with the
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from atoll.engine.driver.channels import Merged
 from atoll.engine.disagg.decision import Either, Recent, choose_path, uncached_tokens
+from atoll.engine.disagg.routing import Routing
 from atoll.engine.driver.disagg_faults import EngineFailure, EngineFaults
 from atoll.engine.rank.job import EngineJob
 from atoll.engine.worker import worker
@@ -116,6 +118,38 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         self._told = False  # whether the decode engines were told to stop
         self._first: dict[int, int] = {}  # handed off, first token not out yet -> that token
         self._early: dict[int, tuple[list, list]] = {}  # ... -> the decode engine's tokens and end meanwhile
+        self.routing = Routing(self.layouts, self.x)  # the engines drained by the admin API take nothing new
+        self.taken = [0] * len(self.layouts)  # prompts each prefill engine took, requests each decode engine took
+
+    def _least_loaded(self) -> int:
+        return self.routing.least_loaded(self._load, self._slots, self.x)
+
+    def drain_engine(self, k: int) -> bool:
+        """The admin API's drain (engine.disagg.routing): False if engine k was drained already."""
+        with self._lock:
+            return self.routing.drain(k, self._dead)
+
+    def serve_engine(self, k: int) -> bool:
+        """Engine k, drained, serves again: False if it served already."""
+        with self._lock:
+            return self.routing.serve(k, self._dead)
+
+    def engine_table(self) -> list[dict]:
+        """Each engine: id, name, role, layout, whether it is drained, its unfinished requests
+        (a prefill engine's: those not handed off yet), the requests it took, and why it is dead."""
+        with self._lock:
+            out = []
+            for e, layout in enumerate(self.layouts):
+                if self.routing.roles[e] == "prefill":
+                    busy = self._waiting[e]
+                else:
+                    busy = sum(self._load[s] for s, (j, _) in enumerate(self._slots) if self.x + j == e)
+                name = self.live.name(e)
+                out.append({"id": e, "name": name, "role": self.routing.roles[e], "layout": str(layout),
+                            "off": e in self.routing.off, "unfinished": 0 if busy == math.inf else busy,
+                            "taken": self.taken[e], "dead": self._dead.get(e),
+                            "stats": dict(self._engine_stats.get(name, {}))})
+            return out
 
     def submit_all(self, pairs: list) -> None:
         """Each path is decided as its request comes, in order (the decode replicas' caches)."""
@@ -136,17 +170,21 @@ class DisaggEngine(EngineFaults, OnlineEngine):
             self.routed["decode"] += 1
             self._where[request.index] = (slot, None)
             j, d = self._slots[slot]
+            self.taken[self.x + j] += 1
             return [(self.x + j, ("add", request, d))]
         o = self.spec.engine
         held = self._seen[slot] if self._shared is None else Either(self._seen[slot], self._shared)
         new = uncached_tokens(request.prompt_token_ids, held, block_size=o.block_size,
                               prefix_caching=o.enable_prefix_caching, remember=False)
-        path = choose_path(new, self._waiting, min_prompt_tokens=self.min_prompt_tokens,
+        path = choose_path(new, self.routing.prefill_waiting(self._waiting), min_prompt_tokens=self.min_prompt_tokens,
                            max_prefill_queue=self.max_prefill_queue)
         remote, prefill = path.remote, path.prefill
         self.routed[path.reason] += 1
         self._where[request.index] = (slot, prefill if remote else None)
         j, d = self._slots[slot]
+        self.taken[self.x + j] += 1
+        if remote:
+            self.taken[prefill] += 1
         if not remote:
             return [(self.x + j, ("add", request, d))]
         self._handed[request.index] = request

@@ -142,7 +142,7 @@ class EngineFaults:
             slot, _ = self._where[index]
             if self.x + self._slots[slot][0] in self._dead:  # a new decode replica
                 self._load[slot] = self._load[slot] if self._load[slot] == math.inf else self._load[slot] - 1
-                slot = self._load.index(min(self._load))
+                slot = self._least_loaded()
                 self._load[slot] += 1
                 self._replica[index] = slot
             sends = self._route(request, slot)
