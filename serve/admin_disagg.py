@@ -11,13 +11,13 @@ routes are serve.admin's (mount_admin); this is what they do here.
     POST /admin/engines               {"id": K} or {}: a drained engine serves again
     POST /admin/engines/{id}/remove   a drain: the engine's ranks stay up and idle (a job's ranks
                                       share one world; it cannot lose some)
-    POST /admin/engines/{id}/role     {"role": "prefill" | "decode"}: checked (drained and idle,
-                                      and of the other role's layout); the switch itself is not
-                                      made yet (501)
+    POST /admin/engines/{id}/role     {"role": "prefill" | "decode"}: a drained, idle engine whose
+                                      layout is the role's (--prefill's or --decode's) takes the
+                                      role at its ranks' next step boundary; it stays drained
 
 An engine's state: serving, draining (requests still running there), drained, or dead.
 The last serving decode engine cannot be drained; the last prefill engine can (the decode
-engines then prefill every prompt themselves). Refusals are one line with 400, 404, 409 or 501.
+engines then prefill every prompt themselves). Refusals are one line with 400, 404 or 409.
 """
 
 from __future__ import annotations
@@ -96,9 +96,11 @@ class DisaggAdmin:
         return self.describe(k)
 
     def role(self, k: int, role) -> dict:
+        """A drained, idle engine of the role's layout takes the role; it stays drained (serve it
+        again with POST /admin/engines)."""
         with self._lock:
-            row = self.describe(k)
-            if not self._call(self.current().routing.check_role, k, role, row["load"]["unfinished"]):
-                return row
-        raise AdminError(501, f"engine {k} may become a {role} engine, but switching a drained engine's role at "
-                              "run time is not built yet", param="role", code="engine_role")
+            engine = self.current()
+            self._call(engine.routing.engine, k)
+            if self._call(engine.switch_engine, k, role):
+                self.log(f"{engine.live.name(k)} (engine {k}) is a {role} engine now, drained")
+        return self.describe(k)

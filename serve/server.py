@@ -19,7 +19,8 @@ from atoll.serve.admin_disagg import DisaggAdmin
 from atoll.serve.app import create_app
 from atoll.serve.backend import Backend
 from atoll.serve.replicas import Replicas
-from atoll.serve.scaler import DisaggTarget, ReplicasTarget, Scaler
+from atoll.serve.scaler import ReplicasTarget, Scaler
+from atoll.serve.scaler_disagg import DisaggTarget
 
 WATCH_S = 0.2  # how often the engine's health is looked at
 

@@ -8,6 +8,12 @@ engine or, with none serving, is prefilled by its decode replica. A drained deco
 given no new request and no hand-off; what it runs finishes there. The last serving decode
 engine is never drained. The last prefill engine may be: its decode engines then prefill every
 prompt themselves (local prefill takes any prompt a prefill engine would).
+
+A drained engine, idle, whose layout is the other role's (the job's --prefill or --decode
+layout) may change role: its rank loop swaps its hooks at a step boundary
+(engine.disagg.roles.EngineRoles) and the driver routes to it in its new role once it serves
+again. Every engine's decode replicas are slots of the driver's table; those of an engine not in
+the decode role take nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class Routing:
     def __init__(self, layouts: list[Layout], prefill_replicas: int):
         self.layouts = list(layouts)
         self.roles = ["prefill"] * prefill_replicas + ["decode"] * (len(self.layouts) - prefill_replicas)
+        # the layout each role runs (the job's): an engine takes a role only with its layout
+        self.role_layouts = {"prefill": self.layouts[0], "decode": self.layouts[-1]}
         self.off: set[int] = set()  # engines that take nothing new
 
     def engine(self, k) -> int:
@@ -74,7 +82,8 @@ class Routing:
     def check_role(self, k: int, role, busy: int) -> bool:
         """Whether engine k may take `role` (False: it has it already); refuses, in one line, an
         unknown role, an engine still serving or running requests (busy), and an engine whose
-        layout differs from the layout of the role's engines."""
+        layout differs from the role's (the job's --prefill or --decode layout: the KV hand-off
+        and the prefill engines' byte counts assume it)."""
         k = self.engine(k)
         if role not in ROLES:
             raise EngineStateError(400, f"role={role!r}: choose one of {', '.join(ROLES)}")
@@ -84,18 +93,26 @@ class Routing:
             state = "serving" if k not in self.off else f"draining ({busy} request(s) running)"
             raise EngineStateError(409, f"engine {k} is {state}: drain it, and let it finish, before changing "
                                         "its role")
-        others = sorted({str(self.layouts[e]) for e, r in enumerate(self.roles) if r == role})
-        if others and others != [str(self.layouts[k])]:
+        if self.layouts[k] != self.role_layouts[role]:
             raise EngineStateError(409, f"engine {k} runs {self.layouts[k]} but the {role} engines run "
-                                        f"{', '.join(others)}: a role change keeps the engine's layout")
+                                        f"{self.role_layouts[role]}: a role change keeps the engine's layout")
+        return True
+
+    def switch(self, k: int, role, busy: int) -> bool:
+        """Engine k takes `role` (check_role's refusals); it stays drained. False: it had it."""
+        if not self.check_role(k, role, busy):
+            return False
+        self.roles[k] = role
         return True
 
     def prefill_waiting(self, waiting: list[float]) -> list[float]:
         """The prefill engines' queues as the path decision reads them: a drained one reads as full."""
-        return [math.inf if e in self.off else w for e, w in enumerate(waiting)]
+        return [math.inf if e in self.off or self.roles[e] != "prefill" else w for e, w in enumerate(waiting)]
 
-    def least_loaded(self, load: list[float], slots: list[tuple[int, int]], x: int) -> int:
-        """The decode replica (index into slots [(decode engine j, replica)]) with the fewest
-        unfinished requests among the serving decode engines (x: the prefill engines' count)."""
-        live = [s for s, (j, _) in enumerate(slots) if x + j not in self.off]
-        return min(live or range(len(slots)), key=lambda s: (load[s], s))
+    def least_loaded(self, load: list[float], slots: list[tuple[int, int]]) -> int:
+        """The decode replica (index into slots [(engine, replica)], every engine's) with the
+        fewest unfinished requests among the serving engines in the decode role."""
+        live = [s for s, (e, _) in enumerate(slots) if e not in self.off and self.roles[e] == "decode"]
+        if not live:  # (never drained: the last decode engine is dead) the decode engines', to fail there
+            live = [s for s, (e, _) in enumerate(slots) if self.roles[e] == "decode"]
+        return min(live, key=lambda s: (load[s], s))

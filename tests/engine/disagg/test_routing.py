@@ -20,13 +20,13 @@ def one_p_two_d() -> Routing:
 
 def test_a_drained_decode_engine_takes_no_new_request_and_serves_again():
     r = one_p_two_d()
-    slots = [(0, 0), (1, 0)]  # decode engines 0 and 1 (engines 1 and 2), one replica each
-    assert r.least_loaded([3, 0], slots, x=1) == 1  # the least loaded
+    slots = [(0, 0), (1, 0), (2, 0)]  # every engine's one replica: engine 0 prefills
+    assert r.least_loaded([0, 3, 0], slots) == 2  # the least loaded
     assert r.drain(2) is True and r.drain(2) is False
-    assert r.least_loaded([3, 0], slots, x=1) == 0  # engine 2 drained: engine 1 takes it, though busier
+    assert r.least_loaded([0, 3, 0], slots) == 1  # engine 2 drained: engine 1 takes it, though busier
     assert r.serving("decode") == [1]
     assert r.serve(2) is True and r.serve(2) is False
-    assert r.least_loaded([3, 0], slots, x=1) == 1
+    assert r.least_loaded([0, 3, 0], slots) == 2
 
 
 def test_the_last_decode_engine_is_never_drained():
@@ -70,7 +70,16 @@ def test_role_changes_are_refused_in_one_line():
     assert r.check_role(2, "decode", 0) is False  # its role already
 
 
-def test_a_drained_engine_of_the_roles_layout_may_change_role():
+def test_a_drained_engine_of_the_roles_layout_changes_role():
     r = one_p_two_d()
+    slots = [(0, 0), (1, 0), (2, 0)]
     r.drain(2)
-    assert r.check_role(2, "prefill", 0) is True
+    assert r.switch(2, "prefill", 0) is True and r.roles == ["prefill", "decode", "prefill"]
+    assert r.switch(2, "prefill", 0) is False
+    r.serve(2)  # 2P1D: it prefills, and takes no request to decode
+    assert r.prefill_waiting([4, 0, 1]) == [4, math.inf, 1]
+    assert r.least_loaded([0, 9, 0], slots) == 1
+    r.drain(0)  # back: engine 0 drained, to decode
+    assert r.switch(0, "decode", 0) is True
+    r.serve(0)
+    assert r.least_loaded([0, 9, 0], slots) == 0 and r.prefill_waiting([4, 0, 1]) == [math.inf, math.inf, 1]
