@@ -224,6 +224,7 @@ def _serve(args, llm, sock, engine=None, predictor=None) -> int:
     from atoll.serve.server import serve
 
     names = args.served_model_name or [str(args.model)]
+    disaggregated = llm.prefill_layout is not None  # its admin API needs no restarting set
     port = sock.getsockname()[1]
     ranks = llm.layout.world_size
     copies = ""
@@ -234,6 +235,6 @@ def _serve(args, llm, sock, engine=None, predictor=None) -> int:
     return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,
                              tool_call_parser=args.tool_call_parser, max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                              log_level=args.log_level, dead_linger_s=DEAD_LINGER_S, engine=engine,
-                             admin_api=args.enable_admin_api and (engine is not None or llm.prefill_layout is not None),
+                             admin_api=args.enable_admin_api and (engine is not None or disaggregated),
                              autoscale=args.elastic,
                              predictor=predictor))

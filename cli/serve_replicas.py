@@ -37,7 +37,8 @@ def add_elastic_options(p) -> None:
                         "server holds; a disaggregated server's prefill and decode engines are drained and "
                         "serve again (behind --api-key when given; off by default)")
     p.add_argument("--autoscale", action="store_true",
-                   help="add and drain replicas (a disaggregated server: shift its local-prefill threshold) from "
+                   help="add and drain replicas (a disaggregated server: shift its local-prefill threshold, serve "
+                        "drained engines again and turn engines between prefill and decode) from "
                         "the live load against --goodput, with a hysteresis (decisions logged, counted in /metrics "
                         "and listed at /admin/autoscale)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",

@@ -151,8 +151,8 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
         held = self._seen[slot] if self._shared is None else Either(self._seen[slot], self._shared)
         new = uncached_tokens(request.prompt_token_ids, held, block_size=o.block_size,
                               prefix_caching=o.enable_prefix_caching, remember=False)
-        path = choose_path(new, self.routing.prefill_waiting(self._waiting), min_prompt_tokens=self.min_prompt_tokens,
-                           max_prefill_queue=self.max_prefill_queue)
+        path = choose_path(new, self.routing.prefill_waiting(self._waiting),
+                           min_prompt_tokens=self.min_prompt_tokens, max_prefill_queue=self.max_prefill_queue)
         remote, prefill = path.remote, path.prefill
         self.routed[path.reason] += 1
         self._where[request.index] = (slot, prefill if remote else None)
@@ -314,7 +314,7 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
         events = stats.pop("kv_events", None)
         role = self.routing.roles[self._labels[engine]] if engine in self._labels else None
         if events and role == "prefill":  # a prefill engine's, to the store
-            if self._prefill_shares:
+            if self._prefill_shares and self._shared is not None:
                 for _, named, name in events:
                     if named:
                         self._shared.add(name)
