@@ -2,6 +2,9 @@
 Y decode engines of another (xPyD; parallel.parts lays the engines' ranks one after another),
 each running its own rank loop (engine.rank.loop) over its own ranks, with these hooks for
 the hand-off between them. engine/worker.py starts them; the driver is engine/driver/disagg.py.
+Every engine's loop holds both roles' hooks (EngineRoles): the driver may turn a drained, idle
+engine to the other role at run time (engine.disagg.routing), and headers name engines by their
+id in the job, so any engine hands off to any other.
 
 Hand-off, per request routed to the prefill engine:
 1. The driver adds it to a prefill engine with max_tokens 1, naming the decode engine and its
