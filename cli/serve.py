@@ -122,8 +122,10 @@ def run(args) -> int:
         raise InputError(f"--elastic-ep runs one DPnEPn engine, not {replicas} replicas of it" if replicas > 1 else
                          "--elastic-ep runs one engine that shrinks itself: --enable-admin-api has no replicas to change")
     policy = restart_policy(args)  # its flags checked before any rank starts
-    args.elastic = elastic(args, replicas, bool(getattr(args, "prefill", None)))
-    if args.enable_admin_api and replicas == 1 and not (policy.restarts and launcher in ("local", "ray")):
+    disaggregated = bool(getattr(args, "prefill", None))  # its engines are drained and serve again
+    args.elastic = elastic(args, replicas, disaggregated)
+    if args.enable_admin_api and replicas == 1 and not disaggregated \
+            and not (policy.restarts and launcher in ("local", "ray")):
         raise InputError(f"--enable-admin-api: one engine under --restart-policy {args.restart_policy} and the "
                          f"{launcher} launcher has nothing to change; run replicas (--data-parallel-size N)")
     traces = _traces(args, replicas, launcher)
@@ -222,6 +224,7 @@ def _serve(args, llm, sock, engine=None, predictor=None) -> int:
     from atoll.serve.server import serve
 
     names = args.served_model_name or [str(args.model)]
+    disaggregated = llm.prefill_layout is not None  # its admin API needs no restarting set
     port = sock.getsockname()[1]
     ranks = llm.layout.world_size
     copies = ""
@@ -232,5 +235,6 @@ def _serve(args, llm, sock, engine=None, predictor=None) -> int:
     return asyncio.run(serve(llm, sock, served_names=names, api_key=args.api_key,
                              tool_call_parser=args.tool_call_parser, max_waiting=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                              log_level=args.log_level, dead_linger_s=DEAD_LINGER_S, engine=engine,
-                             admin_api=args.enable_admin_api and engine is not None, autoscale=args.elastic,
+                             admin_api=args.enable_admin_api and (engine is not None or disaggregated),
+                             autoscale=args.elastic,
                              predictor=predictor))

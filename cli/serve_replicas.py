@@ -34,9 +34,11 @@ def add_replica_options(p) -> None:
 def add_elastic_options(p) -> None:
     p.add_argument("--enable-admin-api", action="store_true",
                    help="serve /admin/engines: list the engines, drain, remove or add one within the ranks the "
-                        "server holds (behind --api-key when given; off by default)")
+                        "server holds; a disaggregated server's prefill and decode engines are drained and "
+                        "serve again (behind --api-key when given; off by default)")
     p.add_argument("--autoscale", action="store_true",
-                   help="add and drain replicas (a disaggregated server: shift its local-prefill threshold) from "
+                   help="add and drain replicas (a disaggregated server: shift its local-prefill threshold, serve "
+                        "drained engines again and turn engines between prefill and decode) from "
                         "the live load against --goodput, with a hysteresis (decisions logged, counted in /metrics "
                         "and listed at /admin/autoscale)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
@@ -54,9 +56,6 @@ def elastic(args, replicas: int, disaggregated: bool):
     """--autoscale's (Goodput, Policy, every_s), or None; the flags checked before any rank starts."""
     from atoll.serve.autoscale import Goodput, Policy  # lazy: as light as the rest of --help
 
-    if args.enable_admin_api and disaggregated:
-        raise InputError("--enable-admin-api: a disaggregated server's engines cannot be changed at run time yet; "
-                         "it serves replicas (--data-parallel-size N)")
     if args.goodput is not None and not args.autoscale:
         raise InputError("--goodput is for --autoscale")
     if args.topology is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from atoll.comm.group import Group
-from atoll.engine.disagg.roles import decode_loop, prefill_loop
+from atoll.engine.disagg.roles import EngineRoles
 from atoll.engine.rank.elastic_serve import serve_elastic
 from atoll.engine.rank.job import EngineJob
 from atoll.engine.rank.loop import Batch, ServeLoop
@@ -59,13 +59,10 @@ def _build(rank, world_size, job: EngineJob, inboxes, outbox, device, node, rank
     engine, ctx = create_part(layouts, rank, device, job.options)
     world = Group(dist.group.WORLD, range(world_size), rank, "job", device)
     runner = ModelRunner(job.specs[engine], ctx, ranks_here=ranks_here)
-    x, base = job.prefill_replicas, bases(layouts)
     if isinstance(outbox, (list, tuple)):  # one channel per engine (engine/driver/channels.py says why)
         outbox = outbox[engine]
-    if job.roles[engine] == "prefill":
-        loop = prefill_loop(runner, world, inboxes[engine], outbox, engine, layouts[x:], base[x:])
-    else:
-        loop = decode_loop(runner, world, inboxes[engine], outbox, engine - x, layouts[:x], base[:x])
+    # its role's hooks, swapped when the driver changes its role (engine.disagg.roles)
+    loop = EngineRoles(runner, world, inboxes[engine], outbox, engine, layouts, bases(layouts), job.roles[engine]).loop
     loop.name = job.name(engine)
     if isinstance(loop.core.trace, StepTrace):
         loop.core.trace.engine = loop.name

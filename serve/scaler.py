@@ -2,8 +2,8 @@
 (serve.metrics' histograms and the engines' counters), asks serve.autoscale.decide what to
 change, and does it through the admin API (serve.admin.EngineAdmin). Every decision is
 logged with its reason, kept (GET /admin/autoscale) and counted in /metrics
-(atoll_autoscale_decisions_total{action,role,applied}). On a disaggregated server only the
-local-prefill threshold is changed (DisaggTarget).
+(atoll_autoscale_decisions_total{action,role,applied}). On a disaggregated server the
+local-prefill threshold, and which engines prefill and which decode (serve.scaler_disagg).
 
 With a serve.predict.Predictor (the planner's step costs, corrected live), each sample carries
 its estimates of the prefill queue's wait and of TPOT, and each logged decision the engines'
@@ -70,42 +70,6 @@ class ReplicasTarget:
         return self.admin.drain(k, why=f"autoscale: {d.reason}")["id"], True
 
 
-class DisaggTarget:
-    """What --autoscale changes on a disaggregated server (engine.driver.disagg.DisaggEngine):
-    the local-prefill threshold (its min_prompt_tokens, read at each arrival). Adding an engine
-    or changing one's role is decided and logged, not applied: the job's engines are fixed.
-    current(): the live DisaggEngine (a healing job's is a new one after each restart, which
-    gets the threshold the autoscaler last set)."""
-
-    def __init__(self, current, log):
-        self.current, self.log = current, log
-        self.base = current().min_prompt_tokens
-        self.threshold: int | None = None  # the last one set
-
-    @property
-    def engine(self):
-        e = self.current()
-        if self.threshold is not None and e.min_prompt_tokens != self.threshold:
-            e.min_prompt_tokens = self.threshold  # a restarted job starts at the flag's
-        return e
-
-    def stats(self) -> dict:
-        return self.engine.stats
-
-    def fleet(self) -> Fleet:
-        e = self.engine
-        dead = set(e.degraded)
-        alive = [e.live.name(k) not in dead for k in range(len(e.layouts))]
-        return Fleet(prefill=sum(alive[:e.x]), decode=sum(alive[e.x:]), threshold=e.min_prompt_tokens,
-                     base_threshold=self.base)
-
-    def act(self, d) -> tuple[int | None, bool]:
-        if d.action != "threshold":
-            return None, False
-        self.threshold = self.engine.min_prompt_tokens = d.threshold
-        return None, True
-
-
 class Scaler:
     def __init__(self, target, metrics, goodput: Goodput, policy: Policy | None = None, *, every_s: float = 5.0,
                  predictor=None):
@@ -120,8 +84,7 @@ class Scaler:
         self.last: str | None = None  # the last decision's direction (serve.autoscale.direction)
         self._seen = {"ttft": (0.0, 0.0), "itl": (0.0, 0.0)}
         self.counted = Counter("atoll_autoscale_decisions", "--autoscale: decisions made, by action (add, drain, "
-                               "role, threshold), role and whether applied (a disaggregated server's engines are "
-                               "fixed: add and role are not)", ["action", "role", "applied"],
+                               "role, threshold), role and whether applied (not when no engine was free to take it)", ["action", "role", "applied"],
                                registry=metrics.registry)
 
     def _share(self, name: str, histogram, slo_s: float) -> float | None:
@@ -177,7 +140,7 @@ class Scaler:
                                "steps": steps})
         where = f" (engine {engine})" if engine is not None else ""
         self.target.log(f"autoscale: {d.action} {d.role}{where}: {d.reason}" + ("" if applied else
-                        " [not applied: a disaggregated server's engines are fixed at launch]")
+                        " [not applied: no engine free to take it]")
                         + (f" [steps: {'; '.join(steps)}]" if steps else ""))
         return d
 

@@ -15,10 +15,12 @@ import uvicorn
 
 from atoll.engine.driver.online import EngineDead
 from atoll.serve.admin import EngineAdmin
+from atoll.serve.admin_disagg import DisaggAdmin
 from atoll.serve.app import create_app
 from atoll.serve.backend import Backend
 from atoll.serve.replicas import Replicas
-from atoll.serve.scaler import DisaggTarget, ReplicasTarget, Scaler
+from atoll.serve.scaler import ReplicasTarget, Scaler
+from atoll.serve.scaler_disagg import DisaggTarget
 
 WATCH_S = 0.2  # how often the engine's health is looked at
 
@@ -93,13 +95,19 @@ def _elastic(llm, engine, backend, admin_api: bool, autoscale: tuple | None, pre
     Scaler (--autoscale: (Goodput, Policy, every_s)); None for what is off."""
     if not admin_api and autoscale is None:
         return None, None
-    if llm.prefill_layout is not None:  # a disaggregated engine: its threshold only (serve.scaler)
-        goodput, policy, every_s = autoscale
+    if llm.prefill_layout is not None:  # a disaggregated engine: serve.admin_disagg; --autoscale its threshold
         log = lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True)  # noqa: E731
         # a healing job (serve.replica_start.start_disagg) is a set of one: its live engine
         current = (lambda: engine.engines[0]) if isinstance(engine, Replicas) else (lambda: engine)
-        return None, Scaler(DisaggTarget(current, log), backend.metrics, goodput, policy, every_s=every_s,
-                            predictor=predictor)
+        admin = DisaggAdmin(current, api=admin_api) if admin_api else None
+        if autoscale is None:
+            return admin, None
+        goodput, policy, every_s = autoscale
+        scaler = Scaler(DisaggTarget(current, log), backend.metrics, goodput, policy, every_s=every_s,
+                        predictor=predictor)
+        if admin is not None:
+            admin.scaler = scaler
+        return admin, scaler
     admin = EngineAdmin(engine, layout=str(llm.layout), api=admin_api)
     admin.predictor = predictor
     if autoscale is not None:

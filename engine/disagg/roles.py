@@ -2,6 +2,9 @@
 Y decode engines of another (xPyD; parallel.parts lays the engines' ranks one after another),
 each running its own rank loop (engine.rank.loop) over its own ranks, with these hooks for
 the hand-off between them. engine/worker.py starts them; the driver is engine/driver/disagg.py.
+Every engine's loop holds both roles' hooks (EngineRoles): the driver may turn a drained, idle
+engine to the other role at run time (engine.disagg.routing), and headers name engines by their
+id in the job, so any engine hands off to any other.
 
 Hand-off, per request routed to the prefill engine:
 1. The driver adds it to a prefill engine with max_tokens 1, naming the decode engine and its
@@ -42,8 +45,8 @@ from atoll.parallel.layout import Layout
 @dataclass(frozen=True)
 class Header:
     index: int
-    prefill: int  # the prefill engine (0 .. X-1) that computed the prompt
-    decode: int  # the decode engine (0 .. Y-1) that goes on
+    prefill: int  # the prefill engine that computed the prompt (its id in the job)
+    decode: int  # the decode engine that goes on (its id in the job)
     first: int  # the first token, sampled by the prefill engine
     tokens: int  # prompt length: the positions whose KV comes over
     replica: int  # the decode replica
@@ -52,49 +55,55 @@ class Header:
     rng: bytes | None = None  # the generator's state after the first token
 
 
-def prefill_loop(runner, world, inbox, outbox, me: int, decodes: list[Layout], decode_bases: list[int]) -> ServeLoop:
-    ctx = runner.ctx
-    messages = {(j, d): kv_transfer.plan(runner.config, ctx.layout, lay, d)
-                for j, lay in enumerate(decodes) for d in range(lay.dp)}
-    route: dict[int, tuple[int, int]] = {}  # request index -> (decode engine, its replica)
+class PrefillHooks:
+    """The prefill side: each prompt's first token and KV sent to the decode engine (global
+    engine id, as parallel.parts lays them out) and replica the driver named."""
 
-    def command(cmd) -> None:
+    def __init__(self, runner, world, outbox, me: int, layouts: list[Layout], bases: list[int]):
+        self.runner, self.world, self.outbox, self.me = runner, world, outbox, me
+        self.layouts, self.bases = layouts, bases
+        self.messages: dict[tuple[int, int], list] = {}  # (decode engine, replica) -> the transfer's messages
+        self.route: dict[int, tuple[int, int]] = {}  # request index -> (decode engine, its replica)
+
+    def command(self, cmd) -> None:
         if cmd[0] == "route":  # ("route", index, decode engine, replica), just before its add
-            route[cmd[1]] = (cmd[2], cmd[3])
+            self.route[cmd[1]] = (cmd[2], cmd[3])
 
-    def on_token(seq, started) -> None:
+    def _plan(self, j: int, d: int) -> list:
+        if (j, d) not in self.messages:
+            self.messages[j, d] = kv_transfer.plan(self.runner.config, self.runner.ctx.layout, self.layouts[j], d)
+        return self.messages[j, d]
+
+    def on_token(self, seq, started) -> None:
+        runner, ctx = self.runner, self.runner.ctx
         index, tokens = seq.request.index, len(seq.request.prompt_token_ids)
-        j, d = route.pop(index)
+        j, d = self.route.pop(index)
         if ctx.rank == runner.sampler_rank:  # its generator drew the first token
             generator = seq.state.generator
             rng = generator.get_state().numpy().tobytes() if generator is not None else None
-            outbox.put(("handoff", Header(index, me, j, seq.output[0], tokens, d, started, seq.first_token_at, rng)))
+            self.outbox.put(("handoff", Header(index, self.me, j, seq.output[0], tokens, d, started,
+                                               seq.first_token_at, rng)))
         try:
-            sent = kv_transfer.send(runner, messages[j, d], ctx.rank, seq.blocks, tokens, world, decode_bases[j])
+            sent = kv_transfer.send(runner, self._plan(j, d), ctx.rank, seq.blocks, tokens, self.world, self.bases[j])
         except RuntimeError:  # its decode engine died (gloo: the connection closed); the driver ends it
             sent = 0
-        outbox.put(("sent", index, sent))
+        self.outbox.put(("sent", index, sent))
 
-    def forward(index, result) -> bool:  # its decode engine reports the end, unless it never got there
-        route.pop(index, None)
+    def forward(self, index, result) -> bool:  # its decode engine reports the end, unless it never got there
+        self.route.pop(index, None)
         return result["finish_reason"] == "abort"
-
-    # with a shared KV store, the blocks it names are written there: the driver hears of them
-    # (its events), so a later prompt with that prefix may be prefilled on its decode engine
-    return ServeLoop(runner, inbox, outbox, on_token=on_token, command=command, forward=forward,
-                     cache_events=bool(runner.spec.engine.kv_shared))
 
 
 class Handoffs:
     """The decode side: headers in the order they came, adopted in that order (EngineCore's
     inbox). Requests aborted before their KV came are still received, then ended."""
 
-    def __init__(self, runner, world, prefills: list[Layout], prefill_bases: list[int], outbox=None):
-        self.runner, self.world, self.bases, self.outbox = runner, world, prefill_bases, outbox
+    def __init__(self, runner, world, layouts: list[Layout], bases: list[int], outbox=None):
+        """layouts, bases: every engine's of the job (a header names its prefill engine's id)."""
+        self.runner, self.world, self.layouts, self.bases, self.outbox = runner, world, layouts, bases, outbox
         ctx = runner.ctx
         self.replica, self.replicas = ctx.coords.dp, ctx.layout.dp
-        self.messages = {(i, d): kv_transfer.plan(runner.config, lay, ctx.layout, d)
-                         for i, lay in enumerate(prefills) for d in range(ctx.layout.dp)}
+        self.messages: dict[tuple[int, int], list] = {}  # (prefill engine, replica) -> the transfer's messages
         self.queue: deque = deque()  # (Header, Request)
         self.aborted: set[int] = set()
         self.core = None  # the EngineCore, set once built
@@ -138,7 +147,11 @@ class Handoffs:
         ok = True
         if seq is not None:
             try:
-                kv_transfer.receive(self.runner, self.messages[header.prefill, header.replica], self.runner.ctx.rank,
+                key = header.prefill, header.replica
+                if key not in self.messages:
+                    self.messages[key] = kv_transfer.plan(self.runner.config, self.layouts[header.prefill],
+                                                          self.runner.ctx.layout, header.replica)
+                kv_transfer.receive(self.runner, self.messages[key], self.runner.ctx.rank,
                                     seq.blocks, header.tokens, self.world, self.bases[header.prefill])
             except RuntimeError:
                 ok = False
@@ -168,8 +181,36 @@ class Handoffs:
             self.core.abort(index)
 
 
-def decode_loop(runner, world, inbox, outbox, me: int, prefills: list[Layout], prefill_bases: list[int]) -> ServeLoop:
-    handoffs = Handoffs(runner, world, prefills, prefill_bases, outbox)
-    loop = ServeLoop(runner, inbox, outbox, inbox_hook=handoffs, command=handoffs.command, cache_events=True)
-    handoffs.core = loop.core
-    return loop
+class EngineRoles:
+    """One engine's rank loop in either role, its hooks swapped at a step boundary when the
+    driver says ("role", "prefill" | "decode") (it does so only to a drained, idle engine whose
+    layout is the role's). me: the engine's id in the job; layouts, bases: every engine's."""
+
+    def __init__(self, runner, world, inbox, outbox, me: int, layouts: list[Layout], bases: list[int], role: str):
+        self.loop = ServeLoop(runner, inbox, outbox, command=self.command)
+        self.prefill = PrefillHooks(runner, world, outbox, me, layouts, bases)
+        self.handoffs = Handoffs(runner, world, layouts, bases, outbox)
+        self.handoffs.core = self.loop.core
+        self.role = None
+        self.take(role)
+
+    def take(self, role: str) -> None:
+        loop, core = self.loop, self.loop.core
+        decode = role == "decode"
+        core.on_token = None if decode else self.prefill.on_token
+        core.inbox = self.handoffs if decode else None
+        loop.forward = None if decode else self.prefill.forward
+        # a decode engine's cached blocks route prompts; with a shared KV store a prefill engine's are
+        # written there too, so the driver hears of them
+        loop.cache_events = decode or bool(loop.runner.spec.engine.kv_shared)
+        for lane in core.lanes.schedulers:
+            lane.pool.events = [] if loop.cache_events else None
+        self.role = role
+
+    def command(self, cmd) -> None:
+        if cmd[0] == "role":
+            self.take(cmd[1])
+        elif self.role == "prefill":
+            self.prefill.command(cmd)
+        else:
+            self.handoffs.command(cmd)

@@ -28,6 +28,7 @@ prefill, decode (short or cached) and queue (the prefill engines were full).
 The local launcher runs it: every engine's ranks are one job on this machine.
 
 Faults: engine/driver/disagg_faults.py (a dead engine's requests go on, with their tokens, on the others).
+The admin API's changes (drain, serve again, change role): engine/driver/disagg_engines.py.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from dataclasses import replace
 
 from atoll.engine.driver.channels import Merged
 from atoll.engine.disagg.decision import Either, Recent, choose_path, uncached_tokens
+from atoll.engine.disagg.routing import Routing
+from atoll.engine.driver.disagg_engines import EngineChanges
 from atoll.engine.driver.disagg_faults import EngineFailure, EngineFaults
 from atoll.engine.rank.job import EngineJob
 from atoll.engine.worker import worker
@@ -57,7 +60,7 @@ def disagg_job(llm, requests=None) -> EngineJob:
                                    decode_replicas=o.decode_replicas)
 
 
-class DisaggEngine(EngineFaults, OnlineEngine):
+class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
     def __init__(self, job: EngineJob, *, launcher, min_prompt_tokens: int, max_prefill_queue: int | None = None,
                  ready_timeout_s: float = 900):
         self.live, self.layouts = job, job.layouts
@@ -92,7 +95,8 @@ class DisaggEngine(EngineFaults, OnlineEngine):
 
     def _ready(self) -> None:
         dp = self.layouts[-1].dp
-        self._slots = [(j, d) for j in range(self.live.decode_replicas) for d in range(dp)]  # decode replicas
+        # every engine's replicas: those of the engines in the decode role take requests (engine.disagg.routing)
+        self._slots = [(e, d) for e, lay in enumerate(self.layouts) for d in range(lay.dp)]
         self._load = [0] * len(self._slots)
         self._seen = [set() for _ in self._slots]  # each decode replica's cached prefix blocks (its events)
         # with --kv-shared: blocks written to the shared store that the decode engines can read (named by
@@ -100,7 +104,7 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         self._shared = Recent() if self.spec.engine.kv_shared else None
         pre, dec = self.layouts[0], self.layouts[-1]
         self._prefill_shares = (pre.tp, pre.pp) == (dec.tp, dec.pp)
-        self._waiting = [0] * self.x  # requests each prefill engine has not handed off yet
+        self._waiting = [0] * len(self.layouts)  # requests each prefill engine has not handed off yet
         self._where: dict[int, tuple[int, int | None]] = {}  # index -> (its decode slot, its prefill engine or None)
         self._handed: dict[int, Request] = {}  # remote request index -> its request, until its header comes
         self._aborted: set[int] = set()
@@ -116,6 +120,11 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         self._told = False  # whether the decode engines were told to stop
         self._first: dict[int, int] = {}  # handed off, first token not out yet -> that token
         self._early: dict[int, tuple[list, list]] = {}  # ... -> the decode engine's tokens and end meanwhile
+        self.routing = Routing(self.layouts, self.x)  # the engines drained by the admin API take nothing new
+        self.taken = [0] * len(self.layouts)  # prompts each prefill engine took, requests each decode engine took
+
+    def _least_loaded(self) -> int:
+        return self.routing.least_loaded(self._load, self._slots)
 
     def submit_all(self, pairs: list) -> None:
         """Each path is decided as its request comes, in order (the decode replicas' caches)."""
@@ -136,19 +145,23 @@ class DisaggEngine(EngineFaults, OnlineEngine):
             self.routed["decode"] += 1
             self._where[request.index] = (slot, None)
             j, d = self._slots[slot]
-            return [(self.x + j, ("add", request, d))]
+            self.taken[j] += 1
+            return [(j, ("add", request, d))]
         o = self.spec.engine
         held = self._seen[slot] if self._shared is None else Either(self._seen[slot], self._shared)
         new = uncached_tokens(request.prompt_token_ids, held, block_size=o.block_size,
                               prefix_caching=o.enable_prefix_caching, remember=False)
-        path = choose_path(new, self._waiting, min_prompt_tokens=self.min_prompt_tokens,
-                           max_prefill_queue=self.max_prefill_queue)
+        path = choose_path(new, self.routing.prefill_waiting(self._waiting),
+                           min_prompt_tokens=self.min_prompt_tokens, max_prefill_queue=self.max_prefill_queue)
         remote, prefill = path.remote, path.prefill
         self.routed[path.reason] += 1
         self._where[request.index] = (slot, prefill if remote else None)
         j, d = self._slots[slot]
+        self.taken[j] += 1
+        if remote:
+            self.taken[prefill] += 1
         if not remote:
-            return [(self.x + j, ("add", request, d))]
+            return [(j, ("add", request, d))]
         self._handed[request.index] = request
         self._waiting[prefill] += 1
         # the prefill engine draws the first token only (min_tokens kept for that token: its stops masked)
@@ -168,7 +181,7 @@ class DisaggEngine(EngineFaults, OnlineEngine):
             slot, prefill = self._where[index]
         if prefill is not None:
             self._inboxes[prefill].put(("abort", index))
-        self._inboxes[self.x + self._slots[slot][0]].put(("abort", index))
+        self._inboxes[self._slots[slot][0]].put(("abort", index))
 
     def _handle(self, msg) -> None:
         kind = msg[0]
@@ -180,18 +193,18 @@ class DisaggEngine(EngineFaults, OnlineEngine):
                 req = self._handed.pop(header.index)
                 self._waiting[header.prefill] -= 1
                 aborted = header.index in self._aborted
-                dead = self._dead.get(self.x + header.decode)
+                dead = self._dead.get(header.decode)
             if dead is not None:  # its first token is on its way: another decode engine goes on from it
                 with self._lock:
                     if header.index not in self._streamed:
                         self._first[header.index] = header.first  # (what that engine sends waits for it)
                 if not self._migrate(header.index, [header.first]):
-                    self._end_with(header.index, f"{self.live.name(self.x + header.decode)} failed: {dead}")
+                    self._end_with(header.index, f"{self.live.name(header.decode)} failed: {dead}")
                 return
             with self._lock:  # (under PP the step and the header come from different ranks: either first)
                 if header.index not in self._streamed:
                     self._first[header.index] = header.first  # until its prefill engine's step brings it
-            inbox = self._inboxes[self.x + header.decode]
+            inbox = self._inboxes[header.decode]
             inbox.put(("adopt", header, req))
             if aborted:  # the abort may have reached the decode ranks before the header
                 inbox.put(("abort", header.index))
@@ -221,9 +234,9 @@ class DisaggEngine(EngineFaults, OnlineEngine):
     def _stop_decodes(self) -> None:
         """Once every prefill engine is out (stopped or dead), nothing more is handed off: the
         decode engines may stop (once told to, which close() does through the prefill ones)."""
-        if self._closing and not self._told and all(e in self._stopped_engines for e in range(self.x)):
+        if self._closing and not self._told and all(e in self._stopped_engines for e in self._role("prefill")):
             self._told = True
-            for e in range(self.x, len(self.layouts)):
+            for e in self._role("decode"):
                 if e not in self._dead:
                     self._inboxes[e].put(("stop",))
 
@@ -262,8 +275,8 @@ class DisaggEngine(EngineFaults, OnlineEngine):
         return ([(index, first, None)] if first is not None else []) + early_tokens, early_done
 
     def _deliver(self, tokens, finished, stats, engine: str | None = None) -> None:
-        decoded = engine is not None and engine.startswith("decode")
-        with self._lock:
+        with self._lock:  # (by its role now: an engine's name is its launch role's)
+            decoded = engine in self._labels and self.routing.roles[self._labels[engine]] == "decode"
             if self._labels.get(engine) in self._dead:  # sent before it died: its requests went elsewhere
                 return
             tokens, done = self._in_order(tokens, finished, decoded)
@@ -299,13 +312,14 @@ class DisaggEngine(EngineFaults, OnlineEngine):
 
     def _take_stats(self, stats: dict, engine: str | None) -> None:
         events = stats.pop("kv_events", None)
-        if events and engine in self._labels and self._labels[engine] < self.x:  # a prefill engine's, to the store
-            if self._prefill_shares:
+        role = self.routing.roles[self._labels[engine]] if engine in self._labels else None
+        if events and role == "prefill":  # a prefill engine's, to the store
+            if self._prefill_shares and self._shared is not None:
                 for _, named, name in events:
                     if named:
                         self._shared.add(name)
         elif events and engine in self._labels:  # a decode engine's pools named or evicted these prefix blocks
-            j = self._labels[engine] - self.x
+            j = self._labels[engine]
             for replica, named, name in events:
                 if named and self._shared is not None:
                     self._shared.add(name)
@@ -320,14 +334,14 @@ class DisaggEngine(EngineFaults, OnlineEngine):
 
     def _stop_ranks(self) -> None:
         self._told = False
-        for e in range(self.x):  # the decode ranks are told once the prefill ranks are out
+        for e in self._role("prefill"):  # the decode ranks are told once the prefill ranks are out
             if e not in self._dead:
                 self._inboxes[e].put(("stop",))
         self._stop_decodes()
 
     @property
     def _stopped(self) -> bool:
-        return all(e in self._stopped_engines for e in range(self.x, len(self.layouts)))
+        return all(e in self._stopped_engines for e in self._role("decode"))
 
     def _describe(self, e) -> str:
         return str(self._named(e)) if isinstance(e, RankFailure) else str(e)

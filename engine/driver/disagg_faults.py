@@ -59,7 +59,7 @@ class EngineFaults:
         with self._lock:
             if engine in self._dead:
                 return True  # a peer of an engine already ended
-            decoders = [j for j in range(self.x, len(self.layouts)) if j not in self._dead and j != engine]
+            decoders = [j for j in self._role("decode") if j not in self._dead and j != engine]
             if not decoders:
                 return False
             self._dead[engine] = line = str(self._named(e))
@@ -93,10 +93,9 @@ class EngineFaults:
     def _route_around(self, engine: int) -> None:
         """No new request goes to the dead engine (under the lock): its prefill queue or its
         decode slots read as full."""
-        if engine < self.x:
-            self._waiting[engine] = math.inf
+        self._waiting[engine] = math.inf
         for slot, (j, _) in enumerate(self._slots):
-            if self.x + j == engine:
+            if j == engine:
                 self._load[slot] = math.inf
 
     def _learn_death(self, engine: int, wait_s: float = 3.0) -> None:
@@ -115,7 +114,7 @@ class EngineFaults:
         its byte counts); it gets no more."""
         again, move, held = [], [], []
         with self._lock:
-            if engine < self.x:
+            if self.routing.roles[engine] == "prefill":
                 for index in [i for i, (_, p) in self._where.items() if p == engine and i in self._handed]:
                     del self._handed[index]
                     (move if index in self._streamed else again).append(index)
@@ -123,7 +122,7 @@ class EngineFaults:
                     held.append((index, self._held.pop(index)))
             else:
                 for index, (slot, prefill) in list(self._where.items()):
-                    if self.x + self._slots[slot][0] != engine or index in self._handed:
+                    if self._slots[slot][0] != engine or index in self._handed:
                         continue  # (one still in a prefill engine moves at its handoff)
                     (move if index in self._streamed or prefill is not None else again).append(index)
         return again, move, held
@@ -140,9 +139,9 @@ class EngineFaults:
             if request is None or index not in self._sinks:
                 return
             slot, _ = self._where[index]
-            if self.x + self._slots[slot][0] in self._dead:  # a new decode replica
+            if self._slots[slot][0] in self._dead:  # a new decode replica
                 self._load[slot] = self._load[slot] if self._load[slot] == math.inf else self._load[slot] - 1
-                slot = self._load.index(min(self._load))
+                slot = self._least_loaded()
                 self._load[slot] += 1
                 self._replica[index] = slot
             sends = self._route(request, slot)

@@ -131,12 +131,16 @@ class OnlineEngine:
             raise EngineDead(self.error)
         if self._closing:
             raise EngineDead("the engine is shutting down")
-        replica = self._load.index(min(self._load))
+        replica = self._least_loaded()
         if request.fork_of in self._replica:  # a copy (n > 1) goes where its leader went, to fork from it
             replica = self._replica[request.fork_of]
         self._load[replica] += 1
         self._sinks[request.index], self._replica[request.index] = sink, replica
         return replica
+
+    def _least_loaded(self) -> int:
+        """Under the lock: the replica with the fewest unfinished requests."""
+        return self._load.index(min(self._load))
 
     def abort(self, index: int) -> None:
         """End a running request; its sink gets "finish" with finish_reason "abort"."""

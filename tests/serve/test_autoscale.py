@@ -116,25 +116,6 @@ def test_goodput_parses_and_names_the_bad_field():
         Goodput.parse(["itl:5"])
 
 
-def test_a_healing_disaggregated_jobs_new_engine_gets_the_threshold_the_autoscaler_set():
-    from types import SimpleNamespace
-
-    from atoll.serve.autoscale import Decision
-    from atoll.serve.scaler import DisaggTarget
-
-    def job():  # a 1P1D DisaggEngine as the target reads it, started with --disagg-min-prompt-tokens 4
-        return SimpleNamespace(min_prompt_tokens=4, degraded={}, layouts=["TP1", "TP1"], x=1, stats={"waiting": 0},
-                               live=SimpleNamespace(name=lambda k: f"engine {k}"))
-
-    live = [job()]
-    target = DisaggTarget(lambda: live[0], print)
-    assert target.fleet() == Fleet(prefill=1, decode=1, threshold=4, base_threshold=4)
-    assert target.act(Decision("threshold", "decode", "why", 8)) == (None, True) and live[0].min_prompt_tokens == 8
-    assert target.act(Decision("add", "prefill", "why")) == (None, False)
-    live[0] = job()  # the job restarted after a failure: a new engine, at the flag's threshold
-    assert target.fleet().threshold == 8 and live[0].min_prompt_tokens == 8
-
-
 def test_a_decision_undoing_the_last_one_waits_settle_intervals():
     """Replayed tick by tick: a replica drained when idle is not added back by a short burst
     within settle x interval_s of the drain (it flapped every interval without it), and is once that

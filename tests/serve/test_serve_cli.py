@@ -59,7 +59,6 @@ def taken_port():
     (["-dp", "2", "--autoscale", "--goodput", "ttft:500", "tpot:50", "--autoscale-interval-s", "0"],
      "--autoscale-interval-s 0 must be a positive number"),
     (["--enable-admin-api", "--restart-policy", "never"], "--enable-admin-api: one engine under --restart-policy never"),
-    (["--prefill", "TP1", "--decode", "TP1", "--enable-admin-api"], "a disaggregated server's engines cannot be changed"),
 ])
 def test_bad_flags_are_one_line(capsys, tiny_model, no_ranks, argv, error):
     code, _, err = run_cli(capsys, "serve", "--model", tiny_model("llama"), *argv)

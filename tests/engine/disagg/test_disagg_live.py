@@ -109,10 +109,11 @@ def test_the_driver_reads_the_decode_engines_cache_events(llama):
              max_model_len=48, disagg_min_prompt_tokens=12) as llm:
         engine = llm.start()
         names = [prefix_names(p, 4, (len(p) - 1) // 4) for p in long_prompts]
+        slot = engine._slots.index((1, 0))  # the decode engine's (engine 1) replica 0
         first = llm.generate(long_prompts[:1], GREEDY, timeout_s=240)
-        held_after_first = set(names[0]) <= engine._seen[0]
+        held_after_first = set(names[0]) <= engine._seen[slot]
         later = llm.generate(long_prompts[1:], GREEDY, timeout_s=240)
-        evicted = not set(names[0]) <= engine._seen[0]
+        evicted = not set(names[0]) <= engine._seen[slot]
         again = llm.generate([long_prompts[0], long_prompts[2]], GREEDY, timeout_s=240)
     assert [o.token_ids for o in first + later] == want[3:]
     assert [o.token_ids for o in again] == [want[3], want[5]]
