@@ -10,8 +10,9 @@
   keys at positions <= i and to its own earlier steps' keys at i (the cache a chain draft
   sees), predicting the target's argmax at i + 1 + k;
 - the loss: cross-entropy over the draft vocabulary on the continuation's positions (labels
-  outside the draft vocabulary skipped), step k weighted 0.8**k; AdamW, gradients clipped at
-  0.5. SpecForge uses the target's soft distribution (over the draft vocabulary) as the label;
+  outside the draft vocabulary skipped), step k weighted 0.8**k; AdamW with a linear warmup,
+  gradients clipped at 0.5; a step takes a batch of sequences, right-padded (a row attends only
+  to earlier positions, so padding changes nothing that counts). SpecForge uses the target's soft distribution (over the draft vocabulary) as the label;
   here the label is the target's argmax, which for greedy continuations is the next token.
 
 The head starts from the target's final norm and its LM head's rows of the draft vocabulary;
@@ -85,44 +86,60 @@ class TrainHead(nn.Module):
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
-    def unroll(self, aux, emb, labels, weights, steps: int):
-        """aux: [T, 3H] the fused layers' states; emb: [T, H] the tokens' embeddings; labels: [T]
-        the draft id of the target's argmax at each position (-1: none); weights: [T] 1 where a
-        position's prediction counts. Returns (loss, [(correct, counted)] a step)."""
+    def unroll(self, aux, emb, labels, weights, steps: int, mean: bool = True):
+        """A batch of right-padded sequences: aux [B, T, 3H] the fused layers' states; emb [B, T, H]
+        the tokens' embeddings; labels [B, T] the draft id of the target's argmax at each position
+        (-1: none); weights [B, T] 1 where a position's prediction counts (0 on padding). A row sees
+        only positions at or before its own, so padding on the right changes no counted row.
+        Returns (loss, [(correct, counted, summed cross-entropy)] a step); the loss is each step's
+        mean over the batch's counted positions (its sum where not `mean`), weighted DECAY ** k."""
         cfg, a, m = self.cfg, self.midlayer.self_attn, self.midlayer
         heads, kvh, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-        n = len(aux) - 1
-        g = self.fc(aux[:n])
+        b, n = labels.shape[0], labels.shape[1] - 1
+        g = self.fc(aux[:, :n])
         keys, values, total, stats = [], [], 0.0, []
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1)
         for k in range(min(steps, n)):
             rows = n - k
-            x = torch.cat([m.input_layernorm(emb[1 + k:1 + k + rows]), m.hidden_norm(g[:rows])], dim=-1)
+            x = torch.cat([m.input_layernorm(emb[:, 1 + k:1 + k + rows]), m.hidden_norm(g[:, :rows])], dim=-1)
             pos = torch.arange(rows) + k
-            q = self._rotary(a.q_proj(x).view(rows, heads, d).transpose(0, 1), pos)
-            kk = self._rotary(a.k_proj(x).view(rows, kvh, d).transpose(0, 1), pos).repeat_interleave(heads // kvh, 0)
-            v = a.v_proj(x).view(rows, kvh, d).transpose(0, 1).repeat_interleave(heads // kvh, 0)
-            keys.append(kk)
-            values.append(v)
+            q = self._rotary(a.q_proj(x).view(b, rows, heads, d).transpose(1, 2), pos)
+            kk = self._rotary(a.k_proj(x).view(b, rows, kvh, d).transpose(1, 2), pos)
+            keys.append(kk.repeat_interleave(heads // kvh, 1))
+            values.append(a.v_proj(x).view(b, rows, kvh, d).transpose(1, 2).repeat_interleave(heads // kvh, 1))
             # step 0's keys, causal; then each later step's own key at the same row (the diagonal)
-            s0 = q @ keys[0][:, :n].transpose(1, 2) / math.sqrt(d)  # [heads, rows, n]
-            s0 = s0.masked_fill(torch.ones(rows, n, dtype=torch.bool).triu(1), float("-inf"))
-            diag = [(q * keys[j][:, :rows]).sum(-1, keepdim=True) / math.sqrt(d) for j in range(1, k + 1)]
+            s0 = q @ keys[0].transpose(-1, -2) / math.sqrt(d)  # [B, heads, rows, n]
+            s0 = s0.masked_fill(causal[:rows], float("-inf"))
+            diag = [(q * keys[j][:, :, :rows]).sum(-1, keepdim=True) / math.sqrt(d) for j in range(1, k + 1)]
             p = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
             out = p[..., :n] @ values[0]
             for j in range(1, k + 1):
-                out = out + p[..., n + j - 1:n + j] * values[j][:, :rows]
-            residual = g[:rows] + a.o_proj(out.transpose(0, 1).reshape(rows, heads * d))
+                out = out + p[..., n + j - 1:n + j] * values[j][:, :, :rows]
+            residual = g[:, :rows] + a.o_proj(out.transpose(1, 2).reshape(b, rows, heads * d))
             h = m.post_attention_layernorm(residual)
             g = residual + m.mlp.down_proj(F.silu(m.mlp.gate_proj(h)) * m.mlp.up_proj(h))
-            logits = self.lm_head(self.norm(g))  # [rows, draft vocab]
-            lab, w = labels[1 + k:1 + k + rows], weights[1 + k:1 + k + rows]
+            lab, w = labels[:, 1 + k:1 + k + rows], weights[:, 1 + k:1 + k + rows]
             keep = (lab >= 0) & (w > 0)
             if keep.any():
-                total = total + DECAY ** k * F.cross_entropy(logits[keep], lab[keep])
-                stats.append((int((logits[keep].argmax(-1) == lab[keep]).sum()), int(keep.sum())))
+                logits = self.lm_head(self.norm(g[keep]))  # [counted, draft vocab]
+                ce = F.cross_entropy(logits, lab[keep], reduction="sum")
+                total = total + DECAY ** k * (ce / int(keep.sum()) if mean else ce)
+                stats.append((int((logits.argmax(-1) == lab[keep]).sum()), int(keep.sum()), float(ce.detach())))
             else:
-                stats.append((0, 0))
+                stats.append((0, 0, 0.0))
         return total, stats
+
+
+def pad_batch(items, embed: torch.Tensor, to_draft: torch.Tensor):
+    """[(tokens, aux, argmax, weights)] -> the right-padded tensors `unroll` takes."""
+    t = max(len(tokens) for tokens, _, _, _ in items)
+    b, width = len(items), items[0][1].shape[-1]
+    aux, tokens = torch.zeros(b, t, width), torch.zeros(b, t, dtype=torch.long)
+    labels, weights = torch.full((b, t), -1, dtype=torch.long), torch.zeros(b, t)
+    for i, (tok, states, argmax, counted) in enumerate(items):
+        n = len(tok)
+        aux[i, :n], tokens[i, :n], labels[i, :n], weights[i, :n] = states, tok, to_draft[argmax], counted
+    return aux, embed[tokens], labels, weights
 
 
 @torch.no_grad()
@@ -158,8 +175,10 @@ def draft_vocab(data, size: int, vocab: int) -> torch.Tensor:
 
 
 def train_head(target_dir, sequences, out_dir, *, steps: int, seconds: float | None, ttt: int, vocab_size: int,
-               lr: float = 5e-4, seed: int = 0, progress: bool = True) -> dict:
-    """Trains a head on [(tokens, prompt_len)] and writes it to out_dir; returns a summary."""
+               lr: float = 1e-3, seed: int = 0, progress: bool = True, batch: int = 8, warmup: int = 50) -> dict:
+    """Trains a head on [(tokens, prompt_len)], `batch` sequences a step (drawn at random, padded),
+    the learning rate rising linearly over `warmup` steps, and writes it to out_dir; returns a
+    summary."""
     from tqdm import tqdm
 
     target = ModelConfig.load(target_dir)
@@ -172,25 +191,29 @@ def train_head(target_dir, sequences, out_dir, *, steps: int, seconds: float | N
     ids = draft_vocab(data, vocab_size, target.vocab_size)
     to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
     to_draft[ids] = torch.arange(len(ids))
+    counted = [to_draft[argmax[w > 0]] for _, _, argmax, w in data]
+    covered = sum(int((c >= 0).sum()) for c in counted) / max(sum(len(c) for c in counted), 1)
     cfg = head_config(target, draft_vocab_size=len(ids), aux=aux)
     torch.manual_seed(seed)
     head = TrainHead(cfg, weights["norm"], weights["lm_head"][ids])
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / (warmup + 1)))
     rng = random.Random(seed)
     start, done, hits, losses = time.monotonic(), 0, [[0, 0] for _ in range(ttt)], []
     bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True, mininterval=0.5)
     while done < steps and (seconds is None or time.monotonic() - start < seconds):
-        tokens, states, argmax, counted = data[rng.randrange(len(data))]
-        loss, stats = head.unroll(states, weights["embed"][tokens], to_draft[argmax], counted, ttt)
+        items = [data[rng.randrange(len(data))] for _ in range(min(batch, len(data)))]
+        loss, stats = head.unroll(*pad_batch(items, weights["embed"], to_draft), ttt)
         if not torch.is_tensor(loss):
             continue
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), CLIP)
         opt.step()
+        sched.step()
         done += 1
         losses.append(float(loss))
-        for k, (c, n) in enumerate(stats):
+        for k, (c, n, _) in enumerate(stats):
             hits[k][0] += c
             hits[k][1] += n
         bar.set_postfix_str(f"loss {float(loss):.3f} acc@0 {stats[0][0] / max(stats[0][1], 1):.2f}", refresh=False)
@@ -201,5 +224,6 @@ def train_head(target_dir, sequences, out_dir, *, steps: int, seconds: float | N
     tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
     save_head(out_dir, tensors, cfg)
     return {"steps": done, "seconds": time.monotonic() - start, "sequences": len(sequences),
-            "tokens": sum(len(t) for t, _ in sequences), "draft_vocab": len(ids), "aux_layers": aux,
+            "tokens": sum(len(t) for t, _ in sequences), "counted": sum(len(c) for c in counted),
+            "batch": batch, "draft_vocab": len(ids), "vocab_coverage": covered, "aux_layers": aux,
             "accuracy": [c / n if n else None for c, n in hits], "losses": losses}
