@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import threading
 
 _WORK: tuple | None = None  # (judge, tasks), inherited by the forked workers
 
@@ -31,7 +33,7 @@ def run_tasks(judge, tasks: list, *, workers: int | None = None) -> list:
     global _WORK
     _WORK = (judge, tasks)
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with _forked_pool(workers) as pool:
             done = {}
             for i, out, cache, runs in pool.imap_unordered(_work, range(len(tasks))):
                 done[i] = (out, cache, runs)
@@ -47,6 +49,25 @@ def run_tasks(judge, tasks: list, *, workers: int | None = None) -> list:
         judge.runs += runs
         results.append(out)
     return results
+
+
+def _forked_pool(workers: int):
+    """A fork pool whose workers die on the SIGTERM of its terminate. A worker inherits its
+    parent's handlers at the fork, and one that raises instead (the CLI's) may not run in a
+    worker stuck on a lock another thread of the parent held when it forked: the default one is
+    in place while the workers are forked, and again in each as it starts."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
+    try:
+        return multiprocessing.get_context("fork").Pool(workers, initializer=_plain_signals)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _plain_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and ends the pool
 
 
 def _work(i: int):
