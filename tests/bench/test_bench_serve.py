@@ -261,6 +261,7 @@ def test_client_bounds_the_run(fake_server):
 # --- the command, end to end, against `atoll serve` on a tiny model ---
 
 
+@pytest.mark.slow
 def test_bench_serve_smoke(tiny_model, tmp_path):
     """`atoll bench serve --json` starts `atoll serve`, loads it, compares with the planner and
     with LLM.generate, and reports consistent figures; the server is gone afterwards."""

@@ -10,6 +10,7 @@ from atoll.bench.spec import render, side_names
 from atoll.config.speculative import SpeculativeConfig
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_spec_smoke_on_copy_prompts(capsys, smollm2_dir):
     code, out, err = cli.run_cli(capsys, "bench", "spec", "--model", str(smollm2_dir), "--speculative-config",

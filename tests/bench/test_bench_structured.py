@@ -8,6 +8,7 @@ import cli
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_structured_smoke(capsys, smollm2_dir):
     code, out, err = cli.run_cli(capsys, "bench", "structured", "--model", str(smollm2_dir), "--batch", "1", "2",

@@ -27,6 +27,7 @@ def test_replicas_served_together_each_get_a_lists_rows():
     assert len(set(prompts)) == len(prompts)  # no prefix-cache hit between the copies
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_served_steps_fit_the_ticks_of_a_real_server(tiny_model):
     ticks = served_ticks(tiny_model("llama"), Layout.parse("TP1"), 1, quick=True)

@@ -12,6 +12,7 @@ import pytest
 from procs import spawned_children
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process table from /proc")
 def test_killing_a_rank_ends_the_job(tiny_model, tmp_path):

@@ -83,11 +83,13 @@ def _signal_driver(tiny_model, tmp_path, sig, wait_s: float):
     return proc, err, left
 
 
+@pytest.mark.slow
 def test_ranks_end_when_the_driver_is_killed(tiny_model, tmp_path):
     _, _, left = _signal_driver(tiny_model, tmp_path, signal.SIGKILL, wait_s=10)
     assert not left, f"ranks {left} outlived their killed driver"
 
 
+@pytest.mark.slow
 def test_sigterm_of_the_driver_writes_every_request_and_leaves_no_rank(tiny_model, tmp_path):
     proc, err, left = _signal_driver(tiny_model, tmp_path, signal.SIGTERM, wait_s=1)
     assert proc.returncode == 143, err

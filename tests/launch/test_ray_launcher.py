@@ -58,6 +58,7 @@ def test_gpu_index():
         gpu_index([0, 1], None)
 
 
+@pytest.mark.slow
 def test_two_nodes_each_tp_pair_on_one_node(cluster):
     out = run_ray(collective, 4, device="auto", timeout_s=180)
     assert [o["rank"] for o in out] == [0, 1, 2, 3]
@@ -72,6 +73,7 @@ def test_two_nodes_each_tp_pair_on_one_node(cluster):
     assert free_gpus_back() == 4
 
 
+@pytest.mark.slow
 def test_auto_reserves_a_gpu_per_rank_and_each_sees_its_node(cluster):
     """The cluster has 4 (fake) GPUs for 4 ranks, so auto reserves one per rank's actor; each
     actor still sees all of its node's GPUs and computes on the one Ray assigned it. torch
@@ -117,6 +119,7 @@ def test_cuda_without_cuda_torch_is_one_line(cluster):
     assert free_gpus_back() == 4
 
 
+@pytest.mark.slow
 def test_placement_object_decides_the_nodes(cluster):
     class Interleaved:
         def node_of(self, rank):
@@ -152,6 +155,7 @@ def test_a_rank_that_raises_ends_the_job(cluster, tmp_path):
     _assert_prompt_failure(tmp_path, info.value, 1)
 
 
+@pytest.mark.slow
 def test_a_killed_actor_ends_the_job(cluster, tmp_path):
     with pytest.raises(RankFailure) as info:
         run_ray(die_on_rank, 4, 3, str(tmp_path), device="auto", timeout_s=180)
@@ -250,6 +254,7 @@ def test_fn_the_cluster_cannot_import(cluster, tmp_path, monkeypatch):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_generate_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
     """The engine's worker through Ray: each TP pair on one node, the two pipeline stages on
     different nodes, the same greedy tokens as the local launcher."""
@@ -267,6 +272,7 @@ def test_generate_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
     assert got == local_tokens(model)
 
 
+@pytest.mark.slow
 def test_living_engine_tp2pp2_across_two_nodes_matches_local(cluster, tiny_model):
     """atoll.LLM on RayLauncher keeps its ranks (a RayJob running engine/rank/loop.py)
     between calls: the local launcher's tokens, twice from one engine; closing it frees every

@@ -88,6 +88,7 @@ def _first_in_order(cluster):
     return sorted(cluster.gpu_nodes)
 
 
+@pytest.mark.slow
 def test_a_saved_plan_drives_two_ray_nodes(cluster, capsys, tiny_model, tmp_path):
     from launch_fns import device_report
 
@@ -113,6 +114,7 @@ def test_a_saved_plan_drives_two_ray_nodes(cluster, capsys, tiny_model, tmp_path
     assert "differ from the plan" not in err
 
 
+@pytest.mark.slow
 def test_a_plan_naming_ray_nodes_pins_nodes_and_gpus(cluster, capsys, tiny_model, tmp_path):
     """A plan file whose nodes are Ray node ids, ranks 0-1 on the second with their GPUs swapped."""
     from launch_fns import device_report
@@ -168,6 +170,7 @@ def test_gpus_ray_holds_elsewhere_are_one_line_or_refused(cluster, capsys):
         remove_placement_group(hog)
 
 
+@pytest.mark.slow
 def test_generate_tp2pp2_on_two_cpu_nodes_with_stats(cluster, capsys, tiny_model, tmp_path):
     """No plan, CPU ranks, nodes of 2 CPUs: each TP pair on one node, a stage per node, the
     local tokens; --stats: TP inside a node (island links), the pipeline across (network)."""

@@ -14,6 +14,7 @@ PROMPTS = [[5, 7, 9], [100, 3], [42], list(range(20, 60))]
 NEW = 6
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_tp2_replicas_one_per_ray_node(cluster, tiny_model):
     from atoll.engine.sample.sampler import SamplingParams

@@ -25,6 +25,7 @@ def _torchrun(args, cwd):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 @torchrun
 @pytest.mark.timeout(300)
 def test_torchrun_generate_matches_local(tiny_model, tmp_path):

@@ -42,6 +42,7 @@ def _search(setup, target, **kw):
                   osl=OSL, model_name=MODEL, count=2, **kw)
 
 
+@pytest.mark.slow
 def test_highest_goodput_per_gpu_meets_its_slos_at_its_rate_and_not_far_above(setup):
     r = _search(setup, Target(SLOS))
     best = r.best

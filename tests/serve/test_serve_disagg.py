@@ -180,6 +180,7 @@ def test_a_dead_prefill_engine_leaves_the_decode_engine_serving(tiny_model, tmp_
         server.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("lagging", [False, True], ids=["on-time", "driver-lagging"])
 def test_a_dead_decode_engine_moves_its_streams_to_a_live_one(tiny_model, tmp_path, lagging):

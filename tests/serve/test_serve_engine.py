@@ -33,7 +33,7 @@ def chat_ids(messages) -> list[int]:
     return [vocab[w] for w in text.split()]
 
 
-@pytest.fixture(scope="module", params=list(SERVERS))
+@pytest.fixture(scope="module", params=["llama-TP2", pytest.param("llama-PP2", marks=pytest.mark.slow), "qwen3_moe-DP2EP2"])
 def served(request, tiny_model, tmp_path_factory):
     """One layout's server: .server, .name, .completions and .chats (transformers' tokens)."""
     kind, overrides, layout = SERVERS[request.param]

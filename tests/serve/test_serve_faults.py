@@ -68,6 +68,7 @@ def test_a_killed_rank_fails_requests_naming_it_and_the_server_exits(tiny_model,
         server.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_drains_then_exits_0(tiny_model, tmp_path):
     d = with_tokenizer(tiny_model("llama", max_position_embeddings=4096), tmp_path / "m")

@@ -47,6 +47,7 @@ def _health(server) -> dict:
     return httpx.get(f"{server.url}/health", timeout=10).json()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_replica_loses_no_stream_and_comes_back(tiny_model, tmp_path):
     d = with_tokenizer(tiny_model("llama", max_position_embeddings=512), tmp_path / "m")

@@ -93,6 +93,7 @@ def test_cache_aware_replicas_route_by_prefix_with_transformers_tokens(tiny_mode
         server.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_replica_stays_down_under_never_and_its_requests_go_on(tiny_model, tmp_path):
     d = with_tokenizer(tiny_model("llama", max_position_embeddings=16384), tmp_path / "m")

@@ -156,6 +156,7 @@ def test_bad_values_are_400_naming_the_field_and_the_server_serves_on(served):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_copies_follow_their_first_copy_to_its_replica(tiny_model, tmp_path_factory):
     """Under -dp 2 (two replicas behind the router) each request's copies go where its first

@@ -174,6 +174,7 @@ def test_cli_flag_turns_it_off():
     assert EngineConfig().enable_prefix_caching is True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compiled_decode_step_takes_a_cache_hit(dense, monkeypatch, tmp_path):
     """SYSTEM + [7] finds 12 cached tokens and arrives while request 0 decodes: its one-token

@@ -31,7 +31,7 @@ def char_class(text: str) -> str:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["TP3", "PP2"])  # SmolLM2 has 9 heads: TP3, not TP2
+@pytest.mark.parametrize("layout", [pytest.param("TP3", marks=pytest.mark.slow), "PP2"])  # SmolLM2 has 9 heads: TP3, not TP2
 def test_constrained_greedy_is_token_identical_where_the_answer_fits(smollm2_dir, layout):
     with LLM(smollm2_dir, layout=layout, max_model_len=256) as llm:
         free = llm.generate(QUESTIONS, SamplingParams(max_tokens=24), chat=True)

@@ -139,6 +139,7 @@ def test_adopted_sequences_survive_preemption(models):
     assert sum(o.metrics["preemptions"] for o in outs) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_disagg_prints_identical_tokens_and_the_analytic_bytes(models):
     model_dir, _ = models("llama")
@@ -152,6 +153,7 @@ def test_bench_disagg_prints_identical_tokens_and_the_analytic_bytes(models):
     assert sent[0] == 0 and sent[1] == pytest.approx(report["analytic_kv_mib"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads the process table from /proc")
 @pytest.mark.parametrize("victim,engine", [(0, "prefill"), (1, "decode")])

@@ -86,6 +86,7 @@ def _thousand(rank, world, spec, requests):
     return first, rest, rss_100, rss_all, same_cache, runner.cache.bytes
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_thousand_requests_at_tp2(tiny_model):
     import random

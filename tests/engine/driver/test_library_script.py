@@ -20,7 +20,7 @@ for out in llm.generate([[5, 17, 42, 9]], SamplingParams(max_tokens=6, ignore_eo
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("how", ["script", "stdin"])
+@pytest.mark.parametrize("how", ["script", pytest.param("stdin", marks=pytest.mark.slow)])
 def test_library_example_without_a_main_guard(tiny_model, tmp_path, how):
     model = tiny_model("llama")
     text = SCRIPT.format(model=str(model))

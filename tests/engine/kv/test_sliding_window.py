@@ -53,6 +53,7 @@ def test_windowed_pool_frees_only_the_sliding_table_and_reuses_a_prefix_whose_ea
     assert pool.window.num_free == 6 and pool.full.num_free == 20
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_window_model_generates_2000_tokens_in_bounded_blocks(tiny_model):
     model_dir = tiny_model("mistral", sliding_window=WINDOW, max_position_embeddings=4096, num_hidden_layers=2)

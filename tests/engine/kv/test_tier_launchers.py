@@ -64,6 +64,7 @@ def _records(kv: Path) -> dict[str, dict[str, bytes]]:
             for d in sorted(kv.iterdir())}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_tiers_under_torchrun_and_mpirun(tiny_model, tmp_path, launcher):
@@ -97,6 +98,7 @@ def test_tiers_under_torchrun_and_mpirun(tiny_model, tmp_path, launcher):
     assert again["stats"]["kv_tier_checksum_misses"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_atoll_generate_feeds_every_prompt_at_once(tiny_model, tmp_path, launcher):
@@ -119,6 +121,7 @@ def test_atoll_generate_feeds_every_prompt_at_once(tiny_model, tmp_path, launche
     assert [r["metrics"]["cached_tokens"] for r in rows] == [0] * len(first) + [32] * len(second)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tiers_under_ray(cluster, tiny_model, tmp_path):
     """The living engine's TP2 ranks as Ray actors on one node of the simulated cluster (conftest's

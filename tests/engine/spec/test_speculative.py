@@ -73,6 +73,7 @@ def _compiled_in_process(dense, monkeypatch, tmp_path, *, max_num_seqs):
     return results, runner
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_path):
     """CPU compiled step: a verify step's rows (4 sequences x (1 + 3 drafts)) run in its graph,
@@ -85,6 +86,7 @@ def test_verify_steps_run_in_the_compiled_decode_step(dense, monkeypatch, tmp_pa
     assert len(step.compiles) == 1 and runner.stats["blocks_held"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_one_sequence_keeps_its_one_row_graph_beside_the_verify_graph(dense, monkeypatch, tmp_path):
     """max_num_seqs 1 with speculation: plain steps run the static one-row graph, verify steps

@@ -12,6 +12,7 @@ PROMPTS = [[5, 7, 9, 11, 13] * 3, [42, 1, 2, 3, 4, 5, 6, 7, 8] * 2]
 NEW = 24
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_serve_with_ngram_speculation(tiny_model, tmp_path):
     d = with_tokenizer(tiny_model("llama", num_hidden_layers=4), tmp_path / "model")

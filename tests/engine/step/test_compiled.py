@@ -111,6 +111,7 @@ def _runs_with_default_policy(rank, world, spec, requests):
             "buckets": None if step is None else step.buckets_run}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_default_policy_compiles_when_the_record_says_it_repays(model_and_reference, compiling, tmp_path):
     """auto, end to end: a short job without a record decodes eagerly (plain: too short to tune
@@ -173,6 +174,7 @@ def _runs_eagerly(rank, world, spec, requests):
     return runner.decode_step, tokens, dict(counters["stats"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_one_sequence_graph_matches_transformers(model_and_reference, compiling):
     """max_num_seqs=1: one static one-row graph whose linears are row reductions, and the LM
