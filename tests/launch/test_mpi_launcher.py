@@ -101,6 +101,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     assert took < 15, f"mpirun took {took:.1f}s to end after rank 3 was killed"
 
 
+@pytest.mark.slow
 @needs_mpirun
 def test_generate_tp2pp2_matches_local(tmp_path, tiny_model):
     """`atoll generate` under mpirun: rank 0 drives the living engine and writes the output,

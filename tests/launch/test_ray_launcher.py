@@ -98,6 +98,7 @@ def test_auto_reserves_a_gpu_per_rank_and_each_sees_its_node(cluster):
     assert free_gpus_back() == 4
 
 
+@pytest.mark.slow
 def test_cpu_reserves_no_gpu(cluster):
     out = run_ray(device_report, 4, device="cpu", timeout_s=180)
     nodes = [o["node"] for o in out]
@@ -109,6 +110,7 @@ def test_cpu_reserves_no_gpu(cluster):
     assert out[0]["free_gpus"] == 4
 
 
+@pytest.mark.slow
 def test_cuda_without_cuda_torch_is_one_line(cluster):
     """The fake GPUs are reserved, but torch in the actors sees no CUDA device."""
     with pytest.raises(RankFailure) as info:

@@ -51,6 +51,7 @@ def test_constrained_greedy_is_token_identical_where_the_answer_fits(smollm2_dir
     jsonschema.validate(json.loads(outs[7].text), PERSON)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ngram_speculation_under_a_schema_keeps_the_tokens_and_takes_drafts(smollm2_dir):
     """Drafts are checked against the grammar (a draft the grammar refuses is masked at its
