@@ -24,6 +24,7 @@ async def _complete(url: str, prompt: list[int]):
     return r.choices[0].token_ids, r.usage.prompt_tokens_details.cached_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_replicas_and_a_second_server_share_prefixes_through_redis(tiny_model, tmp_path, server):
     url, _ = server
