@@ -21,6 +21,7 @@ rank waits for the driver's word on the survivors.
 
 from __future__ import annotations
 
+import gc
 import time
 from datetime import timedelta
 
@@ -60,6 +61,7 @@ def leave() -> None:
     their timeout, and notice in turn."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # a group held only in a cycle (a failed collective's traceback) goes now, its sockets closed
 
 
 def failed(store, round_: int, ranks) -> list[int]:

@@ -196,6 +196,12 @@ class EngineConfig:
                                                "is drained and restarted (a slow rank, before it fails); "
                                                "default off")
     slow_step_window: int = _opt(16, "the steps --slow-step-ratio looks at, per replica")
+    gpu_health_xids: str = _opt("48,63,64,74,79,92,94,95", "on GPUs (serve, local ranks): a replica whose GPU "
+                                "reports one of these Xids (NVML's critical Xid events) is drained and restarted; "
+                                "'' reads none (needs nvidia-ml-py; serve/gpu_health.py)")
+    gpu_health_ecc_limit: int | None = _opt(0, "on GPUs (serve, local ranks): the uncorrected ECC errors a GPU "
+                                               "may add while its replica serves before it is drained and "
+                                               "restarted (NVML's volatile count; default 0: the first does)")
     cache_dir: str | None = _opt(None, "where atoll keeps converted models, compiled graphs (inductor/) and "
                                        "compile times (decode_steps.json) (default ~/.cache/atoll; env ATOLL_CACHE)")
 
@@ -222,6 +228,7 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise InputError(f"{name}={value!r} must be a whole number of at least 1")
         self._check_eplb()
+        self._check_gpu_health()
         r = self.slow_step_ratio
         if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 1):
             raise InputError(f"slow_step_ratio={r!r} must be a number above 1 (a step this many times its peers')")
@@ -297,6 +304,15 @@ class EngineConfig:
                 raise InputError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.num_redundant_experts and not self.enable_eplb:
             raise InputError(f"--num-redundant-experts {self.num_redundant_experts} needs --enable-eplb")
+
+    def _check_gpu_health(self) -> None:
+        text = self.gpu_health_xids
+        parts = [x.strip() for x in str(text).split(",") if x.strip()] if text is not None else []
+        if not isinstance(text, str) or not all(p.isdigit() for p in parts):
+            raise InputError(f"gpu_health_xids={text!r} must be Xid numbers joined by commas (e.g. 48,79), or ''")
+        v = self.gpu_health_ecc_limit
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise InputError(f"gpu_health_ecc_limit={v!r} must be a whole number of at least 0")
 
     def batched_tokens(self, device_memory_gib: float | None = None) -> int:
         """Tokens a step computes: max_num_batched_tokens, else default_batched_tokens."""

@@ -121,6 +121,8 @@ if [ -n "$GPU" ] && [ "${TRITON_INTERPRET:-0}" != "1" ]; then MODE=gpu; else MOD
 log "atoll gpu_check: $(date -u +%FT%TZ), mode $MODE, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), budget ${BUDGET} s"
 log "$(python -c "import sys, torch, transformers; import importlib.metadata as m; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', m.version('triton'), '| transformers', transformers.__version__, '| cuda', torch.version.cuda)" 2>&1)"
 [ "$MODE" = gpu ] && log "$(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader 2>&1)"
+# the GPU health watch's counters (serve/gpu_health.py): GPU 0's uncorrected ECC count and a 100 ms wait for an Xid
+[ "$MODE" = gpu ] && log "gpu health: $(python -c "from atoll.serve.gpu_health import Nvml; n = Nvml([0]); print('uncorrected ECC', n.ecc(0), '| no Xid events on', n.no_xids, '| Xid seen', n.xid(100)); n.close()" 2>&1 | tail -1)"
 
 # b. parity on the device: atoll TP1 vs transformers, float32 greedy tokens of SmolLM2-135M
 if [ "$MODE" = gpu ]; then

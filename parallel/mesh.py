@@ -166,6 +166,13 @@ class ParallelContext:
                     groups[kind] = Group(pg, ranks, rank, kind, device)
         return cls(layout, rank, groups, device, options)
 
+    def release(self) -> None:
+        """Let go of every process group (elastic EP, before its groups are torn down): with
+        no reference left, a group's connections close as it is destroyed, so a peer still
+        blocked in a collective with this rank fails at once instead of at its timeout."""
+        for group in self.groups.values():
+            group.pg = None
+
     @property
     def ep_islands(self) -> list[list[int]]:
         """This rank's ep group split into islands, as lists of ep-group ranks (indices)."""

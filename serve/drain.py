@@ -5,7 +5,8 @@ and it is restarted under the RestartPolicy (serve.restarts).
 EngineConfig.slow_step_ratio (off by default) and slow_step_window: a replica whose median
 gap between step reports over its last `window` steps is `ratio` times the median of its live
 peers' medians is an outlier. A late heartbeat (EngineConfig.heartbeat_timeout_s, the local
-launcher's) and a stall (stall_timeout_s) fail the engine from inside; either way every time a
+launcher's) and a stall (stall_timeout_s) fail the engine from inside; a GPU's critical Xid or
+new uncorrected ECC errors drain it from outside (serve.gpu_health). Every time a
 replica is taken out it is logged with its reason and counted in
 atoll_router_replica_drains_total{replica, reason}.
 """
@@ -46,14 +47,16 @@ def reason_of(line: str) -> str:
         return "heartbeat"
     if "--stall-timeout-s" in line:
         return "stall"
+    if line.startswith("GPU "):
+        return "gpu"
     return "failed"
 
 
 def drains_counter(registry) -> Counter:
     return Counter("atoll_router_replica_drains", "replicas taken out of the router, by reason (slow: its steps "
                    "were outliers against its peers'; heartbeat: a rank's heartbeat was late; stall: no step "
-                   "within --stall-timeout-s; failed: a rank died); each is restarted under the restart "
-                   "policy", ["replica", "reason"], registry=registry)
+                   "within --stall-timeout-s; gpu: NVML reported a critical Xid or new uncorrected ECC errors "
+                   "(serve.gpu_health); failed: a rank died); each is restarted under the restart policy", ["replica", "reason"], registry=registry)
 
 
 def note_down(replicas, replica: int, line: str) -> None:
@@ -85,6 +88,15 @@ def watch(replicas, stop: threading.Event) -> None:
             if len(live) > 1:  # never the last one serving
                 drain(replicas, r, line)
                 live.pop(r)
+
+
+def start_watches(replicas, stop: threading.Event) -> list[threading.Thread]:
+    """The slow-step watch and the GPU health watch (serve.gpu_health), those that apply."""
+    from atoll.serve import gpu_health
+
+    threads = [start_watch(replicas, stop),
+               gpu_health.start_watch(replicas, stop, lambda r, line: drain(replicas, r, line))]
+    return [t for t in threads if t is not None]
 
 
 def start_watch(replicas, stop: threading.Event) -> threading.Thread | None:

@@ -8,7 +8,7 @@ thread handed over each token. Running, waiting and KV blocks are the engine's o
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "atoll"
 # seconds: from a millisecond (a GPU decode step) to minutes (a long prompt behind a queue)
@@ -63,6 +63,9 @@ DESCRIPTIONS = {
                      "engines; decode: short or cached enough to stay; queue: the prefill engines were full)",
     "disagg_requests_total": "disaggregated serving: requests that ended, by the engine that computed their "
                              "prompt (prefill: the prefill engine, its KV sent; decode: the decode engine itself)",
+    "disagg_migrations": "disaggregated serving: requests moved with their tokens off a prefill or decode engine "
+                         "that died, onto a live decode engine, since start (a whole job started "
+                         "again counts in atoll_router_migrations instead)",
 }
 
 # the replicas' router (serve.replicas), atoll_router_<name>
@@ -93,6 +96,17 @@ class _LayerLoad:
         for layer, entry in self.load().get("layers", {}).items():
             g.add_metric([str(layer)], entry["max_mean"])
         yield g
+
+
+class _StatsCounter:
+    """A counter the engine keeps (its stats()[key]), exposed as a Prometheus counter at each scrape."""
+
+    def __init__(self, name: str, key: str, stats):
+        self.name, self.key, self.stats = name, key, stats
+
+    def collect(self):
+        yield CounterMetricFamily(f"{PREFIX}_{self.name}", DESCRIPTIONS[self.name],
+                                  value=self.stats().get(self.key, 0))
 
 
 class Metrics:
@@ -145,6 +159,7 @@ class Metrics:
         routed = Gauge(f"{PREFIX}_disagg_routed", d["disagg_routed"], ["decision"], registry=r)
         for decision in ("prefill", "decode", "queue"):
             routed.labels(decision).set_function(lambda k=decision: stats().get("routed", {}).get(k, 0))
+        r.register(_StatsCounter("disagg_migrations", "migrations", stats))
         self._prompt = self._cached = 0
 
     def mean_accepted_length(self) -> float:

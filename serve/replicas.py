@@ -66,7 +66,7 @@ class Replicas:
         self.metrics = None
         self._routed_prompt = self._routed_hit = 0  # tokens, for the router's hit rate
         self.off: dict[int, str] = {}  # replica -> draining / removing / removed / starting (serve.admin)
-        self._threads = [t for t in [drain.start_watch(self, self._stop)] if t]  # slow replicas (serve.drain)
+        self._threads = drain.start_watches(self, self._stop)  # slow replicas, unfit GPUs (serve.drain)
 
     @property
     def error(self) -> str | None:

@@ -68,6 +68,7 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
         self.x = job.prefill_replicas
         self.min_prompt_tokens, self.max_prefill_queue = min_prompt_tokens, max_prefill_queue
         self.routed = {"prefill": 0, "decode": 0, "queue": 0}
+        self.migrations = 0  # requests moved off a dead engine with their tokens (engine.driver.disagg_faults)
         try:
             super().__init__(job.decode, world_size=sum(lay.world_size for lay in self.layouts), launcher=launcher,
                              parallel=job.options, ready_timeout_s=ready_timeout_s)
@@ -330,7 +331,8 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
                     seen.discard(name)
         self._engine_stats[engine] = stats
         parts = list(self._engine_stats.values())
-        self.stats = {k: sum(p.get(k, 0) for p in parts) for k in parts[0]} | {"routed": dict(self.routed)}
+        self.stats = {k: sum(p.get(k, 0) for p in parts) for k in parts[0]} | {"routed": dict(self.routed),
+                                                                             "migrations": self.migrations}
 
     def _stop_ranks(self) -> None:
         self._told = False

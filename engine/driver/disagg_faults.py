@@ -158,6 +158,7 @@ class EngineFaults:
             made = list(self._streamed.get(index, [])) if tokens is None else list(tokens)
             self._requests[index] = replace(request, generated=made, fork_of=None)
             self._moved[index] = self._moved.get(index, 0) + 1
+            self.migrations += 1
             self._handed.pop(index, None)
         try:
             self._again(index)

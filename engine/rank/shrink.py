@@ -66,6 +66,7 @@ class ElasticRank:
         came back). Raises ExpertLost, naming the expert, when one has no source left."""
         store, round_ = self.store, self.round
         regroup.notice(store, round_, self.me)
+        self.runner.ctx.release()  # its groups' last references: leave() closes their connections
         regroup.leave()  # the peers still in a collective with this rank fail at once, and notice
         if self.me == 0 and not self.driver_elects:
             # past the collective timeout: a survivor blocked in a collective notices only then

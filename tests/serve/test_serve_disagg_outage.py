@@ -80,5 +80,10 @@ def test_outage_of_a_dead_decode_engine(tiny_model, tmp_path, policy):
               f"kill -> /health {'degraded' if policy == 'never' else 'ok'} {health - killed:.2f} s; "
               f"tokens at the kill {at_kill}; load {os.getloadavg()[0]:.1f}")
         assert health is not None
+        moved = server.metrics()
+        if policy == "never":  # moved inside the disaggregated engine
+            assert moved["atoll_disagg_migrations_total"] >= 1
+        else:  # the whole job started again: the router moved them
+            assert moved["atoll_router_migrations_total"] >= 1 and moved["atoll_disagg_migrations_total"] == 0
     finally:
         server.kill()
