@@ -51,9 +51,9 @@ def test_an_ep_engine_loses_a_rank_and_finishes_at_reduced_dp_with_transformers_
     # the lost replica's requests (k % world == victim) had tokens, not all, and went on from them
     lost_requests = [k for k in range(len(PROMPTS)) if k % world == victim]
     assert all(0 < rec["resumed"][k] < NEW for k in lost_requests), rec["resumed"]
-    # bounded by the collective timeout: a survivor blocked in a gloo receive from the dead rank
-    # may notice only then (seen at DP4EP4); a closed connection is noticed at once
-    assert rec["noticed_s"] < 10.0 + 3 and rec["stalled_s"] < 10.0 + 3
+    # a closed connection is noticed at once: every rank lets go of its groups as it leaves them
+    # (ParallelContext.release), so none waits out the 10 s collective timeout (DP4EP4 once did)
+    assert rec["noticed_s"] < 5 and rec["stalled_s"] < 5, rec
     print(f"{layout} -> {out['layouts'][1]}: rank 0 failed {rec['stalled_s']:.2f}s after its last step, all "
           f"noticed {rec['noticed_s']:.2f}s after that, serving again "
           f"{rec['rebuilt_s']:.2f}s after it; requests resumed with tokens {rec['resumed']}; rank 0 read "

@@ -34,31 +34,56 @@ def references(tiny_model):
     return reference_cache(tiny_model, FAMILIES, PROMPTS, NEW)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("victim", [2, 0])
-def test_generate_goes_on_at_reduced_dp_after_a_rank_is_killed(references, tmp_path, victim):
-    """Rank 2 ([6, 7, 0]: 6 and 7 read again), or rank 0 ([0, 1, 2]: 1 and 2), the engine's
-    first rank: the driver serves the elastic store and the channel moves to the new rank 0."""
+def _generate_with_a_kill(references, tmp_path, flags, victim):
     model_dir, expected = references("qwen3_moe")
     prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"r{k}", "prompt_token_ids": p, "max_tokens": NEW,
                                            "ignore_eos": True}) + "\n" for k, p in enumerate(PROMPTS)))
     r = subprocess.run([sys.executable, "-m", "atoll", "generate", "--model", str(model_dir), "--prompts", str(prompts),
-                        "--output", str(out), "--no-progress", *ELASTIC, "--fault-injection", f"kill:rank={victim}:step=6"],
+                        "--output", str(out), "--no-progress", *flags, "--fault-injection", f"kill:rank={victim}:step=6"],
                        capture_output=True, text=True, timeout=360,
                        env={**os.environ, "ATOLL_COLLECTIVE_TIMEOUT_S": "20", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
     rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert [rows[f"r{k}"].get("token_ids") for k in range(len(PROMPTS))] == expected
     assert f"rank {victim} lost (killed by SIGKILL)" in r.stderr, r.stderr
-    m = re.search(rf"serving again at DP2EP2 without rank\(s\) \[{victim}\]: .* regrouped ([\d.]+) s after their collective failed, .*; (\d+) "
-                  r"requests continue with their tokens, (\d+) expert slots read from the checkpoint", r.stderr)
-    assert m, r.stderr
+    return r.stderr
+
+
+def _recovery(stderr, layout, victim):
+    m = re.search(rf"serving again at {layout} without rank\(s\) \[{victim}\]: .* regrouped ([\d.]+) s after their "
+                  r"collective failed, .*; (\d+) requests continue with their tokens, (\d+) expert slots read from the "
+                  r"checkpoint", stderr)
+    assert m, stderr
+    return m
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("victim", [2, 0])
+def test_generate_goes_on_at_reduced_dp_after_a_rank_is_killed(references, tmp_path, victim):
+    """Rank 2 ([6, 7, 0]: 6 and 7 read again), or rank 0 ([0, 1, 2]: 1 and 2), the engine's
+    first rank: the driver serves the elastic store and the channel moves to the new rank 0."""
+    m = _recovery(_generate_with_a_kill(references, tmp_path, ELASTIC, victim), "DP2EP2", victim)
     # every request had started and none had ended at step 6 (16 tokens each): all continue;
     # two experts of each of the 3 MoE layers came back from the checkpoint
     assert int(m.group(2)) == len(PROMPTS) and int(m.group(3)) == 2 * 3
     assert float(m.group(1)) < 20
+    print(f"recovery: {m.group(0)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_dp4ep4_engine_regroups_long_before_its_collective_timeout(references, tmp_path):
+    """DP4EP4 with 4 spares ([0, 1, 2] [3, 4, 5] [6, 7, 0] [1, 2, 3]) loses rank 3: every expert
+    keeps a copy. A survivor whose ring all_gather was sending to a peer that had noticed used
+    to wait out the collective timeout (20 s here): the peer held its groups until the rebuild.
+    Each rank now lets go of them before it leaves (ParallelContext.release), so their
+    connections close and every survivor notices at once."""
+    flags = [{"DP3EP3": "DP4EP4", "1": "4"}.get(f, f) for f in ELASTIC]
+    m = _recovery(_generate_with_a_kill(references, tmp_path, flags, 3), "DP3EP3", 3)
+    assert int(m.group(2)) == len(PROMPTS) and int(m.group(3)) == 0
+    assert float(m.group(1)) < 5, m.group(0)  # not the 20 s timeout
     print(f"recovery: {m.group(0)}")
 
 
