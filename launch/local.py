@@ -225,7 +225,7 @@ class LocalJob:
 
     def __init__(self, fn, world_size: int, *args, threads: int | None = None, device: str = "cpu",
                  first_gpu: int = 0, **kwargs):
-        self.devices = devices = local_devices(device, world_size, first_gpu=first_gpu)  # each rank's
+        self.devices = devices = local_devices(device, world_size, first_gpu=first_gpu)  # rank -> its device
         self.world_size = world_size
         self._results = _SPAWN.Queue()
         port = free_port()

@@ -19,6 +19,8 @@ import threading
 
 from prometheus_client import Counter
 
+from atoll.serve import gpu_health
+
 WATCH_S = 0.25  # how often the watch compares the replicas' steps
 PEER_STEPS = 3  # a peer's median counts once it has this many gaps
 
@@ -92,8 +94,6 @@ def watch(replicas, stop: threading.Event) -> None:
 
 def start_watches(replicas, stop: threading.Event) -> list[threading.Thread]:
     """The slow-step watch and the GPU health watch (serve.gpu_health), those that apply."""
-    from atoll.serve import gpu_health
-
     threads = [start_watch(replicas, stop),
                gpu_health.start_watch(replicas, stop, lambda r, line: drain(replicas, r, line))]
     return [t for t in threads if t is not None]
