@@ -32,6 +32,10 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # twice as wide, with an 8k context: 4k-token prompts on CPU ranks (examples/shifting_load.py)
+    "tiny-8k": dict(hidden_size=128, intermediate_size=448, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=8192,
+                    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
 
