@@ -94,8 +94,12 @@ def run(args) -> int:
         print(f"atoll: the target continues {len(ids)} prompts ({args.max_new_tokens} tokens at most each)",
               file=sys.stderr)
         start = time.monotonic()
-        with LLM(model) as llm:
-            outs = llm.generate(ids, SamplingParams(max_tokens=args.max_new_tokens))
+        from tqdm import tqdm
+
+        with LLM(model) as llm, tqdm(total=len(ids), unit="prompt", desc="continuing", disable=args.json,
+                                     dynamic_ncols=True, mininterval=1.0) as bar:
+            outs = llm.generate(ids, SamplingParams(max_tokens=args.max_new_tokens),
+                                on_result=lambda k, result: bar.update(1))
         generated = time.monotonic() - start
         sequences = [(p + list(o.token_ids), len(p)) for p, o in zip(ids, outs)]
         if args.save_sequences is not None:

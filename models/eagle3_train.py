@@ -143,7 +143,7 @@ def pad_batch(items, embed: torch.Tensor, to_draft: torch.Tensor):
 
 
 @torch.no_grad()
-def collect(target_dir, sequences, aux: list[int]):
+def collect(target_dir, sequences, aux: list[int], *, progress: bool = False):
     """[(tokens, prompt_len)] -> ([(tokens, aux [T, 3H], argmax [T], weights [T])], the target's
     embedding, LM head and final norm), from one transformers forward each (its
     hidden_states[i] is layer i's input)."""
@@ -152,10 +152,14 @@ def collect(target_dir, sequences, aux: list[int]):
     except ImportError:
         raise InputError("atoll spec train-eagle3 reads the target's hidden states with transformers: "
                          "pip install 'atoll[convert]'") from None
+    from tqdm import tqdm
+
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     out = []
-    for tokens, prompt_len in sequences:
-        res = model(torch.tensor([tokens]), output_hidden_states=True)
+    for tokens, prompt_len in tqdm(sequences, unit="sequence", desc="target states", disable=not progress,
+                                   dynamic_ncols=True, mininterval=1.0):
+        with torch.no_grad():
+            res = model(torch.tensor([tokens]), output_hidden_states=True)
         states = torch.cat([res.hidden_states[i][0] for i in aux], dim=-1)
         weights = torch.zeros(len(tokens))
         weights[prompt_len - 1:] = 1.0  # the target's predictions of its own continuation
@@ -186,7 +190,7 @@ def train_head(target_dir, sequences, out_dir, *, steps: int, seconds: float | N
     aux = [2, layers // 2, layers - 3]
     if not sequences:
         raise InputError("atoll spec train-eagle3: no training sequences")
-    data, weights = collect(target_dir, sequences, aux)
+    data, weights = collect(target_dir, sequences, aux, progress=progress)
     vocab_size = min(vocab_size, target.vocab_size)
     ids = draft_vocab(data, vocab_size, target.vocab_size)
     to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long)
@@ -212,11 +216,11 @@ def train_head(target_dir, sequences, out_dir, *, steps: int, seconds: float | N
         opt.step()
         sched.step()
         done += 1
-        losses.append(float(loss))
+        losses.append(loss.item())
         for k, (c, n, _) in enumerate(stats):
             hits[k][0] += c
             hits[k][1] += n
-        bar.set_postfix_str(f"loss {float(loss):.3f} acc@0 {stats[0][0] / max(stats[0][1], 1):.2f}", refresh=False)
+        bar.set_postfix_str(f"loss {losses[-1]:.3f} acc@0 {stats[0][0] / max(stats[0][1], 1):.2f}", refresh=False)
         bar.update(1)
     bar.close()
     tensors = {n: t for n, t in head.state_dict().items()}
