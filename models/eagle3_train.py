@@ -158,8 +158,7 @@ def collect(target_dir, sequences, aux: list[int], *, progress: bool = False):
     out = []
     for tokens, prompt_len in tqdm(sequences, unit="sequence", desc="target states", disable=not progress,
                                    dynamic_ncols=True, mininterval=1.0):
-        with torch.no_grad():
-            res = model(torch.tensor([tokens]), output_hidden_states=True)
+        res = model(torch.tensor([tokens]), output_hidden_states=True)
         states = torch.cat([res.hidden_states[i][0] for i in aux], dim=-1)
         weights = torch.zeros(len(tokens))
         weights[prompt_len - 1:] = 1.0  # the target's predictions of its own continuation
