@@ -90,6 +90,9 @@ class Fleet:
     free: int = 0
     threshold: int | None = None
     base_threshold: int | None = None
+    # (monotonic seconds, uncached prompt tokens) of recent prompts sent to the prefill engines;
+    # None where not known (a threshold raise then doubles, blind)
+    remote_prompts: tuple[tuple[float, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -213,8 +216,8 @@ def _decide(history: list[Sample], fleet: Fleet, goodput: Goodput, policy: Polic
                          and waiting < 0.5 and safe, ttft, tpot, kv, helps)
     if why_first and not why_tokens:
         reason = "; ".join(why_first)
-        if fleet.threshold is not None and fleet.threshold < policy.max_threshold and tokens_room:
-            new = min(policy.max_threshold, max(1, fleet.threshold) * 2)
+        new = _raised(fleet, policy, now) if tokens_room else None
+        if new is not None:
             return Decision("threshold", "decode", f"{reason}: decode has room, more prompts prefilled there "
                                                    f"(local-prefill threshold {fleet.threshold} -> {new})", new)
         if fleet.free:
@@ -234,6 +237,22 @@ def _decide(history: list[Sample], fleet: Fleet, goodput: Goodput, policy: Polic
         if fleet.prefill > 1 and first_room:
             return Decision("role", "decode", f"{reason}: a prefill engine with room turns decode")
     return None
+
+
+def _raised(fleet: Fleet, policy: Policy, now: float) -> int | None:
+    """The local-prefill threshold to raise to: at least double, and high enough to keep the
+    shortest prompt the prefill engines took over the window on its decode engine (a prompt stays
+    local when shorter than the threshold); None when at the cap, or when no prompt sent there over
+    the window is under the cap (a raise would move none)."""
+    if fleet.threshold is None or fleet.threshold >= policy.max_threshold:
+        return None
+    doubled = min(policy.max_threshold, max(1, fleet.threshold) * 2)
+    if fleet.remote_prompts is None:
+        return doubled
+    movable = [n for at, n in fleet.remote_prompts if at >= now - policy.window_s and n < policy.max_threshold]
+    if not movable:
+        return None
+    return min(policy.max_threshold, max(doubled, min(movable) + 1))
 
 
 def _replicas(fleet: Fleet, short: list[str], idle: bool, ttft, tpot, kv, helps: str = "") -> Decision | None:

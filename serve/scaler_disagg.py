@@ -46,7 +46,7 @@ class DisaggTarget:
         turning = self.turning[1] if self.turning is not None else None
         return Fleet(prefill=serving.count("prefill"), decode=serving.count("decode"),
                      free=sum(r["off"] and r["id"] != turning for r in rows), threshold=e.min_prompt_tokens,
-                     base_threshold=self.base)
+                     base_threshold=self.base, remote_prompts=e.recent_remote_prompts())
 
     def act(self, d) -> tuple[int | None, bool]:
         """(the engine it touched, whether the decision was applied)."""

@@ -33,6 +33,8 @@ The admin API's changes (drain, serve again, change role): engine/driver/disagg_
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import replace
 
 from atoll.engine.driver.channels import Merged
@@ -67,6 +69,7 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
         self._engines = len(self.layouts)
         self.x = job.prefill_replicas
         self.min_prompt_tokens, self.max_prefill_queue = min_prompt_tokens, max_prefill_queue
+        self.remote_prompts: deque = deque(maxlen=512)  # (monotonic s, uncached tokens) sent to prefill engines
         self.routed = {"prefill": 0, "decode": 0, "queue": 0}
         self.migrations = 0  # requests moved off a dead engine with their tokens (engine.driver.disagg_faults)
         try:
@@ -165,6 +168,7 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
             return [(j, ("add", request, d))]
         self._handed[request.index] = request
         self._waiting[prefill] += 1
+        self.remote_prompts.append((time.monotonic(), new))
         # the prefill engine draws the first token only (min_tokens kept for that token: its stops masked)
         first = replace(request, params=replace(request.params, max_tokens=1,
                                                 min_tokens=min(request.params.min_tokens, 1)))

@@ -60,3 +60,9 @@ class EngineChanges:
                             "taken": self.taken[e], "dead": self._dead.get(e),
                             "stats": dict(self._engine_stats.get(name, {}))})
             return out
+
+    def recent_remote_prompts(self) -> tuple[tuple[float, int], ...]:
+        """(monotonic seconds, uncached prompt tokens) of the last prompts sent to prefill engines
+        (the autoscaler's threshold raise reads them)."""
+        with self._lock:
+            return tuple(self.remote_prompts)

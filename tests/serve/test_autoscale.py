@@ -32,6 +32,25 @@ def test_ttft_short_on_a_disaggregated_fleet_raises_the_threshold_first_then_add
                   now=100, last_at=None) is None
 
 
+def test_a_threshold_raise_moves_a_prompt_or_is_skipped():
+    short = history(ttft=0.6)
+    # the prefill engines took prompts of 64 and 4096 tokens over the window: a raise to 65 keeps the
+    # 64-token ones on decode (from 16: doubling alone would move none of them)
+    sent = ((95.0, 4096), (96.0, 64), (97.0, 4096))
+    d = decide(short, Fleet(prefill=1, decode=2, free=1, threshold=16, remote_prompts=sent), SLO, POLICY, now=100,
+               last_at=None)
+    assert (d.action, d.threshold) == ("threshold", 65)
+    # at least doubled
+    d = decide(short, Fleet(prefill=1, decode=2, free=1, threshold=64, remote_prompts=((96.0, 70),)), SLO, POLICY,
+               now=100, last_at=None)
+    assert d.threshold == 128
+    # only prompts at the cap went there (or none did, or only before the window): the raise is skipped
+    for sent in (((96.0, 4096),), (), ((10.0, 64),)):
+        d = decide(short, Fleet(prefill=1, decode=2, free=1, threshold=256, remote_prompts=sent), SLO, POLICY,
+                   now=100, last_at=None)
+        assert (d.action, d.role) == ("add", "prefill"), sent
+
+
 def test_a_threshold_is_not_raised_when_decode_has_no_room():
     d = decide(history(ttft=0.6, kv=0.95), Fleet(prefill=1, decode=2, free=1, threshold=256), SLO, POLICY,
                now=100, last_at=None)
