@@ -99,14 +99,13 @@ def _elastic(llm, engine, backend, admin_api: bool, autoscale: tuple | None, pre
         log = lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True)  # noqa: E731
         # a healing job (serve.replica_start.start_disagg) is a set of one: its live engine
         current = (lambda: engine.engines[0]) if isinstance(engine, Replicas) else (lambda: engine)
-        admin = DisaggAdmin(current, api=admin_api) if admin_api else None
         if autoscale is None:
-            return admin, None
+            return DisaggAdmin(current, api=True), None
+        admin = DisaggAdmin(current, api=admin_api)  # without --enable-admin-api: GET /admin/autoscale only
         goodput, policy, every_s = autoscale
         scaler = Scaler(DisaggTarget(current, log), backend.metrics, goodput, policy, every_s=every_s,
                         predictor=predictor)
-        if admin is not None:
-            admin.scaler = scaler
+        admin.scaler = scaler
         return admin, scaler
     admin = EngineAdmin(engine, layout=str(llm.layout), api=admin_api)
     admin.predictor = predictor

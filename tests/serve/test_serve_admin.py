@@ -189,5 +189,9 @@ def test_autoscale_raises_a_disaggregated_servers_local_prefill_threshold_first(
         assert ask() == expected
         assert routed("decode") == before + 1  # the new threshold keeps it on the decode engine
         assert _decided(server.metrics(), "threshold", "decode") >= 1
+        # listed at GET /admin/autoscale without --enable-admin-api, whose engine routes stay off
+        listed = httpx.get(f"{server.url}/admin/autoscale", timeout=30).json()["data"]
+        assert any(d["action"] == "threshold" and d["threshold"] == 8 for d in listed), listed
+        assert httpx.get(f"{server.url}/admin/engines", timeout=30).status_code == 404
     finally:
         server.kill()
