@@ -40,7 +40,7 @@ def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 
 DISAGG_FLAGS = ("--prefill", "--decode", "--prefill-replicas", "--decode-replicas", "--disagg-min-prompt-tokens",
-                "--disagg-max-prefill-queue")
+                "--disagg-max-prefill-queue", "--colocated-replicas")
 LAYOUT_FLAGS = ("--layout", "--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
                 "--expert-parallel-size")
 

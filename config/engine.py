@@ -133,6 +133,10 @@ class EngineConfig:
                                     "layout (xPyD)")
     decode_replicas: int = _opt(1, "with --prefill/--decode (a living engine): decode engines of the --decode "
                                    "layout (xPyD)")
+    colocated_replicas: int = _opt(0, "with --prefill/--decode: the last N of the decode engines prefill every "
+                                      "prompt themselves and take no hand-off, colocated replicas beside the xPyD "
+                                      "ones (1P1D plus 2 colocated: --prefill-replicas 1 --decode-replicas 3 "
+                                      "--colocated-replicas 2)")
     dispatch: str = _opt("auto", "MoE token dispatch: auto (island-first when an EP group spans islands, "
                                  "else flat), flat or hierarchical", choices=DISPATCH)
     moe_capacity_factor: float | None = _opt(None, "each expert keeps at most this factor x its even share "
@@ -262,6 +266,14 @@ class EngineConfig:
                 raise InputError(f"{name}={value!r} must be a whole number of at least 1")
         if self.prefill is None and (self.prefill_replicas, self.decode_replicas) != (1, 1):
             raise InputError("--prefill-replicas/--decode-replicas need --prefill and --decode")
+        c = self.colocated_replicas
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise InputError(f"colocated_replicas={c!r} must be a whole number of at least 0")
+        if c and self.prefill is None:
+            raise InputError("--colocated-replicas needs --prefill and --decode")
+        if c and c >= self.decode_replicas:
+            raise InputError(f"--colocated-replicas {c} must leave a decode engine that takes the prefill engines' "
+                             f"hand-offs: it must be under --decode-replicas {self.decode_replicas}")
         self._check_kv_scales()
 
     def _check_kv_scales(self) -> None:

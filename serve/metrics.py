@@ -60,7 +60,8 @@ DESCRIPTIONS = {
     "expert_load_max_mean_worst": "MoE: the worst layer's max/mean tokens per EP rank over the window",
     "eplb_rebalances": "MoE with --enable-eplb: rebalances of the experts' placement since start",
     "disagg_routed": "disaggregated serving: requests by the path decided at arrival (prefill: to the prefill "
-                     "engines; decode: short or cached enough to stay; queue: the prefill engines were full)",
+                     "engines; decode: short or cached enough to stay; queue: the prefill engines were full; "
+                     "colocated: taken by a --colocated-replicas decode engine)",
     "disagg_requests_total": "disaggregated serving: requests that ended, by the engine that computed their "
                              "prompt (prefill: the prefill engine, its KV sent; decode: the decode engine itself)",
     "disagg_migrations": "disaggregated serving: requests moved with their tokens off a prefill or decode engine "
@@ -157,7 +158,7 @@ class Metrics:
             lambda: load().get("rebalances", 0))
         r.register(_LayerLoad(load))
         routed = Gauge(f"{PREFIX}_disagg_routed", d["disagg_routed"], ["decision"], registry=r)
-        for decision in ("prefill", "decode", "queue"):
+        for decision in ("prefill", "decode", "queue", "colocated"):
             routed.labels(decision).set_function(lambda k=decision: stats().get("routed", {}).get(k, 0))
         r.register(_StatsCounter("disagg_migrations", "migrations", stats))
         self._prompt = self._cached = 0

@@ -4,7 +4,8 @@ ranks: the planner's simulator makes the same decision).
 A prompt goes to a prefill engine only when the part of it that its decode replica has not
 cached is at least `min_prompt_tokens` long and the prefill queue has room; otherwise its
 decode engine prefills it itself ("decode": short or mostly cached; "queue": the prefill
-engines' queue was full). A prompt's cached part is the run of its full blocks whose names
+engines' queue was full), or always on a colocated decode engine ("colocated": one of the
+last --colocated-replicas decode engines, a replica beside the xPyD ones). A prompt's cached part is the run of its full blocks whose names
 the replica holds, never the block of its last token, which is computed for the first token.
 With a shared KV store, blocks any engine of the decode engines' slicing wrote there count as
 held too: the decode engine reads them up instead of computing them.
@@ -69,14 +70,17 @@ class Recent:
 class Path:
     remote: bool  # a prefill engine computes the prompt
     prefill: int  # which one (the least waiting); meaningful when remote
-    reason: str  # "prefill", "decode" (short or cached) or "queue" (the prefill queue was full)
+    reason: str  # "prefill", "decode" (short or cached), "queue" (the prefill queue was full) or "colocated"
 
 
 def choose_path(new_tokens: int, waiting: list[float], *, min_prompt_tokens: int,
-                max_prefill_queue: int | None) -> Path:
+                max_prefill_queue: int | None, colocated: bool = False) -> Path:
     """The path of a prompt with `new_tokens` uncached tokens, given each prefill engine's
-    requests not yet handed off (math.inf for a dead engine)."""
+    requests not yet handed off (math.inf for a dead engine). A prompt bound for a colocated
+    decode engine (--colocated-replicas) is always prefilled there."""
     prefill = waiting.index(min(waiting))
+    if colocated:
+        return Path(False, prefill, "colocated")
     live = [w for w in waiting if w != math.inf]
     full = not live or (max_prefill_queue is not None and sum(live) >= max_prefill_queue)
     long_enough = new_tokens >= min_prompt_tokens

@@ -7,7 +7,9 @@ as a dead one does (engine.disagg.decision.choose_path), so the prompt goes to a
 engine or, with none serving, is prefilled by its decode replica. A drained decode engine is
 given no new request and no hand-off; what it runs finishes there. The last serving decode
 engine is never drained. The last prefill engine may be: its decode engines then prefill every
-prompt themselves (local prefill takes any prompt a prefill engine would).
+prompt themselves (local prefill takes any prompt a prefill engine would). A colocated decode
+engine (--colocated-replicas) prefills every prompt it takes and is given no hand-off; it is a
+plain decode engine once its role has changed.
 
 A drained engine, idle, whose layout is the other role's (the job's --prefill or --decode
 layout) may change role: its rank loop swaps its hooks at a step boundary
@@ -38,9 +40,11 @@ class EngineStateError(AtollError):
 class Routing:
     """Each engine's role and the engines taken out of routing (drained or draining)."""
 
-    def __init__(self, layouts: list[Layout], prefill_replicas: int):
+    def __init__(self, layouts: list[Layout], prefill_replicas: int, colocated: int = 0):
         self.layouts = list(layouts)
         self.roles = ["prefill"] * prefill_replicas + ["decode"] * (len(self.layouts) - prefill_replicas)
+        # decode engines that prefill every prompt themselves (the last `colocated`); a role change ends it
+        self.colocated: set[int] = set(range(len(self.layouts) - colocated, len(self.layouts)))
         # the layout each role runs (the job's): an engine takes a role only with its layout
         self.role_layouts = {"prefill": self.layouts[0], "decode": self.layouts[-1]}
         self.off: set[int] = set()  # engines that take nothing new
@@ -103,6 +107,7 @@ class Routing:
         if not self.check_role(k, role, busy):
             return False
         self.roles[k] = role
+        self.colocated.discard(k)
         return True
 
     def prefill_waiting(self, waiting: list[float]) -> list[float]:

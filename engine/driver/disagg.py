@@ -23,7 +23,8 @@ prefill engine to compute them again.
 Each result's metrics say which path it took (prefilled_on; prefill_engine, which of them,
 or None) and the KV bytes the prefill ranks sent for it (kv_bytes_sent, counted on those
 ranks); `routed` counts the decisions:
-prefill, decode (short or cached) and queue (the prefill engines were full).
+prefill, decode (short or cached), queue (the prefill engines were full) and colocated (a
+--colocated-replicas decode engine prefills every prompt it takes).
 
 The local launcher runs it: every engine's ranks are one job on this machine.
 
@@ -70,7 +71,7 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
         self.x = job.prefill_replicas
         self.min_prompt_tokens, self.max_prefill_queue = min_prompt_tokens, max_prefill_queue
         self.remote_prompts: deque = deque(maxlen=512)  # (monotonic s, uncached tokens) sent to prefill engines
-        self.routed = {"prefill": 0, "decode": 0, "queue": 0}
+        self.routed = {"prefill": 0, "decode": 0, "queue": 0, "colocated": 0}
         self.migrations = 0  # requests moved off a dead engine with their tokens (engine.driver.disagg_faults)
         try:
             super().__init__(job.decode, world_size=sum(lay.world_size for lay in self.layouts), launcher=launcher,
@@ -124,7 +125,7 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
         self._told = False  # whether the decode engines were told to stop
         self._first: dict[int, int] = {}  # handed off, first token not out yet -> that token
         self._early: dict[int, tuple[list, list]] = {}  # ... -> the decode engine's tokens and end meanwhile
-        self.routing = Routing(self.layouts, self.x)  # the engines drained by the admin API take nothing new
+        self.routing = Routing(self.layouts, self.x, self.spec.engine.colocated_replicas)  # the engines drained by the admin API take nothing new
         self.taken = [0] * len(self.layouts)  # prompts each prefill engine took, requests each decode engine took
 
     def _least_loaded(self) -> int:
@@ -155,12 +156,13 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
         held = self._seen[slot] if self._shared is None else Either(self._seen[slot], self._shared)
         new = uncached_tokens(request.prompt_token_ids, held, block_size=o.block_size,
                               prefix_caching=o.enable_prefix_caching, remember=False)
+        j, d = self._slots[slot]
         path = choose_path(new, self.routing.prefill_waiting(self._waiting),
-                           min_prompt_tokens=self.min_prompt_tokens, max_prefill_queue=self.max_prefill_queue)
+                           min_prompt_tokens=self.min_prompt_tokens, max_prefill_queue=self.max_prefill_queue,
+                           colocated=j in self.routing.colocated)
         remote, prefill = path.remote, path.prefill
         self.routed[path.reason] += 1
         self._where[request.index] = (slot, prefill if remote else None)
-        j, d = self._slots[slot]
         self.taken[j] += 1
         if remote:
             self.taken[prefill] += 1

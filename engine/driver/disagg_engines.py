@@ -45,7 +45,7 @@ class EngineChanges:
         return [e for e, r in enumerate(self.routing.roles) if r == role]
 
     def engine_table(self) -> list[dict]:
-        """Each engine: id, name, role, layout, whether it is drained, its unfinished requests
+        """Each engine: id, name, role, whether it is a colocated decode engine, layout, whether it is drained, its unfinished requests
         (a prefill engine's: those not handed off yet), the requests it took, and why it is dead."""
         with self._lock:
             out = []
@@ -55,7 +55,8 @@ class EngineChanges:
                 else:
                     busy = sum(self._load[s] for s, (j, _) in enumerate(self._slots) if j == e)
                 name = self.live.name(e)
-                out.append({"id": e, "name": name, "role": self.routing.roles[e], "layout": str(layout),
+                out.append({"id": e, "name": name, "role": self.routing.roles[e],
+                            "colocated": e in self.routing.colocated, "layout": str(layout),
                             "off": e in self.routing.off, "unfinished": 0 if busy == math.inf else busy,
                             "taken": self.taken[e], "dead": self._dead.get(e),
                             "stats": dict(self._engine_stats.get(name, {}))})

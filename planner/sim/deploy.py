@@ -61,6 +61,7 @@ class Deployment:
     draft_rate: float = 1.0  # the share of decode steps that get a draft
     min_prompt_tokens: int = 0  # disaggregation: shorter uncached prompts stay on the decode engine
     max_prefill_queue: int | None = None
+    colocated_replicas: int = 0  # the last N decode engines prefill every prompt themselves (--colocated-replicas)
     kv_offload_gb: float = 0.0  # KV cache tiers: GiB of host memory per rank (--kv-offload-gb)
     kv_disk_gb: float = 0.0  # GiB of disk per rank (--kv-disk-gb; inf: unbounded)
     kv_shared: bool = False  # a store every replica shares, unbounded (--kv-shared)
@@ -78,6 +79,10 @@ class Deployment:
             raise ConfigError(f"router {self.router!r}: choose one of {', '.join(ROUTERS)}")
         if (self.prefill is None) != (self.decode is None):
             raise ConfigError("disaggregation takes both a prefill and a decode layout")
+        c = self.colocated_replicas
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < (self.decode_replicas if self.prefill else 1):
+            raise ConfigError(f"colocated_replicas={c!r} must be a whole number under the decode engines' count "
+                              "(one takes the hand-offs), and 0 without disaggregation")
         if not 0 <= self.acceptance <= 1 or not 0 <= self.draft_rate <= 1:
             raise ConfigError(f"acceptance {self.acceptance} and draft rate {self.draft_rate} must lie in [0, 1]")
         if isinstance(self.spec_tokens, bool) or not isinstance(self.spec_tokens, int) or not 0 <= self.spec_tokens <= 64:
@@ -232,5 +237,6 @@ def from_engine_flags(args, config, topology, *, replicas: int | None = None, ro
                       dtype=dtype, kv_dtype=kv.get(args.kv_cache_dtype or "auto", dtype), num_blocks=args.num_blocks,
                       gpu_memory_utilization=args.gpu_memory_utilization, spec_tokens=spec_k, acceptance=acceptance or 0.0,
                       draft_rate=draft_rate, min_prompt_tokens=args.disagg_min_prompt_tokens,
-                      max_prefill_queue=args.disagg_max_prefill_queue, kv_offload_gb=float(offload), kv_disk_gb=disk,
+                      max_prefill_queue=args.disagg_max_prefill_queue,
+                      colocated_replicas=getattr(args, "colocated_replicas", 0) or 0, kv_offload_gb=float(offload), kv_disk_gb=disk,
                       kv_shared=bool(args.kv_shared))

@@ -262,8 +262,9 @@ class Simulation:
         new = uncached_tokens(c.prompt, self.seen[slot], block_size=d.block_size, prefix_caching=d.prefix_caching,
                               remember=False)
         path = choose_path(new, [float(w) for w in self.waiting], min_prompt_tokens=d.min_prompt_tokens,
-                           max_prefill_queue=d.max_prefill_queue)
-        self.routed[path.reason] += 1
+                           max_prefill_queue=d.max_prefill_queue,
+                           colocated=slot >= d.decode_replicas - d.colocated_replicas)
+        self.routed[path.reason] = self.routed.get(path.reason, 0) + 1
         dec = self.decodes[slot]
         self.where[i] = dec
         if not path.remote:

@@ -95,6 +95,19 @@ def test_disaggregation_sends_long_prompts_to_the_prefill_engine(h200):
     assert out["serve"]["total_output_tokens"] == 100 * 32
 
 
+def test_colocated_decode_engines_prefill_their_own_prompts(h200):
+    reqs = mixed_requests(90, input_len=128, long_len=4096, long_share=0.3, output_len=32, vocab_size=32000, seed=2)
+    d = Deployment(prefill="TP2", decode="TP2", decode_replicas=3, colocated_replicas=2, min_prompt_tokens=1024)
+    out = simulate(MODEL, h200, d, reqs, rate=10.0)
+    routed = out["routed"]
+    assert sum(routed.values()) == 90 and routed["colocated"] > 0 and routed["prefill"] > 0
+    assert out["serve"]["completed"] == 90 and out["gpus"] == 8
+    plain = simulate(MODEL, h200, replace(d, colocated_replicas=0), reqs, rate=10.0)["routed"]
+    assert plain["prefill"] == sum(len(r.prompt) == 4096 for r in reqs) and "colocated" not in plain
+    with pytest.raises(ConfigError, match="colocated_replicas=3"):
+        replace(d, colocated_replicas=3)
+
+
 def test_speculation_keeps_what_it_accepts(h200):
     reqs = _reqs(n=20, isl=128, osl=64)
     plain = simulate(MODEL, h200, Deployment(layout="TP1"), reqs, rate=1.0)

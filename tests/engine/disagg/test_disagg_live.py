@@ -41,6 +41,22 @@ def test_one_prefill_engine_feeds_two_decode_engines(llama):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.timeout(300)
+def test_a_colocated_decode_engine_prefills_its_own_prompts(llama):
+    """1P1D plus 1 colocated replica (--decode-replicas 2 --colocated-replicas 1): the six prompts
+    sent at once go three to each decode engine; the colocated one's are prefilled there."""
+    model_dir, want = llama
+    with LLM(model_dir, prefill="TP1", decode="TP1", decode_replicas=2, colocated_replicas=1, block_size=4) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, timeout_s=240)
+        engine = llm.start()
+        routed, table = dict(engine.routed), engine.engine_table()
+    assert [o.token_ids for o in outs] == want
+    assert sorted(o.metrics["prefilled_on"] for o in outs) == ["decode"] * 3 + ["prefill"] * 3
+    assert routed == {"prefill": 3, "decode": 0, "queue": 0, "colocated": 3}
+    assert [(e["role"], e["colocated"], e["taken"]) for e in table] == \
+        [("prefill", False, 3), ("decode", False, 3), ("decode", True, 3)]
+
+
 def test_the_length_the_cache_and_the_prefill_queue_decide_the_path(llama):
     """--disagg-min-prompt-tokens 12 and --disagg-max-prefill-queue 1: the 5- and 11-token
     prompts stay on the decode engine; of the four longer ones sent at once, the first goes to

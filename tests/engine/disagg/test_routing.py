@@ -83,3 +83,33 @@ def test_a_drained_engine_of_the_roles_layout_changes_role():
     assert r.switch(0, "decode", 0) is True
     r.serve(0)
     assert r.least_loaded([0, 9, 0], slots) == 0 and r.prefill_waiting([4, 0, 1]) == [math.inf, math.inf, 1]
+
+
+def test_a_colocated_decode_engine_prefills_every_prompt_and_loses_it_with_its_role():
+    r = Routing([TP1, TP1, TP1, TP1], prefill_replicas=1, colocated=2)  # 1P1D plus 2 colocated replicas
+    assert r.colocated == {2, 3}
+    long = dict(min_prompt_tokens=10, max_prefill_queue=None)
+    assert choose_path(5000, [0], **long).remote is True  # engine 1's prompt goes to the prefill engine
+    path = choose_path(5000, [0], **long, colocated=True)  # engine 2's or 3's never does
+    assert (path.remote, path.reason) == (False, "colocated")
+    r.drain(3)
+    assert r.switch(3, "prefill", busy=0) is True
+    assert r.colocated == {2}
+    r.switch(3, "decode", busy=0)
+    assert r.colocated == {2}  # back in the decode role it is a plain decode engine
+
+
+def test_colocated_replicas_are_refused_in_one_line():
+    from atoll.config.engine import EngineConfig
+    from atoll.errors import InputError
+
+    for kwargs, line in [
+        (dict(colocated_replicas=1), "--colocated-replicas needs --prefill and --decode"),
+        (dict(prefill="TP1", decode="TP1", decode_replicas=2, colocated_replicas=2),
+         "--colocated-replicas 2 must leave a decode engine"),
+        (dict(prefill="TP1", decode="TP1", colocated_replicas=-1), "colocated_replicas=-1 must be a whole number"),
+    ]:
+        with pytest.raises(InputError, match=line) as e:
+            EngineConfig(**kwargs)
+        assert "\n" not in str(e.value)
+    assert EngineConfig(prefill="TP1", decode="TP1", decode_replicas=3, colocated_replicas=2).colocated_replicas == 2
