@@ -4,9 +4,10 @@ rate. For each deployment: goodput and latency per half, and what its autoscaler
 which engine, why), read from GET /admin/autoscale. Every request of every side is the same.
 
     python examples/make_random_checkpoint.py /tmp/tiny8k --shape tiny-8k --device cpu --dtype float32
-    python examples/shifting_load.py --model /tmp/tiny8k --half-s 300 --rate 2 --goodput ttft:2000 tpot:200 \\
+    python examples/shifting_load.py --model /tmp/tiny8k --half-s 300 --rate 1.2 --goodput ttft:2000 tpot:100 \\
         --side "autoscale=--prefill TP1 --decode TP1 --prefill-replicas 1 --decode-replicas 3 --autoscale" \\
-        --side "2P2D=--prefill TP1 --decode TP1 --prefill-replicas 2 --decode-replicas 2" \\
+        --side "1P1D + 2 colocated=--prefill TP1 --decode TP1 --prefill-replicas 1 --decode-replicas 3 \\
+            --colocated-replicas 2" \\
         --side "4 replicas=-dp 4"
 
 A side is `NAME=FLAGS` (`atoll serve`'s flags; --goodput is added to a side with --autoscale).

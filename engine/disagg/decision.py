@@ -2,11 +2,11 @@
 ranks: the planner's simulator makes the same decision).
 
 A prompt goes to a prefill engine only when the part of it that its decode replica has not
-cached is at least `min_prompt_tokens` long and the prefill queue has room; otherwise its
-decode engine prefills it itself ("decode": short or mostly cached; "queue": the prefill
-engines' queue was full), or always on a colocated decode engine ("colocated": one of the
-last --colocated-replicas decode engines, a replica beside the xPyD ones). A prompt's cached part is the run of its full blocks whose names
-the replica holds, never the block of its last token, which is computed for the first token.
+cached is at least `min_prompt_tokens` long, the prefill queue has room and the decode engine
+is not colocated; otherwise its decode engine prefills it itself ("decode": short or mostly
+cached; "queue": the prefill engines' queue was full; "colocated": one of the last
+--colocated-replicas decode engines, replicas beside the xPyD ones, which prefill every prompt
+they take). A prompt's cached part is the run of its full blocks whose names the replica holds, never the block of its last token, which is computed for the first token.
 With a shared KV store, blocks any engine of the decode engines' slicing wrote there count as
 held too: the decode engine reads them up instead of computing them.
 """

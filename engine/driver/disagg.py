@@ -125,7 +125,8 @@ class DisaggEngine(EngineChanges, EngineFaults, OnlineEngine):
         self._told = False  # whether the decode engines were told to stop
         self._first: dict[int, int] = {}  # handed off, first token not out yet -> that token
         self._early: dict[int, tuple[list, list]] = {}  # ... -> the decode engine's tokens and end meanwhile
-        self.routing = Routing(self.layouts, self.x, self.spec.engine.colocated_replicas)  # the engines drained by the admin API take nothing new
+        # the engines drained by the admin API take nothing new; the colocated ones prefill their own prompts
+        self.routing = Routing(self.layouts, self.x, self.spec.engine.colocated_replicas)
         self.taken = [0] * len(self.layouts)  # prompts each prefill engine took, requests each decode engine took
 
     def _least_loaded(self) -> int:

@@ -45,8 +45,9 @@ class EngineChanges:
         return [e for e, r in enumerate(self.routing.roles) if r == role]
 
     def engine_table(self) -> list[dict]:
-        """Each engine: id, name, role, whether it is a colocated decode engine, layout, whether it is drained, its unfinished requests
-        (a prefill engine's: those not handed off yet), the requests it took, and why it is dead."""
+        """Each engine: id, name, role, whether it is a colocated decode engine, layout, whether it
+        is drained, its unfinished requests (a prefill engine's: those not handed off yet), the
+        requests it took, and why it is dead."""
         with self._lock:
             out = []
             for e, layout in enumerate(self.layouts):
