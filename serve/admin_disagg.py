@@ -56,7 +56,8 @@ class DisaggAdmin:
         else:
             state = "serving"
         stats = row["stats"]
-        return {"id": row["id"], "name": row["name"], "role": row["role"], "layout": row["layout"], "state": state,
+        return {"id": row["id"], "name": row["name"], "role": row["role"], "colocated": row["colocated"],
+                "layout": row["layout"], "state": state,
                 "health": "ok" if row["dead"] is None else row["dead"],
                 "load": {"running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
                          "unfinished": row["unfinished"]},
