@@ -6,7 +6,8 @@ cached is at least `min_prompt_tokens` long, the prefill queue has room and the 
 is not colocated; otherwise its decode engine prefills it itself ("decode": short or mostly
 cached; "queue": the prefill engines' queue was full; "colocated": one of the last
 --colocated-replicas decode engines, replicas beside the xPyD ones, which prefill every prompt
-they take). A prompt's cached part is the run of its full blocks whose names the replica holds, never the block of its last token, which is computed for the first token.
+they take). A prompt's cached part is the run of its full blocks whose names the replica holds,
+never the block of its last token, which is computed for the first token.
 With a shared KV store, blocks any engine of the decode engines' slicing wrote there count as
 held too: the decode engine reads them up instead of computing them.
 """

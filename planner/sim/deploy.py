@@ -80,7 +80,8 @@ class Deployment:
         if (self.prefill is None) != (self.decode is None):
             raise ConfigError("disaggregation takes both a prefill and a decode layout")
         c = self.colocated_replicas
-        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < (self.decode_replicas if self.prefill else 1):
+        most = self.decode_replicas if self.prefill else 1
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < most:
             raise ConfigError(f"colocated_replicas={c!r} must be a whole number under the decode engines' count "
                               "(one takes the hand-offs), and 0 without disaggregation")
         if not 0 <= self.acceptance <= 1 or not 0 <= self.draft_rate <= 1:
