@@ -46,4 +46,6 @@ def apply_deployment(args, deployment: dict) -> list[str]:
         put("decode_replicas", "--decode-replicas", d["decode_replicas"])
         if d.get("min_prompt_tokens"):
             put("disagg_min_prompt_tokens", "--disagg-min-prompt-tokens", d["min_prompt_tokens"])
+        if d.get("colocated_replicas"):
+            put("colocated_replicas", "--colocated-replicas", d["colocated_replicas"])
     return set_

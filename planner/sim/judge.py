@@ -212,9 +212,9 @@ def scaled(d: Deployment) -> tuple[Deployment, int]:
     if d.prefix_caching:
         return d, 1
     if d.disaggregated:
-        k = math.gcd(d.prefill_replicas, d.decode_replicas)
-        return (replace(d, prefill_replicas=d.prefill_replicas // k, decode_replicas=d.decode_replicas // k), k) \
-            if k > 1 else (d, 1)
+        k = math.gcd(d.prefill_replicas, d.decode_replicas, d.colocated_replicas)
+        return (replace(d, prefill_replicas=d.prefill_replicas // k, decode_replicas=d.decode_replicas // k,
+                        colocated_replicas=d.colocated_replicas // k), k) if k > 1 else (d, 1)
     if d.replicas > SCALE_TO and d.replicas % SCALE_TO == 0:
         return replace(d, replicas=SCALE_TO), d.replicas // SCALE_TO
     return d, 1

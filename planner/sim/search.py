@@ -147,6 +147,8 @@ def _tune(judge: Judge, j: Judged, topology, rank, acceptance, spec_tokens) -> t
         options.append(("kv_dtype", "fp8"))
     if acceptance is not None and best.deployment.spec_tokens == 0:
         options.append(("spec", spec_tokens))
+    if best.deployment.disaggregated and best.deployment.decode_replicas > 1:  # xPyD beside colocated replicas
+        options.append(("colocated_replicas", best.deployment.decode_replicas // 2))
     for name, value in options:
         d = best.deployment
         if name == "spec":
@@ -183,7 +185,8 @@ def _better(new: Judged, old: Judged, target: Target) -> bool:
 
 
 def _option(name: str, value) -> str:
-    return {"spec": f"speculation ({value} tokens a step)", "kv_dtype": f"KV cache in {value}"}.get(
+    return {"spec": f"speculation ({value} tokens a step)", "kv_dtype": f"KV cache in {value}",
+            "colocated_replicas": f"{value} of the decode engines as colocated replicas"}.get(
         name, f"{name} {value}")
 
 

@@ -103,6 +103,9 @@ def test_scaling_and_splits():
     assert scaled(replace(d, prefix_caching=True))[1] == 1  # the router's choice matters: every replica
     x = Deployment(prefill="TP1", decode="TP2", prefill_replicas=4, decode_replicas=2)
     assert scaled(x) == (replace(x, prefill_replicas=2, decode_replicas=1), 2)
+    c = replace(x, decode_replicas=4, colocated_replicas=2)  # 4P4D, 2 of them colocated: as 2P2D with 1
+    assert scaled(c) == (replace(c, prefill_replicas=2, decode_replicas=2, colocated_replicas=1), 2)
+    assert scaled(replace(c, colocated_replicas=1))[1] == 1
     assert splits(1, 2, 8, fill=True, most=3) == [(2, 3), (4, 2), (6, 1)]  # no GPU idle
     assert splits(2, 2, 6, fill=False)[0] == (1, 1)
 
@@ -148,3 +151,17 @@ def test_a_measured_correction_scales_the_figures_and_tightens_the_slos(setup):
     assert b["ttft_ms"]["p50"] == pytest.approx(3 * a["ttft_ms"]["p50"])
     assert b["goodput"]["slos_ms"]["tpot"] == pytest.approx(SLOS["tpot"] / 3)  # judged against the SLO / 3
     assert slow.trials[0].attainment <= plain.trials[0].attainment
+
+
+def test_a_saved_xpyd_deployment_carries_its_colocated_replicas_to_serve():
+    from argparse import Namespace
+
+    from atoll.cli.plan_deploy import apply_deployment
+
+    d = Deployment(prefill="TP1", decode="TP1", decode_replicas=3, colocated_replicas=2, min_prompt_tokens=256)
+    args = Namespace(layout=None)
+    words = apply_deployment(args, vars(d))
+    assert (args.decode_replicas, args.colocated_replicas, args.disagg_min_prompt_tokens) == (3, 2, 256)
+    assert "--colocated-replicas 2" in words
+    apply_deployment(args := Namespace(layout=None), vars(replace(d, colocated_replicas=0)))
+    assert not hasattr(args, "colocated_replicas")
