@@ -239,6 +239,6 @@ def from_engine_flags(args, config, topology, *, replicas: int | None = None, ro
                       gpu_memory_utilization=args.gpu_memory_utilization, spec_tokens=spec_k, acceptance=acceptance or 0.0,
                       draft_rate=draft_rate, min_prompt_tokens=args.disagg_min_prompt_tokens,
                       max_prefill_queue=args.disagg_max_prefill_queue,
-                      colocated_replicas=getattr(args, "colocated_replicas", 0) or 0,
+                      colocated_replicas=args.colocated_replicas,
                       kv_offload_gb=float(offload), kv_disk_gb=disk,
                       kv_shared=bool(args.kv_shared))
