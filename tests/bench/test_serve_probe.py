@@ -81,7 +81,7 @@ def test_read_ticks_between_offsets_skips_a_line_being_written(tmp_path):
 @pytest.mark.slow
 def test_bench_serve_probes_the_speed_and_simulates_with_it(tiny_model, tmp_path):
     """A server started with a topology holding a fit for its model: the probe's ticks give a
-    factor, the simulation is scaled by it (a burst: every figure by exactly that much), and the
+    factor, the simulation is scaled by it (a burst: every figure by that much, less the fixed intake), and the
     uncorrected simulation is kept beside; the probe's trace file is gone afterwards."""
     model = tiny_model("llama")
     topo = {"name": "probe-test", "gpus_per_node": 2,
@@ -110,6 +110,10 @@ def test_bench_serve_probes_the_speed_and_simulates_with_it(tiny_model, tmp_path
     sp = p["speed"]
     assert sp["probe_ticks"] >= MIN_TICKS and sp["factor"] > 0 and sp["during_run"] > 0
     corrected, plain = p["measured_over_simulated"], p["measured_over_simulated_uncorrected"]
+    # every step is scaled by the factor; the API server's intake (planner/sim/run.py INTAKE_S a
+    # request) is not, so each figure moves by the factor less that fixed share
+    lo, hi = sorted((sp["factor"], 1.0))
     for k in ("ttft_p50", "tpot_p50", "e2el_p50"):
-        assert plain[k] / corrected[k] == pytest.approx(sp["factor"], rel=0.01), k
+        ratio = plain[k] / corrected[k]
+        assert lo * 0.99 <= ratio <= hi * 1.01 and ratio == pytest.approx(sp["factor"], rel=0.25), (k, ratio)
     assert not list(tmp_path.glob("atoll-probe-*"))
