@@ -207,7 +207,7 @@ def from_engine_flags(args, config, topology, *, replicas: int | None = None, ro
     disagg = args.prefill is not None or args.decode is not None
     layout = resolve_layout(args.layout, args.tensor_parallel_size, args.pipeline_parallel_size,
                             args.data_parallel_size, args.expert_parallel_size, args.context_parallel_size)
-    count = replicas or 1
+    count = 1 if replicas is None else replicas  # 0 or less: Deployment refuses it in one line
     if not config.is_moe and layout.dp > 1:
         if replicas is not None:
             raise InputError(f"give replicas as --replicas or as the layout's dp ({layout}), not both")

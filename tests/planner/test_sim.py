@@ -148,6 +148,7 @@ def test_bad_input_is_one_line(h200):
     (["--request-rate", "0"], "--request-rate"),
     (["--num-prompts", "99999999999999999999"], "--num-prompts"),
     (["--layout", "TP3"], "tp=3"),
+    (["--replicas", "0"], "replicas=0"),
     (["--speculative-config", '{"method": "ngram"}'], "--acceptance"),
 ])
 def test_simulate_command_refuses_bad_flags_in_one_line(argv, words):
