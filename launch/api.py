@@ -11,7 +11,7 @@ from atoll.config import from_args
 from atoll.engine.driver.llm import LLM as EngineLLM
 from atoll.launch.local import LocalJob, channel, run_local
 from atoll.launch.rank_job import RankLauncher
-from atoll.launch.ray_launcher import RayJob, run_ray
+from atoll.launch.ray_launcher import RayJob, _import_ray, run_ray
 from atoll.launch.ray_launcher import channel as ray_channel
 
 __all__ = ["LLM", "LocalLauncher", "RankLauncher", "RayLauncher"]
@@ -58,6 +58,15 @@ class RayLauncher:
 
     channel = staticmethod(ray_channel)
     disaggregates = True  # prefill and decode engines' actors are one job, each TP group on a node
+    elastic = True  # RayJob.give_up kills a rank's actor and the job goes on (--elastic-ep)
+
+    def driver_host(self) -> str:
+        """The address the ranks reach a server of this process at (--elastic-ep's store): this
+        node's address as Ray names it, 127.0.0.1 where Ray is to be started here."""
+        ray = _import_ray()
+        if self.options.get("address") is None and not ray.is_initialized():
+            return "127.0.0.1"  # launch.ray_cluster.connect starts it on the loopback
+        return ray.util.get_node_ip_address()
 
 
 class LLM(EngineLLM):

@@ -1,5 +1,5 @@
 """ElasticEngine: the driver's side of a living engine under --elastic-ep (a DPnEPn engine with
-redundant experts, local launcher). A rank that dies, rank 0 included, does not end the engine:
+redundant experts, under the local or the Ray launcher). A rank that dies, rank 0 included, does not end the engine:
 the driver gives it up (the launcher stops watching it), its peers regroup without it and serve
 on at DP(n-1)EP(n-1) (engine/rank/elastic_serve.py), and every request that had not ended goes on
 from the tokens its sink already got. `degraded` names the lost ranks (the server's /health), the
@@ -32,14 +32,17 @@ from atoll.parallel.layout import Layout
 
 
 def died(cause: str) -> bool:
-    """Whether a RankFailure's cause is the rank's process ending or freezing, not its own error."""
-    return cause.startswith(("killed by", "stopped responding", "exited with code"))
+    """Whether a RankFailure's cause is the rank's process ending or freezing, not its own error:
+    the local launcher's words, or a Ray actor's death (launch.ray_launcher._death_cause)."""
+    if cause.startswith(("killed by", "stopped responding", "exited with code")):
+        return True
+    return cause.startswith("actor") and " died" in cause.split(":")[0]
 
 
 def check_elastic(layout: Layout, options=None, *, disaggregated: bool = False, launcher=None) -> None:
     """InputError, in one line, unless --elastic-ep can run: a DPnEPn layout (n >= 2) with
-    redundant expert slots (options: the EngineConfig), one colocated engine, the local launcher
-    (None: not known yet)."""
+    redundant expert slots (options: the EngineConfig), one colocated engine, a launcher whose
+    jobs go on without a given-up rank (local, Ray; None: not known yet)."""
     if options is not None and (not options.enable_eplb or options.num_redundant_experts < 1):
         raise InputError("--elastic-ep needs --enable-eplb and --num-redundant-experts R >= 1 (spare slots that "
                          "take a lost rank's experts while the survivors keep their weights)")
@@ -51,14 +54,16 @@ def check_elastic(layout: Layout, options=None, *, disaggregated: bool = False, 
         raise InputError(f"--elastic-ep: layout {layout} cannot go on without a rank; it needs DP-attention/EP, "
                          "DPnEPn with n >= 2 (e.g. --layout DP3EP3)") from None
     if launcher is not None and not getattr(launcher, "elastic", False):
-        raise InputError(f"--elastic-ep runs under the local launcher, not {type(launcher).__name__}")
+        raise InputError(f"--elastic-ep runs under the local or the Ray launcher, not {type(launcher).__name__} "
+                         "(a torchrun/mpirun job's world is fixed: it ends with a rank)")
 
 
 class ElasticEngine(OnlineEngine):
     def __init__(self, spec, **kwargs):
         self.layout = Layout.parse(spec.layout)
         self.lost: dict[int, str] = {}  # job rank -> the cause of its loss
-        self._ranks = list(range(self.layout.world_size))  # the job rank of each rank of the serving round
+        self._world = self.layout.world_size  # the job's ranks, lost ones included
+        self._ranks = list(range(self._world))  # the job rank of each rank of the serving round
         self._survivors = list(self._ranks)  # those of the round the driver announced last
         self.recoveries: list[dict] = []
         self._noticed: float | None = None  # when this driver first heard of the latest loss
@@ -66,13 +71,16 @@ class ElasticEngine(OnlineEngine):
         self._requests: dict = {}  # index -> the Request submitted, while it runs
         self._tokens: dict[int, list[int]] = {}  # index -> the tokens its sink got
         check_elastic(self.layout, launcher=kwargs.get("launcher"))
-        self._store = regroup.serve_store()
+        # the ranks reach the driver's store at the address the launcher names (another node's
+        # ranks under Ray: this machine's address on the route to the cluster)
+        self._store_host = getattr(kwargs.get("launcher"), "driver_host", lambda: "127.0.0.1")()
+        self._store = regroup.serve_store(self._store_host)
         super().__init__(spec, **kwargs)
 
     def _start(self, launcher, world_size: int, parallel):
         job = dataclasses.replace(EngineJob.colocated(self.spec, parallel, link_stats=self.link_stats,
                                                       cache_events=self.on_events is not None),
-                                  elastic_store=f"127.0.0.1:{self._store.port}")
+                                  elastic_store=f"{self._store_host}:{self._store.port}")
         self._inboxes = [self._inbox] + [launcher.channel() for _ in range(world_size - 1)]
         self._outboxes = [self._outbox] + [launcher.channel() for _ in range(world_size - 1)]
         return launcher.start(worker, world_size, job, self._inboxes, self._outboxes, device=self.spec.engine.device)
@@ -119,7 +127,7 @@ class ElasticEngine(OnlineEngine):
     def _survive(self, e) -> bool:
         if not isinstance(e, RankFailure) or e.rank in self.lost or not died(e.cause):
             return False
-        if len(self.lost) + 2 > self.job.world_size:
+        if len(self.lost) + 2 > self._world:  # no rank would be left
             return False
         self.lost[e.rank] = e.cause
         self.job.give_up([e.rank])  # ended if alive (a frozen rank), no longer watched

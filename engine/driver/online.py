@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import itertools
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 
 from atoll.engine.batch.request import Request
@@ -222,6 +224,13 @@ class OnlineEngine:
         return bool(running)
 
     def _pump(self) -> None:
+        try:
+            self._pump_messages()
+        except Exception as e:  # the driver's own fault: every request ends with its line, none waits on
+            traceback.print_exc(file=sys.stderr)
+            self._fail(f"the engine's driver failed: {type(e).__name__}: {' '.join(str(e).split())}")
+
+    def _pump_messages(self) -> None:
         last = time.monotonic()  # the latest message, or the latest time nothing ran
         while True:
             try:

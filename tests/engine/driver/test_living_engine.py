@@ -109,3 +109,22 @@ def test_a_killed_rank_fails_what_runs_naming_it(tiny_model):
     assert out[0].token_ids == reference_tokens(d, PROMPTS[:1], 4)[0]
     assert llm._engine is not engine
     llm.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_fault_in_the_driver_ends_every_request_with_its_line(tiny_model, monkeypatch):
+    """The driver's own thread failing (a bug in it, not in a rank) ends what runs with one line
+    naming it, instead of leaving the request waiting forever."""
+    llm = LLM(tiny_model("llama", num_hidden_layers=4))
+    engine = llm.start()
+    running = Collect()
+    engine.submit(Request(engine.new_id(), PROMPTS[0], SamplingParams(max_tokens=400, ignore_eos=True)), running)
+    wait_for(lambda: len(running.tokens) >= 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug\nin the driver")
+    monkeypatch.setattr(engine, "_deliver", broken)
+    assert running.done.wait(30)
+    assert running.error == "the engine's driver failed: RuntimeError: a bug in the driver"
+    assert running.result is None and not engine.healthy
+    llm.close()

@@ -151,7 +151,7 @@ def test_elastic_ep_is_refused_under_a_launcher_that_runs_one_job_per_call(tiny_
 
     llm = EngineLLM(tiny_model("qwen3_moe", num_experts=8), layout="DP2EP2", launcher=run_local, enable_eplb=True,
                     num_redundant_experts=1, elastic_ep=True)
-    with pytest.raises(InputError, match="^--elastic-ep runs under the local launcher, not function$"):
+    with pytest.raises(InputError, match="^--elastic-ep runs under the local or the Ray launcher, not function "):
         llm.generate_requests(llm.prepare([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2)))
 
 

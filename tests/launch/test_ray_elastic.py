@@ -1,0 +1,53 @@
+"""Elastic EP under the Ray launcher (--elastic-ep, engine/driver/elastic.py): a DP3EP3 tiny
+Qwen3-MoE with a redundant expert, its ranks Ray actors of a Ray the job starts on this machine;
+rank 2's actor is killed by SIGKILL mid-generation (--fault-injection kill). Ray names its
+death, the driver gives the actor up, the survivors regroup through the driver's store as
+DP2EP2, and every request ends with transformers' greedy tokens. (On conftest's simulated
+two-node cluster a DP3EP3 engine with --enable-eplb, its ranks 2 + 1 over the nodes, does not
+start: its ranks wait in the balancer's new_group; see docs/eplb.md.)"""
+
+import pytest
+from reference import reference_cache
+
+from atoll.engine.sample.sampler import SamplingParams
+
+PROMPTS = [[5, 7, 9, 11, 13], [100, 3], [42, 1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7], [64, 65, 66, 67], [3, 1, 4, 1, 5]]
+NEW = 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_ray_actor_killed_mid_generation_leaves_dp2ep2_serving(tiny_model, monkeypatch):
+    from atoll.launch.api import LLM, RayLauncher
+
+    model_dir, expected = reference_cache(tiny_model, {"qwen3_moe": ("qwen3_moe", dict(num_experts=8))},
+                                          PROMPTS, NEW)("qwen3_moe")
+    monkeypatch.setenv("ATOLL_COLLECTIVE_TIMEOUT_S", "20")
+    llm = LLM(model_dir, layout="DP3EP3", enable_eplb=True, num_redundant_experts=1, eplb_step_interval=10_000,
+              elastic_ep=True, max_model_len=64, fault_injection="kill:rank=2:step=6", launcher=RayLauncher())
+    try:
+        engine = llm.start()
+        params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+        out = llm.generate_requests(llm.prepare([{"prompt_token_ids": p} for p in PROMPTS], params), timeout_s=300)
+        assert [r["token_ids"] for r in out] == expected
+        assert engine.healthy and str(engine.layout) == "DP2EP2"
+        assert list(engine.degraded) == [2] and "died" in engine.degraded[2], engine.degraded
+        (rec,) = engine.recoveries
+        assert rec["lost"] == [2] and rec["from_checkpoint"] == 2 * 3, rec  # rank 2's experts 6 and 7, 3 layers
+        print(f"Ray: regrouped {rec['rebuilt_s']:.2f} s after the collective failed; serving again "
+              f"{rec['recovery_s']:.2f} s after the driver heard")
+    finally:
+        llm.close()
+
+
+def test_a_ray_actors_death_counts_as_a_lost_rank_and_its_own_error_does_not():
+    from atoll.engine.driver.elastic import died
+    from atoll.launch.ray_launcher import _death_cause
+
+    text = ("The actor died unexpectedly before finishing this task. class_name: _RankActor pid: 4242 "
+            "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
+            "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file.")
+    assert died(_death_cause(text)) and _death_cause(text).startswith("actor (pid 4242) died")
+    assert not died(_death_cause("the actor's creation task failed: ImportError: no module named x"))
+    assert died("killed by SIGKILL") and died("exited with code 1")
+    assert not died("ValueError: an expert without a source")
