@@ -153,8 +153,16 @@ class ParallelContext:
         made: dict[tuple, object] = {}  # ranks -> process group, so an ep_island equal to its ep shares it
         groups = {}
         for kind, all_ranks in group_ranks(layout, options.islands).items():
+            # islands of unequal sizes (2 + 1 ranks on two nodes): the lone rank's group is made
+            # too, unused, so every rank holds as many groups as its peers; torch names a group
+            # made later by its members alone (new_group(use_local_synchronization=True), the
+            # expert balancer's) after that count, and unequal counts leave its members waiting
+            # for each other under different names (pytorch/pytorch#173608)
+            lone = kind in ("ep_island", "ep_rail") and any(len(r) > 1 for r in all_ranks)
             for ranks in all_ranks:
                 if len(ranks) == 1:
+                    if lone:
+                        made[tuple(ranks)] = dist.new_group(ranks)
                     pg = None
                 elif len(ranks) == layout.world_size:
                     pg = dist.group.WORLD

@@ -91,3 +91,20 @@ def test_cross_island_bytes_are_the_minimum(k):
         want += min_rows(torch.from_numpy(got["ids"]), split, [0, 0, 1, 1], rank)["cross"]
         sent += got["row_bytes"].get("cross", 0)
     assert want > 0 and sent == 2 * row * want  # dispatch out, combine back
+
+
+def _uneven_worker(rank, world):
+    """Islands of 2 + 1 ranks (two nodes, one holding a lone rank), then a group made by its
+    members alone, as the expert balancer makes its own: every rank must reach the same one."""
+    import torch.distributed as dist
+
+    ctx = ParallelContext.create(Layout.parse("EP3"), rank, options=ContextOptions(islands=(0, 0, 1)))
+    group = dist.new_group([0, 1, 2], use_local_synchronization=True)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=group)
+    return ctx.ep_island.size, float(t)
+
+
+@pytest.mark.timeout(90)
+def test_uneven_islands_leave_a_group_made_by_its_members_alone_reachable():
+    assert run_local(_uneven_worker, 3, timeout_s=60) == [(2, 6.0), (2, 6.0), (1, 6.0)]

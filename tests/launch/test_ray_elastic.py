@@ -1,10 +1,10 @@
-"""Elastic EP under the Ray launcher (--elastic-ep, engine/driver/elastic.py): a DP3EP3 tiny
-Qwen3-MoE with a redundant expert, its ranks Ray actors of a Ray the job starts on this machine;
-rank 2's actor is killed by SIGKILL mid-generation (--fault-injection kill). Ray names its
-death, the driver gives the actor up, the survivors regroup through the driver's store as
-DP2EP2, and every request ends with transformers' greedy tokens. (On conftest's simulated
-two-node cluster a DP3EP3 engine with --enable-eplb, its ranks 2 + 1 over the nodes, does not
-start: its ranks wait in the balancer's new_group; see docs/eplb.md.)"""
+"""Elastic EP under the Ray launcher (--elastic-ep, engine/driver/elastic.py), on the simulated
+cluster (conftest's `cluster`: two nodes of 2 CPUs on 127.0.0.1): a DP3EP3 tiny Qwen3-MoE with a
+redundant expert, its ranks Ray actors 2 + 1 over the two nodes (unequal islands: the lone
+rank's group is made too, parallel/mesh.py); rank 2's actor is killed by SIGKILL mid-generation
+(--fault-injection kill). Ray names its death, the driver gives the actor up, the survivors
+regroup through the driver's store as DP2EP2, and every request ends with transformers' greedy
+tokens."""
 
 import pytest
 from reference import reference_cache
@@ -17,7 +17,7 @@ NEW = 16
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_ray_actor_killed_mid_generation_leaves_dp2ep2_serving(tiny_model, monkeypatch):
+def test_a_ray_actor_killed_mid_generation_leaves_dp2ep2_serving(cluster, tiny_model, monkeypatch):
     from atoll.launch.api import LLM, RayLauncher
 
     model_dir, expected = reference_cache(tiny_model, {"qwen3_moe": ("qwen3_moe", dict(num_experts=8))},
@@ -27,6 +27,8 @@ def test_a_ray_actor_killed_mid_generation_leaves_dp2ep2_serving(tiny_model, mon
               elastic_ep=True, max_model_len=64, fault_injection="kill:rank=2:step=6", launcher=RayLauncher())
     try:
         engine = llm.start()
+        nodes = [engine.job.node_of[r] for r in range(3)]
+        assert nodes[0] == nodes[1] != nodes[2], nodes  # 2 + 1 ranks over the two nodes
         params = SamplingParams(max_tokens=NEW, ignore_eos=True)
         out = llm.generate_requests(llm.prepare([{"prompt_token_ids": p} for p in PROMPTS], params), timeout_s=300)
         assert [r["token_ids"] for r in out] == expected
