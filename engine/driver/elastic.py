@@ -1,6 +1,7 @@
 """ElasticEngine: the driver's side of a living engine under --elastic-ep (a DPnEPn engine with
-redundant experts, under the local or the Ray launcher). A rank that dies, rank 0 included, does not end the engine:
-the driver gives it up (the launcher stops watching it), its peers regroup without it and serve
+redundant experts, under the local or the Ray launcher). A rank that dies, rank 0 included, does
+not end the engine: the driver gives it up (the launcher stops watching it, Ray's actor is
+killed), its peers regroup without it and serve
 on at DP(n-1)EP(n-1) (engine/rank/elastic_serve.py), and every request that had not ended goes on
 from the tokens its sink already got. `degraded` names the lost ranks (the server's /health), the
 engine stays healthy; `recoveries` holds one record per loss, `layout` the layout serving now.
@@ -71,8 +72,8 @@ class ElasticEngine(OnlineEngine):
         self._requests: dict = {}  # index -> the Request submitted, while it runs
         self._tokens: dict[int, list[int]] = {}  # index -> the tokens its sink got
         check_elastic(self.layout, launcher=kwargs.get("launcher"))
-        # the ranks reach the driver's store at the address the launcher names (another node's
-        # ranks under Ray: this machine's address on the route to the cluster)
+        # the ranks reach the driver's store at the address the launcher names (under Ray the
+        # driver node's address as Ray names it, so ranks on other nodes reach it too)
         self._store_host = getattr(kwargs.get("launcher"), "driver_host", lambda: "127.0.0.1")()
         self._store = regroup.serve_store(self._store_host)
         super().__init__(spec, **kwargs)
