@@ -1,9 +1,9 @@
 """ElasticEngine: the driver's side of a living engine under --elastic-ep (a DPnEPn engine with
 redundant experts, under the local or the Ray launcher). A rank that dies, rank 0 included, does
 not end the engine: the driver gives it up (the launcher stops watching it, Ray's actor is
-killed), its peers regroup without it and serve
-on at DP(n-1)EP(n-1) (engine/rank/elastic_serve.py), and every request that had not ended goes on
-from the tokens its sink already got. `degraded` names the lost ranks (the server's /health), the
+killed), its peers regroup without it and serve on at DP(n-1)EP(n-1)
+(engine/rank/elastic_serve.py), and every request that had not ended goes on from the tokens its
+sink already got. `degraded` names the lost ranks (the server's /health), the
 engine stays healthy; `recoveries` holds one record per loss, `layout` the layout serving now.
 
 The driver serves the elastic store (comm/regroup.py: it outlives every rank) and names the
