@@ -26,14 +26,17 @@ class LaunchError(AtollError):
 
 
 class RankFailure(AtollError):
-    """A rank raised or died; carries which one and why."""
+    """A rank raised or died; carries which one and why. died: the launcher saw the rank's
+    process end or freeze (not an error the rank raised itself), so its peers may go on
+    without it (--elastic-ep)."""
 
-    def __init__(self, rank: int, cause: str, node: str | None = None):
+    def __init__(self, rank: int, cause: str, node: str | None = None, *, died: bool = False):
         where = f"rank {rank}" + (f" on {node}" if node else "")
         super().__init__(f"{where} failed: {cause}")
         self.rank = rank
         self.cause = cause
         self.node = node
+        self.died = died
 
 
 class ExpertLost(AtollError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-from atoll.engine.driver.elastic import died
 from atoll.engine.rank.elastic_run import elastic_worker
 from atoll.errors import LaunchError, RankFailure
 from atoll.launch.local import LocalJob
@@ -28,7 +27,7 @@ def run_elastic(spec, requests, world_size: int, *, timeout_s: float = 10.0, wai
                 job.check(wait_s=0.1)
             except RankFailure as e:
                 # a survivor's own failure (an expert without a source, say) is the run's
-                if e.rank == 0 or e.rank in lost or not died(e.cause) or len(lost) + 2 > world_size:
+                if e.rank == 0 or e.rank in lost or not e.died or len(lost) + 2 > world_size:
                     raise
                 lost.append(e.rank)
                 job.give_up([e.rank])

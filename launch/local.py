@@ -272,7 +272,7 @@ class LocalJob:
             if p.exitcode != 0:
                 if p.exitcode > 0:  # it may have reported its own error; a signal sends none
                     _raise_reported(self._results, self.lost)
-                raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
+                raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST, died=True)
             # exited cleanly: its result may still be in the pipe; allow a moment
             if now - self._exited_at.setdefault(rank, now) > 5.0:
                 raise RankFailure(rank, "exited without a result", node=_HOST)
@@ -310,7 +310,7 @@ def _check_heartbeats(procs, beats, values, now: float, spawned: float, lost=(),
             raise RankFailure(rank, f"did not start within {START_S:.0f} s", node=_HOST)
         if last and now - last > stall_s:
             raise RankFailure(rank, f"stopped responding: no heartbeat for {now - last:.0f} s (the process "
-                                    f"is stopped, e.g. by SIGSTOP, or frozen)", node=_HOST)
+                                    f"is stopped, e.g. by SIGSTOP, or frozen)", node=_HOST, died=True)
 
 
 def _raise_dead(procs, exclude: int, grace_s: float = 2.0, lost=()) -> None:
@@ -320,7 +320,7 @@ def _raise_dead(procs, exclude: int, grace_s: float = 2.0, lost=()) -> None:
     while True:
         for rank, p in enumerate(procs):
             if rank != exclude and rank not in lost and p.exitcode is not None and p.exitcode < 0:
-                raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST)
+                raise RankFailure(rank, _describe_exit(p.exitcode), node=_HOST, died=True)
         if time.monotonic() > end:
             return
         time.sleep(_POLL_S)

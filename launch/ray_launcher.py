@@ -153,6 +153,7 @@ class RayJob:
                  tp_size: int = 1, strict_placement: bool = False, cpus_per_rank: float = 1,
                  ready_timeout_s: float = 60.0, **kwargs):
         check_requested(device)
+        self.world_size = world_size  # as LocalJob's: its ranks, given-up ones included
         ray = self._ray = _import_ray()
         self._channels = [a for a in (*args, *kwargs.values()) if isinstance(a, RayChannel)]
         self._pgs, self._actors, self._stopped = [], [], False
@@ -315,8 +316,9 @@ def _follow_plan(ray, placement, groups, targets, made, gpus: bool, strict: bool
 
 def _ray_failure(ray, err, rank: int, node_of: dict) -> RankFailure:
     """RankFailure for a Ray-level error: a dead actor, or a task Ray could not even start."""
-    if isinstance(err, ray.exceptions.RayActorError):
-        return RankFailure(rank, _death_cause(err), node=node_of.get(rank))
+    if isinstance(err, ray.exceptions.RayActorError):  # died, unless it never started
+        return RankFailure(rank, _death_cause(err), node=node_of.get(rank),
+                           died=not getattr(err, "actor_init_failed", False))
     # RayTaskError: the task's arguments could not be loaded there (fn's module missing on
     # that node, say); keep the inner error's first line, without Ray's wrapping
     text = str(getattr(err, "cause", None) or err)

@@ -162,7 +162,7 @@ class ParallelContext:
             for ranks in all_ranks:
                 if len(ranks) == 1:
                     if lone:
-                        made[tuple(ranks)] = dist.new_group(ranks)
+                        dist.new_group(ranks)
                     pg = None
                 elif len(ranks) == layout.world_size:
                     pg = dist.group.WORLD

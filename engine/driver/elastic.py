@@ -32,14 +32,6 @@ from atoll.errors import InputError, LayoutError, RankFailure
 from atoll.parallel.layout import Layout
 
 
-def died(cause: str) -> bool:
-    """Whether a RankFailure's cause is the rank's process ending or freezing, not its own error:
-    the local launcher's words, or a Ray actor's death (launch.ray_launcher._death_cause)."""
-    if cause.startswith(("killed by", "stopped responding", "exited with code")):
-        return True
-    return cause.startswith("actor") and " died" in cause.split(":")[0]
-
-
 def check_elastic(layout: Layout, options=None, *, disaggregated: bool = False, launcher=None) -> None:
     """InputError, in one line, unless --elastic-ep can run: a DPnEPn layout (n >= 2) with
     redundant expert slots (options: the EngineConfig), one colocated engine, a launcher whose
@@ -63,8 +55,7 @@ class ElasticEngine(OnlineEngine):
     def __init__(self, spec, **kwargs):
         self.layout = Layout.parse(spec.layout)
         self.lost: dict[int, str] = {}  # job rank -> the cause of its loss
-        self._world = self.layout.world_size  # the job's ranks, lost ones included
-        self._ranks = list(range(self._world))  # the job rank of each rank of the serving round
+        self._ranks = list(range(self.layout.world_size))  # the job rank of each rank of the serving round
         self._survivors = list(self._ranks)  # those of the round the driver announced last
         self.recoveries: list[dict] = []
         self._noticed: float | None = None  # when this driver first heard of the latest loss
@@ -126,9 +117,9 @@ class ElasticEngine(OnlineEngine):
             time.sleep(0.05)
 
     def _survive(self, e) -> bool:
-        if not isinstance(e, RankFailure) or e.rank in self.lost or not died(e.cause):
+        if not isinstance(e, RankFailure) or e.rank in self.lost or not e.died:
             return False
-        if len(self.lost) + 2 > self._world:  # no rank would be left
+        if len(self.lost) + 2 > self.job.world_size:
             return False
         self.lost[e.rank] = e.cause
         self.job.give_up([e.rank])  # ended if alive (a frozen rank), no longer watched

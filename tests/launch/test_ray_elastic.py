@@ -7,6 +7,7 @@ regroup through the driver's store as DP2EP2, and every request ends with transf
 tokens."""
 
 import pytest
+from launch_fns import die_on_rank, raise_on_rank
 from reference import reference_cache
 
 from atoll.engine.sample.sampler import SamplingParams
@@ -43,13 +44,32 @@ def test_a_ray_actor_killed_mid_generation_leaves_dp2ep2_serving(cluster, tiny_m
 
 
 def test_a_ray_actors_death_counts_as_a_lost_rank_and_its_own_error_does_not():
-    from atoll.engine.driver.elastic import died
-    from atoll.launch.ray_launcher import _death_cause
+    """RankFailure.died, set by the launcher that saw the failure: what --elastic-ep goes on without."""
+    ray = pytest.importorskip("ray")
+    from atoll.launch.ray_launcher import _death_cause, _ray_failure
 
     text = ("The actor died unexpectedly before finishing this task. class_name: _RankActor pid: 4242 "
             "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
             "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file.")
-    assert died(_death_cause(text)) and _death_cause(text).startswith("actor (pid 4242) died")
-    assert not died(_death_cause("the actor's creation task failed: ImportError: no module named x"))
-    assert died("killed by SIGKILL") and died("exited with code 1")
-    assert not died("ValueError: an expert without a source")
+    assert _death_cause(text).startswith("actor (pid 4242) died")
+    assert _ray_failure(ray, ray.exceptions.ActorDiedError(), 2, {}).died
+    own = ray.exceptions.RayTaskError("run", "Traceback: ...", ValueError("an expert without a source"))
+    assert not _ray_failure(ray, own, 2, {}).died
+    unborn = ray.exceptions.ActorDiedError(cause=ray.exceptions.RayTaskError("__init__", "Traceback: ...",
+                                                                            ImportError("no module named x")))
+    assert not _ray_failure(ray, unborn, 2, {}).died  # its creation task failed: it never ran
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fn, died", [(die_on_rank, True), (raise_on_rank, False)])
+def test_the_local_launcher_says_whether_a_rank_died_or_raised(tmp_path, fn, died):
+    from atoll.errors import RankFailure
+    from atoll.launch.local import LocalJob
+
+    job = LocalJob(fn, 2, 1, str(tmp_path))
+    try:
+        with pytest.raises(RankFailure) as e:
+            job.wait(timeout_s=90)
+    finally:
+        job.stop()
+    assert e.value.rank == 1 and e.value.died is died, e.value
